@@ -1,0 +1,226 @@
+//! Request and response bodies of the daemon's HTTP API.
+//!
+//! The daemon serves JSON over HTTP/1.1 on a unix socket (`<state>/crab.sock`). Plain requests
+//! return one JSON document; long operations (image build, exec) return a stream of
+//! newline-delimited JSON frames so that progress and output arrive as they happen. The routes
+//! are listed in `docs/api.md`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ApiError;
+
+/// Version of this API, reported by `GET /v1/version`.
+pub const API_VERSION: u32 = 1;
+
+/// `GET /v1/version`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VersionInfo {
+    /// Crate version of the daemon.
+    pub version: String,
+    /// [`API_VERSION`] of the daemon.
+    pub api: u32,
+    /// The daemon's state directory.
+    pub state_dir: String,
+    /// Pid of the daemon.
+    pub pid: u32,
+}
+
+/// An image as listed by `GET /v1/images`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageInfo {
+    /// Image name.
+    pub name: String,
+    /// Where it came from (`debootstrap bookworm minbase +python3,...`, `import /path`).
+    pub source: String,
+    /// Creation time, seconds since the epoch.
+    pub created_at: u64,
+    /// Apparent size of its files in bytes.
+    pub size_bytes: u64,
+}
+
+/// `POST /v1/images/build` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ImageBuildRequest {
+    /// Distribution recipe; only `debian` (bookworm) exists.
+    pub distro: String,
+    /// Image name; defaults to the distro name.
+    pub name: Option<String>,
+    /// Extra packages on top of the default set.
+    #[serde(default)]
+    pub include: Vec<String>,
+}
+
+/// `POST /v1/images/import` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ImageImportRequest {
+    /// Image name.
+    pub name: String,
+    /// A root filesystem directory or a tar archive (optionally gzip/xz/zstd compressed), as a
+    /// path on the daemon's host.
+    pub path: String,
+}
+
+/// Network mode of a sandbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetMode {
+    /// Own network namespace with `lo` up (default).
+    #[default]
+    Private,
+    /// The host's network namespace.
+    Host,
+    /// Own network namespace with `lo` down.
+    None,
+}
+
+impl std::str::FromStr for NetMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "private" => Ok(NetMode::Private),
+            "host" => Ok(NetMode::Host),
+            "none" => Ok(NetMode::None),
+            other => Err(format!("unknown network mode {other:?}; use private, host or none")),
+        }
+    }
+}
+
+/// Resource limits of a sandbox, applied through the cgroup controllers the host has.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Memory limit in bytes.
+    pub memory_bytes: Option<u64>,
+    /// Maximum number of tasks.
+    pub pids_max: Option<u64>,
+    /// CPU quota in milli-CPUs (1000 = one core).
+    pub cpu_millis: Option<u64>,
+}
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxCreateRequest {
+    /// Image to start from.
+    pub image: String,
+    /// Sandbox name; generated when absent.
+    pub name: Option<String>,
+    /// Network mode.
+    #[serde(default)]
+    pub net: NetMode,
+    /// Resource limits.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+/// Run state of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    /// Its init is alive.
+    Running,
+    /// Its init is gone (killed, host rebooted); `crab restore` or `rm` it.
+    Dead,
+}
+
+/// A sandbox as listed by `GET /v1/sandboxes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    /// Name.
+    pub name: String,
+    /// Image it was created from.
+    pub image: String,
+    /// Run state.
+    pub state: SandboxState,
+    /// Creation time, seconds since the epoch.
+    pub created_at: u64,
+    /// Host pid of the sandbox's init (pid 1 inside).
+    pub init_pid: u32,
+    /// Number of processes in the sandbox, init included.
+    pub processes: u32,
+    /// Bytes written to the sandbox's filesystem since creation (btrfs generation delta).
+    pub bytes_written: u64,
+    /// Network mode.
+    pub net: NetMode,
+    /// Hostname inside.
+    pub hostname: String,
+    /// Id of the sandbox's cgroup v2 (what BPF programs filter on).
+    pub cgroup_id: u64,
+}
+
+/// `POST /v1/sandboxes/{name}/exec`: streams [`ExecFrame`]s.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// argv; the first element is looked up in the sandbox's `PATH`.
+    pub cmd: Vec<String>,
+    /// Extra environment, `KEY=VALUE`.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Working directory inside the sandbox (default `/root`... or `/` when absent).
+    pub workdir: Option<String>,
+    /// Seconds after which the command and whatever holds its output are killed.
+    pub timeout_s: Option<f64>,
+    /// Standard input, base64; absent means `/dev/null`.
+    pub stdin_b64: Option<String>,
+}
+
+/// One frame of an exec's streamed response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "lowercase")]
+pub enum ExecFrame {
+    /// Bytes on the command's stdout (base64).
+    Stdout {
+        /// base64 data.
+        d: String,
+    },
+    /// Bytes on the command's stderr (base64).
+    Stderr {
+        /// base64 data.
+        d: String,
+    },
+    /// The command ended.
+    Exit {
+        /// Exit code; 128+signal when killed by a signal (shell convention).
+        code: i32,
+        /// Whether the timeout fired.
+        timed_out: bool,
+        /// Wall time in milliseconds.
+        duration_ms: f64,
+    },
+    /// The exec failed before or while running.
+    Error {
+        /// What went wrong.
+        error: ApiError,
+    },
+}
+
+/// One frame of a long operation's streamed response: progress, then a result or an error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "lowercase")]
+pub enum ProgressFrame {
+    /// A stage starts.
+    Stage {
+        /// Stage name.
+        name: String,
+        /// Units the stage will take, when known.
+        total: Option<u64>,
+    },
+    /// Units done in the current stage.
+    Advance {
+        /// Units done.
+        done: u64,
+    },
+    /// A line of detail.
+    Message {
+        /// The line.
+        line: String,
+    },
+    /// The operation succeeded with this result.
+    Done {
+        /// The result document.
+        result: serde_json::Value,
+    },
+    /// The operation failed.
+    Error {
+        /// What went wrong.
+        error: ApiError,
+    },
+}

@@ -112,6 +112,8 @@ if ((!REFRESH && !FORCE)) && is_installed; then # someone else just finished
     step "CRIU $CRIU_VERSION already installed at $PREFIX/bin/criu"
     exit 0
 fi
+# Leftovers of an interrupted run (we hold the lock, so nobody else owns them).
+rm -rf "$(dirname "$PREFIX")/.$(basename "$PREFIX").stage."* "$PREFIX.old."*
 
 LOG="$APT_DIR/install.log"
 : >"$LOG"
@@ -219,13 +221,13 @@ mapfile -t PINS < <(grep -E '^[a-z0-9][^=]*=' "$LOCK_FILE")
 grep -qE '^criu='"$CRIU_VERSION"'-' "$LOCK_FILE" ||
     die "$LOCK_FILE does not pin criu=$CRIU_VERSION-*; regenerate it with: sudo $0 --refresh-lock"
 
-pins_known() { apt-cache show --no-all-versions "${PINS[@]}" >/dev/null 2>&1; }
-vanished() { # pins the current lists do not have
-    local p
-    for p in "${PINS[@]}"; do
-        apt-cache show --no-all-versions "$p" >/dev/null 2>&1 || echo "$p"
-    done
+vanished() { # pins the current lists do not have (apt-cache show exits 0 even then)
+    local have
+    have=$(apt-cache show --no-all-versions "${PINS[@]}" 2>/dev/null |
+        awk '/^Package: /{p=$2} /^Version: /{print p "=" $2}')
+    printf '%s\n' "${PINS[@]}" | grep -vxF -f <(printf '%s\n' "$have") || true
 }
+pins_known() { [[ -z "$(vanished)" ]]; }
 report_vanished() {
     local gone
     gone=$(vanished | tr '\n' ' ')
@@ -273,6 +275,7 @@ step "unpacking into a staging dir"
 STAGE=$(mktemp -d "$(dirname "$PREFIX")/.$(basename "$PREFIX").stage.XXXXXX")
 cleanup() { rm -rf "$STAGE" "$PREFIX.old.$$"; }
 trap cleanup EXIT
+trap 'exit 130' INT TERM HUP
 for deb in "${DEBS[@]}"; do
     run dpkg -x "$deb" "$STAGE/root" || die "dpkg -x $deb failed; see $LOG"
 done

@@ -174,8 +174,12 @@ EOF
 
 apt_update() {
     step "apt-get update (Debian $SUITE, private lists in $APT_DIR)"
-    run apt-get -q update ||
-        die "apt-get update for $MIRROR $SUITE failed (network? mirror reachable?); see $LOG"
+    if ! run apt-get -q update; then
+        grep -q 'is expired' "$LOG" &&
+            die "the mirror's $SUITE Release file is expired (a frozen/snapshot mirror?). If that is expected here, add
+    Acquire::Check-Valid-Until \"false\"; to a file in /etc/apt/apt.conf.d/ (this script inherits the host's Acquire::* settings)"
+        die "apt-get update for $MIRROR $SUITE failed (network? mirror reachable? CRAB_DEBIAN_MIRROR to use another); see $LOG"
+    fi
     UPDATED=1
 }
 

@@ -25,9 +25,10 @@
 #
 # Idempotent: if /opt/crab/criu/bin/criu reports 4.2.1 and the stamp matches the
 # lock, it exits immediately.
-# Measured here (2 cores, kernel 6.18, deb.debian.org): cold (no /opt/crab/criu,
-# no /opt/crab/criu-apt) ≈ 5 s, reinstall with cached lists/debs ≈ 1.5 s,
-# warm no-op ≈ 15 ms. Disk: ~29 MB prefix + ~25 MB apt lists/debs cache.
+# Measured here (2 cores, kernel 6.18, deb.debian.org): cold (no /opt/crab at
+# all) 2.5-4 s, most of it `apt-get update` of forky's Packages index (~10 MB);
+# reinstall with cached lists/debs ≈ 1.7 s; warm no-op ≈ 10 ms.
+# Disk: 30 MB in /opt/crab/criu + ~30 MB in /opt/crab/criu-apt (lists + .debs).
 #
 # Usage:
 #   scripts/install-criu.sh                 install from the lock (needs root)

@@ -2,7 +2,8 @@
 # install-deps.sh — install the Debian packages Crab needs to build and test.
 #
 # Idempotent and fast: one dpkg-query call decides whether anything is missing;
-# when everything is installed it exits without touching apt (≈ 30 ms warm).
+# when everything is installed it exits without touching apt (≈ 30-70 ms warm;
+# ≈ 15 s cold on a fresh bookworm minbase chroot, 24 packages).
 # Only when something is missing does it run `apt-get update` and
 # `apt-get install --no-install-recommends` for exactly the missing packages.
 # Non-interactive; needs root (or passwordless sudo) only when installing.

@@ -136,8 +136,10 @@ pub struct SandboxInfo {
     pub init_pid: u32,
     /// Number of processes in the sandbox, init included.
     pub processes: u32,
-    /// Bytes written to the sandbox's filesystem since creation (btrfs generation delta).
-    pub bytes_written: u64,
+    /// Bytes written to the sandbox's filesystem since creation and still held by it (btrfs
+    /// simple-quota accounting of the sandbox's subvolume); `None` where the pool has no quota
+    /// support.
+    pub bytes_written: Option<u64>,
     /// Network mode.
     pub net: NetMode,
     /// Hostname inside.

@@ -1,0 +1,300 @@
+//! Cgroups of sandboxes on hybrid (v1 controllers + cgroup2) and pure cgroup2 hosts.
+//!
+//! Every sandbox gets a cgroup2 group `<v2>/crab/<name>`: it gives the BPF cgroup id the
+//! inspector filters on, `cgroup.freeze` for consistent checkpoints and `cgroup.kill` for
+//! teardown. Resource limits go through whatever controllers the host offers: the v2 group's own
+//! controllers on a pure-v2 host, the v1 hierarchies (`memory`, `pids`, `cpu`) on a hybrid one,
+//! under the same relative path.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crab_common::api::Limits;
+
+/// A failed cgroup operation with the file it touched.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// No cgroup2 hierarchy is mounted.
+    #[error(
+        "no cgroup2 hierarchy is mounted (looked at /sys/fs/cgroup and /sys/fs/cgroup/unified)"
+    )]
+    NoCgroup2,
+    /// A file operation failed.
+    #[error("cgroup {op} {path}: {source}")]
+    Io {
+        /// What was attempted.
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The freezer did not settle in time.
+    #[error("cgroup {path} did not reach frozen={want} within {waited:?}")]
+    FreezeTimeout {
+        /// The group.
+        path: PathBuf,
+        /// The state asked for.
+        want: bool,
+        /// How long we waited.
+        waited: Duration,
+    },
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> CgroupError + 'a {
+    move |source| CgroupError::Io { op, path: path.to_path_buf(), source }
+}
+
+/// The cgroup mounts of this host.
+#[derive(Debug, Clone)]
+pub struct Hierarchy {
+    /// The cgroup2 mount (`/sys/fs/cgroup/unified` on hybrid hosts, `/sys/fs/cgroup` on v2).
+    pub v2: PathBuf,
+    /// v1 controller mounts that limits can use: (controller, mount point).
+    pub v1: Vec<(String, PathBuf)>,
+}
+
+const V1_CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
+
+impl Hierarchy {
+    /// Find the host's cgroup mounts from `/proc/self/mountinfo`.
+    pub fn detect() -> Result<Self, CgroupError> {
+        let info = fs::read_to_string("/proc/self/mountinfo")
+            .map_err(io("read", Path::new("/proc/self/mountinfo")))?;
+        let mut v2 = None;
+        let mut v1 = Vec::new();
+        for line in info.lines() {
+            let Some((left, right)) = line.split_once(" - ") else { continue };
+            let mount_point = left.split(' ').nth(4).unwrap_or("");
+            let mut r = right.split(' ');
+            let fstype = r.next().unwrap_or("");
+            let super_opts = r.nth(1).unwrap_or("");
+            if fstype == "cgroup2" && v2.is_none() {
+                v2 = Some(PathBuf::from(mount_point));
+            } else if fstype == "cgroup" {
+                for c in V1_CONTROLLERS {
+                    if super_opts.split(',').any(|o| o == c) && !v1.iter().any(|(n, _)| n == c) {
+                        v1.push((c.to_string(), PathBuf::from(mount_point)));
+                    }
+                }
+            }
+        }
+        Ok(Hierarchy { v2: v2.ok_or(CgroupError::NoCgroup2)?, v1 })
+    }
+
+    /// The cgroup of sandbox `name`.
+    pub fn sandbox(&self, name: &str) -> SandboxCgroup {
+        SandboxCgroup {
+            v2: self.v2.join("crab").join(name),
+            v1: self.v1.iter().map(|(c, m)| (c.clone(), m.join("crab").join(name))).collect(),
+        }
+    }
+}
+
+/// The cgroup directories of one sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxCgroup {
+    /// Its cgroup2 directory.
+    pub v2: PathBuf,
+    /// Its v1 controller directories.
+    pub v1: Vec<(String, PathBuf)>,
+}
+
+fn write_file(path: &Path, value: &str) -> Result<(), CgroupError> {
+    let mut f = fs::OpenOptions::new().write(true).open(path).map_err(io("open", path))?;
+    f.write_all(value.as_bytes()).map_err(io("write", path))
+}
+
+impl SandboxCgroup {
+    /// Create the directories and apply `limits` with the controllers available.
+    pub fn create(&self, limits: &Limits) -> Result<(), CgroupError> {
+        fs::create_dir_all(&self.v2).map_err(io("create", &self.v2))?;
+        for (_, dir) in &self.v1 {
+            fs::create_dir_all(dir).map_err(io("create", dir))?;
+        }
+        self.apply_limits(limits)
+    }
+
+    fn v1_dir(&self, controller: &str) -> Option<&Path> {
+        self.v1.iter().find(|(c, _)| c == controller).map(|(_, d)| d.as_path())
+    }
+
+    fn apply_limits(&self, limits: &Limits) -> Result<(), CgroupError> {
+        let v2_has = |c: &str| {
+            fs::read_to_string(self.v2.join("cgroup.controllers"))
+                .map(|s| s.split_whitespace().any(|x| x == c))
+                .unwrap_or(false)
+        };
+        if let Some(mem) = limits.memory_bytes {
+            if v2_has("memory") {
+                write_file(&self.v2.join("memory.max"), &mem.to_string())?;
+            } else if let Some(d) = self.v1_dir("memory") {
+                write_file(&d.join("memory.limit_in_bytes"), &mem.to_string())?;
+            }
+        }
+        if let Some(p) = limits.pids_max {
+            if v2_has("pids") {
+                write_file(&self.v2.join("pids.max"), &p.to_string())?;
+            } else if let Some(d) = self.v1_dir("pids") {
+                write_file(&d.join("pids.max"), &p.to_string())?;
+            }
+        }
+        if let Some(m) = limits.cpu_millis {
+            let quota = m * 100; // period 100 ms
+            if v2_has("cpu") {
+                write_file(&self.v2.join("cpu.max"), &format!("{quota} 100000"))?;
+            } else if let Some(d) = self.v1_dir("cpu") {
+                write_file(&d.join("cpu.cfs_period_us"), "100000")?;
+                write_file(&d.join("cpu.cfs_quota_us"), &quota.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Move process `pid` (0 = the caller) into every directory of this cgroup.
+    pub fn enter(&self, pid: u32) -> Result<(), CgroupError> {
+        write_file(&self.v2.join("cgroup.procs"), &pid.to_string())?;
+        for (_, d) in &self.v1 {
+            write_file(&d.join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The cgroup2 id (inode of the directory), which BPF's `bpf_get_current_cgroup_id` returns.
+    pub fn id(&self) -> Result<u64, CgroupError> {
+        Ok(fs::metadata(&self.v2).map_err(io("stat", &self.v2))?.ino())
+    }
+
+    /// Whether the cgroup2 directory exists.
+    pub fn exists(&self) -> bool {
+        self.v2.is_dir()
+    }
+
+    /// Every pid in the sandbox's cgroup2 group and its descendants.
+    pub fn pids(&self) -> Result<Vec<u32>, CgroupError> {
+        let mut out = Vec::new();
+        collect_pids(&self.v2, &mut out)?;
+        Ok(out)
+    }
+
+    /// Freeze (`true`) or thaw (`false`) and wait until the kernel reports it done.
+    pub fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
+        write_file(&self.v2.join("cgroup.freeze"), if frozen { "1" } else { "0" })?;
+        let events = self.v2.join("cgroup.events");
+        let want = if frozen { "frozen 1" } else { "frozen 0" };
+        let start = Instant::now();
+        let limit = Duration::from_secs(5);
+        loop {
+            let s = fs::read_to_string(&events).map_err(io("read", &events))?;
+            if s.lines().any(|l| l == want) {
+                return Ok(());
+            }
+            if start.elapsed() > limit {
+                return Err(CgroupError::FreezeTimeout {
+                    path: self.v2.clone(),
+                    want: frozen,
+                    waited: limit,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Kill every process in the group (and descendants) and wait until it is empty.
+    pub fn kill_all(&self) -> Result<(), CgroupError> {
+        if !self.exists() {
+            return Ok(());
+        }
+        let kill = self.v2.join("cgroup.kill");
+        if kill.exists() {
+            write_file(&kill, "1")?;
+        }
+        let start = Instant::now();
+        loop {
+            let pids = self.pids()?;
+            if pids.is_empty() {
+                return Ok(());
+            }
+            for p in &pids {
+                // Fallback for kernels without cgroup.kill; harmless otherwise.
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*p as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(CgroupError::Io {
+                    op: "kill",
+                    path: self.v2.clone(),
+                    source: std::io::Error::other(format!(
+                        "{} processes survive SIGKILL",
+                        pids.len()
+                    )),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Kill everything and remove the directories (children first). Missing is fine.
+    pub fn destroy(&self) -> Result<(), CgroupError> {
+        self.kill_all()?;
+        remove_tree(&self.v2)?;
+        for (_, d) in &self.v1 {
+            remove_tree(d)?;
+        }
+        Ok(())
+    }
+}
+
+fn collect_pids(dir: &Path, out: &mut Vec<u32>) -> Result<(), CgroupError> {
+    let procs = dir.join("cgroup.procs");
+    match fs::read_to_string(&procs) {
+        Ok(s) => out.extend(s.lines().filter_map(|l| l.trim().parse::<u32>().ok())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io("read", &procs)(e)),
+    }
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io("list", dir)(e)),
+    };
+    for entry in entries.flatten() {
+        if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            collect_pids(&entry.path(), out)?;
+        }
+    }
+    Ok(())
+}
+
+fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                remove_tree(&entry.path())?;
+            }
+        }
+    }
+    // rmdir of a cgroup can briefly fail with EBUSY while the last task is being reaped.
+    let start = Instant::now();
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e)
+                if start.elapsed() < Duration::from_secs(5)
+                    && e.raw_os_error() == Some(libc::EBUSY) =>
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(io("remove", dir)(e)),
+        }
+    }
+}

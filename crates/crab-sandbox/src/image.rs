@@ -1,0 +1,339 @@
+//! Images: read-only btrfs subvolumes holding a root filesystem.
+//!
+//! An image is built with debootstrap (`debian`: bookworm minbase plus the tools agents expect)
+//! or imported from a directory or tar archive. Work happens in a subvolume under the pool's
+//! `tmp/`; only a finished, read-only subvolume is renamed into `images/` and its record
+//! written last, so a half-built image is never visible. Imports refuse absolute paths, `..`
+//! components and links that escape the root, naming the entry (see [`crate::archive`]).
+
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crab_common::api::ImageInfo;
+use crab_common::paths::StateDir;
+use crab_common::{names, Progress};
+
+use crate::error::{Result, SandboxError};
+use crate::{archive, btrfs, pool, runtime};
+
+/// Packages every `debian` image has on top of minbase.
+pub const DEBIAN_PACKAGES: &[&str] =
+    &["python3", "git", "procps", "iproute2", "curl", "ca-certificates", "psmisc"];
+
+/// The persisted record of an image.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ImageRecord {
+    format: u32,
+    name: String,
+    source: String,
+    created_at: u64,
+    size_bytes: u64,
+}
+
+impl From<ImageRecord> for ImageInfo {
+    fn from(r: ImageRecord) -> Self {
+        ImageInfo {
+            name: r.name,
+            source: r.source,
+            created_at: r.created_at,
+            size_bytes: r.size_bytes,
+        }
+    }
+}
+
+fn read_record(state: &StateDir, name: &str) -> Option<ImageRecord> {
+    let b = fs::read(state.image_record(name)).ok()?;
+    serde_json::from_slice(&b).ok()
+}
+
+/// The root subvolume of image `name`, if the image exists.
+pub fn rootfs_of(state: &StateDir, name: &str) -> Result<PathBuf> {
+    let root = state.image_rootfs(name);
+    if read_record(state, name).is_none() || !btrfs::is_subvolume(&root) {
+        return Err(SandboxError::NoImage(name.to_string()));
+    }
+    Ok(root)
+}
+
+/// All images.
+pub fn list(state: &StateDir) -> Result<Vec<ImageInfo>> {
+    let dir = state.images();
+    let mut out = Vec::new();
+    for e in fs::read_dir(&dir).map_err(SandboxError::io("list", &dir))?.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        if let Some(name) = file.strip_suffix(".json") {
+            if let Some(r) = read_record(state, name) {
+                out.push(r.into());
+            }
+        }
+    }
+    out.sort_by(|a: &ImageInfo, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Describe image `name`.
+pub fn get(state: &StateDir, name: &str) -> Result<ImageInfo> {
+    rootfs_of(state, name)?;
+    read_record(state, name).map(Into::into).ok_or_else(|| SandboxError::NoImage(name.to_string()))
+}
+
+/// Remove image `name` (sandboxes made from it are independent snapshots and stay).
+pub fn remove(state: &StateDir, name: &str) -> Result<()> {
+    names::validate("image", name).map_err(|e| SandboxError::Invalid(e.message))?;
+    if read_record(state, name).is_none() && !state.image_rootfs(name).exists() {
+        return Err(SandboxError::NoImage(name.to_string()));
+    }
+    // Record first: without it the image is invisible, whatever happens next.
+    let rec = state.image_record(name);
+    fs::remove_file(&rec).or_else(ignore_missing).map_err(SandboxError::io("remove", &rec))?;
+    btrfs::remove_tree(&state.image_rootfs(name))
+        .map_err(SandboxError::io("delete subvolume", state.image_rootfs(name)))?;
+    Ok(())
+}
+
+fn ignore_missing(e: std::io::Error) -> std::io::Result<()> {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        Ok(())
+    } else {
+        Err(e)
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A staging subvolume under the pool's `tmp/`, deleted on drop unless committed.
+struct Staging {
+    path: PathBuf,
+    committed: bool,
+}
+
+impl Staging {
+    fn new(state: &StateDir, name: &str) -> Result<Self> {
+        let path = state.tmp().join(format!("image-{name}-{:08x}", runtime::rand_u32()));
+        btrfs::create_subvolume(&path)?;
+        Ok(Staging { path, committed: false })
+    }
+
+    /// Finish: install the init, make it read-only, move it into place, write the record.
+    fn commit(mut self, state: &StateDir, name: &str, source: String) -> Result<ImageInfo> {
+        runtime::install_init(&self.path)?;
+        let size_bytes = du(&self.path);
+        btrfs::set_readonly(&self.path, true)?;
+        let dst = state.image_rootfs(name);
+        if dst.exists() {
+            return Err(SandboxError::NameTaken { kind: "image", name: name.to_string() });
+        }
+        fs::rename(&self.path, &dst).map_err(SandboxError::io("rename", &self.path))?;
+        self.committed = true;
+        let rec = ImageRecord {
+            format: 1,
+            name: name.to_string(),
+            source,
+            created_at: now(),
+            size_bytes,
+        };
+        let bytes =
+            serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
+        if let Err(e) = runtime::write_atomic(&state.image_record(name), &bytes) {
+            let _ = btrfs::remove_tree(&dst);
+            return Err(e);
+        }
+        Ok(rec.into())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = btrfs::set_readonly(&self.path, false);
+            if let Err(e) = btrfs::remove_tree(&self.path) {
+                tracing::warn!(path = %self.path.display(), error = %e, "could not remove staging subvolume");
+            }
+        }
+    }
+}
+
+/// Apparent size of the files under `root` (du -sb).
+fn du(root: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            total += m.size();
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    total
+}
+
+fn check_new_name(state: &StateDir, name: &str) -> Result<()> {
+    names::validate("image", name).map_err(|e| SandboxError::Invalid(e.message))?;
+    if state.image_rootfs(name).exists() || state.image_record(name).exists() {
+        return Err(SandboxError::NameTaken { kind: "image", name: name.to_string() });
+    }
+    Ok(())
+}
+
+/// The recipe string of a debian build (stored as the image's source).
+fn debian_recipe(include: &[String]) -> String {
+    let mut pkgs: Vec<String> = DEBIAN_PACKAGES.iter().map(|s| s.to_string()).collect();
+    for p in include {
+        if !pkgs.contains(p) {
+            pkgs.push(p.clone());
+        }
+    }
+    format!("debootstrap bookworm minbase +{}", pkgs.join(","))
+}
+
+/// Build a Debian bookworm image with debootstrap. When an image of that name with the same
+/// recipe exists, it is returned as is (cached).
+pub fn build_debian(
+    state: &StateDir,
+    name: &str,
+    include: &[String],
+    progress: &dyn Progress,
+) -> Result<ImageInfo> {
+    for p in include {
+        if p.is_empty() || !p.chars().all(|c| c.is_ascii_alphanumeric() || "+-.:".contains(c)) {
+            return Err(SandboxError::Invalid(format!("invalid package name {p:?}")));
+        }
+    }
+    let recipe = debian_recipe(include);
+    if let Some(r) = read_record(state, name) {
+        if r.source == recipe && btrfs::is_subvolume(&state.image_rootfs(name)) {
+            progress.message(&format!("image {name} is already built ({recipe})"));
+            return Ok(r.into());
+        }
+    }
+    check_new_name(state, name)?;
+    let Some(debootstrap) = pool::which("debootstrap") else {
+        return Err(SandboxError::Host {
+            what: "debootstrap is not installed".into(),
+            hint: "install it with `apt-get install debootstrap` (`make setup` does it)".into(),
+        });
+    };
+    let mirror = std::env::var("CRAB_DEBIAN_MIRROR")
+        .unwrap_or_else(|_| "http://deb.debian.org/debian".into());
+    let staging = Staging::new(state, name)?;
+    let cache = state.root().join("cache/debootstrap");
+    fs::create_dir_all(&cache).map_err(SandboxError::io("create", &cache))?;
+    let log_path = state.logs().join(format!("image-build-{name}.log"));
+    let mut pkgs: Vec<String> = DEBIAN_PACKAGES.iter().map(|s| s.to_string()).collect();
+    pkgs.extend(include.iter().cloned());
+    progress.stage("debootstrap", None);
+    let mut child = Command::new(debootstrap)
+        .arg("--variant=minbase")
+        .arg(format!("--include={}", pkgs.join(",")))
+        .arg(format!("--cache-dir={}", cache.display()))
+        .arg("bookworm")
+        .arg(&staging.path)
+        .arg(&mirror)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(SandboxError::io("run", "debootstrap"))?;
+    let mut log = String::new();
+    if let Some(out) = child.stdout.take() {
+        let mut steps = 0u64;
+        for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+            log.push_str(&line);
+            log.push('\n');
+            if let Some(msg) = line.strip_prefix("I: ") {
+                steps += 1;
+                progress.advance(steps);
+                progress.message(msg);
+            }
+        }
+    }
+    let status = child.wait().map_err(SandboxError::io("wait", "debootstrap"))?;
+    let _ = fs::write(&log_path, &log);
+    if !status.success() {
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        return Err(SandboxError::Command {
+            cmd: format!("debootstrap bookworm from {mirror}"),
+            detail: format!(
+                "{status}; log {}; last lines: {}",
+                log_path.display(),
+                tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            ),
+        });
+    }
+    progress.stage("finalize", None);
+    quiet_login_shells(&staging.path)?;
+    // Apt lists and caches are not part of the image's job.
+    for d in ["var/cache/apt/archives", "var/lib/apt/lists"] {
+        let p = staging.path.join(d);
+        if let Ok(rd) = fs::read_dir(&p) {
+            for e in rd.flatten() {
+                if e.file_type().map(|t| t.is_file()).unwrap_or(false) {
+                    let _ = fs::remove_file(e.path());
+                }
+            }
+        }
+    }
+    staging.commit(state, name, recipe)
+}
+
+/// Make `bash -l` print nothing: drop `mesg n` (which complains without a tty) from profiles.
+fn quiet_login_shells(root: &Path) -> Result<()> {
+    let profile = root.join("root/.profile");
+    if let Ok(s) = fs::read_to_string(&profile) {
+        let cleaned: String = s
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("mesg"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        fs::write(&profile, cleaned).map_err(SandboxError::io("write", &profile))?;
+    }
+    Ok(())
+}
+
+/// Import a root filesystem from a directory or a tar archive (plain or gzip).
+pub fn import(
+    state: &StateDir,
+    name: &str,
+    path: &Path,
+    progress: &dyn Progress,
+) -> Result<ImageInfo> {
+    check_new_name(state, name)?;
+    let meta = fs::metadata(path).map_err(SandboxError::io("stat", path))?;
+    progress.stage("check", None);
+    if meta.is_dir() {
+        archive::check_dir(path)?;
+        let staging = Staging::new(state, name)?;
+        progress.stage("copy", None);
+        let out = Command::new("cp")
+            .arg("-a")
+            .arg("--reflink=auto")
+            .arg(format!("{}/.", path.display()))
+            .arg(&staging.path)
+            .output()
+            .map_err(SandboxError::io("run", "cp"))?;
+        if !out.status.success() {
+            return Err(SandboxError::Command {
+                cmd: format!("cp -a {}", path.display()),
+                detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        staging.commit(state, name, format!("import {}", path.display()))
+    } else {
+        let entries = archive::check_tar(path)?;
+        let staging = Staging::new(state, name)?;
+        progress.stage("unpack", Some(entries));
+        archive::unpack_tar(path, &staging.path, progress)?;
+        staging.commit(state, name, format!("import {}", path.display()))
+    }
+}

@@ -1,0 +1,20 @@
+//! The native sandbox runtime.
+//!
+//! This crate owns everything a sandbox is made of on the host: the btrfs storage pool
+//! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`]), cgroups ([`cgroup`]), the
+//! single-threaded namespace helpers ([`spawn`]), the registry of sandboxes with create, remove
+//! and adoption ([`runtime`]), and running commands inside a sandbox ([`exec`]).
+
+pub mod archive;
+pub mod btrfs;
+pub mod cgroup;
+pub mod error;
+pub mod exec;
+pub mod image;
+pub mod pool;
+pub mod quota;
+pub mod runtime;
+pub mod spawn;
+
+pub use error::{Result, SandboxError};
+pub use runtime::{Runtime, RuntimeConfig, SandboxRecord};

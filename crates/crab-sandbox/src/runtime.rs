@@ -1,0 +1,487 @@
+//! The sandbox runtime: create, list, remove and adopt native sandboxes.
+//!
+//! A sandbox is a writable btrfs snapshot of an image, a cgroup, and a process tree rooted in
+//! `crab-init` inside fresh namespaces (see [`crate::spawn`]). Its record (`sandbox.json`) is
+//! written atomically next to its root subvolume, so a restarted daemon finds every sandbox and
+//! adopts the ones whose init is still alive (same pid *and* same start time, so a recycled pid
+//! is never mistaken for a sandbox). Creation is all-or-nothing: any failure removes the
+//! cgroup, the subvolume and the directory it made.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crab_common::api::{
+    ExecRequest, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState,
+};
+use crab_common::names;
+use crab_common::paths::StateDir;
+
+use crate::btrfs;
+use crate::cgroup::{Hierarchy, SandboxCgroup};
+use crate::error::{Result, SandboxError};
+use crate::spawn::{CgroupPaths, ExecSpec, StartSpec, INIT_PATH};
+use crate::{image, pool, quota};
+
+/// The static init binary, embedded at build time.
+pub static INIT_BINARY: &[u8] = include_bytes!(env!("CRAB_INIT_BIN"));
+
+/// Version of the `sandbox.json` format.
+pub const RECORD_FORMAT: u32 = 1;
+
+/// The persisted record of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    /// [`RECORD_FORMAT`].
+    pub format: u32,
+    /// Name.
+    pub name: String,
+    /// Image it was created from.
+    pub image: String,
+    /// Creation time (seconds since the epoch).
+    pub created_at: u64,
+    /// Host pid of its init.
+    pub init_pid: u32,
+    /// Start time of the init (clock ticks since boot, `/proc/<pid>/stat` field 22).
+    pub init_start: u64,
+    /// Network mode.
+    pub net: NetMode,
+    /// Hostname.
+    pub hostname: String,
+    /// Limits.
+    pub limits: Limits,
+}
+
+/// Options of the runtime.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// State directory.
+    pub state: StateDir,
+    /// Size of a new pool image.
+    pub pool_size: u64,
+    /// The `crab` binary to re-execute for the namespace helpers.
+    pub helper_exe: PathBuf,
+}
+
+/// The sandbox runtime of one daemon.
+#[derive(Debug)]
+pub struct Runtime {
+    cfg: RuntimeConfig,
+    hier: Hierarchy,
+    quota: bool,
+    sandboxes: Mutex<HashMap<String, SandboxRecord>>,
+    /// Names being created right now (reserved against clashes).
+    creating: Mutex<Vec<String>>,
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Start time of `pid` in clock ticks since boot, if it exists.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parentheses: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(19)?.parse().ok()
+}
+
+/// Write `bytes` to `path` atomically: temp file, fsync, rename, fsync of the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = fs::File::create(&tmp).map_err(SandboxError::io("create", &tmp))?;
+    f.write_all(bytes).map_err(SandboxError::io("write", &tmp))?;
+    f.sync_all().map_err(SandboxError::io("fsync", &tmp))?;
+    fs::rename(&tmp, path).map_err(SandboxError::io("rename", &tmp))?;
+    if let Some(dir) = path.parent() {
+        if let Ok(d) = fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+impl Runtime {
+    /// Open the runtime: check the host, mount the pool, load and adopt existing sandboxes.
+    pub fn open(cfg: RuntimeConfig) -> Result<Self> {
+        pool::ensure(&cfg.state, cfg.pool_size)?;
+        let hier = Hierarchy::detect().map_err(|e| SandboxError::Host {
+            what: e.to_string(),
+            hint: "mount cgroup2 (e.g. `mount -t cgroup2 none /sys/fs/cgroup/unified`)".into(),
+        })?;
+        let quota = quota::enable(&cfg.state.pool());
+        let rt = Runtime {
+            cfg,
+            hier,
+            quota,
+            sandboxes: Mutex::new(HashMap::new()),
+            creating: Mutex::new(Vec::new()),
+        };
+        rt.load()?;
+        Ok(rt)
+    }
+
+    /// The state directory.
+    pub fn state(&self) -> &StateDir {
+        &self.cfg.state
+    }
+
+    /// The host's cgroup hierarchy.
+    pub fn hierarchy(&self) -> &Hierarchy {
+        &self.hier
+    }
+
+    fn load(&self) -> Result<()> {
+        let dir = self.cfg.state.sandboxes();
+        let entries = fs::read_dir(&dir).map_err(SandboxError::io("list", &dir))?;
+        let mut map = self.lock();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let rec_path = self.cfg.state.sandbox_record(&name);
+            match fs::read(&rec_path).map(|b| serde_json::from_slice::<SandboxRecord>(&b)) {
+                Ok(Ok(rec)) => {
+                    let alive = self.is_alive(&rec);
+                    tracing::info!(sandbox = %name, pid = rec.init_pid, alive, "adopted sandbox");
+                    map.insert(name, rec);
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(path = %rec_path.display(), error = %e, "unreadable sandbox record; ignored")
+                }
+                Err(_) => {
+                    // A directory without a record is a create that never finished: discard.
+                    tracing::warn!(sandbox = %name, "discarding half-created sandbox");
+                    self.discard(&name);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, SandboxRecord>> {
+        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn is_alive(&self, rec: &SandboxRecord) -> bool {
+        process_start_time(rec.init_pid) == Some(rec.init_start)
+    }
+
+    /// The cgroup of sandbox `name`.
+    pub fn cgroup(&self, name: &str) -> SandboxCgroup {
+        self.hier.sandbox(name)
+    }
+
+    /// The record of sandbox `name`.
+    pub fn record(&self, name: &str) -> Result<SandboxRecord> {
+        self.lock().get(name).cloned().ok_or_else(|| SandboxError::NoSandbox(name.to_string()))
+    }
+
+    /// Names of all sandboxes.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.lock().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    fn info(&self, rec: &SandboxRecord) -> SandboxInfo {
+        let cg = self.cgroup(&rec.name);
+        let alive = self.is_alive(rec);
+        let processes = if alive { cg.pids().map(|p| p.len() as u32).unwrap_or(0) } else { 0 };
+        let bytes_written = if self.quota {
+            quota::exclusive_bytes(&self.cfg.state.sandbox_rootfs(&rec.name))
+        } else {
+            None
+        };
+        SandboxInfo {
+            name: rec.name.clone(),
+            image: rec.image.clone(),
+            state: if alive { SandboxState::Running } else { SandboxState::Dead },
+            created_at: rec.created_at,
+            init_pid: rec.init_pid,
+            processes,
+            bytes_written,
+            net: rec.net,
+            hostname: rec.hostname.clone(),
+            cgroup_id: cg.id().unwrap_or(0),
+        }
+    }
+
+    /// Describe sandbox `name`.
+    pub fn get(&self, name: &str) -> Result<SandboxInfo> {
+        let rec = self.record(name)?;
+        Ok(self.info(&rec))
+    }
+
+    /// Describe every sandbox.
+    pub fn list(&self) -> Vec<SandboxInfo> {
+        let recs: Vec<SandboxRecord> = self.lock().values().cloned().collect();
+        let mut out: Vec<SandboxInfo> = recs.iter().map(|r| self.info(r)).collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    fn reserve(&self, name: &str) -> Result<()> {
+        let mut creating = self.creating.lock().unwrap_or_else(|p| p.into_inner());
+        if self.lock().contains_key(name)
+            || creating.iter().any(|n| n == name)
+            || self.cfg.state.sandbox_dir(name).exists()
+        {
+            return Err(SandboxError::NameTaken { kind: "sandbox", name: name.to_string() });
+        }
+        creating.push(name.to_string());
+        Ok(())
+    }
+
+    fn unreserve(&self, name: &str) {
+        self.creating.lock().unwrap_or_else(|p| p.into_inner()).retain(|n| n != name);
+    }
+
+    fn generate_name(&self) -> String {
+        loop {
+            let n = format!("sb-{:06x}", rand_u32() & 0xff_ffff);
+            if !self.lock().contains_key(&n) && !self.cfg.state.sandbox_dir(&n).exists() {
+                return n;
+            }
+        }
+    }
+
+    /// Create and start a sandbox.
+    pub fn create(&self, req: &SandboxCreateRequest) -> Result<SandboxInfo> {
+        let name = match &req.name {
+            Some(n) => {
+                names::validate("sandbox", n).map_err(|e| SandboxError::Invalid(e.message))?;
+                n.clone()
+            }
+            None => self.generate_name(),
+        };
+        let image_root = image::rootfs_of(&self.cfg.state, &req.image)?;
+        self.reserve(&name)?;
+        let result = self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits);
+        if result.is_err() {
+            self.discard(&name);
+        }
+        self.unreserve(&name);
+        let rec = result?;
+        let info = self.info(&rec);
+        self.lock().insert(name, rec);
+        Ok(info)
+    }
+
+    fn create_reserved(
+        &self,
+        name: &str,
+        image: &str,
+        image_root: &Path,
+        net: NetMode,
+        limits: &Limits,
+    ) -> Result<SandboxRecord> {
+        let dir = self.cfg.state.sandbox_dir(name);
+        fs::create_dir(&dir).map_err(SandboxError::io("create", &dir))?;
+        let rootfs = self.cfg.state.sandbox_rootfs(name);
+        btrfs::snapshot(image_root, &rootfs, false)?;
+        personalize(&rootfs, name)?;
+        let (init_pid, init_start) = self.start_init(name, net, limits)?;
+        let rec = SandboxRecord {
+            format: RECORD_FORMAT,
+            name: name.to_string(),
+            image: image.to_string(),
+            created_at: now(),
+            init_pid,
+            init_start,
+            net,
+            hostname: name.to_string(),
+            limits: limits.clone(),
+        };
+        self.save(&rec)?;
+        tracing::info!(sandbox = name, pid = init_pid, "sandbox created");
+        Ok(rec)
+    }
+
+    /// Persist a record.
+    pub fn save(&self, rec: &SandboxRecord) -> Result<()> {
+        let bytes =
+            serde_json::to_vec_pretty(rec).map_err(|e| SandboxError::Other(e.to_string()))?;
+        write_atomic(&self.cfg.state.sandbox_record(&rec.name), &bytes)
+    }
+
+    /// Replace the in-memory and on-disk record (used after a restore re-creates the init).
+    pub fn update(&self, rec: SandboxRecord) -> Result<()> {
+        self.save(&rec)?;
+        self.lock().insert(rec.name.clone(), rec);
+        Ok(())
+    }
+
+    /// Create the cgroup and start a fresh init on the sandbox's current root filesystem.
+    /// Returns the init's host pid and start time.
+    pub fn start_init(&self, name: &str, net: NetMode, limits: &Limits) -> Result<(u32, u64)> {
+        let cg = self.cgroup(name);
+        cg.create(limits)?;
+        let spec = StartSpec {
+            rootfs: self.cfg.state.sandbox_rootfs(name),
+            hostname: name.to_string(),
+            net,
+            cgroup: cgroup_paths(&cg),
+        };
+        let json = serde_json::to_string(&spec).map_err(|e| SandboxError::Other(e.to_string()))?;
+        let out = Command::new(&self.cfg.helper_exe)
+            .arg("__start-sandbox")
+            .arg(json)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(SandboxError::io("run helper", &self.cfg.helper_exe))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(SandboxError::Other(format!(
+                "starting the sandbox's init failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        let pid: u32 = stdout.trim().parse().map_err(|_| {
+            SandboxError::Other(format!("sandbox starter printed {stdout:?} instead of a pid"))
+        })?;
+        let start = process_start_time(pid).ok_or_else(|| {
+            SandboxError::Other(format!("sandbox init {pid} died right after start"))
+        })?;
+        Ok((pid, start))
+    }
+
+    /// Kill every process of sandbox `name` (its cgroup), leaving files and record alone.
+    pub fn stop(&self, name: &str) -> Result<()> {
+        self.cgroup(name).kill_all()?;
+        Ok(())
+    }
+
+    /// Remove a sandbox. Without `force`, refuse when processes other than its init run.
+    pub fn remove(&self, name: &str, force: bool) -> Result<()> {
+        let rec = self.record(name)?;
+        if !force && self.is_alive(&rec) {
+            let n = self.cgroup(name).pids()?.len();
+            if n > 1 {
+                return Err(SandboxError::Conflict(format!(
+                    "sandbox {name:?} has {} running processes besides its init; stop them or use --force",
+                    n - 1
+                )));
+            }
+        }
+        self.cgroup(name).destroy()?;
+        self.lock().remove(name);
+        self.discard(name);
+        tracing::info!(sandbox = name, "sandbox removed");
+        Ok(())
+    }
+
+    /// Best-effort removal of everything a sandbox owns on the host.
+    fn discard(&self, name: &str) {
+        let cg = self.cgroup(name);
+        if let Err(e) = cg.destroy() {
+            tracing::warn!(sandbox = name, error = %e, "could not remove cgroup");
+        }
+        let rootfs = self.cfg.state.sandbox_rootfs(name);
+        if let Err(e) = btrfs::remove_tree(&rootfs) {
+            tracing::warn!(path = %rootfs.display(), error = %e, "could not delete subvolume");
+        }
+        let dir = self.cfg.state.sandbox_dir(name);
+        if let Err(e) = fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %dir.display(), error = %e, "could not remove sandbox dir");
+            }
+        }
+    }
+
+    /// Build the exec helper's spec for a request.
+    pub fn exec_spec(&self, name: &str, req: &ExecRequest) -> Result<ExecSpec> {
+        let rec = self.record(name)?;
+        if !self.is_alive(&rec) {
+            return Err(SandboxError::Conflict(format!(
+                "sandbox {name:?} is dead (its init {} is gone); restore it or remove it",
+                rec.init_pid
+            )));
+        }
+        if req.cmd.is_empty() {
+            return Err(SandboxError::Invalid("exec needs a command".into()));
+        }
+        let mut env: Vec<String> = vec![
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            format!("HOSTNAME={}", rec.hostname),
+            "HOME=/root".into(),
+        ];
+        for kv in &req.env {
+            let Some((k, _)) = kv.split_once('=') else {
+                return Err(SandboxError::Invalid(format!(
+                    "environment entry {kv:?} is not KEY=VALUE"
+                )));
+            };
+            env.retain(|e| !e.starts_with(&format!("{k}=")));
+            env.push(kv.clone());
+        }
+        Ok(ExecSpec {
+            init_pid: rec.init_pid,
+            cgroup: cgroup_paths(&self.cgroup(name)),
+            cmd: req.cmd.clone(),
+            env,
+            workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
+            stdin: req.stdin_b64.is_some(),
+        })
+    }
+
+    /// The helper binary.
+    pub fn helper_exe(&self) -> &Path {
+        &self.cfg.helper_exe
+    }
+}
+
+/// The cgroup paths a helper joins.
+pub fn cgroup_paths(cg: &SandboxCgroup) -> CgroupPaths {
+    CgroupPaths { v2: cg.v2.clone(), v1: cg.v1.iter().map(|(_, d)| d.clone()).collect() }
+}
+
+/// Per-sandbox files: the init binary, hostname and a fresh machine-id.
+pub fn personalize(rootfs: &Path, name: &str) -> Result<()> {
+    install_init(rootfs)?;
+    let etc = rootfs.join("etc");
+    fs::create_dir_all(&etc).map_err(SandboxError::io("create", &etc))?;
+    fs::write(etc.join("hostname"), format!("{name}\n"))
+        .map_err(SandboxError::io("write", etc.join("hostname")))?;
+    let id = format!("{:08x}{:08x}{:08x}{:08x}\n", rand_u32(), rand_u32(), rand_u32(), rand_u32());
+    fs::write(etc.join("machine-id"), id)
+        .map_err(SandboxError::io("write", etc.join("machine-id")))?;
+    let tmp = rootfs.join("tmp");
+    fs::create_dir_all(&tmp).map_err(SandboxError::io("create", &tmp))?;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777))
+        .map_err(SandboxError::io("chmod", &tmp))?;
+    Ok(())
+}
+
+/// Put `crab-init` at `/.crab/init` of `rootfs` unless an identical copy is there.
+pub fn install_init(rootfs: &Path) -> Result<()> {
+    let path = rootfs.join(INIT_PATH);
+    if fs::read(&path).map(|b| b == INIT_BINARY).unwrap_or(false) {
+        return Ok(());
+    }
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(SandboxError::io("create", dir))?;
+    }
+    let tmp = path.with_extension("new");
+    fs::write(&tmp, INIT_BINARY).map_err(SandboxError::io("write", &tmp))?;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))
+        .map_err(SandboxError::io("chmod", &tmp))?;
+    fs::rename(&tmp, &path).map_err(SandboxError::io("rename", &tmp))?;
+    Ok(())
+}
+
+/// A random `u32` from the kernel.
+pub fn rand_u32() -> u32 {
+    let mut b = [0u8; 4];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 4 {
+        return std::process::id() ^ (now() as u32);
+    }
+    u32::from_ne_bytes(b)
+}

@@ -1,0 +1,358 @@
+//! The two single-threaded helpers that enter namespaces: the sandbox starter and the exec
+//! helper.
+//!
+//! Namespaces and `fork` do not mix with a multi-threaded async daemon, so the daemon re-executes
+//! its own binary (`crab __start-sandbox SPEC` / `crab __nsexec SPEC`) for the work that needs a
+//! fresh single-threaded process. The `crab` binary dispatches to [`start_sandbox`] and
+//! [`exec_in_sandbox`] before it starts any runtime.
+//!
+//! * The **starter** joins the sandbox's cgroups, unshares pid, mount, uts, ipc and (unless the
+//!   network mode is `host`) net namespaces, and forks the sandbox's pid 1. That child makes the
+//!   mount tree private, bind-mounts the root subvolume, mounts `/proc`, a minimal `/dev`
+//!   (device nodes, devpts, `/dev/shm`), pivots into the root, sets the hostname, points stdio
+//!   at `/dev/null`, closes every other fd and execs `/.crab/init`. The starter reports the
+//!   init's host pid and exits, so the init is re-parented away from the daemon and outlives it.
+//! * The **exec helper** joins the cgroups and the init's namespaces, forks (so the command is
+//!   inside the pid namespace), and the child execs the command with the daemon's pipes as
+//!   stdout/stderr and `/dev/null` (or a pipe, with `-i`) as stdin. The helper waits and exits
+//!   with the command's status (`128+signal` when killed by a signal).
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sched::CloneFlags;
+use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{fork, ForkResult};
+use serde::{Deserialize, Serialize};
+
+use crab_common::api::NetMode;
+
+/// Cgroup directories a helper must join.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CgroupPaths {
+    /// cgroup2 directory.
+    pub v2: PathBuf,
+    /// v1 controller directories.
+    pub v1: Vec<PathBuf>,
+}
+
+impl CgroupPaths {
+    fn enter_self(&self) -> Result<(), String> {
+        let pid = std::process::id().to_string();
+        for dir in std::iter::once(&self.v2).chain(self.v1.iter()) {
+            let p = dir.join("cgroup.procs");
+            std::fs::write(&p, &pid).map_err(|e| format!("join cgroup {}: {e}", p.display()))?;
+        }
+        Ok(())
+    }
+}
+
+/// What the starter needs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StartSpec {
+    /// Host path of the sandbox's root subvolume.
+    pub rootfs: PathBuf,
+    /// Hostname inside.
+    pub hostname: String,
+    /// Network mode.
+    pub net: NetMode,
+    /// Cgroups to join.
+    pub cgroup: CgroupPaths,
+}
+
+/// What the exec helper needs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecSpec {
+    /// Host pid of the sandbox's init.
+    pub init_pid: u32,
+    /// Cgroups to join.
+    pub cgroup: CgroupPaths,
+    /// argv.
+    pub cmd: Vec<String>,
+    /// Environment, `KEY=VALUE` (complete; the helper adds nothing).
+    pub env: Vec<String>,
+    /// Working directory inside.
+    pub workdir: String,
+    /// Whether stdin is inherited from the helper (a pipe); otherwise `/dev/null`.
+    pub stdin: bool,
+}
+
+/// The path of the init binary inside every sandbox root.
+pub const INIT_PATH: &str = ".crab/init";
+
+fn err<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> String {
+    let what = what.into();
+    move |e| format!("{what}: {e}")
+}
+
+/// Run the starter: returns the host pid of the new sandbox's init.
+///
+/// Must be called from a single-threaded process (the `crab __start-sandbox` helper).
+pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
+    spec.cgroup.enter_self()?;
+    let mut flags = CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC;
+    if spec.net != NetMode::Host {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
+    nix::sched::unshare(flags).map_err(err("unshare namespaces"))?;
+    if spec.net == NetMode::Private {
+        set_loopback_up().map_err(err("bring up lo"))?;
+    }
+    let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(err("pipe2"))?;
+    // SAFETY: the helper process is single-threaded (it runs before any runtime or thread is
+    // started), so the child may use any function after fork.
+    match unsafe { fork() }.map_err(err("fork"))? {
+        ForkResult::Child => {
+            drop(rd);
+            let e = init_child(spec);
+            // Only reached on failure: report it through the pipe and exit.
+            let mut w = File::from(wr);
+            let _ = w.write_all(e.as_bytes());
+            std::process::exit(1);
+        }
+        ForkResult::Parent { child } => {
+            drop(wr);
+            let mut msg = String::new();
+            File::from(rd).read_to_string(&mut msg).map_err(err("read starter pipe"))?;
+            if !msg.is_empty() {
+                let _ = waitpid(child, None);
+                return Err(msg);
+            }
+            Ok(child.as_raw() as u32)
+        }
+    }
+}
+
+fn set_loopback_up() -> Result<(), String> {
+    // SAFETY: plain socket(2) call; the fd is owned by `sock` right after.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    // SAFETY: `fd` is a fresh, valid socket we own.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `ifreq` is plain old data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads into `req`, which is a valid `ifreq`.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+        return Err(format!("SIOCGIFFLAGS: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: the union member `ifru_flags` is the one SIOCGIFFLAGS filled.
+    unsafe {
+        req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+    }
+    // SAFETY: SIOCSIFFLAGS reads `req`.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+        return Err(format!("SIOCSIFFLAGS: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+fn mount_fs(
+    src: &str,
+    target: &Path,
+    fstype: &str,
+    flags: MsFlags,
+    data: &str,
+) -> Result<(), String> {
+    let data = if data.is_empty() { None } else { Some(data) };
+    mount(Some(src), target, Some(fstype), flags, data)
+        .map_err(|e| format!("mount {fstype} on {}: {e}", target.display()))
+}
+
+fn mkdirs(p: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(p).map_err(err(format!("mkdir {}", p.display())))
+}
+
+/// Runs in the new pid 1; only returns on error.
+fn init_child(spec: &StartSpec) -> String {
+    match init_child_inner(spec) {
+        Ok(never) => match never {},
+        Err(e) => e,
+    }
+}
+
+fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String> {
+    nix::unistd::setsid().map_err(err("setsid"))?;
+    let root = &spec.rootfs;
+    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+        .map_err(err("make / private"))?;
+    mount(Some(root), root, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+        .map_err(err(format!("bind {}", root.display())))?;
+    for d in ["proc", "dev", "tmp"] {
+        mkdirs(&root.join(d))?;
+    }
+    let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount_fs("proc", &root.join("proc"), "proc", nosuid, "")?;
+    let dev = root.join("dev");
+    mount_fs("tmpfs", &dev, "tmpfs", MsFlags::MS_NOSUID, "mode=755,size=65536k")?;
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
+        let p = dev.join(name);
+        mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor))
+            .map_err(err(format!("mknod {}", p.display())))?;
+        // mknod honours the umask; make the mode exact.
+        nix::sys::stat::fchmodat(
+            None,
+            &p,
+            Mode::from_bits_truncate(0o666),
+            nix::sys::stat::FchmodatFlags::FollowSymlink,
+        )
+        .map_err(err(format!("chmod {}", p.display())))?;
+    }
+    mkdirs(&dev.join("pts"))?;
+    mount_fs(
+        "devpts",
+        &dev.join("pts"),
+        "devpts",
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620",
+    )?;
+    mkdirs(&dev.join("shm"))?;
+    mount_fs("shm", &dev.join("shm"), "tmpfs", nosuid, "mode=1777,size=65536k")?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(target, dev.join(link))
+            .map_err(err(format!("symlink /dev/{link}")))?;
+    }
+    nix::unistd::chdir(root.as_path()).map_err(err("chdir rootfs"))?;
+    nix::unistd::pivot_root(".", ".").map_err(err("pivot_root"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(err("detach old root"))?;
+    nix::unistd::chdir("/").map_err(err("chdir /"))?;
+    nix::unistd::sethostname(&spec.hostname).map_err(err("sethostname"))?;
+    redirect_stdio(true)?;
+    close_fds_above_2();
+    let init = CString::new(format!("/{INIT_PATH}")).map_err(err("init path"))?;
+    let argv = [CString::new("crab-init").map_err(err("argv"))?];
+    let envp = [CString::new("PATH=/usr/sbin:/usr/bin:/sbin:/bin").map_err(err("env"))?];
+    nix::unistd::execve(&init, &argv, &envp).map_err(err(format!("exec /{INIT_PATH}")))?;
+    Err("execve returned".into())
+}
+
+fn redirect_stdio(all: bool) -> Result<(), String> {
+    let null =
+        File::options().read(true).write(true).open("/dev/null").map_err(err("open /dev/null"))?;
+    let fds: &[i32] = if all { &[0, 1, 2] } else { &[0] };
+    for fd in fds {
+        // SAFETY: dup2 onto a standard descriptor; `null` stays valid across the call.
+        if unsafe { libc::dup2(null.as_raw_fd(), *fd) } < 0 {
+            return Err(format!("dup2 /dev/null: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+fn close_fds_above_2() {
+    // SAFETY: close_range only closes descriptors; nothing in this process uses fds above 2
+    // after this point (the error pipe is CLOEXEC and closed by exec anyway).
+    unsafe {
+        libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+    }
+}
+
+/// Run the exec helper: returns the command's exit code (`128+signal` when signalled).
+///
+/// Must be called from a single-threaded process (the `crab __nsexec` helper).
+pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
+    if spec.cmd.is_empty() {
+        return Err("no command given".into());
+    }
+    let ns = |n: &str| {
+        let p = format!("/proc/{}/ns/{n}", spec.init_pid);
+        File::open(&p).map_err(err(format!("open {p}")))
+    };
+    let order = [
+        ("ipc", CloneFlags::CLONE_NEWIPC),
+        ("uts", CloneFlags::CLONE_NEWUTS),
+        ("net", CloneFlags::CLONE_NEWNET),
+        ("pid", CloneFlags::CLONE_NEWPID),
+        ("mnt", CloneFlags::CLONE_NEWNS),
+    ];
+    let files: Vec<(File, CloneFlags)> =
+        order.iter().map(|(n, f)| ns(n).map(|file| (file, *f))).collect::<Result<_, _>>()?;
+    spec.cgroup.enter_self()?;
+    for (f, flag) in &files {
+        nix::sched::setns(f, *flag).map_err(err(format!("setns {flag:?}")))?;
+    }
+    drop(files);
+    let argv: Vec<CString> = spec
+        .cmd
+        .iter()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect::<Result<_, _>>()
+        .map_err(err("argument contains NUL"))?;
+    let envp: Vec<CString> = spec
+        .env
+        .iter()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect::<Result<_, _>>()
+        .map_err(err("environment contains NUL"))?;
+    // SAFETY: single-threaded helper process (see the function docs).
+    match unsafe { fork() }.map_err(err("fork"))? {
+        ForkResult::Child => {
+            // SAFETY: prctl with an integer argument; no memory is passed.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            let code = exec_child(spec, &argv, &envp);
+            std::process::exit(code);
+        }
+        ForkResult::Parent { child } => loop {
+            match waitpid(child, None) {
+                Ok(WaitStatus::Exited(_, code)) => return Ok(code),
+                Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(128 + sig as i32),
+                Ok(_) => continue,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(format!("waitpid: {e}")),
+            }
+        },
+    }
+}
+
+/// Exec the command; returns the exit code to use when that fails (126/127 like a shell).
+fn exec_child(spec: &ExecSpec, argv: &[CString], envp: &[CString]) -> i32 {
+    let fail = |msg: String, code: i32| {
+        let _ = writeln!(std::io::stderr(), "crab: {msg}");
+        code
+    };
+    if !spec.stdin {
+        if let Err(e) = redirect_stdio(false) {
+            return fail(e, 126);
+        }
+    }
+    if let Err(e) = nix::unistd::chdir(spec.workdir.as_str()) {
+        return fail(format!("cannot enter working directory {}: {e}", spec.workdir), 126);
+    }
+    close_fds_above_2();
+    // execvpe searches the *caller's* PATH; make it the command's.
+    if let Some(path) = spec.env.iter().find_map(|kv| kv.strip_prefix("PATH=")) {
+        std::env::set_var("PATH", path);
+    }
+    let e = nix::unistd::execvpe(&argv[0], argv, envp).err();
+    let prog = spec.cmd[0].as_str();
+    match e {
+        Some(nix::errno::Errno::ENOENT) => fail(format!("{prog}: command not found"), 127),
+        Some(e) => fail(format!("cannot run {prog}: {e}"), 126),
+        None => 126,
+    }
+}

@@ -1,0 +1,469 @@
+//! The command-line interface: argument parsing and one thin API call per command.
+//!
+//! Every command accepts `--json` (machine-readable output on stdout) and `--state-dir`
+//! (`CRAB_STATE_DIR`). Errors print as `error: …` and `hint: …` and exit 1; `crab exec` exits
+//! with the command's own code (125 when Crab itself failed, like `docker exec`).
+
+use std::io::{Read, Write};
+use std::process::ExitCode;
+
+use base64::Engine;
+use clap::{Args, Parser, Subcommand};
+use hyper::Method;
+use serde::Serialize;
+
+use crab_common::api::{
+    ExecFrame, ExecRequest, ImageBuildRequest, ImageImportRequest, ImageInfo, Limits, NetMode,
+    ProgressFrame, SandboxCreateRequest, SandboxInfo, VersionInfo,
+};
+use crab_common::paths::{StateDir, DEFAULT_STATE_DIR};
+use crab_common::ApiError;
+
+use crate::client::Client;
+use crate::daemon::{self, DaemonOptions};
+use crate::output::{age, human_bytes, print_error, table, ProgressDrawer};
+
+#[derive(Debug, Parser)]
+#[command(name = "crab", version, about = "Checkpoint/restore runtime for AI-agent sandboxes")]
+struct Cli {
+    /// State directory of the daemon.
+    #[arg(long, global = true, env = "CRAB_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    state_dir: String,
+    /// Print machine-readable JSON on stdout.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run the daemon (as root) in the foreground.
+    Daemon {
+        /// Size of the sparse btrfs pool file created when the state dir is not on btrfs.
+        #[arg(long, default_value = "32G", value_parser = parse_size)]
+        pool_size: u64,
+    },
+    /// Manage images.
+    #[command(subcommand)]
+    Image(ImageCmd),
+    /// Manage sandboxes.
+    #[command(subcommand)]
+    Sandbox(SandboxCmd),
+    /// Run a command in a sandbox (flags as `docker exec`).
+    Exec(ExecArgs),
+    /// Show the daemon's version and state directory.
+    Version,
+}
+
+#[derive(Debug, Subcommand)]
+enum ImageCmd {
+    /// Build an image from a recipe (only `debian`: bookworm minbase + python3, git, ...).
+    Build {
+        /// Recipe.
+        distro: String,
+        /// Image name (default: the recipe's name).
+        #[arg(long)]
+        name: Option<String>,
+        /// Extra packages, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        include: Vec<String>,
+    },
+    /// Import a root filesystem from a directory or a tar archive.
+    Import {
+        /// Image name.
+        name: String,
+        /// Directory or .tar / .tar.gz.
+        path: String,
+    },
+    /// List images.
+    Ls,
+    /// Remove an image.
+    Rm {
+        /// Image name.
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SandboxCmd {
+    /// Create and start a sandbox from an image.
+    Create {
+        /// Image.
+        image: String,
+        /// Sandbox name (generated when absent).
+        #[arg(long)]
+        name: Option<String>,
+        /// Network: private (own namespace, lo up), host, or none.
+        #[arg(long, default_value = "private")]
+        net: NetMode,
+        /// Memory limit, e.g. 512M.
+        #[arg(long, value_parser = parse_size)]
+        memory: Option<u64>,
+        /// Maximum number of tasks.
+        #[arg(long)]
+        pids: Option<u64>,
+        /// CPU limit in cores, e.g. 0.5.
+        #[arg(long)]
+        cpus: Option<f64>,
+    },
+    /// List sandboxes.
+    Ls,
+    /// Show one sandbox.
+    Inspect {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Remove a sandbox.
+    Rm {
+        /// Sandbox names.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Kill whatever runs in it.
+        #[arg(short, long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ExecArgs {
+    /// Seconds after which the command (and whatever holds its output) is killed.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Working directory inside the sandbox.
+    #[arg(short = 'w', long = "workdir")]
+    workdir: Option<String>,
+    /// Environment variable KEY=VALUE (repeatable).
+    #[arg(short = 'e', long = "env")]
+    env: Vec<String>,
+    /// Pass standard input through.
+    #[arg(short = 'i', long = "interactive")]
+    interactive: bool,
+    /// Sandbox name.
+    sandbox: String,
+    /// The command and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    cmd: Vec<String>,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        Some('T' | 't') => (&s[..s.len() - 1], 1 << 40),
+        _ => (s, 1),
+    };
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size like 512M or 32G"))?;
+    Ok((n * mult as f64) as u64)
+}
+
+/// Entry point of the CLI (after helper dispatch).
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(run(cli))
+}
+
+fn print_json<T: Serialize>(v: &T) {
+    if let Ok(s) = serde_json::to_string_pretty(v) {
+        println!("{s}");
+    }
+}
+
+async fn run(cli: Cli) -> ExitCode {
+    let state = StateDir::new(&cli.state_dir);
+    if let Cmd::Daemon { pool_size } = cli.cmd {
+        init_tracing();
+        return match daemon::run(DaemonOptions { state, pool_size }).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!("{e:#}");
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let client = Client::new(state.socket());
+    let json = cli.json;
+    let res = match cli.cmd {
+        Cmd::Daemon { .. } => Ok(ExitCode::SUCCESS),
+        Cmd::Version => {
+            client.call::<(), VersionInfo>(Method::GET, "/v1/version", None).await.map(|v| {
+                if json {
+                    print_json(&v);
+                } else {
+                    println!(
+                        "crab {} (API {}), daemon pid {}, state {}",
+                        v.version, v.api, v.pid, v.state_dir
+                    );
+                }
+                ExitCode::SUCCESS
+            })
+        }
+        Cmd::Image(c) => image_cmd(&client, c, json).await,
+        Cmd::Sandbox(c) => sandbox_cmd(&client, c, json).await,
+        Cmd::Exec(a) => return exec_cmd(&client, a, json).await,
+    };
+    match res {
+        Ok(code) => code,
+        Err(e) => {
+            if json {
+                print_json(&e);
+            }
+            print_error(&e);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CRAB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Run a streamed long operation, drawing progress, and return its result document.
+async fn long_op<B: Serialize>(
+    client: &Client,
+    path: &str,
+    body: &B,
+    json: bool,
+) -> Result<serde_json::Value, ApiError> {
+    let drawer = ProgressDrawer::new();
+    let mut result: Option<Result<serde_json::Value, ApiError>> = None;
+    client
+        .stream(path, body, |f: ProgressFrame| {
+            if !json {
+                drawer.draw(&f);
+            }
+            match f {
+                ProgressFrame::Done { result: r } => result = Some(Ok(r)),
+                ProgressFrame::Error { error } => result = Some(Err(error)),
+                _ => {}
+            }
+        })
+        .await?;
+    result.unwrap_or_else(|| {
+        Err(ApiError::internal("the daemon ended the operation without a result"))
+    })
+}
+
+fn image_rows(images: &[ImageInfo]) -> Vec<Vec<String>> {
+    images
+        .iter()
+        .map(|i| {
+            vec![i.name.clone(), human_bytes(i.size_bytes), age(i.created_at), i.source.clone()]
+        })
+        .collect()
+}
+
+async fn image_cmd(client: &Client, c: ImageCmd, json: bool) -> Result<ExitCode, ApiError> {
+    let show_one = |v: serde_json::Value| -> Result<ExitCode, ApiError> {
+        let info: ImageInfo =
+            serde_json::from_value(v).map_err(|e| ApiError::internal(e.to_string()))?;
+        if json {
+            print_json(&info);
+        } else {
+            table(&["NAME", "SIZE", "AGE", "SOURCE"], &image_rows(std::slice::from_ref(&info)));
+        }
+        Ok(ExitCode::SUCCESS)
+    };
+    match c {
+        ImageCmd::Build { distro, name, include } => {
+            let req = ImageBuildRequest { distro, name, include };
+            show_one(long_op(client, "/v1/images/build", &req, json).await?)
+        }
+        ImageCmd::Import { name, path } => {
+            let abs = std::fs::canonicalize(&path).map_err(|e| {
+                ApiError::invalid(
+                    format!("cannot read {path}: {e}"),
+                    "give an existing directory or tar archive",
+                )
+            })?;
+            let req = ImageImportRequest { name, path: abs.display().to_string() };
+            show_one(long_op(client, "/v1/images/import", &req, json).await?)
+        }
+        ImageCmd::Ls => {
+            let v: Vec<ImageInfo> = client.call::<(), _>(Method::GET, "/v1/images", None).await?;
+            if json {
+                print_json(&v);
+            } else {
+                table(&["NAME", "SIZE", "AGE", "SOURCE"], &image_rows(&v));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ImageCmd::Rm { name } => {
+            let v: serde_json::Value =
+                client.call::<(), _>(Method::DELETE, &format!("/v1/images/{name}"), None).await?;
+            if json {
+                print_json(&v);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn sandbox_rows(v: &[SandboxInfo]) -> Vec<Vec<String>> {
+    v.iter()
+        .map(|s| {
+            vec![
+                s.name.clone(),
+                s.image.clone(),
+                format!("{:?}", s.state).to_lowercase(),
+                age(s.created_at),
+                s.processes.to_string(),
+                s.bytes_written.map(human_bytes).unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect()
+}
+
+const SANDBOX_HEADER: [&str; 6] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WRITTEN"];
+
+async fn sandbox_cmd(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitCode, ApiError> {
+    match c {
+        SandboxCmd::Create { image, name, net, memory, pids, cpus } => {
+            let req = SandboxCreateRequest {
+                image,
+                name,
+                net,
+                limits: Limits {
+                    memory_bytes: memory,
+                    pids_max: pids,
+                    cpu_millis: cpus.map(|c| (c * 1000.0) as u64),
+                },
+            };
+            let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
+            if json {
+                print_json(&s);
+            } else {
+                println!("{}", s.name);
+            }
+        }
+        SandboxCmd::Ls => {
+            let v: Vec<SandboxInfo> =
+                client.call::<(), _>(Method::GET, "/v1/sandboxes", None).await?;
+            if json {
+                print_json(&v);
+            } else {
+                table(&SANDBOX_HEADER, &sandbox_rows(&v));
+            }
+        }
+        SandboxCmd::Inspect { name } => {
+            let s: SandboxInfo =
+                client.call::<(), _>(Method::GET, &format!("/v1/sandboxes/{name}"), None).await?;
+            print_json(&s);
+        }
+        SandboxCmd::Rm { names, force } => {
+            for name in names {
+                let _: serde_json::Value = client
+                    .call::<(), _>(
+                        Method::DELETE,
+                        &format!("/v1/sandboxes/{name}?force={force}"),
+                        None,
+                    )
+                    .await?;
+                if json {
+                    print_json(&serde_json::json!({"removed": name}));
+                } else {
+                    println!("{name}");
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Serialize)]
+struct ExecResult {
+    stdout: String,
+    stderr: String,
+    code: i32,
+    timed_out: bool,
+    duration_ms: f64,
+}
+
+async fn exec_cmd(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
+    let stdin_b64 = if a.interactive {
+        let mut buf = Vec::new();
+        if let Err(e) = std::io::stdin().read_to_end(&mut buf) {
+            print_error(&ApiError::invalid(format!("reading stdin: {e}"), ""));
+            return ExitCode::from(125);
+        }
+        Some(base64::engine::general_purpose::STANDARD.encode(buf))
+    } else {
+        None
+    };
+    let req =
+        ExecRequest { cmd: a.cmd, env: a.env, workdir: a.workdir, timeout_s: a.timeout, stdin_b64 };
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut res = ExecResult {
+        stdout: String::new(),
+        stderr: String::new(),
+        code: 125,
+        timed_out: false,
+        duration_ms: 0.0,
+    };
+    let mut failure: Option<ApiError> = None;
+    let mut got_exit = false;
+    let streamed = client
+        .stream(&format!("/v1/sandboxes/{}/exec", a.sandbox), &req, |f: ExecFrame| match f {
+            ExecFrame::Stdout { d } => {
+                let bytes = b64.decode(d).unwrap_or_default();
+                if json {
+                    res.stdout.push_str(&String::from_utf8_lossy(&bytes));
+                } else {
+                    let mut o = std::io::stdout().lock();
+                    let _ = o.write_all(&bytes);
+                    let _ = o.flush();
+                }
+            }
+            ExecFrame::Stderr { d } => {
+                let bytes = b64.decode(d).unwrap_or_default();
+                if json {
+                    res.stderr.push_str(&String::from_utf8_lossy(&bytes));
+                } else {
+                    let mut o = std::io::stderr().lock();
+                    let _ = o.write_all(&bytes);
+                    let _ = o.flush();
+                }
+            }
+            ExecFrame::Exit { code, timed_out, duration_ms } => {
+                got_exit = true;
+                res.code = code;
+                res.timed_out = timed_out;
+                res.duration_ms = duration_ms;
+            }
+            ExecFrame::Error { error } => failure = Some(error),
+        })
+        .await;
+    if let Err(e) = streamed {
+        failure = Some(e);
+    }
+    if let Some(e) = failure {
+        if json {
+            print_json(&e);
+        }
+        print_error(&e);
+        return ExitCode::from(125);
+    }
+    if !got_exit {
+        print_error(&ApiError::internal("the daemon ended the exec without an exit status"));
+        return ExitCode::from(125);
+    }
+    if json {
+        print_json(&res);
+    } else if res.timed_out {
+        eprintln!("crab: command timed out after {:.1} s and was killed", res.duration_ms / 1e3);
+    }
+    ExitCode::from(res.code.clamp(0, 255) as u8)
+}

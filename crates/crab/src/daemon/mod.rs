@@ -1,0 +1,119 @@
+//! `crab daemon`: owns the runtime and serves the JSON API on `<state>/crab.sock`.
+//!
+//! Start-up checks the host (root, btrfs, cgroup2), mounts the pool, adopts the sandboxes whose
+//! init survived, takes an exclusive lock on `<state>/daemon.pid` (one daemon per state
+//! directory), and binds the socket with mode 0600 so only root can reach it. Sandboxes are
+//! separate process trees: they keep running while the daemon is down.
+
+mod api;
+mod images;
+mod sandboxes;
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+
+use crab_common::paths::StateDir;
+use crab_sandbox::{Runtime, RuntimeConfig};
+
+/// Options of `crab daemon`.
+#[derive(Debug, Clone)]
+pub struct DaemonOptions {
+    /// State directory.
+    pub state: StateDir,
+    /// Size of a new sparse pool image.
+    pub pool_size: u64,
+}
+
+/// Shared state of the daemon's handlers.
+#[derive(Debug)]
+pub struct Daemon {
+    /// The sandbox runtime.
+    pub runtime: Arc<Runtime>,
+}
+
+/// Run the daemon until SIGINT or SIGTERM.
+pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
+    let state = opts.state.clone();
+    let exe = std::env::current_exe().context("locating the crab binary")?;
+    std::fs::create_dir_all(state.root())
+        .with_context(|| format!("creating {}", state.root().display()))?;
+    let _lock = lock_pid_file(&state.pid_file())?;
+    let cfg = RuntimeConfig { state: state.clone(), pool_size: opts.pool_size, helper_exe: exe };
+    let runtime = tokio::task::spawn_blocking(move || Runtime::open(cfg))
+        .await
+        .context("runtime start-up panicked")?
+        .map_err(|e| {
+            let api: crab_common::ApiError = e.into();
+            anyhow::anyhow!(
+                "{}{}",
+                api.message,
+                if api.hint.is_empty() { String::new() } else { format!(" (hint: {})", api.hint) }
+            )
+        })?;
+    let daemon = Arc::new(Daemon { runtime: Arc::new(runtime) });
+    let sock = state.socket();
+    match std::fs::remove_file(&sock) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(e).with_context(|| format!("removing stale socket {}", sock.display()))
+        }
+    }
+    // Bind with a restrictive umask so the socket is never reachable by others, even briefly.
+    // SAFETY: umask only changes this process's file-creation mask.
+    let old = unsafe { libc::umask(0o177) };
+    let listener = tokio::net::UnixListener::bind(&sock);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = listener.with_context(|| format!("binding {}", sock.display()))?;
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod {}", sock.display()))?;
+    tracing::info!(socket = %sock.display(), sandboxes = daemon.runtime.names().len(), "crab daemon ready");
+    let app = api::router(daemon.clone());
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving the API")?;
+    let _ = std::fs::remove_file(&sock);
+    tracing::info!("crab daemon stopped; sandboxes keep running");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// Hold an exclusive `flock` on the pid file for the daemon's lifetime.
+fn lock_pid_file(path: &PathBuf) -> anyhow::Result<std::fs::File> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on a file descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let other = std::fs::read_to_string(path).unwrap_or_default();
+        bail!(
+            "another crab daemon (pid {}) already serves this state directory; stop it first or use another --state-dir",
+            other.trim()
+        );
+    }
+    f.set_len(0)?;
+    writeln!(f, "{}", std::process::id())?;
+    Ok(f)
+}

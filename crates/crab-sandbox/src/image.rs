@@ -125,13 +125,17 @@ impl Staging {
     fn commit(mut self, state: &StateDir, name: &str, source: String) -> Result<ImageInfo> {
         runtime::install_init(&self.path)?;
         let size_bytes = du(&self.path);
-        btrfs::set_readonly(&self.path, true)?;
         let dst = state.image_rootfs(name);
         if dst.exists() {
             return Err(SandboxError::NameTaken { kind: "image", name: name.to_string() });
         }
+        // Rename first: a read-only subvolume cannot be moved (its `..` entry would change).
         fs::rename(&self.path, &dst).map_err(SandboxError::io("rename", &self.path))?;
         self.committed = true;
+        if let Err(e) = btrfs::set_readonly(&dst, true) {
+            let _ = btrfs::remove_tree(&dst);
+            return Err(e.into());
+        }
         let rec = ImageRecord {
             format: 1,
             name: name.to_string(),

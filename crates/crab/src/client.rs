@@ -4,7 +4,7 @@
 //! to a callback as it arrives. Any non-2xx answer is decoded as an [`ApiError`]. A missing or
 //! refusing socket becomes an error that says the daemon is not running and how to start it.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -27,11 +27,6 @@ impl Client {
     /// A client for the daemon listening on `socket`.
     pub fn new(socket: impl Into<PathBuf>) -> Self {
         Client { socket: socket.into() }
-    }
-
-    /// The socket path.
-    pub fn socket(&self) -> &Path {
-        &self.socket
     }
 
     async fn connect(&self) -> Result<Conn, ApiError> {

@@ -1,0 +1,44 @@
+# Crab — two commands, both as root on Debian 12:
+#   make demo   build, set up, and run the demo
+#   make test   every test, privileged ones included (what CI runs)
+# Both install whatever is missing first (scripts/setup.sh) and are idempotent.
+
+SHELL := /bin/bash
+export CRAB_STATE_DIR ?= /var/lib/crab
+CARGO ?= cargo
+
+.PHONY: demo test setup build build-release image lint bench clean-state
+
+setup:
+	@scripts/toolchain.sh
+	@scripts/setup.sh
+
+build: setup
+	$(CARGO) build --workspace --all-targets
+
+build-release: setup
+	$(CARGO) build --release -p crab
+
+# The default image, built once per state directory (cached afterwards).
+image-%:
+	@target/$*/crab image build debian
+
+demo: build-release
+	@scripts/daemon.sh restart target/release/crab
+	@$(MAKE) --no-print-directory image-release
+	@scripts/demo.sh target/release/crab
+
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+test: build lint
+	@scripts/daemon.sh restart target/debug/crab
+	@$(MAKE) --no-print-directory image-debug
+	$(CARGO) test --workspace -- --test-threads=4
+	@scripts/daemon.sh stop
+
+bench: build-release
+	@scripts/daemon.sh restart target/release/crab
+	@$(MAKE) --no-print-directory image-release
+	target/release/crab bench all

@@ -1,0 +1,20 @@
+//! Restore points of Crab sandboxes.
+//!
+//! This crate owns checkpoints as data: a restore point `C_i = (P_j, F_k)` is a versioned,
+//! self-describing, checksummed manifest ([`manifest`], specified in `docs/format.md`) that
+//! references a CRIU process image `P_j` and a read-only filesystem snapshot `F_k`, plus the
+//! turn, parent, conversation offset, sizes, timings and the SHA-256 of every image file. The
+//! per-sandbox [`store`] stages new parts, publishes points atomically (a half-written
+//! checkpoint is never visible), verifies them before a restore, prunes them and discards the
+//! leftovers of interrupted work. Filesystem snapshots go through the [`snapfs::SnapshotFs`]
+//! trait (btrfs subvolumes in the daemon, plain copies in tests).
+
+pub mod error;
+pub mod manifest;
+pub mod snapfs;
+pub mod store;
+
+pub use error::{CheckpointError, Result};
+pub use manifest::{FsId, Kind, Manifest, PointId, ProcId};
+pub use snapfs::{CopyFs, SnapshotFs};
+pub use store::{Draft, PruneReport, RecoveryReport, Staging, Store};

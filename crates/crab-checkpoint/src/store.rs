@@ -1,0 +1,692 @@
+//! The restore points of one sandbox on disk: staging, publication, listing, verification,
+//! pruning and crash recovery.
+//!
+//! ```text
+//! <pool>/checkpoints/<sandbox>/
+//!   points/<C_i>.manifest   published restore points (see manifest.rs, docs/format.md)
+//!   procs/<P_j>/            CRIU image directories
+//!   fs/<F_k>                read-only snapshots of the sandbox's root (btrfs subvolumes)
+//!   tmp/                    staging; anything here when the daemon starts is a leftover
+//! ```
+//!
+//! A checkpoint stages its new parts under `tmp/`, then [`Staging::publish`] hashes the image
+//! files, makes them durable, renames the parts into `procs/` and `fs/`, and finally writes the
+//! manifest atomically. Until that last rename the point does not exist; a crash before it
+//! leaves only leftovers, which [`Store::recover_leftovers`] removes (staged parts, temp
+//! manifests, and published parts that no manifest references).
+
+use std::collections::BTreeSet;
+use std::io::Read as _;
+use std::os::fd::AsRawFd as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use sha2::{Digest as _, Sha256};
+
+use crate::error::{CheckpointError, Result};
+use crate::manifest::{
+    self, FsId, FsPart, ImageFile, Kind, Manifest, Origin, PointId, ProcId, ProcPart, Timings,
+    MANIFEST_SUFFIX,
+};
+use crate::snapfs::SnapshotFs;
+
+/// Milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+fn us(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// What a new restore point should record, besides its staged parts.
+#[derive(Debug, Clone)]
+pub struct Draft {
+    /// What the checkpoint captured; must agree with the staged parts.
+    pub kind: Kind,
+    /// Agent turn number.
+    pub turn: u64,
+    /// Conversation offset, when known.
+    pub conversation_offset: Option<u64>,
+    /// Host pid of the dumped root task (with a staged process image).
+    pub root_pid: i32,
+    /// CRIU version (with a staged process image).
+    pub criu_version: String,
+    /// Filesystem delta since the previous snapshot (with a staged snapshot).
+    pub fs_delta_bytes: Option<u64>,
+    /// btrfs generation of the snapshot (with a staged snapshot).
+    pub fs_generation: Option<u64>,
+    /// Leave the process image out instead of inheriting the parent's (the sandbox has no
+    /// process worth restoring; restore starts it fresh).
+    pub no_procs: bool,
+    /// Where a forked sandbox came from.
+    pub origin: Option<Origin>,
+    /// Timings measured by the caller (`hash_us` and `total_us` are filled in by publish).
+    pub timings: Timings,
+    /// When the checkpoint started, for `total_us`.
+    pub started: Option<Instant>,
+    /// Opaque runtime data needed to rebuild the sandbox.
+    pub sandbox_meta: serde_json::Value,
+}
+
+impl Draft {
+    /// A draft of `kind` at `turn` with everything else empty.
+    pub fn new(kind: Kind, turn: u64) -> Draft {
+        Draft {
+            kind,
+            turn,
+            conversation_offset: None,
+            root_pid: 0,
+            criu_version: String::new(),
+            fs_delta_bytes: None,
+            fs_generation: None,
+            no_procs: false,
+            origin: None,
+            timings: Timings::default(),
+            started: None,
+            sandbox_meta: serde_json::Value::Null,
+        }
+    }
+}
+
+/// What [`Store::prune`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PruneReport {
+    /// Restore points removed.
+    pub points: Vec<PointId>,
+    /// Process images removed.
+    pub procs: Vec<ProcId>,
+    /// Filesystem snapshots removed.
+    pub fs: Vec<FsId>,
+}
+
+/// What [`Store::recover_leftovers`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Paths removed.
+    pub removed: Vec<PathBuf>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    point: u64,
+    proc: u64,
+    fs: u64,
+}
+
+/// The restore points of one sandbox.
+#[derive(Debug)]
+pub struct Store {
+    sandbox: String,
+    dir: PathBuf,
+    fs: Arc<dyn SnapshotFs>,
+    counters: Mutex<Counters>,
+}
+
+fn parse_seq(name: &str, prefix: char, suffix: &str) -> Option<u64> {
+    let rest = name.strip_prefix(prefix)?.strip_suffix(suffix)?;
+    if rest.is_empty() || !rest.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    rest.parse().ok()
+}
+
+fn list_names(dir: &Path) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(CheckpointError::io("readdir", dir, e)),
+    };
+    for entry in rd {
+        let entry = entry.map_err(|e| CheckpointError::io("readdir", dir, e))?;
+        if let Ok(name) = entry.file_name().into_string() {
+            out.push(name);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// SHA-256 and size of a file.
+pub fn hash_file(path: &Path) -> Result<(u64, String)> {
+    let mut f = std::fs::File::open(path).map_err(|e| CheckpointError::io("open", path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| CheckpointError::io("read", path, e))?;
+        if n == 0 {
+            break;
+        }
+        size += n as u64;
+        h.update(&buf[..n]);
+    }
+    Ok((size, manifest::hex(&h.finalize())))
+}
+
+fn syncfs(dir: &Path) -> Result<()> {
+    let f = std::fs::File::open(dir).map_err(|e| CheckpointError::io("open", dir, e))?;
+    // SAFETY: syncfs(2) on a descriptor we own; it only flushes.
+    if unsafe { libc::syncfs(f.as_raw_fd()) } != 0 {
+        return Err(CheckpointError::io("syncfs", dir, std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Open (creating its directories) the store at `dir` for `sandbox`.
+    pub fn open(dir: impl Into<PathBuf>, sandbox: &str, fs: Arc<dyn SnapshotFs>) -> Result<Store> {
+        let dir = dir.into();
+        for sub in ["points", "procs", "fs", "tmp"] {
+            let p = dir.join(sub);
+            std::fs::create_dir_all(&p).map_err(|e| CheckpointError::io("mkdir", &p, e))?;
+        }
+        let store = Store {
+            sandbox: sandbox.to_owned(),
+            dir,
+            fs,
+            counters: Mutex::new(Counters::default()),
+        };
+        store.rescan()?;
+        Ok(store)
+    }
+
+    /// The store of `sandbox` in a state directory.
+    pub fn for_sandbox(
+        state: &crab_common::paths::StateDir,
+        sandbox: &str,
+        fs: Arc<dyn SnapshotFs>,
+    ) -> Result<Store> {
+        Store::open(state.checkpoints(sandbox), sandbox, fs)
+    }
+
+    fn rescan(&self) -> Result<()> {
+        let mut c = Counters::default();
+        for name in list_names(&self.points_dir())? {
+            let seq = parse_seq(&name, PointId::PREFIX, MANIFEST_SUFFIX)
+                .or_else(|| parse_seq(&name, PointId::PREFIX, ".manifest.tmp"));
+            c.point = c.point.max(seq.unwrap_or(0));
+        }
+        for dir in [self.procs_dir(), self.tmp_dir()] {
+            for name in list_names(&dir)? {
+                c.proc = c.proc.max(parse_seq(&name, ProcId::PREFIX, "").unwrap_or(0));
+            }
+        }
+        for dir in [self.fs_dir(), self.tmp_dir()] {
+            for name in list_names(&dir)? {
+                c.fs = c.fs.max(parse_seq(&name, FsId::PREFIX, "").unwrap_or(0));
+            }
+        }
+        let mut guard = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        guard.point = guard.point.max(c.point);
+        guard.proc = guard.proc.max(c.proc);
+        guard.fs = guard.fs.max(c.fs);
+        Ok(())
+    }
+
+    /// The sandbox's name.
+    pub fn sandbox(&self) -> &str {
+        &self.sandbox
+    }
+    /// The store's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The snapshot implementation.
+    pub fn snapshot_fs(&self) -> &Arc<dyn SnapshotFs> {
+        &self.fs
+    }
+    fn points_dir(&self) -> PathBuf {
+        self.dir.join("points")
+    }
+    fn procs_dir(&self) -> PathBuf {
+        self.dir.join("procs")
+    }
+    fn fs_dir(&self) -> PathBuf {
+        self.dir.join("fs")
+    }
+    fn tmp_dir(&self) -> PathBuf {
+        self.dir.join("tmp")
+    }
+    /// Path of a point's manifest.
+    pub fn manifest_path(&self, id: PointId) -> PathBuf {
+        self.points_dir().join(format!("{id}{MANIFEST_SUFFIX}"))
+    }
+    /// Directory of a process image.
+    pub fn proc_dir(&self, id: ProcId) -> PathBuf {
+        self.procs_dir().join(id.to_string())
+    }
+    /// Path of a filesystem snapshot.
+    pub fn fs_path(&self, id: FsId) -> PathBuf {
+        self.fs_dir().join(id.to_string())
+    }
+
+    /// Ids of the published manifests, oldest first (not verified).
+    pub fn point_ids(&self) -> Result<Vec<PointId>> {
+        let mut ids: Vec<PointId> = list_names(&self.points_dir())?
+            .iter()
+            .filter_map(|n| parse_seq(n, PointId::PREFIX, MANIFEST_SUFFIX))
+            .map(PointId)
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Every published point, oldest first, each decoded and checksum-verified or the error
+    /// that makes it unusable.
+    pub fn list_all(&self) -> Result<Vec<(PointId, Result<Manifest>)>> {
+        Ok(self.point_ids()?.into_iter().map(|id| (id, self.load(id))).collect())
+    }
+
+    /// The usable points, oldest first; unusable manifests are skipped with a warning.
+    pub fn list(&self) -> Result<Vec<Manifest>> {
+        let mut out = Vec::new();
+        for (id, m) in self.list_all()? {
+            match m {
+                Ok(m) => out.push(m),
+                Err(e) => {
+                    tracing::warn!(sandbox = %self.sandbox, point = %id, error = %e, "skipping unusable restore point")
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Load and checksum-verify one point's manifest.
+    pub fn load(&self, id: PointId) -> Result<Manifest> {
+        let path = self.manifest_path(id);
+        if !path.exists() {
+            return Err(CheckpointError::NotFound {
+                sandbox: self.sandbox.clone(),
+                id: id.to_string(),
+            });
+        }
+        let m = manifest::read(&path)?;
+        if m.id != id || m.sandbox != self.sandbox {
+            return Err(CheckpointError::corrupt(
+                &path,
+                format!("manifest describes {}/{}, not {}/{id}", m.sandbox, m.id, self.sandbox),
+            ));
+        }
+        Ok(m)
+    }
+
+    /// The newest usable point.
+    pub fn newest(&self) -> Result<Manifest> {
+        self.list()?
+            .pop()
+            .ok_or_else(|| CheckpointError::NoPoints { sandbox: self.sandbox.clone() })
+    }
+
+    /// Resolve a user-given id (`c000007`, `c7`, `7`) or, with `None`, the newest point.
+    pub fn resolve(&self, id: Option<&str>) -> Result<Manifest> {
+        match id {
+            None => self.newest(),
+            Some(s) => {
+                let id = s.parse::<PointId>().map_err(CheckpointError::Invalid)?;
+                self.load(id)
+            }
+        }
+    }
+
+    /// Verify everything a restore of `m` reads: every image file present with the recorded
+    /// size and SHA-256, no extra file in the image directory, the filesystem snapshot present.
+    pub fn verify(&self, m: &Manifest) -> Result<()> {
+        if let Some(p) = &m.procs {
+            let dir = self.proc_dir(p.id);
+            if !dir.is_dir() {
+                return Err(CheckpointError::corrupt(&dir, "process image directory is missing"));
+            }
+            let expected: BTreeSet<&str> = p.files.iter().map(|f| f.name.as_str()).collect();
+            for name in list_names(&dir)? {
+                if !expected.contains(name.as_str()) {
+                    return Err(CheckpointError::corrupt(
+                        &dir.join(&name),
+                        "file is not part of the recorded process image",
+                    ));
+                }
+            }
+            for f in &p.files {
+                let path = dir.join(&f.name);
+                if !path.exists() {
+                    return Err(CheckpointError::corrupt(&path, "image file is missing"));
+                }
+                let (size, sha) = hash_file(&path)?;
+                if size != f.size {
+                    return Err(CheckpointError::corrupt(
+                        &path,
+                        format!("size is {size} bytes, the manifest says {}", f.size),
+                    ));
+                }
+                if sha != f.sha256 {
+                    return Err(CheckpointError::corrupt(
+                        &path,
+                        format!("SHA-256 is {sha}, the manifest says {}", f.sha256),
+                    ));
+                }
+            }
+        }
+        if let Some(f) = &m.fs {
+            let path = self.fs_path(f.id);
+            if !self.fs.is_snapshot(&path) {
+                return Err(CheckpointError::corrupt(&path, "filesystem snapshot is missing"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Begin a checkpoint: new parts are staged under `tmp/` until [`Staging::publish`].
+    pub fn begin(&self) -> Staging<'_> {
+        Staging { store: self, proc: None, fs: None, published: false }
+    }
+
+    /// Remove leftovers of interrupted work: everything under `tmp/`, temporary manifests, and
+    /// parts that no manifest references. Call once at daemon start, before any checkpoint of
+    /// this sandbox runs. When some manifest is unreadable, unreferenced parts are kept (they
+    /// might belong to it) and a warning is logged.
+    pub fn recover_leftovers(&self) -> Result<RecoveryReport> {
+        let mut report = RecoveryReport::default();
+        let tmp = self.tmp_dir();
+        for name in list_names(&tmp)? {
+            let p = tmp.join(&name);
+            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+            report.removed.push(p);
+        }
+        for name in list_names(&self.points_dir())? {
+            if name.ends_with(".tmp") {
+                let p = self.points_dir().join(&name);
+                std::fs::remove_file(&p).map_err(|e| CheckpointError::io("unlink", &p, e))?;
+                report.removed.push(p);
+            }
+        }
+        let all = self.list_all()?;
+        if all.iter().any(|(_, m)| m.is_err()) {
+            tracing::warn!(sandbox = %self.sandbox, "unreadable manifests present; keeping unreferenced parts");
+        } else {
+            let manifests: Vec<Manifest> = all.into_iter().filter_map(|(_, m)| m.ok()).collect();
+            let (procs, fs) = self.unreferenced(&manifests)?;
+            for id in procs {
+                let p = self.proc_dir(id);
+                self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+                report.removed.push(p);
+            }
+            for id in fs {
+                let p = self.fs_path(id);
+                self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+                report.removed.push(p);
+            }
+        }
+        if !report.removed.is_empty() {
+            tracing::info!(sandbox = %self.sandbox, removed = report.removed.len(), "discarded checkpoint leftovers");
+        }
+        self.rescan()?;
+        Ok(report)
+    }
+
+    /// Parts on disk that none of `kept` references.
+    fn unreferenced(&self, kept: &[Manifest]) -> Result<(Vec<ProcId>, Vec<FsId>)> {
+        let used_p: BTreeSet<ProcId> =
+            kept.iter().filter_map(|m| m.procs.as_ref().map(|p| p.id)).collect();
+        let used_f: BTreeSet<FsId> =
+            kept.iter().filter_map(|m| m.fs.as_ref().map(|f| f.id)).collect();
+        let procs = list_names(&self.procs_dir())?
+            .iter()
+            .filter_map(|n| parse_seq(n, ProcId::PREFIX, "").map(ProcId))
+            .filter(|id| !used_p.contains(id))
+            .collect();
+        let fs = list_names(&self.fs_dir())?
+            .iter()
+            .filter_map(|n| parse_seq(n, FsId::PREFIX, "").map(FsId))
+            .filter(|id| !used_f.contains(id))
+            .collect();
+        Ok((procs, fs))
+    }
+
+    /// Keep the newest `keep_last` points (at least one) and delete the others, then every
+    /// part no kept point references. Unreadable manifests count as points (oldest first) and
+    /// are removed when outside the window; while one is kept, no part is deleted.
+    pub fn prune(&self, keep_last: usize) -> Result<PruneReport> {
+        if keep_last == 0 {
+            return Err(CheckpointError::Invalid(
+                "--keep-last must be at least 1 (the newest point is always kept)".into(),
+            ));
+        }
+        let all = self.list_all()?;
+        let cut = all.len().saturating_sub(keep_last);
+        let mut report = PruneReport::default();
+        // Manifests first: once a point is gone, its parts are merely unreferenced.
+        for (id, _) in &all[..cut] {
+            let p = self.manifest_path(*id);
+            std::fs::remove_file(&p).map_err(|e| CheckpointError::io("unlink", &p, e))?;
+            report.points.push(*id);
+        }
+        manifest::fsync_dir(&self.points_dir())?;
+        let kept = &all[cut..];
+        if kept.iter().any(|(_, m)| m.is_err()) {
+            tracing::warn!(sandbox = %self.sandbox, "an unreadable manifest is kept; not deleting parts");
+            return Ok(report);
+        }
+        let kept: Vec<Manifest> =
+            kept.iter().filter_map(|(_, m)| m.as_ref().ok().cloned()).collect();
+        let (procs, fs) = self.unreferenced(&kept)?;
+        for id in procs {
+            let p = self.proc_dir(id);
+            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+            report.procs.push(id);
+        }
+        for id in fs {
+            let p = self.fs_path(id);
+            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+            report.fs.push(id);
+        }
+        Ok(report)
+    }
+
+    /// Delete every restore point and part of this sandbox, and the store's directory.
+    pub fn remove_all(&self) -> Result<()> {
+        for sub in [self.tmp_dir(), self.fs_dir()] {
+            for name in list_names(&sub)? {
+                let p = sub.join(name);
+                self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+            }
+        }
+        match std::fs::remove_dir_all(&self.dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(CheckpointError::io("remove", &self.dir, e)),
+        }
+    }
+
+    fn next_point(&self) -> PointId {
+        let mut c = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        c.point += 1;
+        PointId(c.point)
+    }
+    fn next_proc(&self) -> ProcId {
+        let mut c = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        c.proc += 1;
+        ProcId(c.proc)
+    }
+    fn next_fs(&self) -> FsId {
+        let mut c = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        c.fs += 1;
+        FsId(c.fs)
+    }
+}
+
+/// A checkpoint in progress: staged parts under `tmp/`. Dropped unpublished, it deletes them.
+#[derive(Debug)]
+pub struct Staging<'a> {
+    store: &'a Store,
+    proc: Option<(ProcId, PathBuf)>,
+    fs: Option<(FsId, PathBuf)>,
+    published: bool,
+}
+
+impl Staging<'_> {
+    /// Create (once) and return the staged process-image directory, for CRIU to dump into.
+    pub fn proc_dir(&mut self) -> Result<PathBuf> {
+        if let Some((_, p)) = &self.proc {
+            return Ok(p.clone());
+        }
+        let id = self.store.next_proc();
+        let p = self.store.tmp_dir().join(id.to_string());
+        std::fs::create_dir(&p).map_err(|e| CheckpointError::io("mkdir", &p, e))?;
+        self.proc = Some((id, p.clone()));
+        Ok(p)
+    }
+
+    /// The path (not yet existing) at which to take the staged filesystem snapshot.
+    pub fn fs_path(&mut self) -> PathBuf {
+        if let Some((_, p)) = &self.fs {
+            return p.clone();
+        }
+        let id = self.store.next_fs();
+        let p = self.store.tmp_dir().join(id.to_string());
+        self.fs = Some((id, p.clone()));
+        p
+    }
+
+    /// Take the staged filesystem snapshot of `src` (read-only).
+    pub fn snapshot_fs(&mut self, src: &Path) -> Result<PathBuf> {
+        let dst = self.fs_path();
+        self.store
+            .fs
+            .snapshot(src, &dst, true)
+            .map_err(|e| CheckpointError::io("snapshot", &dst, e))?;
+        Ok(dst)
+    }
+
+    /// Publish the restore point: hash and sync the staged image, move the staged parts into
+    /// place, then write the manifest atomically. Parts not staged are inherited from the
+    /// newest point (the parent), except the process image when `draft.no_procs`.
+    pub fn publish(mut self, draft: Draft) -> Result<Manifest> {
+        let store = self.store;
+        let parent = match store.newest() {
+            Ok(m) => Some(m),
+            Err(CheckpointError::NoPoints { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let has_proc = self.proc.is_some();
+        let has_fs = self.fs.as_ref().is_some_and(|(_, p)| store.fs.is_snapshot(p));
+        let (need_proc, need_fs) = match draft.kind {
+            Kind::Skip => (false, false),
+            Kind::Fs => (false, true),
+            Kind::Process => (true, false),
+            Kind::Full => (true, true),
+        };
+        if need_proc != has_proc || need_fs != has_fs {
+            return Err(CheckpointError::Invalid(format!(
+                "a {} checkpoint needs {}a process image and {}a filesystem snapshot staged",
+                draft.kind.as_str(),
+                if need_proc { "" } else { "no " },
+                if need_fs { "" } else { "no " },
+            )));
+        }
+        if draft.kind == Kind::Skip && parent.is_none() {
+            return Err(CheckpointError::Invalid(
+                "a skip checkpoint needs an earlier restore point to reference".into(),
+            ));
+        }
+
+        let hash_start = Instant::now();
+        let procs = match &self.proc {
+            Some((id, dir)) => {
+                let mut files = Vec::new();
+                let mut bytes = 0;
+                for name in list_names(dir)? {
+                    let (size, sha256) = hash_file(&dir.join(&name))?;
+                    bytes += size;
+                    files.push(ImageFile { name, size, sha256 });
+                }
+                Some(ProcPart {
+                    id: *id,
+                    created_at_ms: now_ms(),
+                    root_pid: draft.root_pid,
+                    criu_version: draft.criu_version.clone(),
+                    files,
+                    bytes,
+                })
+            }
+            None if draft.no_procs => None,
+            None => parent.as_ref().and_then(|p| p.procs.clone()),
+        };
+        let fs = match &self.fs {
+            Some((id, _)) => Some(FsPart {
+                id: *id,
+                created_at_ms: now_ms(),
+                delta_bytes: draft.fs_delta_bytes,
+                generation: draft.fs_generation,
+            }),
+            None => parent.as_ref().and_then(|p| p.fs.clone()),
+        };
+        // Image files must be durable before a manifest can point at them.
+        if self.proc.is_some() {
+            syncfs(&store.dir)?;
+        }
+        let hash_us = us(hash_start.elapsed());
+
+        if let Some((id, src)) = &self.proc {
+            let dst = store.proc_dir(*id);
+            std::fs::rename(src, &dst).map_err(|e| CheckpointError::io("rename", src, e))?;
+        }
+        if let Some((id, src)) = &self.fs {
+            let dst = store.fs_path(*id);
+            std::fs::rename(src, &dst).map_err(|e| CheckpointError::io("rename", src, e))?;
+        }
+        // From here on the parts live in procs/ and fs/; a failure below leaves them
+        // unreferenced, for recover_leftovers or prune.
+        self.proc = None;
+        self.fs = None;
+        manifest::fsync_dir(&store.procs_dir())?;
+        manifest::fsync_dir(&store.fs_dir())?;
+
+        let mut timings = draft.timings.clone();
+        timings.hash_us = Some(hash_us);
+        let id = store.next_point();
+        let mut m = Manifest {
+            id,
+            sandbox: store.sandbox.clone(),
+            turn: draft.turn,
+            kind: draft.kind,
+            parent: parent.as_ref().map(|p| p.id),
+            origin: draft.origin.clone(),
+            created_at_ms: now_ms(),
+            conversation_offset: draft.conversation_offset,
+            fs,
+            procs,
+            timings,
+            sandbox_meta: draft.sandbox_meta.clone(),
+        };
+        m.timings.total_us = draft.started.map(|s| us(s.elapsed()));
+        manifest::write_atomic(&store.manifest_path(id), &manifest::encode(&m))?;
+        self.published = true;
+        tracing::debug!(sandbox = %store.sandbox, point = %id, kind = m.kind.as_str(), "restore point published");
+        Ok(m)
+    }
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        if self.published {
+            return;
+        }
+        if let Some((_, p)) = self.proc.take() {
+            if let Err(e) = self.store.fs.delete(&p) {
+                tracing::warn!(path = %p.display(), error = %e, "cannot discard staged process image");
+            }
+        }
+        if let Some((_, p)) = self.fs.take() {
+            if p.exists() {
+                if let Err(e) = self.store.fs.delete(&p) {
+                    tracing::warn!(path = %p.display(), error = %e, "cannot discard staged snapshot");
+                }
+            }
+        }
+    }
+}

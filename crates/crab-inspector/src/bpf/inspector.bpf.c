@@ -1,0 +1,1123 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/* crab-inspector's BPF side: syscall and scheduler tracepoints that keep, per registered sandbox
+ * and per turn, the NET effect of the sandbox's processes on files (keyed by inode or by name)
+ * and on its process set, in kernel maps that user space reads once at the turn boundary.
+ *
+ * Attribution: the current task's cgroup v2 id, or one of its ancestors' at the levels user space
+ * registered (level_mask), is looked up in `cgmap`. Everything else returns after that lookup.
+ *
+ * Turn slots: every record goes to slot (epoch & 1) of its sandbox. User space closes a turn by
+ * bumping the epoch, waiting until inflight[old slot] is 0, then draining the old slot. A handler
+ * increments inflight[slot] before it re-checks the epoch, so no record can land in a slot that
+ * user space has already drained (see enter_slot).
+ *
+ * Cancellation (create then delete = nothing) is allowed only when the delete hits the same key,
+ * the object was created in this turn, and no namespace-changing call (rename, link, symlink,
+ * mount...) started or was in flight in between (ns_gen / ns_inflight). Anything unsure stays
+ * recorded: errors must only ever produce false "changed", never false "unchanged". */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+#include "inspector.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define AT_FDCWD -100
+#define AT_REMOVEDIR 0x200
+#define AT_EMPTY_PATH 0x1000
+#define O_ACCMODE 3
+#define O_CREAT 0100
+#define O_TRUNC 01000
+#define MAP_SHARED 0x01
+#define MAP_SHARED_VALIDATE 0x03
+#define MAP_TYPE 0x0f
+#define PROT_WRITE 0x2
+#define FMODE_CREATED 0x100000
+#define S_IFMT 00170000
+#define S_IFREG 0100000
+#define S_IFDIR 0040000
+#define S_IFLNK 0120000
+
+#define OP_OPEN 1
+#define OP_UNLINK 2
+#define OP_MKDIR 4
+#define OP_MKNOD 5
+#define OP_SYMLINK 6
+#define OP_LINK 7
+#define OP_RENAME 8
+#define OP_TRUNC 9
+#define OP_META 10
+
+#define FNV_OFF 0xcbf29ce484222325ull
+#define FNV_PRIME 0x100000001b3ull
+#define NO_ALIAS 0xff
+
+/* ---- maps and globals ------------------------------------------------------------------- */
+
+struct sstate sstates[MAX_SBX];
+__u32 level_mask;  /* bit L set: some registered cgroup sits at level L */
+__u64 global_lost; /* events lost before a sandbox could be known */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);   /* cgroup v2 id */
+	__type(value, __u32); /* sandbox key */
+} cgmap SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct ckey);
+	__type(value, struct change);
+} changes SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct ckey);
+	__type(value, struct prec);
+} paths SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 32768);
+	__type(key, __u32); /* tgid */
+	__type(value, struct proc);
+} procs SEC(".maps");
+
+struct pending {
+	__u32 op;
+	__u32 sbx;
+	__s64 dfd1;
+	__u64 p1;
+	__s64 dfd2;
+	__u64 p2;
+	__u64 flags;
+	__u64 gen;
+	__u32 ns_busy; /* another namespace call was in flight at enter */
+	__u32 is_nsop; /* this call counted itself in ns_inflight */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64); /* pid_tgid */
+	__type(value, struct pending);
+} pending SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct prec);
+} scratch SEC(".maps");
+
+/* ---- attribution ------------------------------------------------------------------------ */
+
+static __always_inline int sbx_of_current(__u32 *out)
+{
+	__u64 cg = bpf_get_current_cgroup_id();
+	__u32 *v = bpf_map_lookup_elem(&cgmap, &cg);
+	if (v) {
+		*out = *v & (MAX_SBX - 1);
+		return 1;
+	}
+	__u32 mask = *(volatile __u32 *)&level_mask;
+	if (!mask)
+		return 0;
+#pragma unroll
+	for (int l = 1; l < 8; l++) {
+		if (!(mask & (1u << l)))
+			continue;
+		__u64 a = bpf_get_current_ancestor_cgroup_id(l);
+		if (!a)
+			break;
+		v = bpf_map_lookup_elem(&cgmap, &a);
+		if (v) {
+			*out = *v & (MAX_SBX - 1);
+			return 1;
+		}
+	}
+	return 0;
+}
+
+static __always_inline struct sstate *state_of(__u32 sbx)
+{
+	return &sstates[sbx & (MAX_SBX - 1)];
+}
+
+/* Joins the current turn's slot: returns the slot, with inflight[slot] held. */
+static __always_inline __u32 enter_slot(struct sstate *s)
+{
+	__u64 e = *(volatile __u64 *)&s->epoch;
+	__sync_fetch_and_add(&s->inflight[e & 1], 1);
+	__u64 e2 = *(volatile __u64 *)&s->epoch;
+	if (e2 != e) {
+		__sync_fetch_and_add(&s->inflight[e & 1], -1);
+		e = e2;
+		__sync_fetch_and_add(&s->inflight[e & 1], 1);
+	}
+	return e & 1;
+}
+
+static __always_inline void leave_slot(struct sstate *s, __u32 slot)
+{
+	__sync_fetch_and_add(&s->inflight[slot & 1], -1);
+}
+
+static __always_inline void flag_slot(struct sstate *s, __u32 slot, __u64 f)
+{
+	__sync_fetch_and_or(&s->flags[slot & 1], f);
+}
+
+/* Sets a summary flag on the current turn of the sandbox. */
+static __always_inline void flag_now(__u32 sbx, __u64 f)
+{
+	struct sstate *s = state_of(sbx);
+	__u32 slot = enter_slot(s);
+	flag_slot(s, slot, f);
+	leave_slot(s, slot);
+}
+
+/* ---- kernel objects --------------------------------------------------------------------- */
+
+static __always_inline struct file *fd_file(long fd)
+{
+	if (fd < 0)
+		return NULL;
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
+	unsigned int max = BPF_CORE_READ(fdt, max_fds);
+	if ((unsigned long)fd >= max)
+		return NULL;
+	struct file **arr = BPF_CORE_READ(fdt, fd);
+	struct file *f = NULL;
+	bpf_probe_read_kernel(&f, sizeof(f), &arr[fd]);
+	return f;
+}
+
+static __always_inline int magic_ignored(unsigned long m)
+{
+	switch (m) {
+	case 0x9fa0:     /* proc */
+	case 0x62656572: /* sysfs */
+	case 0x27e0eb:   /* cgroup v1 */
+	case 0x63677270: /* cgroup2 */
+	case 0x64626720: /* debugfs */
+	case 0x74726163: /* tracefs */
+	case 0x1cd1:     /* devpts */
+	case 0x73636673: /* securityfs */
+	case 0xcafe4a11: /* bpf fs */
+	case 0x50495045: /* pipefs */
+	case 0x534f434b: /* sockfs */
+	case 0x09041934: /* anon inodes */
+	case 0x6e736673: /* nsfs */
+	case 0xf97cff8c: /* selinuxfs */
+	case 0x42494e4d: /* binfmt_misc */
+	case 0x62656570: /* configfs */
+	case 0x65735543: /* fusectl */
+	case 0x6165676c: /* pstore */
+	case 0xde5e81e4: /* efivarfs */
+	case 0x444d4142: /* dma-buf */
+	case 0x5345434d: /* secretmem */
+	case 0x50494446: /* pidfs */
+	case 0x62646576: /* bdev */
+		return 1;
+	}
+	return 0;
+}
+
+/* 1 when changes to this inode are persistent state (regular file, dir or symlink on a real fs,
+ * still linked somewhere). Pipes, sockets, ttys, char and block devices, /proc, /sys, memfds and
+ * unlinked files do not count. */
+static __always_inline int inode_counts(struct inode *ino, __u32 *mode_out)
+{
+	if (!ino)
+		return 0;
+	__u32 mode = BPF_CORE_READ(ino, i_mode);
+	__u32 fmt = mode & S_IFMT;
+	if (fmt != S_IFREG && fmt != S_IFDIR && fmt != S_IFLNK)
+		return 0;
+	if (magic_ignored(BPF_CORE_READ(ino, i_sb, s_magic)))
+		return 0;
+	if (BPF_CORE_READ(ino, __i_nlink) == 0)
+		return 0;
+	*mode_out = mode;
+	return 1;
+}
+
+static __always_inline int dentry_counts(struct dentry *d)
+{
+	struct inode *ino = BPF_CORE_READ(d, d_inode);
+	if (!ino)
+		return 1;
+	return !magic_ignored(BPF_CORE_READ(ino, i_sb, s_magic));
+}
+
+/* Writes the names from `d` up to the process root, leaf first, NUL-separated, crossing mounts. */
+static __always_inline void walk_path(struct vfsmount *vmnt, struct dentry *d, struct prec *r,
+				      __u32 is_file)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	struct dentry *root_d = BPF_CORE_READ(t, fs, root.dentry);
+	struct vfsmount *root_m = BPF_CORE_READ(t, fs, root.mnt);
+	struct mount *m = (struct mount *)((char *)vmnt - bpf_core_field_offset(struct mount, mnt));
+	__u32 off = 0;
+	__u32 full = 0;
+	for (int i = 0; i < WALK_DEPTH; i++) {
+		if (d == root_d && vmnt == root_m) {
+			full = 1;
+			break;
+		}
+		struct dentry *mroot = BPF_CORE_READ(vmnt, mnt_root);
+		if (d == mroot) {
+			struct mount *parent = BPF_CORE_READ(m, mnt_parent);
+			if (parent == m) {
+				full = 1; /* top of this mount tree (other root): keep what we have */
+				break;
+			}
+			d = BPF_CORE_READ(m, mnt_mountpoint);
+			m = parent;
+			vmnt = (struct vfsmount *)((char *)parent +
+						   bpf_core_field_offset(struct mount, mnt));
+			continue;
+		}
+		struct dentry *p = BPF_CORE_READ(d, d_parent);
+		if (p == d) {
+			full = 1;
+			break;
+		}
+		if (off >= WALK_LEN / 2)
+			break;
+		const unsigned char *name = BPF_CORE_READ(d, d_name.name);
+		long n = bpf_probe_read_kernel_str(&r->walk[off & (WALK_LEN / 2 - 1)], WALK_LEN / 2,
+						   name);
+		if (n <= 0)
+			break;
+		off += n;
+		d = p;
+	}
+	r->walk_len = off;
+	r->have |= P_WALK | (full ? P_WALK_FULL : 0) | (is_file ? P_WALK_IS_FILE : 0);
+}
+
+static __always_inline struct prec *scratch_rec(void)
+{
+	__u32 z = 0;
+	struct prec *r = bpf_map_lookup_elem(&scratch, &z);
+	if (r) {
+		r->have = 0;
+		r->walk_len = 0;
+	}
+	return r;
+}
+
+/* ---- recording ---------------------------------------------------------------------------- */
+
+/* Merges `flags` into the change at `k` (slot already set), creating it (with its path record
+ * from `r`, which may be NULL) when absent. Returns 0, or -1 when a map was full. */
+static __always_inline int upsert(struct sstate *s, struct ckey *k, __u32 flags, __u32 mode,
+				  struct prec *r)
+{
+	struct change *c = bpf_map_lookup_elem(&changes, k);
+	if (c) {
+		if ((c->flags & flags) != flags)
+			__sync_fetch_and_or(&c->flags, flags);
+		return 0;
+	}
+	struct change nc = {};
+	nc.flags = flags;
+	nc.mode = mode;
+	nc.gen = 0;
+	nc.alias_kind = NO_ALIAS;
+	if (r)
+		bpf_map_update_elem(&paths, k, r, BPF_ANY);
+	if (bpf_map_update_elem(&changes, k, &nc, BPF_NOEXIST) != 0) {
+		/* EEXIST from a racing insert is fine: merge into it. */
+		c = bpf_map_lookup_elem(&changes, k);
+		if (c) {
+			__sync_fetch_and_or(&c->flags, flags);
+			return 0;
+		}
+		flag_slot(s, k->slot, S_OVERFLOW);
+		return -1;
+	}
+	__sync_fetch_and_add(&s->events[k->slot & 1], 1);
+	return 0;
+}
+
+/* An fd-based change (write, ftruncate, fchmod, shared mmap...). */
+static __always_inline void record_fd(__u32 sbx, long fd, __u32 flags)
+{
+	struct file *f = fd_file(fd);
+	if (!f)
+		return;
+	struct inode *ino = BPF_CORE_READ(f, f_inode);
+	__u32 mode = 0;
+	if (!inode_counts(ino, &mode))
+		return;
+	struct sstate *s = state_of(sbx);
+	struct ckey k = {};
+	k.sbx = sbx;
+	k.kind = K_INODE;
+	k.a = BPF_CORE_READ(ino, i_sb, s_dev);
+	k.b = BPF_CORE_READ(ino, i_ino);
+	__u32 slot = enter_slot(s);
+	k.slot = slot;
+	struct change *c = bpf_map_lookup_elem(&changes, &k);
+	if (c) {
+		if ((c->flags & flags) != flags)
+			__sync_fetch_and_or(&c->flags, flags);
+	} else {
+		struct prec *r = scratch_rec();
+		if (r)
+			walk_path(BPF_CORE_READ(f, f_path.mnt), BPF_CORE_READ(f, f_path.dentry), r, 1);
+		upsert(s, &k, flags | C_FD, mode, r);
+	}
+	leave_slot(s, slot);
+}
+
+#define FD_HANDLER(sc, argn, fl)                                                                  \
+	SEC("tracepoint/syscalls/sys_enter_" #sc)                                                 \
+	int enter_##sc(struct trace_event_raw_sys_enter *ctx)                                     \
+	{                                                                                          \
+		__u32 sbx;                                                                         \
+		if (!sbx_of_current(&sbx))                                                         \
+			return 0;                                                                  \
+		record_fd(sbx, (long)ctx->args[argn], fl);                                         \
+		return 0;                                                                          \
+	}
+
+FD_HANDLER(write, 0, C_MODIFIED)
+FD_HANDLER(pwrite64, 0, C_MODIFIED)
+FD_HANDLER(writev, 0, C_MODIFIED)
+FD_HANDLER(pwritev, 0, C_MODIFIED)
+FD_HANDLER(pwritev2, 0, C_MODIFIED)
+FD_HANDLER(sendfile64, 0, C_MODIFIED)
+FD_HANDLER(copy_file_range, 2, C_MODIFIED)
+FD_HANDLER(splice, 2, C_MODIFIED)
+FD_HANDLER(fallocate, 0, C_MODIFIED)
+FD_HANDLER(ftruncate, 0, C_MODIFIED)
+FD_HANDLER(fchmod, 0, C_META)
+FD_HANDLER(fchown, 0, C_META)
+FD_HANDLER(fsetxattr, 0, C_META)
+FD_HANDLER(fremovexattr, 0, C_META)
+
+SEC("tracepoint/syscalls/sys_enter_mmap")
+int enter_mmap(struct trace_event_raw_sys_enter *ctx)
+{
+	__u64 prot = ctx->args[2];
+	__u64 fl = ctx->args[3];
+	__u64 type = fl & MAP_TYPE;
+	if (!(prot & PROT_WRITE) || (type != MAP_SHARED && type != MAP_SHARED_VALIDATE))
+		return 0;
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	/* Conservative: a shared writable mapping of a file counts as a modification at once. */
+	record_fd(sbx, (long)ctx->args[4], C_MODIFIED | C_MMAP);
+	return 0;
+}
+
+/* ---- calls that only set a turn flag ------------------------------------------------------ */
+
+#define FLAG_HANDLER(sc, f)                                                                       \
+	SEC("tracepoint/syscalls/sys_enter_" #sc)                                                 \
+	int enter_##sc(struct trace_event_raw_sys_enter *ctx)                                     \
+	{                                                                                          \
+		__u32 sbx;                                                                         \
+		if (!sbx_of_current(&sbx))                                                         \
+			return 0;                                                                  \
+		struct sstate *s = state_of(sbx);                                                  \
+		if ((f) & (S_MOUNT | S_NS)) {                                                      \
+			__sync_fetch_and_add(&s->ns_gen, 1);                                       \
+		}                                                                                  \
+		flag_now(sbx, f);                                                                  \
+		return 0;                                                                          \
+	}
+
+FLAG_HANDLER(io_uring_setup, S_UNTRACKABLE)
+FLAG_HANDLER(mount, S_MOUNT)
+FLAG_HANDLER(umount, S_MOUNT)
+FLAG_HANDLER(move_mount, S_MOUNT)
+FLAG_HANDLER(fsmount, S_MOUNT)
+FLAG_HANDLER(mount_setattr, S_MOUNT)
+FLAG_HANDLER(open_tree, S_MOUNT)
+FLAG_HANDLER(pivot_root, S_NS)
+FLAG_HANDLER(chroot, S_NS)
+FLAG_HANDLER(unshare, S_NS)
+FLAG_HANDLER(setns, S_NS)
+FLAG_HANDLER(process_vm_writev, S_FOREIGN_MEM)
+FLAG_HANDLER(ptrace, S_FOREIGN_MEM)
+
+/* ---- path-based calls: stash at enter, record at exit ------------------------------------ */
+
+static __always_inline void stash(__u32 sbx, __u32 op, long dfd1, __u64 p1, long dfd2, __u64 p2,
+				  __u64 flags, int nsop)
+{
+	struct sstate *s = state_of(sbx);
+	struct pending pd = {};
+	pd.op = op;
+	pd.sbx = sbx;
+	pd.dfd1 = dfd1;
+	pd.p1 = p1;
+	pd.dfd2 = dfd2;
+	pd.p2 = p2;
+	pd.flags = flags;
+	if (nsop) {
+		__sync_fetch_and_add(&s->ns_inflight, 1);
+		__sync_fetch_and_add(&s->ns_gen, 1);
+		pd.is_nsop = 1;
+	}
+	pd.ns_busy = *(volatile __u64 *)&s->ns_inflight > (__u64)(nsop ? 1 : 0);
+	pd.gen = *(volatile __u64 *)&s->ns_gen;
+	__u64 id = bpf_get_current_pid_tgid();
+	if (bpf_map_update_elem(&pending, &id, &pd, BPF_ANY) != 0) {
+		/* The exit will not find it: whatever this call does goes unrecorded. */
+		flag_now(sbx, S_PENDING_LOST);
+		if (nsop)
+			__sync_fetch_and_add(&s->ns_inflight, -1);
+	}
+}
+
+#define STASH_HANDLER(sc, op, d1, p1e, d2, p2e, fle, nsop)                                       \
+	SEC("tracepoint/syscalls/sys_enter_" #sc)                                                 \
+	int enter_##sc(struct trace_event_raw_sys_enter *ctx)                                     \
+	{                                                                                          \
+		__u32 sbx;                                                                         \
+		if (!sbx_of_current(&sbx))                                                         \
+			return 0;                                                                  \
+		stash(sbx, op, d1, p1e, d2, p2e, fle, nsop);                                       \
+		return 0;                                                                          \
+	}
+
+#define A(n) ((__u64)ctx->args[n])
+#define FDCWD ((long)AT_FDCWD)
+
+/* opens: only those that may create or truncate need the exit */
+#define OPEN_HANDLER(sc, d1, p1e, fle)                                                            \
+	SEC("tracepoint/syscalls/sys_enter_" #sc)                                                 \
+	int enter_##sc(struct trace_event_raw_sys_enter *ctx)                                     \
+	{                                                                                          \
+		__u64 fl = (fle);                                                                  \
+		if (!(fl & (O_CREAT | O_TRUNC)))                                                   \
+			return 0;                                                                  \
+		__u32 sbx;                                                                         \
+		if (!sbx_of_current(&sbx))                                                         \
+			return 0;                                                                  \
+		stash(sbx, OP_OPEN, d1, p1e, -1, 0, fl, 0);                                        \
+		return 0;                                                                          \
+	}
+
+OPEN_HANDLER(open, FDCWD, A(0), A(1))
+OPEN_HANDLER(openat, (long)A(0), A(1), A(2))
+OPEN_HANDLER(creat, FDCWD, A(0), (__u64)(O_CREAT | O_TRUNC | 1))
+
+SEC("tracepoint/syscalls/sys_enter_openat2")
+int enter_openat2(struct trace_event_raw_sys_enter *ctx)
+{
+	__u64 fl = 0;
+	bpf_probe_read_user(&fl, sizeof(fl), (void *)ctx->args[2]);
+	if (!(fl & (O_CREAT | O_TRUNC)))
+		return 0;
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	stash(sbx, OP_OPEN, (long)ctx->args[0], ctx->args[1], -1, 0, fl, 0);
+	return 0;
+}
+
+STASH_HANDLER(unlink, OP_UNLINK, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(unlinkat, OP_UNLINK, (long)A(0), A(1), -1, 0, A(2), 0)
+STASH_HANDLER(rmdir, OP_UNLINK, FDCWD, A(0), -1, 0, AT_REMOVEDIR, 0)
+STASH_HANDLER(mkdir, OP_MKDIR, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(mkdirat, OP_MKDIR, (long)A(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(mknod, OP_MKNOD, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(mknodat, OP_MKNOD, (long)A(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(symlink, OP_SYMLINK, FDCWD, A(1), -1, A(0), 0, 1)
+STASH_HANDLER(symlinkat, OP_SYMLINK, (long)A(1), A(2), -1, A(0), 0, 1)
+STASH_HANDLER(link, OP_LINK, FDCWD, A(1), FDCWD, A(0), 0, 1)
+STASH_HANDLER(linkat, OP_LINK, (long)A(2), A(3), (long)A(0), A(1), A(4), 1)
+STASH_HANDLER(rename, OP_RENAME, FDCWD, A(1), FDCWD, A(0), 0, 1)
+STASH_HANDLER(renameat, OP_RENAME, (long)A(2), A(3), (long)A(0), A(1), 0, 1)
+STASH_HANDLER(renameat2, OP_RENAME, (long)A(2), A(3), (long)A(0), A(1), A(4), 1)
+STASH_HANDLER(truncate, OP_TRUNC, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(chmod, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(fchmodat, OP_META, (long)A(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(fchmodat2, OP_META, (long)A(0), A(1), -1, 0, A(3), 0)
+STASH_HANDLER(chown, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(lchown, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(fchownat, OP_META, (long)A(0), A(1), -1, 0, A(4), 0)
+STASH_HANDLER(setxattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(lsetxattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(removexattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(lremovexattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(setxattrat, OP_META, (long)A(0), A(1), -1, 0, A(2), 0)
+STASH_HANDLER(removexattrat, OP_META, (long)A(0), A(1), -1, 0, A(2), 0)
+STASH_HANDLER(utime, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(utimes, OP_META, FDCWD, A(0), -1, 0, 0, 0)
+STASH_HANDLER(futimesat, OP_META, (long)A(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(utimensat, OP_META, (long)A(0), A(1), -1, 0, A(3), 0)
+
+/* The directory a path is resolved from: `dfd`, the cwd, or the root for absolute paths. */
+static __always_inline int base_dir(long dfd, int absolute, struct vfsmount **mnt,
+				    struct dentry **d)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	if (absolute) {
+		*mnt = BPF_CORE_READ(t, fs, root.mnt);
+		*d = BPF_CORE_READ(t, fs, root.dentry);
+	} else if (dfd == AT_FDCWD) {
+		*mnt = BPF_CORE_READ(t, fs, pwd.mnt);
+		*d = BPF_CORE_READ(t, fs, pwd.dentry);
+	} else {
+		struct file *f = fd_file(dfd);
+		if (!f)
+			return -1;
+		*mnt = BPF_CORE_READ(f, f_path.mnt);
+		*d = BPF_CORE_READ(f, f_path.dentry);
+	}
+	return *d ? 0 : -1;
+}
+
+struct hashes {
+	__u64 full;
+	__u64 leaf;
+	__u32 len;   /* without NUL */
+	__u32 slash; /* contains '/' */
+};
+
+static __always_inline void hash_str(const char *buf, struct hashes *h)
+{
+	__u64 full = FNV_OFF, leaf = FNV_OFF;
+	__u32 len = 0, slash = 0;
+	for (int i = 0; i < PATH_LEN; i++) {
+		unsigned char c = buf[i];
+		if (!c)
+			break;
+		len++;
+		full = (full ^ c) * FNV_PRIME;
+		if (c == '/') {
+			slash = 1;
+			leaf = FNV_OFF;
+		} else {
+			leaf = (leaf ^ c) * FNV_PRIME;
+		}
+	}
+	h->full = full;
+	h->leaf = leaf;
+	h->len = len;
+	h->slash = slash;
+}
+
+/* The key under which a path string names its object: (dir, leaf) when it has no '/', else
+ * (base, whole string). Returns -1 when the base cannot be resolved. */
+static __always_inline int name_key(long dfd, const char *buf, struct hashes *h, struct ckey *k,
+				    struct vfsmount **bm, struct dentry **bd, int *on_ignored_fs)
+{
+	int absolute = buf[0] == '/';
+	if (base_dir(dfd, absolute, bm, bd) != 0)
+		return -1;
+	struct inode *bi = BPF_CORE_READ(*bd, d_inode);
+	if (!bi)
+		return -1;
+	k->a = BPF_CORE_READ(bi, i_sb, s_dev);
+	k->b = BPF_CORE_READ(bi, i_ino);
+	if (h->slash) {
+		k->kind = K_GIVEN;
+		k->c = h->full;
+		*on_ignored_fs = 0;
+	} else {
+		k->kind = K_NAME;
+		k->c = h->leaf;
+		*on_ignored_fs = magic_ignored(BPF_CORE_READ(bi, i_sb, s_magic));
+	}
+	return 0;
+}
+
+static __always_inline void fill_base_walk(struct prec *r, int relative, struct vfsmount *bm,
+					   struct dentry *bd)
+{
+	if (relative)
+		walk_path(bm, bd, r, 0);
+}
+
+/* Reads a user path into r->p1 (which = 1) or r->p2 (which = 2). Returns bytes incl. NUL. */
+static __always_inline long read_path(struct prec *r, __u64 uptr, int which)
+{
+	if (!uptr)
+		return 0;
+	long n;
+	if (which == 1) {
+		n = bpf_probe_read_user_str(r->p1, PATH_LEN, (const void *)uptr);
+		if (n > 0) {
+			r->have |= P_P1;
+			if (n >= PATH_LEN)
+				r->have |= P_P1_TRUNC;
+		}
+	} else {
+		n = bpf_probe_read_user_str(r->p2, PATH_LEN, (const void *)uptr);
+		if (n > 0) {
+			r->have |= P_P2;
+			if (n >= PATH_LEN)
+				r->have |= P_P2_TRUNC;
+		}
+	}
+	return n;
+}
+
+/* open/creat that returned `fd`: record a creation (exactly known through FMODE_CREATED) or a
+ * truncation. */
+static __always_inline void record_open(struct pending *pd, long fd, struct sstate *s, __u32 slot)
+{
+	struct file *f = fd_file(fd);
+	if (!f)
+		return;
+	struct inode *ino = BPF_CORE_READ(f, f_inode);
+	__u32 mode = 0;
+	if (!inode_counts(ino, &mode))
+		return;
+	__u32 fmode = BPF_CORE_READ(f, f_mode);
+	struct ckey ik = {};
+	ik.sbx = pd->sbx;
+	ik.slot = slot;
+	ik.kind = K_INODE;
+	ik.a = BPF_CORE_READ(ino, i_sb, s_dev);
+	ik.b = BPF_CORE_READ(ino, i_ino);
+	struct vfsmount *fm = BPF_CORE_READ(f, f_path.mnt);
+	struct dentry *fd_d = BPF_CORE_READ(f, f_path.dentry);
+	if (!(fmode & FMODE_CREATED)) {
+		if (pd->flags & O_TRUNC) {
+			struct change *c = bpf_map_lookup_elem(&changes, &ik);
+			if (c) {
+				__sync_fetch_and_or(&c->flags, C_MODIFIED);
+				return;
+			}
+			struct prec *r = scratch_rec();
+			if (r)
+				walk_path(fm, fd_d, r, 1);
+			upsert(s, &ik, C_MODIFIED | C_FD, mode, r);
+		}
+		return;
+	}
+	/* Created. Canonical name key: (parent dir inode, hash(d_name)). */
+	struct prec *r = scratch_rec();
+	if (!r) {
+		flag_slot(s, slot, S_FS_UNKNOWN);
+		return;
+	}
+	__u32 nocancel = pd->ns_busy ? C_NOCANCEL : 0;
+	struct dentry *parent = BPF_CORE_READ(fd_d, d_parent);
+	struct inode *pino = BPF_CORE_READ(parent, d_inode);
+	const unsigned char *dname = BPF_CORE_READ(fd_d, d_name.name);
+	/* hash d_name using p2 as a buffer */
+	long dn = bpf_probe_read_kernel_str(r->p2, PATH_LEN, dname);
+	struct hashes dh = {};
+	if (dn > 0)
+		hash_str(r->p2, &dh);
+	else
+		nocancel = C_NOCANCEL;
+	struct ckey nk = {};
+	nk.sbx = pd->sbx;
+	nk.slot = slot;
+	nk.kind = K_NAME;
+	nk.a = BPF_CORE_READ(pino, i_sb, s_dev);
+	nk.b = BPF_CORE_READ(pino, i_ino);
+	nk.c = dh.leaf;
+	/* The path as given (alias key when it has '/', and it names the same leaf). */
+	r->have = 0;
+	long pn = read_path(r, pd->p1, 1);
+	struct ckey gk = {};
+	int have_alias = 0;
+	if (pn > 0 && !(r->have & P_P1_TRUNC)) {
+		struct hashes gh = {};
+		hash_str(r->p1, &gh);
+		if (gh.slash && gh.leaf == dh.leaf) {
+			struct vfsmount *bm;
+			struct dentry *bd;
+			int ign = 0;
+			gk.sbx = pd->sbx;
+			gk.slot = slot;
+			if (name_key(pd->dfd1, r->p1, &gh, &gk, &bm, &bd, &ign) == 0)
+				have_alias = 1;
+		}
+	} else {
+		nocancel = C_NOCANCEL;
+	}
+	walk_path(fm, fd_d, r, 1);
+	struct change nc = {};
+	nc.flags = C_CREATED | nocancel;
+	nc.mode = mode;
+	nc.gen = pd->gen;
+	nc.dev = ik.a;
+	nc.ino = ik.b;
+	nc.alias_kind = NO_ALIAS;
+	if (have_alias) {
+		nc.alias_kind = gk.kind;
+		nc.alias_a = gk.a;
+		nc.alias_b = gk.b;
+		nc.alias_c = gk.c;
+	}
+	bpf_map_update_elem(&paths, &nk, r, BPF_ANY);
+	if (bpf_map_update_elem(&changes, &nk, &nc, BPF_ANY) != 0) {
+		flag_slot(s, slot, S_OVERFLOW);
+		return;
+	}
+	__sync_fetch_and_add(&s->events[slot & 1], 1);
+	if (have_alias) {
+		nc.alias_kind = K_NAME;
+		nc.alias_a = nk.a;
+		nc.alias_b = nk.b;
+		nc.alias_c = nk.c;
+		if (bpf_map_update_elem(&changes, &gk, &nc, BPF_ANY) != 0) {
+			/* without the alias a later unlink by this path just won't cancel */
+		} else {
+			bpf_map_update_elem(&paths, &gk, r, BPF_ANY);
+		}
+	}
+	/* The inode itself: created (writes will merge C_MODIFIED into it). */
+	struct change ic = {};
+	ic.flags = C_CREATED | C_FD | nocancel;
+	ic.mode = mode;
+	ic.gen = pd->gen;
+	ic.alias_kind = NO_ALIAS;
+	bpf_map_update_elem(&paths, &ik, r, BPF_ANY);
+	if (bpf_map_update_elem(&changes, &ik, &ic, BPF_ANY) != 0)
+		flag_slot(s, slot, S_OVERFLOW);
+}
+
+static __always_inline void delete_key(__u32 kind, __u64 a, __u64 b, __u64 c, __u32 sbx,
+				       __u32 slot)
+{
+	struct ckey k = {};
+	k.sbx = sbx;
+	k.slot = slot;
+	k.kind = kind;
+	k.a = a;
+	k.b = b;
+	k.c = c;
+	bpf_map_delete_elem(&changes, &k);
+	bpf_map_delete_elem(&paths, &k);
+}
+
+/* A successful path-based call other than open. */
+static __always_inline void record_path(struct pending *pd, struct sstate *s, __u32 slot)
+{
+	struct prec *r = scratch_rec();
+	if (!r) {
+		flag_slot(s, slot, S_FS_UNKNOWN);
+		return;
+	}
+	long n = read_path(r, pd->p1, 1);
+	if (n <= 0) {
+		flag_slot(s, slot, S_PATH_FAULT | S_FS_UNKNOWN);
+		return;
+	}
+	if (n == 1) {
+		/* "" : an AT_EMPTY_PATH call on dfd itself */
+		if (pd->op == OP_META)
+			record_fd(pd->sbx, pd->dfd1, C_META);
+		else
+			flag_slot(s, slot, S_FS_UNKNOWN);
+		return;
+	}
+	if (pd->op == OP_RENAME || pd->op == OP_LINK || pd->op == OP_SYMLINK)
+		read_path(r, pd->p2, 2);
+	struct hashes h = {};
+	hash_str(r->p1, &h);
+	struct ckey k = {};
+	k.sbx = pd->sbx;
+	k.slot = slot;
+	struct vfsmount *bm = NULL;
+	struct dentry *bd = NULL;
+	int ign = 0;
+	if (name_key(pd->dfd1, r->p1, &h, &k, &bm, &bd, &ign) != 0) {
+		flag_slot(s, slot, S_FS_UNKNOWN);
+		return;
+	}
+	if (ign)
+		return; /* a single name inside /proc, /sys, cgroupfs... */
+	int relative = r->p1[0] != '/';
+	__u32 trunc = (r->have & P_P1_TRUNC) ? C_NOCANCEL : 0;
+
+	switch (pd->op) {
+	case OP_UNLINK: {
+		__u32 dir = (pd->flags & AT_REMOVEDIR) ? C_DIR : 0;
+		struct change *c = bpf_map_lookup_elem(&changes, &k);
+		if (c && (c->flags & C_CREATED) && !(c->flags & C_NOCANCEL) && !trunc &&
+		    c->gen == *(volatile __u64 *)&s->ns_gen &&
+		    *(volatile __u64 *)&s->ns_inflight == 0) {
+			/* Created in this turn and nothing could have re-pointed the name: net
+			 * nothing. Drop the name, its alias and the inode record. */
+			__u32 ak = c->alias_kind;
+			__u64 aa = c->alias_a, ab = c->alias_b, ac = c->alias_c;
+			__u64 dev = c->dev, ino = c->ino;
+			bpf_map_delete_elem(&changes, &k);
+			bpf_map_delete_elem(&paths, &k);
+			if (ak != NO_ALIAS)
+				delete_key(ak, aa, ab, ac, pd->sbx, slot);
+			if (dev || ino)
+				delete_key(K_INODE, dev, ino, 0, pd->sbx, slot);
+			return;
+		}
+		fill_base_walk(r, relative, bm, bd);
+		upsert(s, &k, C_DELETED | dir | trunc, 0, r);
+		return;
+	}
+	case OP_MKDIR:
+	case OP_MKNOD:
+	case OP_SYMLINK: {
+		__u32 what = pd->op == OP_MKDIR ? C_DIR : (pd->op == OP_MKNOD ? C_NODE : C_SYMLINK);
+		struct change *c = bpf_map_lookup_elem(&changes, &k);
+		if (c) {
+			/* re-created after a delete in this turn: it is now a modification */
+			__sync_fetch_and_or(&c->flags, what | C_MODIFIED | C_NOCANCEL);
+			return;
+		}
+		fill_base_walk(r, relative, bm, bd);
+		struct change nc = {};
+		nc.flags = C_CREATED | what | trunc | (pd->ns_busy ? C_NOCANCEL : 0);
+		/* symlink counts itself in ns_gen: compare against the value after its exit */
+		nc.gen = pd->op == OP_SYMLINK ? pd->gen + 1 : pd->gen;
+		nc.alias_kind = NO_ALIAS;
+		bpf_map_update_elem(&paths, &k, r, BPF_ANY);
+		if (bpf_map_update_elem(&changes, &k, &nc, BPF_NOEXIST) != 0)
+			flag_slot(s, slot, S_OVERFLOW);
+		else
+			__sync_fetch_and_add(&s->events[slot & 1], 1);
+		return;
+	}
+	case OP_LINK:
+		fill_base_walk(r, relative, bm, bd);
+		upsert(s, &k, C_CREATED | C_LINKED | C_NOCANCEL, 0, r);
+		return;
+	case OP_RENAME: {
+		/* The source name: a record of it is superseded by the rename record. */
+		if (r->have & P_P2) {
+			struct hashes h2 = {};
+			hash_str(r->p2, &h2);
+			struct ckey ok = {};
+			ok.sbx = pd->sbx;
+			ok.slot = slot;
+			struct vfsmount *om;
+			struct dentry *od;
+			int oign = 0;
+			if (name_key(pd->dfd2, r->p2, &h2, &ok, &om, &od, &oign) == 0) {
+				struct change *oc = bpf_map_lookup_elem(&changes, &ok);
+				if (oc) {
+					/* The rename record below supersedes the source name's. */
+					if (oc->flags & C_CREATED)
+						trunc |= C_CREATED; /* moved a file created in this turn */
+					__u32 ak = oc->alias_kind;
+					__u64 aa = oc->alias_a, ab = oc->alias_b, ac = oc->alias_c;
+					bpf_map_delete_elem(&changes, &ok);
+					bpf_map_delete_elem(&paths, &ok);
+					if (ak != NO_ALIAS)
+						delete_key(ak, aa, ab, ac, pd->sbx, slot);
+				}
+			}
+		}
+		fill_base_walk(r, relative, bm, bd);
+		struct change *c = bpf_map_lookup_elem(&changes, &k);
+		if (c) {
+			__sync_fetch_and_or(&c->flags, C_RENAMED | C_NOCANCEL | C_MODIFIED);
+			bpf_map_update_elem(&paths, &k, r, BPF_ANY);
+			return;
+		}
+		upsert(s, &k, C_RENAMED | C_NOCANCEL | trunc, 0, r);
+		return;
+	}
+	case OP_TRUNC:
+		fill_base_walk(r, relative, bm, bd);
+		upsert(s, &k, C_MODIFIED | trunc, 0, r);
+		return;
+	case OP_META:
+		fill_base_walk(r, relative, bm, bd);
+		upsert(s, &k, C_META | trunc, 0, r);
+		return;
+	}
+}
+
+static __always_inline void finish_nsop(struct pending *pd)
+{
+	if (pd->is_nsop) {
+		struct sstate *s = state_of(pd->sbx);
+		__sync_fetch_and_add(&s->ns_gen, 1);
+		__sync_fetch_and_add(&s->ns_inflight, -1);
+	}
+}
+
+static __always_inline int handle_exit(long ret)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct pending *pp = bpf_map_lookup_elem(&pending, &id);
+	if (!pp)
+		return 0;
+	struct pending pd = *pp;
+	bpf_map_delete_elem(&pending, &id);
+	if (ret < 0) {
+		finish_nsop(&pd);
+		return 0;
+	}
+	struct sstate *s = state_of(pd.sbx);
+	__u32 slot = enter_slot(s);
+	if (pd.op == OP_OPEN)
+		record_open(&pd, ret, s, slot);
+	else
+		record_path(&pd, s, slot);
+	leave_slot(s, slot);
+	finish_nsop(&pd);
+	return 0;
+}
+
+#define EXIT_HANDLER(sc)                                                                          \
+	SEC("tracepoint/syscalls/sys_exit_" #sc)                                                  \
+	int exit_##sc(struct trace_event_raw_sys_exit *ctx)                                       \
+	{                                                                                          \
+		return handle_exit(ctx->ret);                                                          \
+	}
+
+EXIT_HANDLER(open)
+EXIT_HANDLER(openat)
+EXIT_HANDLER(openat2)
+EXIT_HANDLER(creat)
+EXIT_HANDLER(unlink)
+EXIT_HANDLER(unlinkat)
+EXIT_HANDLER(rmdir)
+EXIT_HANDLER(mkdir)
+EXIT_HANDLER(mkdirat)
+EXIT_HANDLER(mknod)
+EXIT_HANDLER(mknodat)
+EXIT_HANDLER(symlink)
+EXIT_HANDLER(symlinkat)
+EXIT_HANDLER(link)
+EXIT_HANDLER(linkat)
+EXIT_HANDLER(rename)
+EXIT_HANDLER(renameat)
+EXIT_HANDLER(renameat2)
+EXIT_HANDLER(truncate)
+EXIT_HANDLER(chmod)
+EXIT_HANDLER(fchmodat)
+EXIT_HANDLER(fchmodat2)
+EXIT_HANDLER(chown)
+EXIT_HANDLER(lchown)
+EXIT_HANDLER(fchownat)
+EXIT_HANDLER(setxattr)
+EXIT_HANDLER(lsetxattr)
+EXIT_HANDLER(removexattr)
+EXIT_HANDLER(lremovexattr)
+EXIT_HANDLER(setxattrat)
+EXIT_HANDLER(removexattrat)
+EXIT_HANDLER(utime)
+EXIT_HANDLER(utimes)
+EXIT_HANDLER(futimesat)
+EXIT_HANDLER(utimensat)
+
+/* ---- processes ---------------------------------------------------------------------------- */
+
+static __always_inline void mark_ran(__u32 sbx, __u32 tgid, int exec)
+{
+	struct sstate *s = state_of(sbx);
+	__u32 slot = enter_slot(s);
+	__u64 e = *(volatile __u64 *)&s->epoch;
+	struct proc *p = bpf_map_lookup_elem(&procs, &tgid);
+	if (p) {
+		if (p->ran_epoch != e)
+			p->ran_epoch = e;
+		if (exec)
+			p->exec_epoch = e;
+	} else {
+		/* Entered the sandbox from outside (moved into its cgroup): born now. */
+		struct proc np = {};
+		np.sbx = sbx;
+		np.born_epoch = e;
+		np.ran_epoch = e;
+		if (bpf_map_update_elem(&procs, &tgid, &np, BPF_NOEXIST) != 0 &&
+		    !bpf_map_lookup_elem(&procs, &tgid))
+			flag_slot(s, slot, S_PROC_OVERFLOW);
+	}
+	leave_slot(s, slot);
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
+{
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	mark_ran(sbx, bpf_get_current_pid_tgid() >> 32, 0);
+	return 0;
+}
+
+SEC("tp_btf/sched_process_fork")
+int BPF_PROG(on_fork, struct task_struct *parent, struct task_struct *child)
+{
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	__u32 pid = BPF_CORE_READ(child, pid);
+	__u32 tgid = BPF_CORE_READ(child, tgid);
+	if (pid != tgid) {
+		mark_ran(sbx, tgid, 0); /* a new thread changes its process */
+		return 0;
+	}
+	struct sstate *s = state_of(sbx);
+	__u32 slot = enter_slot(s);
+	struct proc np = {};
+	np.sbx = sbx;
+	np.born_epoch = *(volatile __u64 *)&s->epoch;
+	np.ran_epoch = np.born_epoch;
+	if (bpf_map_update_elem(&procs, &tgid, &np, BPF_ANY) != 0)
+		flag_slot(s, slot, S_PROC_OVERFLOW);
+	flag_slot(s, slot, S_PROC_EVENT);
+	leave_slot(s, slot);
+	return 0;
+}
+
+SEC("tp_btf/sched_process_exec")
+int BPF_PROG(on_exec, struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)
+{
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	mark_ran(sbx, bpf_get_current_pid_tgid() >> 32, 1);
+	return 0;
+}
+
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(on_exit_task, struct task_struct *task, bool group_dead)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct pending *pp = bpf_map_lookup_elem(&pending, &id);
+	if (pp) {
+		struct pending pd = *pp;
+		bpf_map_delete_elem(&pending, &id);
+		finish_nsop(&pd);
+	}
+	if (!group_dead)
+		return 0;
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	__u32 tgid = id >> 32;
+	struct sstate *s = state_of(sbx);
+	__u32 slot = enter_slot(s);
+	__u64 e = *(volatile __u64 *)&s->epoch;
+	struct proc *p = bpf_map_lookup_elem(&procs, &tgid);
+	if (p) {
+		if (p->born_epoch == e && p->born_epoch != 0) {
+			/* born and gone within the turn: nothing */
+			bpf_map_delete_elem(&procs, &tgid);
+		} else {
+			p->died_epoch = e;
+			p->flags |= PR_DEAD;
+		}
+	}
+	flag_slot(s, slot, S_PROC_EVENT);
+	leave_slot(s, slot);
+	return 0;
+}

@@ -1,0 +1,608 @@
+//! [`Inspector`]: loads the BPF object once per host, registers sandboxes by cgroup, and at each
+//! turn boundary reads one sandbox's turn state (summary words in the mmapped `.bss`, its slot of
+//! the change map, its processes) into a [`Verdict`], resetting the turn when asked to.
+
+use std::collections::{HashMap, HashSet};
+use std::mem::MaybeUninit;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
+use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
+use serde::Serialize;
+
+use crate::abi::{
+    kdev_split, CKey, Change, PathRec, ProcRec, CHANGE_SIZE, CKEY_SIZE, MAX_SBX, PREC_SIZE,
+    PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS, SS_INFLIGHT, SS_NS_INFLIGHT, S_FOREIGN_MEM,
+    S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT, S_PENDING_LOST, S_PROC_OVERFLOW,
+    S_UNTRACKABLE,
+};
+use crate::error::InspectorError;
+use crate::maps::{self, Bss};
+use crate::procfs;
+use crate::skel::{InspectorSkel, InspectorSkelBuilder};
+use crate::verdict::{build_changeset, decide, ChangeOp, TurnFacts, Verdict};
+
+const TRACEFS: &str = "/sys/kernel/tracing";
+/// How long `take` waits for handlers still recording into the closing turn.
+const QUIESCE_LIMIT: Duration = Duration::from_millis(200);
+
+/// What [`Inspector::attach`] registered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SandboxHandle {
+    /// Sandbox name.
+    pub sandbox: String,
+    /// Key of the sandbox in the BPF maps (0..256).
+    pub key: u32,
+    /// cgroup v2 id (inode number of the cgroup directory).
+    pub cgroup_id: u64,
+    /// Level of the cgroup below the cgroup2 root.
+    pub level: u32,
+    /// Processes found in the cgroup tree at attach time (the first baseline).
+    pub initial_processes: usize,
+}
+
+/// Counters of one sandbox's current turn (cheap, no map iteration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TurnStats {
+    /// Turn number.
+    pub turn: u64,
+    /// Distinct fs records created in this turn so far.
+    pub fs_records: u64,
+    /// Raw summary flags of the turn (see `src/bpf/inspector.h`).
+    pub flags: u64,
+}
+
+#[derive(Debug)]
+struct Reg {
+    handle: SandboxHandle,
+    /// Reasons carried into the next verdict (e.g. a turn that did not quiesce).
+    carry: Vec<String>,
+}
+
+struct Loaded {
+    _skel: InspectorSkel<'static>,
+    _links: Vec<Link>,
+}
+
+// SAFETY: after loading, the skeleton is only kept alive (never used through shared references
+// from several threads; all map access goes through owned MapHandles and the atomics in `Bss`).
+// libbpf's Object is itself Send + Sync in libbpf-rs.
+unsafe impl Send for Loaded {}
+
+struct Inner {
+    bss: Bss,
+    cgmap: MapHandle,
+    changes: MapHandle,
+    paths: MapHandle,
+    procs: MapHandle,
+    sandboxes: HashMap<String, Reg>,
+    free: Vec<u32>,
+    level_refs: [u32; 32],
+    // Dropped last: the bss mapping belongs to it.
+    _loaded: Loaded,
+}
+
+/// The host's inspector: one per daemon. Thread-safe; calls are serialized internally.
+pub struct Inspector {
+    inner: Mutex<Inner>,
+    programs: usize,
+}
+
+impl std::fmt::Debug for Inspector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inspector").field("programs", &self.programs).finish_non_exhaustive()
+    }
+}
+
+fn bpf_err(
+    stage: &'static str,
+    what: Option<String>,
+) -> impl FnOnce(libbpf_rs::Error) -> InspectorError {
+    move |source| InspectorError::Bpf { stage, what, source }
+}
+
+fn ensure_tracefs() -> Result<(), InspectorError> {
+    if Path::new(TRACEFS).join("events").is_dir() {
+        return Ok(());
+    }
+    if Path::new("/sys/kernel/debug/tracing/events").is_dir() {
+        return Ok(());
+    }
+    let target = c"/sys/kernel/tracing";
+    let fstype = c"tracefs";
+    // SAFETY: all pointers are valid NUL-terminated strings; data is NULL.
+    let rc = unsafe {
+        libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null())
+    };
+    if rc != 0 {
+        return Err(InspectorError::Tracefs {
+            path: PathBuf::from(TRACEFS),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    tracing::info!("mounted tracefs at {TRACEFS}");
+    Ok(())
+}
+
+/// Whether the tracepoint a program's section names exists on this kernel.
+fn tracepoint_exists(section: &str) -> bool {
+    match section.strip_prefix("tracepoint/") {
+        Some(tp) => Path::new(TRACEFS).join("events").join(tp).is_dir(),
+        None => true,
+    }
+}
+
+impl Inspector {
+    /// Loads and attaches the BPF programs. Fails with a clear error when not root or when the
+    /// kernel lacks BPF tracepoint support.
+    pub fn load() -> Result<Self, InspectorError> {
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        if uid != 0 {
+            return Err(InspectorError::NotRoot { uid });
+        }
+        ensure_tracefs()?;
+        // The skeleton borrows its OpenObject for its whole life; the daemon loads once, so a
+        // leaked box is the simplest owner.
+        let open_obj: &'static mut MaybeUninit<OpenObject> =
+            Box::leak(Box::new(MaybeUninit::uninit()));
+        let mut open =
+            InspectorSkelBuilder::default().open(open_obj).map_err(bpf_err("open", None))?;
+        let mut skipped = Vec::new();
+        for mut p in open.open_object_mut().progs_mut() {
+            let section = p.section().to_string_lossy().into_owned();
+            if !tracepoint_exists(&section) {
+                // The syscall does not exist on this kernel, so nothing can call it.
+                p.set_autoload(false);
+                skipped.push(section);
+            }
+        }
+        if !skipped.is_empty() {
+            tracing::debug!(?skipped, "tracepoints absent on this kernel; programs not loaded");
+        }
+        let mut skel = open.load().map_err(bpf_err("load", None))?;
+        let mut links = Vec::new();
+        for p in skel.object().progs_mut() {
+            if !p.autoload() {
+                continue;
+            }
+            let name = p.name().to_string_lossy().into_owned();
+            links.push(p.attach().map_err(bpf_err("attach", Some(name)))?);
+        }
+        let programs = links.len();
+        let handle = |m: &libbpf_rs::MapMut<'_>, name: &str| {
+            MapHandle::try_from(m).map_err(bpf_err("map dup", Some(name.to_string())))
+        };
+        let cgmap = handle(&skel.maps.cgmap, "cgmap")?;
+        let changes = handle(&skel.maps.changes, "changes")?;
+        let paths = handle(&skel.maps.paths, "paths")?;
+        let procs = handle(&skel.maps.procs, "procs")?;
+        check_size(&changes, "changes", CKEY_SIZE, CHANGE_SIZE)?;
+        check_size(&paths, "paths", CKEY_SIZE, PREC_SIZE)?;
+        check_size(&procs, "procs", 4, PROC_SIZE)?;
+        let bss_ref = skel.maps.bss_data.take().ok_or_else(|| InspectorError::Bpf {
+            stage: "mmap",
+            what: Some(".bss".into()),
+            source: libbpf_rs::Error::from(std::io::Error::other("the .bss map is not mmapped")),
+        })?;
+        // SAFETY: the reference came from the skeleton's mmapped .bss; the skeleton is stored in
+        // `Inner::loaded`, declared after `bss`, so the mapping outlives every use of it.
+        let bss = unsafe { Bss::new(std::ptr::from_mut(bss_ref).cast::<u8>()) };
+        tracing::info!(programs, "inspector loaded");
+        Ok(Inspector {
+            inner: Mutex::new(Inner {
+                bss,
+                cgmap,
+                changes,
+                paths,
+                procs,
+                sandboxes: HashMap::new(),
+                free: (0..MAX_SBX as u32).rev().collect(),
+                level_refs: [0; 32],
+                _loaded: Loaded { _skel: skel, _links: links },
+            }),
+            programs,
+        })
+    }
+
+    /// Number of attached BPF programs.
+    pub fn programs(&self) -> usize {
+        self.programs
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, Inner>, InspectorError> {
+        self.inner.lock().map_err(|_| InspectorError::Poisoned)
+    }
+
+    /// Starts tracking the sandbox whose cgroup v2 directory is `cgroup_dir` (its descendants
+    /// included). The processes already in it form the first baseline; turn 1 starts now.
+    pub fn attach(
+        &self,
+        sandbox: &str,
+        cgroup_dir: &Path,
+    ) -> Result<SandboxHandle, InspectorError> {
+        let (cgroup_id, level) = procfs::cgroup_id_and_level(cgroup_dir)?;
+        let mut g = self.lock()?;
+        if g.sandboxes.contains_key(sandbox) {
+            return Err(InspectorError::AlreadyAttached(sandbox.to_string()));
+        }
+        let key = g.free.pop().ok_or(InspectorError::TooManySandboxes { max: MAX_SBX })?;
+        let r = g.attach_key(sandbox, key, cgroup_id, level, cgroup_dir);
+        match r {
+            Ok(h) => Ok(h),
+            Err(e) => {
+                g.free.push(key);
+                Err(e)
+            }
+        }
+    }
+
+    /// Stops tracking a sandbox and drops its state. Unknown names are ignored.
+    pub fn detach(&self, sandbox: &str) {
+        let Ok(mut g) = self.lock() else { return };
+        if let Some(reg) = g.sandboxes.remove(sandbox) {
+            if let Err(e) = g.detach_key(&reg.handle) {
+                tracing::warn!(sandbox, error = %e, "detach left stale inspector records");
+            }
+            g.free.push(reg.handle.key);
+        }
+    }
+
+    /// The names of the attached sandboxes.
+    pub fn sandboxes(&self) -> Vec<String> {
+        self.lock().map(|g| g.sandboxes.keys().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Cheap counters of the current turn.
+    pub fn stats(&self, sandbox: &str) -> Result<TurnStats, InspectorError> {
+        let g = self.lock()?;
+        let reg = g.reg(sandbox)?;
+        let k = reg.handle.key;
+        let e = g.bss.sstate(k, SS_EPOCH).load(Ordering::SeqCst);
+        let slot = (e & 1) as usize;
+        Ok(TurnStats {
+            turn: e,
+            fs_records: g.bss.sstate(k, SS_EVENTS + 8 * slot).load(Ordering::SeqCst),
+            flags: g.bss.sstate(k, SS_FLAGS + 8 * slot).load(Ordering::SeqCst),
+        })
+    }
+
+    /// The verdict of the current (open) turn, without resetting it.
+    pub fn peek(&self, sandbox: &str) -> Result<Verdict, InspectorError> {
+        let mut g = self.lock()?;
+        g.verdict(sandbox, false)
+    }
+
+    /// The verdict of the current turn, closing it: call when the checkpoint is taken. The next
+    /// turn starts empty and its process baseline is the live set now.
+    pub fn take(&self, sandbox: &str) -> Result<Verdict, InspectorError> {
+        let mut g = self.lock()?;
+        g.verdict(sandbox, true)
+    }
+
+    /// Closes the current turn without needing its verdict (a checkpoint was taken anyway).
+    pub fn mark_checkpointed(&self, sandbox: &str) -> Result<(), InspectorError> {
+        self.take(sandbox).map(|_| ())
+    }
+}
+
+fn check_size(m: &MapHandle, name: &str, k: usize, v: usize) -> Result<(), InspectorError> {
+    if m.key_size() as usize != k || m.value_size() as usize != v {
+        return Err(InspectorError::Bpf {
+            stage: "layout check",
+            what: Some(name.to_string()),
+            source: libbpf_rs::Error::from(std::io::Error::other(format!(
+                "key/value sizes {}/{} differ from the expected {k}/{v}",
+                m.key_size(),
+                m.value_size()
+            ))),
+        });
+    }
+    Ok(())
+}
+
+fn flag_reasons(flags: u64, facts: &mut TurnFacts) {
+    let c = &mut facts.conservative_reasons;
+    if flags & S_OVERFLOW != 0 {
+        c.push("the change map was full: a file change may be missing".into());
+    }
+    if flags & S_UNTRACKABLE != 0 {
+        c.push("io_uring_setup was called: io_uring operations are not traced".into());
+    }
+    if flags & S_MOUNT != 0 {
+        c.push("a mount-family call changed the mount table".into());
+    }
+    if flags & S_NS != 0 {
+        c.push("chroot/pivot_root/unshare/setns changed namespaces".into());
+    }
+    if flags & S_PENDING_LOST != 0 {
+        c.push("the pending-syscall map was full: a path call went unrecorded".into());
+    }
+    if flags & S_PROC_OVERFLOW != 0 {
+        c.push("the process map was full: a process change may be missing".into());
+    }
+    if flags & S_FOREIGN_MEM != 0 {
+        facts
+            .proc_reasons
+            .push("ptrace or process_vm_writev may have changed process memory".into());
+    }
+    if flags & (S_FS_UNKNOWN | S_PATH_FAULT) != 0 {
+        facts.fs_reasons.push("a file change whose path could not be read".into());
+    }
+}
+
+impl Inner {
+    fn reg(&self, sandbox: &str) -> Result<&Reg, InspectorError> {
+        self.sandboxes.get(sandbox).ok_or_else(|| InspectorError::NotAttached(sandbox.to_string()))
+    }
+
+    fn set_level_mask(&self) {
+        let mut mask = 0u32;
+        for (l, &n) in self.level_refs.iter().enumerate() {
+            if n > 0 && (1..8).contains(&l) {
+                mask |= 1 << l;
+            }
+        }
+        self.bss.level_mask().store(mask, Ordering::SeqCst);
+    }
+
+    fn attach_key(
+        &mut self,
+        sandbox: &str,
+        key: u32,
+        cgroup_id: u64,
+        level: u32,
+        dir: &Path,
+    ) -> Result<SandboxHandle, InspectorError> {
+        let s = &self.bss;
+        let epoch = s.sstate(key, SS_EPOCH).load(Ordering::SeqCst).max(1);
+        s.sstate(key, SS_EPOCH).store(epoch, Ordering::SeqCst);
+        for slot in 0..2 {
+            s.sstate(key, SS_FLAGS + 8 * slot).store(0, Ordering::SeqCst);
+            s.sstate(key, SS_EVENTS + 8 * slot).store(0, Ordering::SeqCst);
+        }
+        s.sstate(key, SS_NS_INFLIGHT).store(0, Ordering::SeqCst);
+        maps::update(
+            &self.cgmap,
+            "cgmap",
+            &cgroup_id.to_ne_bytes(),
+            &key.to_ne_bytes(),
+            MapFlags::ANY,
+        )?;
+        if level >= 8 {
+            tracing::warn!(sandbox, level, "cgroup deeper than 7 levels: only its own processes are attributed, not descendants'");
+        }
+        if let Some(r) = self.level_refs.get_mut(level as usize) {
+            *r += 1;
+        }
+        self.set_level_mask();
+        // Baseline: the processes there now (BPF may already have added some: keep those).
+        let pids = procfs::cgroup_tree_pids(dir)?;
+        let rec = ProcRec {
+            sbx: key,
+            flags: 0,
+            born_epoch: 0,
+            died_epoch: 0,
+            ran_epoch: 0,
+            exec_epoch: 0,
+        };
+        for pid in &pids {
+            if let Err(e) = self.procs.update(&pid.to_ne_bytes(), &rec.encode(), MapFlags::NO_EXIST)
+            {
+                if e.kind() != libbpf_rs::ErrorKind::AlreadyExists {
+                    tracing::warn!(pid, error = %e, "could not record a baseline process");
+                }
+            }
+        }
+        let handle = SandboxHandle {
+            sandbox: sandbox.to_string(),
+            key,
+            cgroup_id,
+            level,
+            initial_processes: pids.len(),
+        };
+        self.sandboxes
+            .insert(sandbox.to_string(), Reg { handle: handle.clone(), carry: Vec::new() });
+        tracing::info!(sandbox, key, cgroup_id, level, "sandbox attached to the inspector");
+        Ok(handle)
+    }
+
+    fn detach_key(&mut self, h: &SandboxHandle) -> Result<(), InspectorError> {
+        if let Err(e) = self.cgmap.delete(&h.cgroup_id.to_ne_bytes()) {
+            tracing::warn!(sandbox = %h.sandbox, error = %e, "cgroup id was not registered");
+        }
+        if let Some(r) = self.level_refs.get_mut(h.level as usize) {
+            *r = r.saturating_sub(1);
+        }
+        self.set_level_mask();
+        let key = h.key;
+        let d = maps::dump(&self.changes, "changes")?;
+        let mine: Vec<&[u8]> =
+            d.iter().filter(|(k, _)| CKey::parse(k).sbx == key).map(|(k, _)| k).collect();
+        maps::delete_keys(&self.changes, "changes", mine.iter().copied())?;
+        maps::delete_keys(&self.paths, "paths", mine.iter().copied())?;
+        let p = maps::dump(&self.procs, "procs")?;
+        let mine: Vec<&[u8]> =
+            p.iter().filter(|(_, v)| ProcRec::parse(v).sbx == key).map(|(k, _)| k).collect();
+        maps::delete_keys(&self.procs, "procs", mine.into_iter())?;
+        Ok(())
+    }
+
+    fn verdict(&mut self, sandbox: &str, close: bool) -> Result<Verdict, InspectorError> {
+        let (key, mut carry) = {
+            let reg = self.reg(sandbox)?;
+            (reg.handle.key, reg.carry.clone())
+        };
+        let bss = &self.bss;
+        let epoch_w = bss.sstate(key, SS_EPOCH);
+        let e = if close {
+            epoch_w.fetch_add(1, Ordering::SeqCst)
+        } else {
+            epoch_w.load(Ordering::SeqCst)
+        };
+        let slot = (e & 1) as u8;
+        let mut next_carry = Vec::new();
+        if close {
+            // Wait until no handler is still recording into the closing slot.
+            let inflight = bss.sstate(key, SS_INFLIGHT + 8 * slot as usize);
+            let start = Instant::now();
+            let mut spins = 0u32;
+            while inflight.load(Ordering::SeqCst) != 0 {
+                if start.elapsed() > QUIESCE_LIMIT {
+                    let m = "BPF handlers were still recording at the turn boundary".to_string();
+                    carry.push(m.clone());
+                    next_carry.push(m);
+                    break;
+                }
+                spins += 1;
+                if spins > 1000 {
+                    std::thread::sleep(Duration::from_micros(50));
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        let flags_w = bss.sstate(key, SS_FLAGS + 8 * slot as usize);
+        let flags =
+            if close { flags_w.swap(0, Ordering::SeqCst) } else { flags_w.load(Ordering::SeqCst) };
+        if close {
+            bss.sstate(key, SS_EVENTS + 8 * slot as usize).store(0, Ordering::SeqCst);
+        }
+
+        // The turn's file records.
+        let d = maps::dump(&self.changes, "changes")?;
+        let mut entries: Vec<(CKey, Change, Option<PathRec>)> = Vec::new();
+        let mut raw_keys: Vec<&[u8]> = Vec::new();
+        for (k, v) in d.iter() {
+            let ck = CKey::parse(k);
+            if ck.sbx != key || ck.slot != slot {
+                continue;
+            }
+            let rec = match self.paths.lookup(k, MapFlags::ANY) {
+                Ok(Some(b)) => Some(PathRec::parse(&b)),
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::debug!(error = %e, "path record lookup failed");
+                    None
+                }
+            };
+            entries.push((ck, Change::parse(v), rec));
+            raw_keys.push(k);
+        }
+        if close {
+            maps::delete_keys(&self.changes, "changes", raw_keys.iter().copied())?;
+            maps::delete_keys(&self.paths, "paths", raw_keys.iter().copied())?;
+        }
+
+        let mut facts = TurnFacts { changeset: build_changeset(&entries), ..Default::default() };
+        facts.conservative_reasons.append(&mut carry);
+        flag_reasons(flags, &mut facts);
+
+        // Processes.
+        let p = maps::dump(&self.procs, "procs")?;
+        let mut long_lived: Vec<u32> = Vec::new();
+        let mut gc: Vec<Vec<u8>> = Vec::new();
+        for (k, v) in p.iter() {
+            let pr = ProcRec::parse(v);
+            if pr.sbx != key {
+                continue;
+            }
+            let mut kb = [0u8; 4];
+            kb.copy_from_slice(&k[..4]);
+            let pid = u32::from_ne_bytes(kb);
+            let dead = pr.flags & PR_DEAD != 0;
+            let died_by_end = dead && pr.died_epoch <= e;
+            if pr.born_epoch == e {
+                if !died_by_end {
+                    facts.processes.born.push(pid);
+                }
+            } else if pr.born_epoch < e {
+                if dead && pr.died_epoch == e {
+                    facts.processes.died.push(pid);
+                } else if !died_by_end {
+                    if pr.ran_epoch.max(pr.exec_epoch) >= e {
+                        facts.processes.ran.push(pid);
+                    } else {
+                        long_lived.push(pid);
+                    }
+                }
+            }
+            if close && died_by_end {
+                gc.push(k.to_vec());
+            }
+        }
+        if close {
+            maps::delete_keys(&self.procs, "procs", gc.iter().map(Vec::as_slice))?;
+        }
+        // A process running continuously since before the turn has not been switched out yet.
+        for &pid in &long_lived {
+            if procfs::state(pid) == Some('R') {
+                facts.processes.ran.push(pid);
+            }
+        }
+        long_lived.retain(|p| !facts.processes.ran.contains(p));
+        mapped_file_checks(&mut facts, &long_lived);
+        facts.processes.born.sort_unstable();
+        facts.processes.died.sort_unstable();
+        facts.processes.ran.sort_unstable();
+
+        if let Some(reg) = self.sandboxes.get_mut(sandbox) {
+            if close {
+                reg.carry = next_carry;
+            }
+        }
+        Ok(decide(sandbox, e, facts))
+    }
+}
+
+/// Mapped-file rules, read from /proc at the boundary:
+/// - a long-lived process that maps a file changed in this turn is a process change (CRIU could
+///   not restore it against the old file);
+/// - a deleted or renamed path while a long-lived process maps a deleted file, likewise;
+/// - a process that ran while holding a shared writable file mapping may have written the file
+///   through memory: a file change.
+fn mapped_file_checks(facts: &mut TurnFacts, idle: &[u32]) {
+    let changed: HashSet<(u64, u64, u64)> = facts
+        .changeset
+        .iter()
+        .filter_map(|c| c.inode)
+        .map(|(dev, ino)| {
+            let (ma, mi) = kdev_split(dev);
+            (ma, mi, ino)
+        })
+        .collect();
+    let removes =
+        facts.changeset.iter().any(|c| matches!(c.op, ChangeOp::Delete | ChangeOp::Rename { .. }));
+    let fs_changed = !facts.changeset.is_empty();
+    let ran = facts.processes.ran.clone();
+    for &pid in ran.iter().chain(idle.iter()) {
+        let is_ran = ran.contains(&pid);
+        if !is_ran && !fs_changed {
+            continue;
+        }
+        let Some(m) = procfs::mappings(pid) else { continue };
+        if is_ran {
+            if let Some(p) = m.shared_writable.first() {
+                facts
+                    .fs_reasons
+                    .push(format!("pid {pid} ran with a shared writable mapping of {p}"));
+            }
+        }
+        if !is_ran && fs_changed {
+            if let Some(hit) = m.inodes.iter().find(|i| changed.contains(i)) {
+                facts.proc_reasons.push(format!(
+                    "pid {pid} maps a file changed in this turn (dev {}:{} ino {})",
+                    hit.0, hit.1, hit.2
+                ));
+            } else if removes && !m.deleted.is_empty() {
+                facts.proc_reasons.push(format!(
+                    "pid {pid} maps a deleted file ({}) and this turn removed paths",
+                    m.deleted[0]
+                ));
+            }
+        }
+    }
+}

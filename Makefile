@@ -41,4 +41,4 @@ test: build lint
 bench: build-release
 	@scripts/daemon.sh restart target/release/crab
 	@$(MAKE) --no-print-directory image-release
-	target/release/crab bench all
+	target/release/crab bench foundation

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use base64::Engine;
 use clap::{Args, Parser, Subcommand};
-use hyper::Method;
+use crab_client::Method;
 use serde::Serialize;
 
 use crab_common::api::{
@@ -19,9 +19,9 @@ use crab_common::api::{
 use crab_common::paths::{StateDir, DEFAULT_STATE_DIR};
 use crab_common::ApiError;
 
-use crate::client::Client;
 use crate::daemon::{self, DaemonOptions};
 use crate::output::{age, human_bytes, print_error, table, ProgressDrawer};
+use crab_client::Client;
 
 #[derive(Debug, Parser)]
 #[command(name = "crab", version, about = "Checkpoint/restore runtime for AI-agent sandboxes")]
@@ -54,6 +54,25 @@ enum Cmd {
     Exec(ExecArgs),
     /// Show the daemon's version and state directory.
     Version,
+    /// Run a benchmark against the running daemon.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCmd {
+    /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
+    Foundation {
+        /// Image to create sandboxes from.
+        #[arg(long, default_value = "debian")]
+        image: String,
+        /// Number of sandbox creations.
+        #[arg(long, default_value_t = 30)]
+        creates: usize,
+        /// Number of exec/host pairs.
+        #[arg(long, default_value_t = 200)]
+        execs: usize,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -211,6 +230,7 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Image(c) => image_cmd(&client, c, json).await,
         Cmd::Sandbox(c) => sandbox_cmd(&client, c, json).await,
         Cmd::Exec(a) => return exec_cmd(&client, a, json).await,
+        Cmd::Bench(b) => bench_cmd(&client, &state, b, json).await,
     };
     match res {
         Ok(code) => code,
@@ -466,4 +486,44 @@ async fn exec_cmd(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
         eprintln!("crab: command timed out after {:.1} s and was killed", res.duration_ms / 1e3);
     }
     ExitCode::from(res.code.clamp(0, 255) as u8)
+}
+
+async fn bench_cmd(
+    client: &Client,
+    state: &StateDir,
+    b: BenchCmd,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    let exe =
+        std::env::current_exe().map_err(|e| ApiError::internal(format!("locating crab: {e}")))?;
+    match b {
+        BenchCmd::Foundation { image, creates, execs } => {
+            eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
+            let r = crab_bench::foundation::run(client, &exe, state.root(), &image, creates, execs)
+                .await?;
+            if json {
+                print_json(&r);
+            } else {
+                let row = |name: &str, s: &crab_bench::Summary| {
+                    vec![
+                        name.to_string(),
+                        s.n.to_string(),
+                        format!("{:.2}", s.p50),
+                        format!("{:.2}", s.p95),
+                        format!("{:.2}", s.p99),
+                    ]
+                };
+                table(
+                    &["MEASURE (ms)", "N", "P50", "P95", "P99"],
+                    &[
+                        row("sandbox create", &r.create_ms),
+                        row("crab exec true", &r.exec_true_ms),
+                        row("host true", &r.host_true_ms),
+                    ],
+                );
+                println!("exec overhead over host (p50): {:.2} ms", r.exec_overhead_p50_ms);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }

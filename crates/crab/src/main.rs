@@ -5,7 +5,6 @@
 //! client of the daemon's API (see `client`), or the daemon itself (see `daemon`).
 
 mod cli;
-mod client;
 mod daemon;
 mod output;
 

@@ -10,8 +10,11 @@ use common::{crab, state_dir, wait_until, Sandbox};
 fn sigkilled_daemon_adopts_running_sandboxes() {
     let sb = Sandbox::new("t-adopt");
     sb.sh_ok("cd /tmp && echo adopted > index.html && nohup python3 -m http.server 8001 >/dev/null 2>&1 &");
-    assert!(wait_until(10.0, || sb.sh("curl -sf http://127.0.0.1:8001/index.html").0 == "adopted\n"));
-    let pid: i32 = std::fs::read_to_string(state_dir().join("daemon.pid")).unwrap().trim().parse().unwrap();
+    assert!(
+        wait_until(10.0, || sb.sh("curl -sf http://127.0.0.1:8001/index.html").0 == "adopted\n")
+    );
+    let pid: i32 =
+        std::fs::read_to_string(state_dir().join("daemon.pid")).unwrap().trim().parse().unwrap();
     nix_kill(pid);
     assert!(wait_until(5.0, || !common::daemon_up()));
     // Down: the CLI says so clearly.

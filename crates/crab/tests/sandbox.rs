@@ -15,7 +15,18 @@ fn exec_returns_output_and_exit_codes() {
     assert_eq!(err, "err\n");
     assert_eq!(code, 3);
     // argv is passed as is, working directory and environment apply.
-    let out = crab_ok(&["exec", "-w", "/tmp", "-e", "FOO=bar baz", &sb.name, "--", "sh", "-c", "pwd; echo $FOO; hostname"]);
+    let out = crab_ok(&[
+        "exec",
+        "-w",
+        "/tmp",
+        "-e",
+        "FOO=bar baz",
+        &sb.name,
+        "--",
+        "sh",
+        "-c",
+        "pwd; echo $FOO; hostname",
+    ]);
     assert_eq!(out, format!("/tmp\nbar baz\n{}\n", sb.name));
     // A missing program is 127 like a shell.
     let o = crab(&["exec", &sb.name, "--", "no-such-program"]);
@@ -30,7 +41,17 @@ fn exec_returns_output_and_exit_codes() {
 fn stdin_passes_through_with_i() {
     let sb = Sandbox::new("t-stdin");
     let mut child = std::process::Command::new(common::bin())
-        .args(["--state-dir", state_dir().to_str().unwrap(), "exec", "-i", &sb.name, "--", "sh", "-c", "tr a-z A-Z"])
+        .args([
+            "--state-dir",
+            state_dir().to_str().unwrap(),
+            "exec",
+            "-i",
+            &sb.name,
+            "--",
+            "sh",
+            "-c",
+            "tr a-z A-Z",
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -47,14 +68,19 @@ fn stdin_passes_through_with_i() {
 fn background_server_answers_a_later_exec() {
     let sb = Sandbox::new("t-srv");
     sb.sh_ok("cd /tmp && echo served > index.html && nohup python3 -m http.server 8000 >/tmp/http.log 2>&1 &");
-    let got = wait_until(10.0, || {
-        sb.sh("curl -sf http://127.0.0.1:8000/index.html").0 == "served\n"
-    });
+    let got =
+        wait_until(10.0, || sb.sh("curl -sf http://127.0.0.1:8000/index.html").0 == "served\n");
     assert!(got, "server did not answer");
     // The host's loopback does not see it (own network namespace).
-    let host = std::process::Command::new("curl").args(["-sf", "--max-time", "1", "http://127.0.0.1:8000/index.html"]).output();
+    let host = std::process::Command::new("curl")
+        .args(["-sf", "--max-time", "1", "http://127.0.0.1:8000/index.html"])
+        .output();
     if let Ok(h) = host {
-        assert_ne!(String::from_utf8_lossy(&h.stdout), "served\n", "sandbox port leaked to the host");
+        assert_ne!(
+            String::from_utf8_lossy(&h.stdout),
+            "served\n",
+            "sandbox port leaked to the host"
+        );
     }
     let info = sb.info();
     assert!(info["processes"].as_u64().unwrap() >= 2, "{info}");
@@ -102,7 +128,10 @@ fn rm_leaves_nothing_behind() {
     assert!(!state_dir().join("pool/sandboxes").join(&name).exists());
     assert!(!Path::new("/sys/fs/cgroup/unified/crab").join(&name).exists());
     for c in ["memory", "pids", "cpu"] {
-        assert!(!Path::new("/sys/fs/cgroup").join(c).join("crab").join(&name).exists(), "{c} cgroup left");
+        assert!(
+            !Path::new("/sys/fs/cgroup").join(c).join("crab").join(&name).exists(),
+            "{c} cgroup left"
+        );
     }
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(!mounts.contains(&name));
@@ -114,7 +143,16 @@ fn rm_leaves_nothing_behind() {
 fn timeout_kills_the_command_and_its_output_holders() {
     let sb = Sandbox::new("t-timeout");
     let start = std::time::Instant::now();
-    let o = crab(&["exec", "--timeout", "1", &sb.name, "--", "sh", "-c", "sleep 300 & sleep 200; echo never"]);
+    let o = crab(&[
+        "exec",
+        "--timeout",
+        "1",
+        &sb.name,
+        "--",
+        "sh",
+        "-c",
+        "sleep 300 & sleep 200; echo never",
+    ]);
     assert!(start.elapsed().as_secs_f64() < 10.0);
     assert_ne!(o.status.code(), Some(0));
     assert!(!String::from_utf8_lossy(&o.stdout).contains("never"));

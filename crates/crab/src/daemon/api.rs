@@ -76,12 +76,12 @@ pub fn err(e: ApiError) -> Response {
 }
 
 /// Decode a JSON request body into `T`, with a 400 naming the problem.
-pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
+pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| {
-        err(ApiError::invalid(
+        ApiError::invalid(
             format!("malformed request body: {e}"),
             "send a JSON object as documented in docs/api.md",
-        ))
+        )
     })
 }
 

@@ -25,7 +25,7 @@ pub async fn list(State(d): State<Arc<Daemon>>) -> Response {
 pub async fn build(State(d): State<Arc<Daemon>>, body: Bytes) -> Response {
     let req: ImageBuildRequest = match parse(&body) {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(e) => return err(e),
     };
     if req.distro != "debian" {
         return err(ApiError::invalid(
@@ -43,7 +43,7 @@ pub async fn build(State(d): State<Arc<Daemon>>, body: Bytes) -> Response {
 pub async fn import(State(d): State<Arc<Daemon>>, body: Bytes) -> Response {
     let req: ImageImportRequest = match parse(&body) {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(e) => return err(e),
     };
     let state = d.runtime.state().clone();
     long_operation(move |p| {

@@ -33,7 +33,7 @@ pub async fn get(State(d): State<Arc<Daemon>>, Path(name): Path<String>) -> Resp
 pub async fn create(State(d): State<Arc<Daemon>>, body: Bytes) -> Response {
     let req: SandboxCreateRequest = match parse(&body) {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(e) => return err(e),
     };
     let rt = d.runtime.clone();
     match blocking(move || rt.create(&req).map_err(ApiError::from)).await {
@@ -58,7 +58,7 @@ pub async fn remove(
 pub async fn exec(State(d): State<Arc<Daemon>>, Path(name): Path<String>, body: Bytes) -> Response {
     let req: ExecRequest = match parse(&body) {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(e) => return err(e),
     };
     // Refuse unknown sandboxes with a plain 404 rather than inside the stream.
     if let Err(e) = d.runtime.record(&name) {

@@ -55,12 +55,13 @@ pub fn start_daemon() {
         .or_else(|_| std::fs::File::create("/tmp/crab-test-daemon.log"))
         .unwrap();
     let mut cmd = Command::new("setsid");
-    cmd.arg(bin())
+    cmd.arg("-f")
+        .arg(bin())
         .args(["daemon", "--state-dir", state_dir().to_str().unwrap()])
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
         .stderr(log);
-    cmd.spawn().expect("start daemon");
+    assert!(cmd.status().expect("start daemon").success());
     let start = Instant::now();
     while !daemon_up() {
         assert!(start.elapsed() < Duration::from_secs(20), "daemon did not come up");

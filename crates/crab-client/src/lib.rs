@@ -1,4 +1,4 @@
-//! The API client: one HTTP/1.1 request per call over the daemon's unix socket.
+//! The API client of the Crab daemon: one HTTP/1.1 request per call over the daemon's unix socket.
 //!
 //! Plain calls decode one JSON document; streaming calls hand each newline-delimited JSON frame
 //! to a callback as it arrives. Any non-2xx answer is decoded as an [`ApiError`]. A missing or
@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request};
+pub use hyper::Method;
+use hyper::Request;
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use serde::Serialize;

@@ -236,3 +236,37 @@ fn archive_import_refuses_unsafe_entries() {
     let o = crab(&["image", "import", &unique("t-img"), rootdir.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("a/l"));
 }
+
+#[test]
+fn failed_create_leaves_nothing_behind() {
+    common::ensure_daemon();
+    let name = unique("t-fail");
+    // pids.max = 0 makes the sandbox's first fork fail after snapshot and cgroup exist.
+    let o = crab(&["sandbox", "create", "debian", "--name", &name, "--pids", "0"]);
+    assert!(!o.status.success(), "create with pids=0 succeeded");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("error:"));
+    assert!(!state_dir().join("pool/sandboxes").join(&name).exists());
+    assert!(!Path::new("/sys/fs/cgroup/unified/crab").join(&name).exists());
+    assert!(!Path::new("/sys/fs/cgroup/pids/crab").join(&name).exists());
+    assert!(!crab_ok(&["sandbox", "ls"]).contains(&name));
+    // The name is free again.
+    let sb = Sandbox { name: name.clone() };
+    crab_ok(&["sandbox", "create", "debian", "--name", &name]);
+    assert_eq!(sb.sh_ok("echo ok"), "ok\n");
+}
+
+#[test]
+fn network_modes() {
+    let none = Sandbox::with_args("t-netnone", &["--net", "none"]);
+    let o = none.sh_ok("ip -o link show lo");
+    assert!(o.contains("state DOWN") && !o.contains("LOWER_UP"), "lo is up with --net none: {o}");
+    assert_eq!(none.sh_ok("ip -o link | wc -l").trim(), "1");
+    let private = Sandbox::new("t-netpriv");
+    let links = private.sh_ok("ip -o link | wc -l");
+    assert_eq!(links.trim(), "1", "a private netns has only lo");
+    let host = Sandbox::with_args("t-nethost", &["--net", "host"]);
+    let host_links = host.sh_ok("ip -o link | wc -l");
+    let real =
+        std::process::Command::new("sh").args(["-c", "ip -o link | wc -l"]).output().unwrap();
+    assert_eq!(host_links.trim(), String::from_utf8_lossy(&real.stdout).trim());
+}

@@ -26,6 +26,7 @@ pub(crate) const P_WALK: u32 = 1 << 2;
 pub(crate) const P_WALK_FULL: u32 = 1 << 3;
 pub(crate) const P_P1_TRUNC: u32 = 1 << 4;
 pub(crate) const P_P2_TRUNC: u32 = 1 << 5;
+pub(crate) const P_WALK_IS_FILE: u32 = 1 << 6;
 
 pub(crate) const S_OVERFLOW: u64 = 1 << 0;
 pub(crate) const S_UNTRACKABLE: u64 = 1 << 1;

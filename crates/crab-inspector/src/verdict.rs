@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::abi::{
     CKey, Change, PathRec, C_CREATED, C_DELETED, C_DIR, C_LINKED, C_META, C_MMAP, C_MODIFIED,
     C_NODE, C_RENAMED, C_SYMLINK, K_INODE, P_P1, P_P1_TRUNC, P_P2, P_P2_TRUNC, P_WALK, P_WALK_FULL,
+    P_WALK_IS_FILE,
 };
 
 /// What the checkpoint of a turn must contain.
@@ -213,6 +214,11 @@ fn display_path(key: &CKey, rec: Option<&PathRec>) -> (String, bool) {
         return ("<unknown>".to_string(), false);
     }
     let trunc = r.have & P_P1_TRUNC != 0;
+    if r.have & P_WALK_IS_FILE != 0 {
+        // a created file: the walk is of the file itself
+        let full = r.have & P_WALK_FULL != 0;
+        return (format!("/{}", r.walk.join("/")), full);
+    }
     if r.p1.starts_with('/') {
         return (normalize_abs(&r.p1), !trunc);
     }

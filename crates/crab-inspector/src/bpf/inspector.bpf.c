@@ -38,6 +38,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define S_IFREG 0100000
 #define S_IFDIR 0040000
 #define S_IFLNK 0120000
+#define PF_EXITING 0x00000004
 
 #define OP_OPEN 1
 #define OP_UNLINK 2
@@ -388,7 +389,7 @@ static __always_inline void record_fd(__u32 sbx, long fd, __u32 flags)
 		__u32 sbx;                                                                         \
 		if (!sbx_of_current(&sbx))                                                         \
 			return 0;                                                                  \
-		record_fd(sbx, (long)ctx->args[argn], fl);                                         \
+		record_fd(sbx, (long)(int)ctx->args[argn], fl);                                         \
 		return 0;                                                                          \
 	}
 
@@ -419,7 +420,7 @@ int enter_mmap(struct trace_event_raw_sys_enter *ctx)
 	if (!sbx_of_current(&sbx))
 		return 0;
 	/* Conservative: a shared writable mapping of a file counts as a modification at once. */
-	record_fd(sbx, (long)ctx->args[4], C_MODIFIED | C_MMAP);
+	record_fd(sbx, (long)(int)ctx->args[4], C_MODIFIED | C_MMAP);
 	return 0;
 }
 
@@ -496,6 +497,8 @@ static __always_inline void stash(__u32 sbx, __u32 op, long dfd1, __u64 p1, long
 	}
 
 #define A(n) ((__u64)ctx->args[n])
+/* int arguments (fds, dirfds): the register's upper half is not defined */
+#define D(n) ((long)(int)ctx->args[n])
 #define FDCWD ((long)AT_FDCWD)
 
 /* opens: only those that may create or truncate need the exit */
@@ -514,7 +517,7 @@ static __always_inline void stash(__u32 sbx, __u32 op, long dfd1, __u64 p1, long
 	}
 
 OPEN_HANDLER(open, FDCWD, A(0), A(1))
-OPEN_HANDLER(openat, (long)A(0), A(1), A(2))
+OPEN_HANDLER(openat, D(0), A(1), A(2))
 OPEN_HANDLER(creat, FDCWD, A(0), (__u64)(O_CREAT | O_TRUNC | 1))
 
 SEC("tracepoint/syscalls/sys_enter_openat2")
@@ -527,41 +530,41 @@ int enter_openat2(struct trace_event_raw_sys_enter *ctx)
 	__u32 sbx;
 	if (!sbx_of_current(&sbx))
 		return 0;
-	stash(sbx, OP_OPEN, (long)ctx->args[0], ctx->args[1], -1, 0, fl, 0);
+	stash(sbx, OP_OPEN, (long)(int)ctx->args[0], ctx->args[1], -1, 0, fl, 0);
 	return 0;
 }
 
 STASH_HANDLER(unlink, OP_UNLINK, FDCWD, A(0), -1, 0, 0, 0)
-STASH_HANDLER(unlinkat, OP_UNLINK, (long)A(0), A(1), -1, 0, A(2), 0)
+STASH_HANDLER(unlinkat, OP_UNLINK, D(0), A(1), -1, 0, A(2), 0)
 STASH_HANDLER(rmdir, OP_UNLINK, FDCWD, A(0), -1, 0, AT_REMOVEDIR, 0)
 STASH_HANDLER(mkdir, OP_MKDIR, FDCWD, A(0), -1, 0, 0, 0)
-STASH_HANDLER(mkdirat, OP_MKDIR, (long)A(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(mkdirat, OP_MKDIR, D(0), A(1), -1, 0, 0, 0)
 STASH_HANDLER(mknod, OP_MKNOD, FDCWD, A(0), -1, 0, 0, 0)
-STASH_HANDLER(mknodat, OP_MKNOD, (long)A(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(mknodat, OP_MKNOD, D(0), A(1), -1, 0, 0, 0)
 STASH_HANDLER(symlink, OP_SYMLINK, FDCWD, A(1), -1, A(0), 0, 1)
-STASH_HANDLER(symlinkat, OP_SYMLINK, (long)A(1), A(2), -1, A(0), 0, 1)
+STASH_HANDLER(symlinkat, OP_SYMLINK, D(1), A(2), -1, A(0), 0, 1)
 STASH_HANDLER(link, OP_LINK, FDCWD, A(1), FDCWD, A(0), 0, 1)
-STASH_HANDLER(linkat, OP_LINK, (long)A(2), A(3), (long)A(0), A(1), A(4), 1)
+STASH_HANDLER(linkat, OP_LINK, D(2), A(3), D(0), A(1), A(4), 1)
 STASH_HANDLER(rename, OP_RENAME, FDCWD, A(1), FDCWD, A(0), 0, 1)
-STASH_HANDLER(renameat, OP_RENAME, (long)A(2), A(3), (long)A(0), A(1), 0, 1)
-STASH_HANDLER(renameat2, OP_RENAME, (long)A(2), A(3), (long)A(0), A(1), A(4), 1)
+STASH_HANDLER(renameat, OP_RENAME, D(2), A(3), D(0), A(1), 0, 1)
+STASH_HANDLER(renameat2, OP_RENAME, D(2), A(3), D(0), A(1), A(4), 1)
 STASH_HANDLER(truncate, OP_TRUNC, FDCWD, A(0), -1, 0, 0, 0)
 STASH_HANDLER(chmod, OP_META, FDCWD, A(0), -1, 0, 0, 0)
-STASH_HANDLER(fchmodat, OP_META, (long)A(0), A(1), -1, 0, 0, 0)
-STASH_HANDLER(fchmodat2, OP_META, (long)A(0), A(1), -1, 0, A(3), 0)
+STASH_HANDLER(fchmodat, OP_META, D(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(fchmodat2, OP_META, D(0), A(1), -1, 0, A(3), 0)
 STASH_HANDLER(chown, OP_META, FDCWD, A(0), -1, 0, 0, 0)
 STASH_HANDLER(lchown, OP_META, FDCWD, A(0), -1, 0, 0, 0)
-STASH_HANDLER(fchownat, OP_META, (long)A(0), A(1), -1, 0, A(4), 0)
+STASH_HANDLER(fchownat, OP_META, D(0), A(1), -1, 0, A(4), 0)
 STASH_HANDLER(setxattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
 STASH_HANDLER(lsetxattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
 STASH_HANDLER(removexattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
 STASH_HANDLER(lremovexattr, OP_META, FDCWD, A(0), -1, 0, 0, 0)
-STASH_HANDLER(setxattrat, OP_META, (long)A(0), A(1), -1, 0, A(2), 0)
-STASH_HANDLER(removexattrat, OP_META, (long)A(0), A(1), -1, 0, A(2), 0)
+STASH_HANDLER(setxattrat, OP_META, D(0), A(1), -1, 0, A(2), 0)
+STASH_HANDLER(removexattrat, OP_META, D(0), A(1), -1, 0, A(2), 0)
 STASH_HANDLER(utime, OP_META, FDCWD, A(0), -1, 0, 0, 0)
 STASH_HANDLER(utimes, OP_META, FDCWD, A(0), -1, 0, 0, 0)
-STASH_HANDLER(futimesat, OP_META, (long)A(0), A(1), -1, 0, 0, 0)
-STASH_HANDLER(utimensat, OP_META, (long)A(0), A(1), -1, 0, A(3), 0)
+STASH_HANDLER(futimesat, OP_META, D(0), A(1), -1, 0, 0, 0)
+STASH_HANDLER(utimensat, OP_META, D(0), A(1), -1, 0, A(3), 0)
 
 /* The directory a path is resolved from: `dfd`, the cwd, or the root for absolute paths. */
 static __always_inline int base_dir(long dfd, int absolute, struct vfsmount **mnt,
@@ -812,6 +815,14 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 		flag_slot(s, slot, S_FS_UNKNOWN);
 		return;
 	}
+	if (!pd->p1) {
+		/* utimensat(fd, NULL, ...) = futimens: the call acts on dfd itself */
+		if (pd->op == OP_META)
+			record_fd(pd->sbx, pd->dfd1, C_META);
+		else
+			flag_slot(s, slot, S_FS_UNKNOWN);
+		return;
+	}
 	long n = read_path(r, pd->p1, 1);
 	if (n <= 0) {
 		flag_slot(s, slot, S_PATH_FAULT | S_FS_UNKNOWN);
@@ -1046,6 +1057,9 @@ static __always_inline void mark_ran(__u32 sbx, __u32 tgid, int exec)
 SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
+	/* The last switch-out of an exiting task comes after sched_process_exit: ignore it. */
+	if (BPF_CORE_READ(prev, flags) & PF_EXITING)
+		return 0;
 	__u32 sbx;
 	if (!sbx_of_current(&sbx))
 		return 0;

@@ -192,6 +192,11 @@ pub struct RestoreOpts {
     /// Namespaces to join instead of restoring: `(kind, path)` such as `("net",
     /// "/proc/42/ns/net")`.
     pub join_ns: Vec<(String, String)>,
+    /// Cgroup directories (v2 and/or v1) that `criu swrk` joins before it starts, so that the
+    /// restored tree, which it forks, starts in them. Use with `manage_cgroups:
+    /// Some(CgroupMode::Ignore)` to place a restored tree in cgroups other than the dumped ones
+    /// (a fork into a new sandbox).
+    pub join_cgroups: Vec<PathBuf>,
     /// Restore orphan pty masters and pass them to the hook.
     pub orphan_pts_master: bool,
     /// Do not fail on sysctls that cannot be set.
@@ -219,6 +224,7 @@ impl RestoreOpts {
             external: Vec::new(),
             manage_cgroups: None,
             join_ns: Vec::new(),
+            join_cgroups: Vec::new(),
             orphan_pts_master: false,
             weak_sysctls: false,
             lsm_profile: None,

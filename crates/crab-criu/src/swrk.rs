@@ -121,6 +121,18 @@ fn duration_us(us: Option<u32>) -> Option<Duration> {
 impl Session {
     /// Start `criu swrk`, with `inherit` descriptors of ours left open in it.
     fn start(criu: &Criu, op: &'static str, log: &Path, inherit: &[RawFd]) -> Result<Session> {
+        Session::start_in(criu, op, log, inherit, &[])
+    }
+
+    /// Start `criu swrk`, with `inherit` descriptors of ours left open in it, after it joined
+    /// the cgroups whose directories are `cgroups`.
+    fn start_in(
+        criu: &Criu,
+        op: &'static str,
+        log: &Path,
+        inherit: &[RawFd],
+        cgroups: &[PathBuf],
+    ) -> Result<Session> {
         let bin = criu.path();
         let (ours, theirs) =
             socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
@@ -137,17 +149,33 @@ impl Session {
         let mut keep: Vec<RawFd> = Vec::with_capacity(inherit.len() + 1);
         keep.push(their_raw);
         keep.extend_from_slice(inherit);
+        // Opened here, written in the child: "0" moves the writing process itself.
+        let mut procs_files = Vec::with_capacity(cgroups.len());
+        for dir in cgroups {
+            let p = dir.join("cgroup.procs");
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&p)
+                .map_err(|e| io_err(op, "open", &p, Some(log), e))?;
+            procs_files.push(f);
+        }
+        let procs_fds: Vec<RawFd> = procs_files.iter().map(|f| f.as_raw_fd()).collect();
         let mut cmd = Command::new(bin);
         cmd.arg("swrk")
             .arg(their_raw.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        // SAFETY: the closure runs in the forked child before exec and only calls fcntl(2),
-        // which is async-signal-safe; it reads `keep`, allocated before the fork, without
-        // allocating.
+        // SAFETY: the closure runs in the forked child before exec and only calls write(2)
+        // and fcntl(2), which are async-signal-safe; it reads `procs_fds` and `keep`, allocated
+        // before the fork, without allocating.
         unsafe {
             cmd.pre_exec(move || {
+                for &fd in &procs_fds {
+                    if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 for &fd in &keep {
                     if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
                         return Err(std::io::Error::last_os_error());
@@ -156,7 +184,9 @@ impl Session {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| io_err(op, "spawn", bin, Some(log), e))?;
+        let spawned = cmd.spawn();
+        drop(procs_files);
+        let mut child = spawned.map_err(|e| io_err(op, "spawn", bin, Some(log), e))?;
         drop(theirs);
         let stderr = child.stderr.take().and_then(|mut pipe| {
             std::thread::Builder::new()
@@ -489,7 +519,7 @@ pub(crate) fn restore(criu: &Criu, o: &RestoreOpts, hook: Option<Hook<'_>>) -> R
     };
     let inherit: Vec<RawFd> = o.inherit_fd.iter().map(|i| i.fd).collect();
     let started = Instant::now();
-    let mut s = Session::start(criu, op, &o.log_path, &inherit)?;
+    let mut s = Session::start_in(criu, op, &o.log_path, &inherit, &o.join_cgroups)?;
     let req = rpc::Req { r#type: ReqType::Restore as i32, opts: Some(opts), ..Default::default() };
     let resp = s.call(&req, ReqType::Restore, hook)?;
     let wall = started.elapsed();

@@ -274,3 +274,51 @@ fn missing_binary_is_a_clear_error() {
     assert!(err.to_string().contains("/nonexistent/criu"));
     assert!(err.hint().contains("make setup"));
 }
+
+fn cgroup2_mount() -> Option<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().find_map(|l| {
+        let (left, right) = l.split_once(" - ")?;
+        if !right.starts_with("cgroup2 ") {
+            return None;
+        }
+        left.split(' ').nth(4).map(PathBuf::from)
+    })
+}
+
+#[test]
+fn restore_into_other_cgroup_with_join_and_ignore() {
+    require_root!();
+    let Some(cg2) = cgroup2_mount() else {
+        eprintln!("skipped: no cgroup2 mount");
+        return;
+    };
+    let c = criu();
+    let d = dirs();
+    let counter = d.work.join("count");
+    let mut child = spawn_clean(&counter_script(&counter));
+    let pid = i32::try_from(child.id()).expect("pid");
+    wait_counter(&counter, 2);
+    let mut opts = DumpOpts::new(pid, &d.images, d.logs.join("dump.log"));
+    opts.manage_cgroups = Some(crab_criu::CgroupMode::Ignore);
+    c.dump(&opts).unwrap_or_else(|e| panic!("{e}"));
+    child.wait().expect("reap");
+    wait_pid_free(pid);
+
+    let group = cg2.join(format!("crab-criu-test-{}", std::process::id()));
+    std::fs::create_dir(&group).expect("mkdir cgroup");
+    let mut ropts = RestoreOpts::new(&d.images, d.logs.join("restore.log"));
+    ropts.manage_cgroups = Some(crab_criu::CgroupMode::Ignore);
+    ropts.join_cgroups = vec![group.clone()];
+    let r = c.restore(&ropts).unwrap_or_else(|e| panic!("{e}"));
+    let procs = std::fs::read_to_string(group.join("cgroup.procs")).expect("procs");
+    // The swrk process itself has left (exited); the restored tree is in the group.
+    assert!(procs.lines().any(|l| l.trim() == r.pid.to_string()), "{procs}");
+    kill_group(r.pid);
+    wait_pid_free(r.pid);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::fs::remove_dir(&group).is_err() {
+        assert!(Instant::now() < deadline, "cgroup {} stays busy", group.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,281 @@
+//! Jobs: what a checkpoint job is (sandbox, kind, changeset payload, turns covered), how two
+//! queued jobs of one sandbox merge, what an executor reports back, and the error a waiter sees.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Engine-wide job id. Coalesced submissions share the id of the job they merged into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct JobId(pub u64);
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "job-{}", self.0)
+    }
+}
+
+/// What a turn needs checkpointed: the inspector's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobKind {
+    /// Nothing recovery-relevant changed: publish a restore point that reuses the old parts.
+    Skip,
+    /// Files changed: snapshot the filesystem.
+    Fs,
+    /// Processes changed: dump processes (CRIU).
+    Process,
+    /// Both (or unknown): filesystem snapshot and process dump.
+    Full,
+}
+
+impl JobKind {
+    /// All kinds, in metric order.
+    pub const ALL: [JobKind; 4] = [JobKind::Skip, JobKind::Fs, JobKind::Process, JobKind::Full];
+
+    /// The kind that covers both `self` and `other`: `full > process, fs > skip`, and
+    /// `fs + process = full`.
+    pub fn merge(self, other: JobKind) -> JobKind {
+        match (self, other) {
+            (JobKind::Fs, JobKind::Process) | (JobKind::Process, JobKind::Fs) => JobKind::Full,
+            (a, b) => a.max(b),
+        }
+    }
+
+    /// Whether the job dumps processes (and so counts against the dump limit).
+    pub fn dumps_processes(self) -> bool {
+        matches!(self, JobKind::Process | JobKind::Full)
+    }
+
+    /// Lower-case name (`skip`, `fs`, `process`, `full`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobKind::Skip => "skip",
+            JobKind::Fs => "fs",
+            JobKind::Process => "process",
+            JobKind::Full => "full",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        match self {
+            JobKind::Skip => 0,
+            JobKind::Fs => 1,
+            JobKind::Process => 2,
+            JobKind::Full => 3,
+        }
+    }
+}
+
+impl std::fmt::Display for JobKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for JobKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "skip" => Ok(JobKind::Skip),
+            "fs" => Ok(JobKind::Fs),
+            "process" => Ok(JobKind::Process),
+            "full" => Ok(JobKind::Full),
+            other => Err(format!("unknown job kind {other:?}; use skip, fs, process or full")),
+        }
+    }
+}
+
+/// A job payload (the inspector's changeset) that can absorb a later one when two queued jobs
+/// of a sandbox coalesce.
+pub trait Changeset: Send + Sync + 'static {
+    /// Fold `later` (the changeset of a later turn) into `self`.
+    fn merge(&mut self, later: Self);
+}
+
+impl Changeset for () {
+    fn merge(&mut self, _later: Self) {}
+}
+
+/// JSON changesets merge structurally: arrays concatenate (duplicates dropped), objects merge key
+/// by key recursively, `null` yields to the other side, and any other pair keeps the later value.
+impl Changeset for serde_json::Value {
+    fn merge(&mut self, later: Self) {
+        use serde_json::Value;
+        match (self, later) {
+            (_, Value::Null) => {}
+            (this @ Value::Null, later) => *this = later,
+            (Value::Array(a), Value::Array(b)) => {
+                for v in b {
+                    if !a.contains(&v) {
+                        a.push(v);
+                    }
+                }
+            }
+            (Value::Object(a), Value::Object(b)) => {
+                for (k, v) in b {
+                    match a.get_mut(&k) {
+                        Some(existing) => existing.merge(v),
+                        None => {
+                            a.insert(k, v);
+                        }
+                    }
+                }
+            }
+            (this, later) => *this = later,
+        }
+    }
+}
+
+/// What a caller submits.
+#[derive(Debug, Clone)]
+pub struct JobSpec<P> {
+    /// Sandbox name.
+    pub sandbox: String,
+    /// Verdict.
+    pub kind: JobKind,
+    /// Changeset.
+    pub payload: P,
+    /// Turn number whose boundary this checkpoint captures.
+    pub turn: u64,
+    /// Start in the urgent queue (a response is already waiting).
+    pub urgent: bool,
+}
+
+/// A job as the executor sees it. After coalescing it covers turns `first_turn..=turn`, and its
+/// restore point is the one of `turn`.
+#[derive(Debug, Clone)]
+pub struct Job<P> {
+    /// Id.
+    pub id: JobId,
+    /// Sandbox name.
+    pub sandbox: String,
+    /// Merged verdict.
+    pub kind: JobKind,
+    /// Merged changeset.
+    pub payload: P,
+    /// Earliest turn covered.
+    pub first_turn: u64,
+    /// Latest turn covered: the restore point to publish.
+    pub turn: u64,
+    /// Number of submissions merged into this job (1 when none were).
+    pub submissions: u32,
+}
+
+/// What an executor reports for a finished job.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobOutcome {
+    /// Id of the published restore point.
+    pub checkpoint_id: String,
+    /// Bytes written to disk (charged to the bandwidth budget).
+    pub bytes: u64,
+    /// Anything else the executor wants the waiter to see.
+    #[serde(default)]
+    pub detail: serde_json::Value,
+}
+
+/// Runs jobs. Called on a blocking thread; may take as long as the work takes.
+pub trait Executor<P>: Send + Sync + 'static {
+    /// Do the checkpoint and publish its restore point; return what was written, or a message
+    /// naming what failed.
+    fn run(&self, job: &Job<P>) -> Result<JobOutcome, String>;
+}
+
+impl<P, F> Executor<P> for F
+where
+    F: Fn(&Job<P>) -> Result<JobOutcome, String> + Send + Sync + 'static,
+{
+    fn run(&self, job: &Job<P>) -> Result<JobOutcome, String> {
+        self(job)
+    }
+}
+
+/// A finished job as its waiters see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Finished {
+    /// Job id.
+    pub job: JobId,
+    /// Sandbox.
+    pub sandbox: String,
+    /// Kind actually run (after coalescing).
+    pub kind: JobKind,
+    /// Latest turn covered.
+    pub turn: u64,
+    /// What the executor reported.
+    pub outcome: JobOutcome,
+    /// Time from first submission to start.
+    pub queue_wait: Duration,
+    /// Time the executor ran.
+    pub run_time: Duration,
+}
+
+/// Why a job did not publish.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum JobError {
+    /// The executor reported a failure.
+    #[error("checkpoint {job} of sandbox {sandbox} (turn {turn}, {kind}) failed: {message}")]
+    Failed {
+        /// Job id.
+        job: JobId,
+        /// Sandbox.
+        sandbox: String,
+        /// Kind.
+        kind: JobKind,
+        /// Latest turn covered.
+        turn: u64,
+        /// The executor's message.
+        message: String,
+    },
+    /// The executor panicked.
+    #[error("checkpoint {job} of sandbox {sandbox} crashed the executor: {message}")]
+    Panicked {
+        /// Job id.
+        job: JobId,
+        /// Sandbox.
+        sandbox: String,
+        /// Panic message, as far as it could be recovered.
+        message: String,
+    },
+    /// The engine went away before the job finished.
+    #[error("the checkpoint engine shut down before {job} finished")]
+    EngineGone {
+        /// Job id.
+        job: JobId,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn kinds_merge() {
+        use JobKind::*;
+        assert_eq!(Skip.merge(Skip), Skip);
+        assert_eq!(Skip.merge(Fs), Fs);
+        assert_eq!(Process.merge(Skip), Process);
+        assert_eq!(Fs.merge(Process), Full);
+        assert_eq!(Process.merge(Fs), Full);
+        assert_eq!(Full.merge(Skip), Full);
+        assert_eq!(Fs.merge(Fs), Fs);
+        assert_eq!("process".parse::<JobKind>(), Ok(Process));
+        assert!("bogus".parse::<JobKind>().is_err());
+    }
+
+    #[test]
+    fn json_changesets_merge() {
+        let mut a = json!({"written": ["/a", "/b"], "procs": {"born": [1]}, "n": 1});
+        a.merge(json!({"written": ["/b", "/c"], "procs": {"died": [2]}, "n": 2}));
+        assert_eq!(
+            a,
+            json!({"written": ["/a", "/b", "/c"], "procs": {"born": [1], "died": [2]}, "n": 2})
+        );
+        let mut n = serde_json::Value::Null;
+        n.merge(json!([1]));
+        assert_eq!(n, json!([1]));
+        n.merge(serde_json::Value::Null);
+        assert_eq!(n, json!([1]));
+    }
+}

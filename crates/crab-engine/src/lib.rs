@@ -1,0 +1,17 @@
+//! `crab-engine`: the host-wide checkpoint scheduler.
+//!
+//! Every co-located sandbox's checkpoint work goes through one [`Engine`]: a normal and an urgent
+//! queue, promotion of a job whose agent's LLM response is already waiting, a bound on how long
+//! urgent work may keep normal work waiting, a limit on concurrent process dumps, a token bucket
+//! on disk bandwidth, and coalescing of a sandbox's queued jobs. What a job *does* is behind the
+//! [`Executor`] trait (the checkpoint crate implements it); callers get a [`JobHandle`] to await
+//! publication. Metrics come out as [`Engine::stats`] (for `crab top`) and
+//! [`Engine::metrics_text`] (Prometheus).
+
+mod engine;
+mod job;
+mod metrics;
+
+pub use engine::{Engine, EngineConfig, EngineError, EngineStats, JobHandle, SandboxView};
+pub use job::{Changeset, Executor, Finished, Job, JobError, JobId, JobKind, JobOutcome, JobSpec};
+pub use metrics::{JobRecord, SandboxStats};

@@ -55,6 +55,10 @@ pub enum CheckpointError {
     #[error(transparent)]
     Criu(#[from] crab_criu::CriuError),
 
+    /// The named sandbox does not exist.
+    #[error("no sandbox named {0:?}")]
+    SandboxNotFound(String),
+
     /// The sandbox runtime failed.
     #[error("sandbox {sandbox}: {message}")]
     Sandbox {
@@ -103,6 +107,9 @@ impl CheckpointError {
                 _ => ApiError::new(ErrorCode::CriuFailed, msg, e.hint()),
             },
             CheckpointError::Invalid(_) => ApiError::invalid(msg, ""),
+            CheckpointError::SandboxNotFound(_) => {
+                ApiError::new(ErrorCode::SandboxNotFound, msg, "list them with `crab sandbox ls`")
+            }
             CheckpointError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
                 ApiError::new(
                     ErrorCode::PoolFull,

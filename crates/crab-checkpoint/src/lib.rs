@@ -7,14 +7,21 @@
 //! per-sandbox [`store`] stages new parts, publishes points atomically (a half-written
 //! checkpoint is never visible), verifies them before a restore, prunes them and discards the
 //! leftovers of interrupted work. Filesystem snapshots go through the [`snapfs::SnapshotFs`]
-//! trait (btrfs subvolumes in the daemon, plain copies in tests).
+//! trait (btrfs subvolumes in the daemon, plain copies in tests). The [`ops::Checkpointer`]
+//! runs the flows on live sandboxes of `crab_sandbox`: checkpoint (skip / fs / process / full),
+//! restore in place, fork, prune, and startup recovery.
 
 pub mod error;
 pub mod manifest;
+pub mod ops;
 pub mod snapfs;
 pub mod store;
 
 pub use error::{CheckpointError, Result};
 pub use manifest::{FsId, Kind, Manifest, PointId, ProcId};
+pub use ops::{
+    BtrfsSnapshots, CheckpointRequest, Checkpointer, Config, ForkBranch, PointSummary,
+    RestoreReport,
+};
 pub use snapfs::{CopyFs, SnapshotFs};
 pub use store::{Draft, PruneReport, RecoveryReport, Staging, Store};

@@ -151,6 +151,10 @@ pub struct FsPart {
     pub delta_bytes: Option<u64>,
     /// btrfs generation of the snapshot, when known.
     pub generation: Option<u64>,
+    /// Bytes the sandbox's live root had written in all (its simple-quota count) when the
+    /// snapshot was taken; the next snapshot's `delta_bytes` is the growth of this count.
+    #[serde(default)]
+    pub written_bytes: Option<u64>,
 }
 
 /// One file of a process image.
@@ -364,6 +368,7 @@ mod tests {
                 created_at_ms: 1,
                 delta_bytes: Some(4096),
                 generation: Some(12),
+                written_bytes: Some(8192),
             }),
             procs: Some(ProcPart {
                 id: ProcId(2),

@@ -9,9 +9,10 @@
 //!   tmp/                    staging; anything here when the daemon starts is a leftover
 //! ```
 //!
-//! A checkpoint stages its new parts under `tmp/`, then [`Staging::publish`] hashes the image
-//! files, makes them durable, renames the parts into `procs/` and `fs/`, and finally writes the
-//! manifest atomically. Until that last rename the point does not exist; a crash before it
+//! A checkpoint stages its process image under `tmp/` and takes its snapshot directly at
+//! `fs/<id>` (read-only subvolumes cannot be moved between directories), then
+//! [`Staging::publish`] hashes the image files, makes them durable, renames the image into
+//! `procs/`, and finally writes the manifest atomically. Until that last rename the point does not exist; a crash before it
 //! leaves only leftovers, which [`Store::recover_leftovers`] removes (staged parts, temp
 //! manifests, and published parts that no manifest references).
 
@@ -60,6 +61,8 @@ pub struct Draft {
     pub fs_delta_bytes: Option<u64>,
     /// btrfs generation of the snapshot (with a staged snapshot).
     pub fs_generation: Option<u64>,
+    /// Bytes the live root had written in all when the snapshot was taken.
+    pub fs_written_bytes: Option<u64>,
     /// Leave the process image out instead of inheriting the parent's (the sandbox has no
     /// process worth restoring; restore starts it fresh).
     pub no_procs: bool,
@@ -84,6 +87,7 @@ impl Draft {
             criu_version: String::new(),
             fs_delta_bytes: None,
             fs_generation: None,
+            fs_written_bytes: None,
             no_procs: false,
             origin: None,
             timings: Timings::default(),
@@ -541,13 +545,16 @@ impl Staging<'_> {
         Ok(p)
     }
 
-    /// The path (not yet existing) at which to take the staged filesystem snapshot.
+    /// The path (not yet existing) at which to take the staged filesystem snapshot. It is
+    /// its final place, `fs/<id>`: btrfs cannot move a read-only subvolume to another
+    /// directory. Until the manifest is published it is merely unreferenced, which
+    /// [`Store::recover_leftovers`] and [`Store::prune`] clean up.
     pub fn fs_path(&mut self) -> PathBuf {
         if let Some((_, p)) = &self.fs {
             return p.clone();
         }
         let id = self.store.next_fs();
-        let p = self.store.tmp_dir().join(id.to_string());
+        let p = self.store.fs_path(id);
         self.fs = Some((id, p.clone()));
         p
     }
@@ -622,6 +629,7 @@ impl Staging<'_> {
                 created_at_ms: now_ms(),
                 delta_bytes: draft.fs_delta_bytes,
                 generation: draft.fs_generation,
+                written_bytes: draft.fs_written_bytes,
             }),
             None => parent.as_ref().and_then(|p| p.fs.clone()),
         };
@@ -633,10 +641,6 @@ impl Staging<'_> {
 
         if let Some((id, src)) = &self.proc {
             let dst = store.proc_dir(*id);
-            std::fs::rename(src, &dst).map_err(|e| CheckpointError::io("rename", src, e))?;
-        }
-        if let Some((id, src)) = &self.fs {
-            let dst = store.fs_path(*id);
             std::fs::rename(src, &dst).map_err(|e| CheckpointError::io("rename", src, e))?;
         }
         // From here on the parts live in procs/ and fs/; a failure below leaves them

@@ -1,0 +1,760 @@
+//! Checkpoint, restore, fork and prune of live sandboxes: the flows that tie the sandbox
+//! runtime, CRIU and the restore-point store together.
+//!
+//! * **fs** checkpoint: freeze the sandbox's cgroup, take a read-only btrfs snapshot of its
+//!   root, thaw.
+//! * **process** / **full** checkpoint: CRIU dumps the tree rooted at the sandbox's init
+//!   (frozen through its cgroup2 freezer, established TCP, external unix sockets, file locks,
+//!   nftables network lock, left running); a full checkpoint takes the filesystem snapshot in
+//!   CRIU's `post-dump` notification, while the tree is still frozen, so the pair is consistent.
+//! * **skip**: a new point referencing the previous parts.
+//! * **restore** in place: verify the point, prepare a writable snapshot of `F_k`, stop the
+//!   sandbox, swap the root subvolumes, then CRIU-restores `P_j` into fresh namespaces inside
+//!   the sandbox's cgroups (or starts a fresh init when the point has no process image).
+//! * **fork**: N new sandboxes from one point, restored in parallel, each with its own root
+//!   subvolume, cgroup, namespaces, hostname and machine-id.
+//!
+//! Operations on one sandbox are serialized; different sandboxes proceed in parallel.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crab_criu::{phase, CgroupMode, Criu, DumpOpts, NetworkLockMethod, RestoreOpts};
+use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_start_time};
+use crab_sandbox::{btrfs, Runtime, SandboxRecord};
+
+use crate::error::{CheckpointError, Result};
+use crate::manifest::{Kind, Manifest, Origin};
+use crate::snapfs::SnapshotFs;
+use crate::store::{now_ms, Draft, PruneReport, Store};
+
+/// [`SnapshotFs`] on the btrfs pool: subvolume snapshots through `crab_sandbox::btrfs`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BtrfsSnapshots;
+
+impl SnapshotFs for BtrfsSnapshots {
+    fn snapshot(&self, src: &Path, dst: &Path, readonly: bool) -> std::io::Result<()> {
+        btrfs::snapshot(src, dst, readonly).map_err(|e| std::io::Error::other(e.to_string()))
+    }
+    fn delete(&self, path: &Path) -> std::io::Result<()> {
+        btrfs::remove_tree(path)
+    }
+    fn is_snapshot(&self, path: &Path) -> bool {
+        btrfs::is_subvolume(path)
+    }
+}
+
+/// Tunables of the flows.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// CRIU log level of dumps and restores (0..=4).
+    pub criu_log_level: i32,
+    /// Freeze the cgroup around fs-only snapshots.
+    pub freeze_fs_snapshots: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { criu_log_level: crab_criu::DEFAULT_LOG_LEVEL, freeze_fs_snapshots: true }
+    }
+}
+
+/// A checkpoint request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRequest {
+    /// What to capture.
+    pub kind: Kind,
+    /// Turn number; default: the parent's plus one (0 for the first point).
+    pub turn: Option<u64>,
+    /// Conversation offset, when the caller knows it.
+    pub conversation_offset: Option<u64>,
+}
+
+/// One row of `crab checkpoints SB`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PointSummary {
+    /// Point id (`c000007`).
+    pub id: String,
+    /// Turn.
+    pub turn: Option<u64>,
+    /// Kind (`skip`, `fs`, `process`, `full`), or `corrupt`.
+    pub kind: String,
+    /// Parts: `p000002+f000003`, `f000003` for a point without processes.
+    pub parts: String,
+    /// Bytes of its process image plus filesystem delta.
+    pub size_bytes: u64,
+    /// Publication time, ms since the epoch.
+    pub created_at_ms: u64,
+    /// Time the checkpoint took, in ms.
+    pub took_ms: Option<f64>,
+    /// Why the point is unusable, when it is.
+    pub error: Option<String>,
+}
+
+impl PointSummary {
+    fn of(m: &Manifest) -> PointSummary {
+        let parts =
+            [m.procs.as_ref().map(|p| p.id.to_string()), m.fs.as_ref().map(|f| f.id.to_string())]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join("+");
+        PointSummary {
+            id: m.id.to_string(),
+            turn: Some(m.turn),
+            kind: m.kind.as_str().into(),
+            parts,
+            size_bytes: m.size_bytes(),
+            created_at_ms: m.created_at_ms,
+            took_ms: m.timings.total_us.map(|u| u as f64 / 1000.0),
+            error: None,
+        }
+    }
+}
+
+/// What a restore did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreReport {
+    /// Sandbox restored.
+    pub sandbox: String,
+    /// Point restored.
+    pub point: String,
+    /// Host pid of the sandbox's (restored or fresh) init.
+    pub init_pid: u32,
+    /// Whether processes were restored (false: a fresh init on the restored filesystem).
+    pub processes_restored: bool,
+    /// Wall time in ms: verification.
+    pub verify_ms: f64,
+    /// Wall time in ms: filesystem (snapshot, stop, swap).
+    pub fs_ms: f64,
+    /// Wall time in ms: CRIU restore or fresh start.
+    pub procs_ms: f64,
+    /// Wall time in ms, total.
+    pub total_ms: f64,
+}
+
+/// One branch of a fork.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkBranch {
+    /// The new sandbox.
+    pub sandbox: String,
+    /// Host pid of its init.
+    pub init_pid: u32,
+    /// Wall time of this branch in ms.
+    pub ms: f64,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn sandbox_err(sandbox: &str) -> impl FnOnce(crab_sandbox::SandboxError) -> CheckpointError + '_ {
+    move |e| match e {
+        crab_sandbox::SandboxError::NoSandbox(n) => CheckpointError::SandboxNotFound(n),
+        other => {
+            CheckpointError::Sandbox { sandbox: sandbox.to_owned(), message: other.to_string() }
+        }
+    }
+}
+
+fn cg_err(sandbox: &str) -> impl FnOnce(crab_sandbox::cgroup::CgroupError) -> CheckpointError + '_ {
+    move |e| CheckpointError::Sandbox { sandbox: sandbox.to_owned(), message: e.to_string() }
+}
+
+/// Set the hostname of the UTS namespace of `pid`, from a short-lived thread (setns affects
+/// only the calling thread).
+fn set_hostname_of(pid: i32, name: &str) -> std::result::Result<(), String> {
+    let path = format!("/proc/{pid}/ns/uts");
+    let name = name.to_owned();
+    std::thread::scope(|s| {
+        s.spawn(move || -> std::result::Result<(), String> {
+            let f = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
+            nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWUTS)
+                .map_err(|e| format!("setns {path}: {e}"))?;
+            nix::unistd::sethostname(&name).map_err(|e| format!("sethostname {name}: {e}"))
+        })
+        .join()
+        .unwrap_or_else(|_| Err("hostname thread panicked".into()))
+    })
+}
+
+/// The checkpoint/restore engine of one daemon.
+#[derive(Debug)]
+pub struct Checkpointer {
+    rt: Arc<Runtime>,
+    fs: Arc<dyn SnapshotFs>,
+    cfg: Config,
+    stores: Mutex<HashMap<String, Arc<Store>>>,
+    locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    criu_version: std::sync::OnceLock<String>,
+}
+
+impl Checkpointer {
+    /// An engine over `rt`'s sandboxes, snapshotting with btrfs.
+    pub fn new(rt: Arc<Runtime>, cfg: Config) -> Checkpointer {
+        Checkpointer::with_fs(rt, cfg, Arc::new(BtrfsSnapshots))
+    }
+
+    /// An engine with another snapshot implementation.
+    pub fn with_fs(rt: Arc<Runtime>, cfg: Config, fs: Arc<dyn SnapshotFs>) -> Checkpointer {
+        Checkpointer {
+            rt,
+            fs,
+            cfg,
+            stores: Mutex::new(HashMap::new()),
+            locks: Mutex::new(HashMap::new()),
+            criu_version: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The runtime.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.rt
+    }
+
+    fn criu(&self) -> Result<Criu> {
+        Ok(Criu::locate()?)
+    }
+
+    fn criu_version(&self, criu: &Criu) -> String {
+        self.criu_version
+            .get_or_init(|| criu.version().map(|v| v.to_string()).unwrap_or_default())
+            .clone()
+    }
+
+    /// The store of `sandbox` (created on first use).
+    pub fn store(&self, sandbox: &str) -> Result<Arc<Store>> {
+        crab_common::names::validate("sandbox", sandbox)
+            .map_err(|e| CheckpointError::Invalid(e.message))?;
+        let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = stores.get(sandbox) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(Store::for_sandbox(self.rt.state(), sandbox, self.fs.clone())?);
+        stores.insert(sandbox.to_owned(), s.clone());
+        Ok(s)
+    }
+
+    fn lock(&self, sandbox: &str) -> Arc<Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        locks.entry(sandbox.to_owned()).or_default().clone()
+    }
+
+    fn log_dir(&self, sandbox: &str) -> Result<PathBuf> {
+        let dir = self.rt.state().logs().join("criu").join(sandbox);
+        std::fs::create_dir_all(&dir).map_err(|e| CheckpointError::io("mkdir", &dir, e))?;
+        Ok(dir)
+    }
+
+    fn alive(rec: &SandboxRecord) -> bool {
+        process_start_time(rec.init_pid) == Some(rec.init_start)
+    }
+
+    /// Startup recovery: discard staged leftovers of every sandbox's checkpoints, finish or
+    /// undo interrupted root swaps, and thaw cgroups a killed daemon left frozen. Call once,
+    /// before serving requests.
+    pub fn recover(&self) -> Result<()> {
+        let root = self.rt.state().pool().join("checkpoints");
+        if let Ok(rd) = std::fs::read_dir(&root) {
+            for entry in rd.flatten() {
+                let Ok(name) = entry.file_name().into_string() else { continue };
+                if crab_common::names::validate("sandbox", &name).is_err() {
+                    continue;
+                }
+                let store = self.store(&name)?;
+                store.recover_leftovers()?;
+            }
+        }
+        for name in self.rt.names() {
+            let dir = self.rt.state().sandbox_dir(&name);
+            let rootfs = self.rt.state().sandbox_rootfs(&name);
+            let old = dir.join("rootfs.old");
+            let staged = dir.join("rootfs.restoring");
+            if !rootfs.exists() && old.exists() {
+                tracing::warn!(sandbox = %name, "interrupted restore: putting the old root back");
+                std::fs::rename(&old, &rootfs)
+                    .map_err(|e| CheckpointError::io("rename", &old, e))?;
+            }
+            for p in [old, staged] {
+                if p.exists() {
+                    self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+                }
+            }
+            let cg = self.rt.cgroup(&name);
+            let frozen = std::fs::read_to_string(cg.v2.join("cgroup.freeze"))
+                .map(|s| s.trim() == "1")
+                .unwrap_or(false);
+            if frozen {
+                tracing::warn!(sandbox = %name, "thawing a cgroup left frozen by an interrupted checkpoint");
+                cg.set_frozen(false).map_err(cg_err(&name))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Take a checkpoint of `sandbox` and publish it as a new restore point.
+    pub fn checkpoint(&self, sandbox: &str, req: CheckpointRequest) -> Result<Manifest> {
+        let started = Instant::now();
+        let lock = self.lock(sandbox);
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
+        let store = self.store(sandbox)?;
+        let parent = match store.newest() {
+            Ok(m) => Some(m),
+            Err(CheckpointError::NoPoints { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let turn = req.turn.unwrap_or_else(|| parent.as_ref().map_or(0, |p| p.turn + 1));
+        let mut draft = Draft::new(req.kind, turn);
+        draft.conversation_offset = req.conversation_offset;
+        draft.started = Some(started);
+        draft.sandbox_meta = serde_json::to_value(&rec).unwrap_or_default();
+        let alive = Self::alive(&rec);
+        let rootfs = self.rt.state().sandbox_rootfs(sandbox);
+        let cg = self.rt.cgroup(sandbox);
+        let mut staging = store.begin();
+
+        match req.kind {
+            Kind::Skip => {}
+            Kind::Fs => {
+                let freeze = alive && self.cfg.freeze_fs_snapshots;
+                let t0 = Instant::now();
+                if freeze {
+                    cg.set_frozen(true).map_err(cg_err(sandbox))?;
+                }
+                let t1 = Instant::now();
+                let snap = staging.snapshot_fs(&rootfs);
+                draft.timings.fs_snapshot_us = Some(us(t1.elapsed()));
+                if freeze {
+                    cg.set_frozen(false).map_err(cg_err(sandbox))?;
+                    draft.timings.frozen_us = Some(us(t0.elapsed()));
+                }
+                snap?;
+                if parent.as_ref().is_some_and(|p| p.procs.is_none()) {
+                    draft.no_procs = true;
+                }
+            }
+            Kind::Process | Kind::Full => {
+                if !alive {
+                    return Err(CheckpointError::Sandbox {
+                        sandbox: sandbox.to_owned(),
+                        message: format!(
+                            "its init {} is gone, so there are no processes to checkpoint; take an fs checkpoint or restore it",
+                            rec.init_pid
+                        ),
+                    });
+                }
+                let criu = self.criu()?;
+                let images = staging.proc_dir()?;
+                let image_name = images
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let log = self.log_dir(sandbox)?.join(format!("{image_name}-dump.log"));
+                let mut opts =
+                    DumpOpts::new(i32::try_from(rec.init_pid).unwrap_or(i32::MAX), &images, &log);
+                opts.log_level = self.cfg.criu_log_level;
+                opts.leave_running = true;
+                opts.tcp_established = true;
+                opts.ext_unix_sk = true;
+                opts.file_locks = true;
+                opts.network_lock = Some(NetworkLockMethod::Nftables);
+                opts.freeze_cgroup = Some(cg.v2.clone());
+                opts.manage_cgroups = Some(CgroupMode::Ignore);
+                let full = req.kind == Kind::Full;
+                let fs_path = if full { Some(staging.fs_path()) } else { None };
+                let mut snap_us = None;
+                let mut snap_err = None;
+                let fs = self.fs.clone();
+                let t0 = Instant::now();
+                let stats = criu.dump_with(&opts, |n| {
+                    if n.phase == phase::POST_DUMP {
+                        if let Some(dst) = &fs_path {
+                            let t = Instant::now();
+                            if let Err(e) = fs.snapshot(&rootfs, dst, true) {
+                                snap_err = Some(CheckpointError::io("snapshot", dst, e));
+                                return Err("filesystem snapshot failed".into());
+                            }
+                            snap_us = Some(us(t.elapsed()));
+                        }
+                    }
+                    Ok(())
+                });
+                if let Some(e) = snap_err {
+                    return Err(e);
+                }
+                let stats = stats?;
+                draft.timings.dump_us = Some(us(t0.elapsed()));
+                draft.timings.fs_snapshot_us = snap_us;
+                draft.timings.frozen_us = stats.frozen_time.map(us);
+                draft.root_pid = opts.pid;
+                draft.criu_version = self.criu_version(&criu);
+            }
+        }
+        if staging_has_fs(req.kind) {
+            // Simple quotas charge every extent to the subvolume that allocated it: the growth
+            // of the live root's count since the previous snapshot is what this turn wrote.
+            let written = crab_sandbox::quota::exclusive_bytes(&rootfs);
+            draft.fs_written_bytes = written;
+            draft.fs_delta_bytes = written.map(|now| {
+                now.saturating_sub(
+                    parent
+                        .as_ref()
+                        .and_then(|p| p.fs.as_ref())
+                        .and_then(|f| f.written_bytes)
+                        .unwrap_or(0),
+                )
+            });
+        }
+        let m = staging.publish(draft)?;
+        tracing::info!(
+            sandbox,
+            point = %m.id,
+            kind = m.kind.as_str(),
+            ms = started.elapsed().as_secs_f64() * 1000.0,
+            "checkpoint published"
+        );
+        Ok(m)
+    }
+
+    /// The restore points of `sandbox`, oldest first, unusable ones included (kind `corrupt`).
+    pub fn list(&self, sandbox: &str) -> Result<Vec<PointSummary>> {
+        let store = self.store(sandbox)?;
+        Ok(store
+            .list_all()?
+            .into_iter()
+            .map(|(id, m)| match m {
+                Ok(m) => PointSummary::of(&m),
+                Err(e) => PointSummary {
+                    id: id.to_string(),
+                    turn: None,
+                    kind: "corrupt".into(),
+                    parts: String::new(),
+                    size_bytes: 0,
+                    created_at_ms: 0,
+                    took_ms: None,
+                    error: Some(e.to_string()),
+                },
+            })
+            .collect())
+    }
+
+    /// Keep the newest `keep_last` points of `sandbox`.
+    pub fn prune(&self, sandbox: &str, keep_last: usize) -> Result<PruneReport> {
+        let lock = self.lock(sandbox);
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.store(sandbox)?.prune(keep_last)
+    }
+
+    /// Delete every restore point of `sandbox` (when it is removed).
+    pub fn remove_all(&self, sandbox: &str) -> Result<()> {
+        let lock = self.lock(sandbox);
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let store = self.store(sandbox)?;
+        store.remove_all()?;
+        self.stores.lock().unwrap_or_else(|p| p.into_inner()).remove(sandbox);
+        Ok(())
+    }
+
+    fn restore_opts(
+        &self,
+        images: &Path,
+        log: PathBuf,
+        root: &Path,
+        cgroups: Vec<PathBuf>,
+    ) -> RestoreOpts {
+        let mut o = RestoreOpts::new(images, log);
+        o.log_level = self.cfg.criu_log_level;
+        o.root = Some(root.to_path_buf());
+        // The init must outlive the daemon, as a freshly started one does: let it be
+        // re-parented away from us when `criu swrk` exits.
+        o.sibling = false;
+        o.tcp_established = true;
+        o.ext_unix_sk = true;
+        o.file_locks = true;
+        o.network_lock = Some(NetworkLockMethod::Nftables);
+        o.manage_cgroups = Some(CgroupMode::Ignore);
+        o.join_cgroups = cgroups;
+        o
+    }
+
+    /// Restore `sandbox` in place to `point` (newest when `None`): filesystem first, then
+    /// processes. Verification happens before anything is touched: a corrupt or missing file
+    /// refuses the restore and leaves the sandbox as it was.
+    pub fn restore(&self, sandbox: &str, point: Option<&str>) -> Result<RestoreReport> {
+        let started = Instant::now();
+        let lock = self.lock(sandbox);
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
+        let store = self.store(sandbox)?;
+        let m = store.resolve(point)?;
+        store.verify(&m)?;
+        let fs = m.fs.as_ref().ok_or_else(|| {
+            CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
+        })?;
+        let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
+        let verify_ms = ms(started.elapsed());
+
+        let t_fs = Instant::now();
+        let dir = self.rt.state().sandbox_dir(sandbox);
+        let rootfs = self.rt.state().sandbox_rootfs(sandbox);
+        let staged = dir.join("rootfs.restoring");
+        let old = dir.join("rootfs.old");
+        for p in [&staged, &old] {
+            if p.exists() {
+                self.fs.delete(p).map_err(|e| CheckpointError::io("delete", p, e))?;
+            }
+        }
+        let src = store.fs_path(fs.id);
+        self.fs
+            .snapshot(&src, &staged, false)
+            .map_err(|e| CheckpointError::io("snapshot", &staged, e))?;
+        // Point of no return: stop what runs, swap the roots.
+        self.rt.stop(sandbox).map_err(sandbox_err(sandbox))?;
+        std::fs::rename(&rootfs, &old).map_err(|e| CheckpointError::io("rename", &rootfs, e))?;
+        std::fs::rename(&staged, &rootfs).map_err(|e| CheckpointError::io("rename", &staged, e))?;
+        if let Err(e) = self.fs.delete(&old) {
+            tracing::warn!(path = %old.display(), error = %e, "cannot delete the replaced root");
+        }
+        install_init(&rootfs).map_err(sandbox_err(sandbox))?;
+        let fs_ms = ms(t_fs.elapsed());
+
+        let t_p = Instant::now();
+        let cg = self.rt.cgroup(sandbox);
+        let (pid, restored) = match (&m.procs, criu) {
+            (Some(p), Some(criu)) => {
+                cg.create(&rec.limits).map_err(cg_err(sandbox))?;
+                let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
+                let paths = cgroup_paths(&cg);
+                let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
+                let opts = self.restore_opts(&store.proc_dir(p.id), log, &rootfs, cgroups);
+                let r = criu.restore(&opts)?;
+                (u32::try_from(r.pid).unwrap_or(0), true)
+            }
+            _ => {
+                let (pid, _) = self
+                    .rt
+                    .start_init(sandbox, rec.net, &rec.limits)
+                    .map_err(sandbox_err(sandbox))?;
+                (pid, false)
+            }
+        };
+        rec.init_pid = pid;
+        rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
+            sandbox: sandbox.to_owned(),
+            message: format!("the restored init {pid} died right after the restore"),
+        })?;
+        self.rt.update(rec).map_err(sandbox_err(sandbox))?;
+        let report = RestoreReport {
+            sandbox: sandbox.to_owned(),
+            point: m.id.to_string(),
+            init_pid: pid,
+            processes_restored: restored,
+            verify_ms,
+            fs_ms,
+            procs_ms: ms(t_p.elapsed()),
+            total_ms: ms(started.elapsed()),
+        };
+        tracing::info!(sandbox, point = %m.id, ms = report.total_ms, "sandbox restored");
+        Ok(report)
+    }
+
+    /// Create `count` new sandboxes from a restore point of `sandbox` (newest when `None`),
+    /// restored in parallel. Branch names are `names` when given (one per branch), else
+    /// `<sandbox>-<point>-<n>`.
+    pub fn fork(
+        &self,
+        sandbox: &str,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+    ) -> Result<Vec<ForkBranch>> {
+        if count == 0 || count > 256 {
+            return Err(CheckpointError::Invalid("--count must be between 1 and 256".into()));
+        }
+        let store = self.store(sandbox)?;
+        let m = store.resolve(point)?;
+        store.verify(&m)?;
+        let fs = m.fs.clone().ok_or_else(|| {
+            CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
+        })?;
+        let src: SandboxRecord = match self.rt.record(sandbox) {
+            Ok(r) => r,
+            Err(_) => serde_json::from_value(m.sandbox_meta.clone()).map_err(|e| {
+                CheckpointError::corrupt(
+                    &store.manifest_path(m.id),
+                    format!("sandbox_meta is not a sandbox record: {e}"),
+                )
+            })?,
+        };
+        let names = match names {
+            Some(n) if n.len() == count => n,
+            Some(n) => {
+                return Err(CheckpointError::Invalid(format!(
+                    "{} names given for {count} branches",
+                    n.len()
+                )))
+            }
+            None => (1..=count)
+                .map(|i| {
+                    let suffix = format!("-{}-{i}", m.id);
+                    let keep = crab_common::names::MAX_NAME_LEN.saturating_sub(suffix.len());
+                    format!("{}{suffix}", &sandbox[..sandbox.len().min(keep)])
+                })
+                .collect(),
+        };
+        for n in &names {
+            crab_common::names::validate("sandbox", n)
+                .map_err(|e| CheckpointError::Invalid(e.message))?;
+        }
+        let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
+        let origin = Origin { sandbox: sandbox.to_owned(), point: m.id };
+        let results: Vec<Result<ForkBranch>> = std::thread::scope(|s| {
+            let handles: Vec<_> = names
+                .iter()
+                .map(|name| {
+                    let (store, m, fs, src, criu, origin) =
+                        (&store, &m, &fs, &src, criu.as_ref(), &origin);
+                    s.spawn(move || self.fork_one(store, m, fs, src, criu, origin, name))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CheckpointError::Invalid("a fork branch panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let mut out = Vec::new();
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(b) => out.push(b),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            // All or nothing: remove the branches that did come up.
+            for b in &out {
+                if let Err(e) = self.rt.remove(&b.sandbox, true) {
+                    tracing::warn!(sandbox = %b.sandbox, error = %e, "cannot remove fork branch");
+                }
+            }
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fork_one(
+        &self,
+        store: &Store,
+        m: &Manifest,
+        fs: &crate::manifest::FsPart,
+        src: &SandboxRecord,
+        criu: Option<&Criu>,
+        origin: &Origin,
+        name: &str,
+    ) -> Result<ForkBranch> {
+        let t = Instant::now();
+        let state = self.rt.state();
+        if self.rt.record(name).is_ok() {
+            return Err(CheckpointError::Invalid(format!(
+                "a sandbox named {name:?} already exists"
+            )));
+        }
+        let dir = state.sandbox_dir(name);
+        // Creating the directory claims the name (the runtime's create does the same).
+        std::fs::create_dir(&dir).map_err(|e| CheckpointError::io("mkdir", &dir, e))?;
+        let result = self.fork_into(store, m, fs, src, criu, name);
+        match result {
+            Ok(pid) => {
+                tracing::info!(sandbox = name, from = %origin.sandbox, point = %origin.point, "fork branch up");
+                Ok(ForkBranch { sandbox: name.to_owned(), init_pid: pid, ms: ms(t.elapsed()) })
+            }
+            Err(e) => {
+                let cg = self.rt.cgroup(name);
+                if let Err(e) = cg.destroy() {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove cgroup of failed branch");
+                }
+                let rootfs = state.sandbox_rootfs(name);
+                if let Err(e) = self.fs.delete(&rootfs) {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove root of failed branch");
+                }
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    fn fork_into(
+        &self,
+        store: &Store,
+        m: &Manifest,
+        fs: &crate::manifest::FsPart,
+        src: &SandboxRecord,
+        criu: Option<&Criu>,
+        name: &str,
+    ) -> Result<u32> {
+        let state = self.rt.state();
+        let rootfs = state.sandbox_rootfs(name);
+        self.fs
+            .snapshot(&store.fs_path(fs.id), &rootfs, false)
+            .map_err(|e| CheckpointError::io("snapshot", &rootfs, e))?;
+        personalize(&rootfs, name).map_err(sandbox_err(name))?;
+        let cg = self.rt.cgroup(name);
+        cg.create(&src.limits).map_err(cg_err(name))?;
+        let pid = match (&m.procs, criu) {
+            (Some(p), Some(criu)) => {
+                let log =
+                    self.log_dir(name)?.join(format!("fork-{}-{}-restore.log", m.sandbox, p.id));
+                let paths = cgroup_paths(&cg);
+                let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
+                let opts = self.restore_opts(&store.proc_dir(p.id), log, &rootfs, cgroups);
+                let r = criu.restore_with(&opts, |n| {
+                    if n.phase == phase::POST_RESTORE {
+                        if let Some(pid) = n.pid {
+                            set_hostname_of(pid, name)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                u32::try_from(r.pid).unwrap_or(0)
+            }
+            _ => self.rt.start_init(name, src.net, &src.limits).map_err(sandbox_err(name))?.0,
+        };
+        let init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
+            sandbox: name.to_owned(),
+            message: format!("the restored init {pid} died right after the restore"),
+        })?;
+        let rec = SandboxRecord {
+            format: src.format,
+            name: name.to_owned(),
+            image: src.image.clone(),
+            created_at: now_ms() / 1000,
+            init_pid: pid,
+            init_start,
+            net: src.net,
+            hostname: name.to_owned(),
+            limits: src.limits.clone(),
+        };
+        self.rt.update(rec).map_err(sandbox_err(name))?;
+        Ok(pid)
+    }
+}
+
+fn staging_has_fs(kind: Kind) -> bool {
+    matches!(kind, Kind::Fs | Kind::Full)
+}

@@ -1,0 +1,414 @@
+//! End-to-end checkpoint / restore / fork of real sandboxes (root, btrfs pool, CRIU 4.2.1).
+//!
+//! These tests open their own [`Runtime`] on the state directory of `make test`
+//! (`CRAB_STATE_DIR`, default `/var/lib/crab`, whose `debian` image must exist: `make test`
+//! builds it) and use the `crab` binary as the namespace helper (`CRAB_BIN`, default
+//! `target/debug/crab`). Every sandbox they create is named `ckt-<pid>-...` and removed at the
+//! end. Not run as root, they are skipped with a note on stderr.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crab_checkpoint::{CheckpointError, CheckpointRequest, Checkpointer, Config, Kind};
+use crab_common::api::{ExecRequest, Limits, NetMode, SandboxCreateRequest};
+use crab_common::paths::StateDir;
+use crab_sandbox::{Runtime, RuntimeConfig};
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+macro_rules! require_root {
+    () => {
+        if !is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+    };
+}
+
+fn helper() -> PathBuf {
+    std::env::var_os("CRAB_BIN").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/debug/crab"))
+    })
+}
+
+fn runtime() -> Arc<Runtime> {
+    let state = StateDir::new(
+        std::env::var_os("CRAB_STATE_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(crab_common::paths::DEFAULT_STATE_DIR)),
+    );
+    let helper = helper();
+    assert!(helper.exists(), "{} missing: build the workspace (make build)", helper.display());
+    assert!(
+        state.image_rootfs("debian").exists(),
+        "no debian image in {}: run `make test` (it builds it)",
+        state.root().display()
+    );
+    let rt = Runtime::open(RuntimeConfig {
+        state,
+        pool_size: crab_sandbox::pool::DEFAULT_POOL_SIZE,
+        helper_exe: helper,
+    })
+    .unwrap();
+    Arc::new(rt)
+}
+
+/// A sandbox that is removed (with its checkpoints and forks) when dropped.
+struct Sb {
+    rt: Arc<Runtime>,
+    ck: Arc<Checkpointer>,
+    name: String,
+    extra: Vec<String>,
+}
+
+impl Sb {
+    fn new(tag: &str) -> Sb {
+        let rt = runtime();
+        let ck = Arc::new(Checkpointer::new(rt.clone(), Config::default()));
+        let name = format!("ckt-{}-{tag}", std::process::id());
+        let req = SandboxCreateRequest {
+            image: "debian".into(),
+            name: Some(name.clone()),
+            net: NetMode::Private,
+            limits: Limits::default(),
+        };
+        rt.create(&req).unwrap();
+        Sb { rt, ck, name, extra: Vec::new() }
+    }
+
+    fn sh_in(&self, sb: &str, script: &str) -> (i32, String) {
+        let req = ExecRequest {
+            cmd: vec!["sh".into(), "-c".into(), script.into()],
+            ..Default::default()
+        };
+        let spec = self.rt.exec_spec(sb, &req).unwrap();
+        let out = Command::new(self.rt.helper_exe())
+            .arg("__nsexec")
+            .arg(serde_json::to_string(&spec).unwrap())
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    fn sh(&self, script: &str) -> String {
+        let (code, out) = self.sh_in(&self.name, script);
+        assert_eq!(code, 0, "`{script}` failed: {out}");
+        out
+    }
+
+    fn write(&self, path: &str, content: &str) {
+        let p = self.rt.state().sandbox_rootfs(&self.name).join(path.trim_start_matches('/'));
+        std::fs::write(p, content).unwrap();
+    }
+
+    fn checkpoint(&self, kind: Kind) -> crab_checkpoint::Manifest {
+        let t = Instant::now();
+        let m = self
+            .ck
+            .checkpoint(
+                &self.name,
+                CheckpointRequest { kind, turn: None, conversation_offset: None },
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        eprintln!(
+            "checkpoint {} {}: {:.1} ms (frozen {:?} us, fs {:?} us, dump {:?} us, hash {:?} us), {} bytes",
+            m.id,
+            kind.as_str(),
+            t.elapsed().as_secs_f64() * 1000.0,
+            m.timings.frozen_us,
+            m.timings.fs_snapshot_us,
+            m.timings.dump_us,
+            m.timings.hash_us,
+            m.size_bytes()
+        );
+        m
+    }
+
+    fn restore(&self, point: Option<&str>) -> crab_checkpoint::RestoreReport {
+        let r = self.ck.restore(&self.name, point).unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("restore: {r:?}");
+        r
+    }
+
+    fn kill_all(&self) {
+        self.rt.stop(&self.name).unwrap();
+    }
+}
+
+impl Drop for Sb {
+    fn drop(&mut self) {
+        for n in self.extra.iter().chain(std::iter::once(&self.name)) {
+            let _ = self.rt.remove(n, true);
+            let _ = self.ck.remove_all(n);
+        }
+    }
+}
+
+const COUNTER_SERVER: &str = r#"
+import http.server
+count = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global count
+        count += 1
+        b = str(count).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", 8000), H).serve_forever()
+"#;
+
+const TCP_PAIR: &str = r#"
+import os, socket, threading, time
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 9000))
+srv.listen(1)
+def serve():
+    c, _ = srv.accept()
+    n = 0
+    while True:
+        d = c.recv(100)
+        if not d:
+            break
+        n += 1
+        c.sendall(b"%d\n" % n)
+threading.Thread(target=serve, daemon=True).start()
+cl = socket.create_connection(("127.0.0.1", 9000))
+f = cl.makefile("rb")
+while True:
+    try:
+        cl.sendall(b"x")
+        line = f.readline()
+        if not line:
+            raise EOFError("closed")
+        with open("/tmp/tcp.tmp", "w") as o:
+            o.write(line.decode().strip())
+        os.rename("/tmp/tcp.tmp", "/tmp/tcp")
+    except Exception as e:
+        with open("/tmp/tcp", "w") as o:
+            o.write("dead %r" % e)
+        break
+    time.sleep(0.05)
+"#;
+
+const GET: &str = "python3 -c 'import urllib.request as u; print(u.urlopen(\"http://127.0.0.1:8000/\").read().decode())'";
+
+fn start_services(sb: &Sb) {
+    sb.write("/root/counter.py", COUNTER_SERVER);
+    sb.write("/root/tcp.py", TCP_PAIR);
+    sb.sh(
+        "setsid python3 /root/counter.py </dev/null >/dev/null 2>&1 & \
+         setsid python3 /root/tcp.py </dev/null >/dev/null 2>&1 & \
+         for i in $(seq 100); do [ -s /tmp/tcp ] && python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))' 2>/dev/null && break; sleep 0.05; done",
+    );
+}
+
+fn tcp_count(sb: &Sb) -> u64 {
+    let s = sb.sh("cat /tmp/tcp");
+    s.parse().unwrap_or_else(|_| panic!("tcp client says {s:?}"))
+}
+
+fn wait_tcp_above(sb: &Sb, v: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = tcp_count(sb);
+        if now > v {
+            return now;
+        }
+        assert!(Instant::now() < deadline, "tcp counter stuck at {now}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn counter_and_tcp_survive_checkpoint_kill_restore() {
+    require_root!();
+    let sb = Sb::new("srv");
+    start_services(&sb);
+    for i in 1..=3 {
+        assert_eq!(sb.sh(GET), i.to_string());
+    }
+    let tcp_before = wait_tcp_above(&sb, 2);
+    let m = sb.checkpoint(Kind::Full);
+    assert!(m.procs.is_some() && m.fs.is_some());
+    let tcp_at = tcp_count(&sb);
+    assert!(tcp_at >= tcp_before);
+    // Work after the checkpoint, then lose everything.
+    assert_eq!(sb.sh(GET), "4");
+    assert_eq!(sb.sh(GET), "5");
+    let tcp_late = wait_tcp_above(&sb, tcp_at + 10);
+    sb.kill_all();
+
+    let r = sb.restore(None);
+    assert!(r.processes_restored);
+    // The server's in-memory count is the checkpoint's.
+    assert_eq!(sb.sh(GET), "4");
+    // The established loopback connection survived and continues from the checkpoint.
+    let after = wait_tcp_above(&sb, 0);
+    let after = wait_tcp_above(&sb, after);
+    assert!(after < tcp_late, "tcp count {after} did not go back (late {tcp_late})");
+
+    // A second checkpoint of the restored sandbox, and a skip point on top.
+    sb.checkpoint(Kind::Full);
+    let skip = sb.checkpoint(Kind::Skip);
+    assert_eq!(sb.ck.list(&sb.name).unwrap().len(), 3);
+    assert_eq!(sb.sh(GET), "5");
+    sb.kill_all();
+    sb.restore(Some(&skip.id.to_string()));
+    assert_eq!(sb.sh(GET), "5");
+}
+
+#[test]
+fn rollback_restores_files_and_removes_new_ones() {
+    require_root!();
+    let sb = Sb::new("fs");
+    sb.sh("echo one > /root/a; mkdir -p /root/d; echo keep > /root/d/k");
+    let p1 = sb.checkpoint(Kind::Fs);
+    sb.sh("rm /root/a; echo two > /root/b; rm -r /root/d");
+    sb.checkpoint(Kind::Fs);
+    sb.restore(Some(&p1.id.to_string()));
+    assert_eq!(sb.sh("cat /root/a; cat /root/d/k; [ ! -e /root/b ] && echo nob"), "one\nkeep\nnob");
+    // Newest again.
+    sb.restore(None);
+    assert_eq!(sb.sh("[ ! -e /root/a ] && cat /root/b"), "two");
+}
+
+#[test]
+fn fs_only_point_restores_a_fresh_init() {
+    require_root!();
+    let sb = Sb::new("fresh");
+    sb.sh("echo data > /root/f");
+    let m = sb.checkpoint(Kind::Fs);
+    assert!(m.procs.is_none(), "first fs point has no process image");
+    sb.kill_all();
+    let r = sb.restore(None);
+    assert!(!r.processes_restored);
+    assert_eq!(sb.sh("cat /root/f"), "data");
+}
+
+#[test]
+fn three_forks_serve_and_diverge() {
+    require_root!();
+    let mut sb = Sb::new("fork");
+    start_services(&sb);
+    assert_eq!(sb.sh(GET), "1");
+    assert_eq!(sb.sh(GET), "2");
+    let m = sb.checkpoint(Kind::Full);
+    let t = Instant::now();
+    let branches =
+        sb.ck.fork(&sb.name, Some(&m.id.to_string()), 3, None).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("fork of 3: {:.1} ms: {branches:?}", t.elapsed().as_secs_f64() * 1000.0);
+    sb.extra = branches.iter().map(|b| b.sandbox.clone()).collect();
+    assert_eq!(branches.len(), 3);
+    let mut ids = Vec::new();
+    for (i, b) in branches.iter().enumerate() {
+        // Each branch continues from the checkpoint's count and diverges from the others.
+        let get = |n: usize| {
+            for _ in 0..n {
+                sb.sh_in(&b.sandbox, GET);
+            }
+            sb.sh_in(&b.sandbox, GET).1
+        };
+        assert_eq!(get(i), (3 + i).to_string(), "branch {}", b.sandbox);
+        let (_, host) = sb.sh_in(&b.sandbox, "hostname; cat /etc/hostname; cat /etc/machine-id");
+        let lines: Vec<&str> = host.lines().collect();
+        assert_eq!(lines[0], b.sandbox, "uts hostname");
+        assert_eq!(lines[1], b.sandbox, "/etc/hostname");
+        ids.push(lines[2].to_owned());
+        // The TCP pair lives on in every branch.
+        let (_, tcp) = sb.sh_in(&b.sandbox, "cat /tmp/tcp");
+        assert!(tcp.parse::<u64>().is_ok(), "branch tcp: {tcp}");
+    }
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "machine-ids are unique");
+    // The source is untouched.
+    assert_eq!(sb.sh(GET), "3");
+}
+
+#[test]
+fn flipped_image_byte_is_refused_and_sandbox_left_alone() {
+    require_root!();
+    let sb = Sb::new("flip");
+    start_services(&sb);
+    assert_eq!(sb.sh(GET), "1");
+    let m = sb.checkpoint(Kind::Full);
+    let store = sb.ck.store(&sb.name).unwrap();
+    let dir = store.proc_dir(m.procs.as_ref().unwrap().id);
+    let pages = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
+        .unwrap();
+    let mut bytes = std::fs::read(&pages).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x04;
+    std::fs::write(&pages, &bytes).unwrap();
+    let pid_before = sb.rt.record(&sb.name).unwrap().init_pid;
+    let err = sb.ck.restore(&sb.name, None).unwrap_err();
+    assert!(matches!(&err, CheckpointError::Corrupt { path, .. } if path == &pages), "{err}");
+    assert_eq!(err.to_api().code, crab_common::ErrorCode::CorruptCheckpoint);
+    // Nothing was touched: same init, the server still counts on.
+    assert_eq!(sb.rt.record(&sb.name).unwrap().init_pid, pid_before);
+    assert_eq!(sb.sh(GET), "2");
+}
+
+#[test]
+fn interrupted_checkpoint_leaves_older_points_restorable() {
+    require_root!();
+    let sb = Sb::new("crash");
+    start_services(&sb);
+    assert_eq!(sb.sh(GET), "1");
+    sb.checkpoint(Kind::Full);
+    assert_eq!(sb.sh(GET), "2");
+    // What a daemon killed in the middle of a checkpoint leaves: staged parts, a temp
+    // manifest, and the sandbox's cgroup frozen by CRIU's freezer.
+    let store = sb.ck.store(&sb.name).unwrap();
+    let tmp = store.dir().join("tmp/p000099");
+    std::fs::create_dir(&tmp).unwrap();
+    std::fs::write(tmp.join("pages-1.img"), b"partial").unwrap();
+    std::fs::write(store.dir().join("points/c000099.manifest.tmp"), b"crab-restore-point 1\n{")
+        .unwrap();
+    sb.rt.cgroup(&sb.name).set_frozen(true).unwrap();
+
+    // A new daemon starts: recovery first.
+    let ck2 = Checkpointer::new(sb.rt.clone(), Config::default());
+    ck2.recover().unwrap();
+    assert!(!tmp.exists());
+    assert_eq!(sb.sh(GET), "3", "the sandbox was thawed");
+    sb.kill_all();
+    let r = ck2.restore(&sb.name, None).unwrap();
+    assert!(r.processes_restored);
+    assert_eq!(sb.sh(GET), "2");
+}
+
+#[test]
+fn prune_keeps_the_newest_points_restorable() {
+    require_root!();
+    let sb = Sb::new("prune");
+    start_services(&sb);
+    sb.checkpoint(Kind::Full);
+    sb.checkpoint(Kind::Fs);
+    sb.checkpoint(Kind::Skip);
+    sb.checkpoint(Kind::Full);
+    sb.checkpoint(Kind::Skip);
+    let r = sb.ck.prune(&sb.name, 2).unwrap();
+    assert_eq!(r.points.len(), 3);
+    assert_eq!(sb.ck.list(&sb.name).unwrap().len(), 2);
+    sb.kill_all();
+    sb.restore(None);
+    assert_eq!(sb.sh(GET), "1");
+}

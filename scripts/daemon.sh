@@ -12,8 +12,10 @@ stop() {
     pid=$(cat "$PIDFILE" 2>/dev/null || true)
     if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && grep -q crab "/proc/$pid/cmdline" 2>/dev/null; then
         kill "$pid"
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.05; done
+        for _ in $(seq 400); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.05; done
+        echo "crab daemon $pid ignored SIGTERM for 20 s; killing it" >&2
         kill -9 "$pid" 2>/dev/null || true
+        while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
     fi
 }
 

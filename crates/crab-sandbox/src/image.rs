@@ -22,8 +22,22 @@ use crate::error::{Result, SandboxError};
 use crate::{archive, btrfs, pool, runtime};
 
 /// Packages every `debian` image has on top of minbase.
-pub const DEBIAN_PACKAGES: &[&str] =
-    &["python3", "git", "procps", "iproute2", "curl", "ca-certificates", "psmisc"];
+/// Beyond the required set (python3, git, procps, iproute2, curl, ca-certificates) it carries
+/// what agent workloads and the inspector's corpus exercise: a C toolchain, make, pip, sqlite.
+pub const DEBIAN_PACKAGES: &[&str] = &[
+    "python3",
+    "git",
+    "procps",
+    "iproute2",
+    "curl",
+    "ca-certificates",
+    "psmisc",
+    "gcc",
+    "libc6-dev",
+    "make",
+    "python3-pip",
+    "sqlite3",
+];
 
 /// The persisted record of an image.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -220,6 +234,11 @@ pub fn build_debian(
             progress.message(&format!("image {name} is already built ({recipe})"));
             return Ok(r.into());
         }
+        return Err(SandboxError::Conflict(format!(
+            "image {name:?} exists but was built from another recipe ({}); remove it with \
+             `crab image rm {name}` to rebuild, or pick another --name",
+            r.source
+        )));
     }
     check_new_name(state, name)?;
     let Some(debootstrap) = pool::which("debootstrap") else {

@@ -43,10 +43,35 @@ pub struct CgroupPaths {
 
 impl CgroupPaths {
     fn enter_self(&self) -> Result<(), String> {
+        self.open_procs()?.enter()
+    }
+
+    /// Open every `cgroup.procs` now (host paths), to join later, e.g. after `setns`.
+    fn open_procs(&self) -> Result<OpenCgroups, String> {
+        let files = std::iter::once(&self.v2)
+            .chain(self.v1.iter())
+            .map(|dir| {
+                let p = dir.join("cgroup.procs");
+                File::options()
+                    .write(true)
+                    .open(&p)
+                    .map(|f| (p.clone(), f))
+                    .map_err(|e| format!("open {}: {e}", p.display()))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(OpenCgroups(files))
+    }
+}
+
+/// `cgroup.procs` files opened ahead of joining.
+struct OpenCgroups(Vec<(PathBuf, File)>);
+
+impl OpenCgroups {
+    /// Move the calling process into every group.
+    fn enter(mut self) -> Result<(), String> {
         let pid = std::process::id().to_string();
-        for dir in std::iter::once(&self.v2).chain(self.v1.iter()) {
-            let p = dir.join("cgroup.procs");
-            std::fs::write(&p, &pid).map_err(|e| format!("join cgroup {}: {e}", p.display()))?;
+        for (p, f) in &mut self.0 {
+            f.write_all(pid.as_bytes()).map_err(|e| format!("join cgroup {}: {e}", p.display()))?;
         }
         Ok(())
     }
@@ -292,11 +317,14 @@ pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
     ];
     let files: Vec<(File, CloneFlags)> =
         order.iter().map(|(n, f)| ns(n).map(|file| (file, *f))).collect::<Result<_, _>>()?;
-    spec.cgroup.enter_self()?;
+    // Join the cgroup only after setns, so the helper's own namespace switching is not counted
+    // as the sandbox's activity by the inspector.
+    let cgroups = spec.cgroup.open_procs()?;
     for (f, flag) in &files {
         nix::sched::setns(f, *flag).map_err(err(format!("setns {flag:?}")))?;
     }
     drop(files);
+    cgroups.enter()?;
     let argv: Vec<CString> = spec
         .cmd
         .iter()

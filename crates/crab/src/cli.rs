@@ -52,6 +52,14 @@ enum Cmd {
     Sandbox(SandboxCmd),
     /// Run a command in a sandbox (flags as `docker exec`).
     Exec(ExecArgs),
+    /// Show the current turn's OS effects in a sandbox, as the eBPF inspector sees them.
+    Inspect {
+        /// Sandbox name.
+        sandbox: String,
+        /// Also close the turn (as a checkpoint at a turn boundary does).
+        #[arg(long)]
+        close: bool,
+    },
     /// Show the daemon's version and state directory.
     Version,
     /// Run a benchmark against the running daemon.
@@ -202,7 +210,9 @@ async fn run(cli: Cli) -> ExitCode {
     if let Cmd::Daemon { pool_size } = cli.cmd {
         init_tracing();
         return match daemon::run(DaemonOptions { state, pool_size }).await {
-            Ok(()) => ExitCode::SUCCESS,
+            // Exit at once: nothing is left to flush, and waiting for idle blocking threads or
+            // the kernel's teardown of BPF links would only delay a restart.
+            Ok(()) => std::process::exit(0),
             Err(e) => {
                 tracing::error!("{e:#}");
                 eprintln!("error: {e:#}");
@@ -231,6 +241,7 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Sandbox(c) => sandbox_cmd(&client, c, json).await,
         Cmd::Exec(a) => return exec_cmd(&client, a, json).await,
         Cmd::Bench(b) => bench_cmd(&client, &state, b, json).await,
+        Cmd::Inspect { sandbox, close } => inspect_cmd(&client, &sandbox, close, json).await,
     };
     match res {
         Ok(code) => code,
@@ -524,6 +535,56 @@ async fn bench_cmd(
                 println!("exec overhead over host (p50): {:.2} ms", r.exec_overhead_p50_ms);
             }
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn inspect_cmd(
+    client: &Client,
+    sandbox: &str,
+    close: bool,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    let path = format!("/v1/sandboxes/{sandbox}/inspect");
+    let method = if close { Method::POST } else { Method::GET };
+    let v: crab_inspector::Verdict = client.call::<(), _>(method, &path, None).await?;
+    if json {
+        print_json(&v);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let kind = serde_json::to_value(v.kind)
+        .ok()
+        .and_then(|k| k.as_str().map(str::to_string))
+        .unwrap_or_default();
+    println!(
+        "sandbox {} turn {}: {kind}{}",
+        v.sandbox,
+        v.turn,
+        if v.conservative { " (conservative)" } else { "" }
+    );
+    let rows: Vec<Vec<String>> = v
+        .changeset
+        .iter()
+        .map(|c| {
+            let op = match &c.op {
+                crab_inspector::ChangeOp::Rename { from } => format!("rename from {from}"),
+                other => serde_json::to_value(other)
+                    .ok()
+                    .and_then(|o| o.get("op").and_then(|x| x.as_str()).map(str::to_string))
+                    .unwrap_or_default(),
+            };
+            vec![op, c.path.clone()]
+        })
+        .collect();
+    if !rows.is_empty() {
+        table(&["CHANGE", "PATH"], &rows);
+    }
+    let p = &v.processes;
+    if p.any() {
+        println!("processes: born {:?} died {:?} ran {:?}", p.born, p.died, p.ran);
+    }
+    for r in &v.reasons {
+        println!("reason: {r}");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -18,7 +18,7 @@ use tokio_stream::StreamExt;
 use crab_common::api::{ProgressFrame, VersionInfo, API_VERSION};
 use crab_common::{ApiError, Progress};
 
-use super::{images, sandboxes, Daemon};
+use super::{images, inspect, sandboxes, Daemon};
 
 /// The daemon's routes.
 pub fn router(d: Arc<Daemon>) -> Router {
@@ -31,6 +31,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/sandboxes", get(sandboxes::list).post(sandboxes::create))
         .route("/v1/sandboxes/{name}", get(sandboxes::get).delete(sandboxes::remove))
         .route("/v1/sandboxes/{name}/exec", post(sandboxes::exec))
+        .route("/v1/sandboxes/{name}/inspect", get(inspect::peek).post(inspect::close))
         .fallback(not_found)
         .with_state(d)
 }

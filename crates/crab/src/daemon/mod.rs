@@ -7,6 +7,7 @@
 
 mod api;
 mod images;
+mod inspect;
 mod sandboxes;
 
 use std::io::Write;
@@ -17,7 +18,10 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 
+use crab_common::api::SandboxState;
 use crab_common::paths::StateDir;
+use crab_common::ApiError;
+use crab_inspector::Inspector;
 use crab_sandbox::{Runtime, RuntimeConfig};
 
 /// Options of `crab daemon`.
@@ -34,6 +38,34 @@ pub struct DaemonOptions {
 pub struct Daemon {
     /// The sandbox runtime.
     pub runtime: Arc<Runtime>,
+    /// The eBPF inspector, or why it could not be loaded.
+    pub inspector: Result<Arc<Inspector>, ApiError>,
+}
+
+impl Daemon {
+    /// The inspector, or the error explaining why this host has none.
+    pub fn inspector(&self) -> Result<&Arc<Inspector>, ApiError> {
+        self.inspector.as_ref().map_err(Clone::clone)
+    }
+
+    /// Start tracking a sandbox's turns (no-op without an inspector; failures are logged: the
+    /// verdict of an untracked sandbox is refused, never guessed).
+    pub fn attach(&self, name: &str) {
+        if let Ok(i) = &self.inspector {
+            let cg = self.runtime.cgroup(name);
+            match i.attach(name, &cg.v2) {
+                Ok(h) => tracing::debug!(sandbox = name, key = h.key, "inspector attached"),
+                Err(e) => tracing::warn!(sandbox = name, error = %e, "inspector attach failed"),
+            }
+        }
+    }
+
+    /// Stop tracking a sandbox.
+    pub fn detach(&self, name: &str) {
+        if let Ok(i) = &self.inspector {
+            i.detach(name);
+        }
+    }
 }
 
 /// Run the daemon until SIGINT or SIGTERM.
@@ -55,7 +87,20 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
                 if api.hint.is_empty() { String::new() } else { format!(" (hint: {})", api.hint) }
             )
         })?;
-    let daemon = Arc::new(Daemon { runtime: Arc::new(runtime) });
+    let inspector = tokio::task::spawn_blocking(Inspector::load)
+        .await
+        .context("inspector start-up panicked")?
+        .map(Arc::new)
+        .map_err(|e| {
+            tracing::warn!(error = %e, "the eBPF inspector is unavailable; verdicts will be refused");
+            e.to_api()
+        });
+    let daemon = Arc::new(Daemon { runtime: Arc::new(runtime), inspector });
+    for s in daemon.runtime.list() {
+        if s.state == SandboxState::Running {
+            daemon.attach(&s.name);
+        }
+    }
     let sock = state.socket();
     match std::fs::remove_file(&sock) {
         Ok(()) => {}

@@ -37,7 +37,10 @@ pub async fn create(State(d): State<Arc<Daemon>>, body: Bytes) -> Response {
     };
     let rt = d.runtime.clone();
     match blocking(move || rt.create(&req).map_err(ApiError::from)).await {
-        Ok(v) => ok(&v),
+        Ok(v) => {
+            d.attach(&v.name);
+            ok(&v)
+        }
         Err(e) => err(e),
     }
 }
@@ -49,8 +52,12 @@ pub async fn remove(
 ) -> Response {
     let force = q.get("force").is_some_and(|v| v == "true" || v == "1");
     let rt = d.runtime.clone();
-    match blocking(move || rt.remove(&name, force).map_err(ApiError::from)).await {
-        Ok(()) => ok(&serde_json::json!({"removed": true})),
+    let n = name.clone();
+    match blocking(move || rt.remove(&n, force).map_err(ApiError::from)).await {
+        Ok(()) => {
+            d.detach(&name);
+            ok(&serde_json::json!({"removed": true}))
+        }
         Err(e) => err(e),
     }
 }

@@ -41,7 +41,6 @@ pub(crate) fn dump(map: &MapHandle, name: &'static str) -> Result<Dump, Inspecto
         sz: std::mem::size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
         elem_flags: 0,
         flags: 0,
-        ..Default::default()
     };
     loop {
         let mut keys = vec![0u8; key_size * batch as usize];
@@ -149,7 +148,7 @@ impl Bss {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= BSS_LEVEL_MASK);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= BSS_LEVEL_MASK);
         // SAFETY: `off` is 8-aligned and inside the sstates array of the mmapped `.bss`
         // (asserted by callers through the sbx < MAX_SBX check), which is page aligned and
         // outlives `self`; the BPF side accesses these words atomically or by aligned loads.

@@ -27,6 +27,7 @@ pub(crate) fn cgroup_id_and_level(dir: &Path) -> Result<(u64, u32), InspectorErr
     if rc != 0 {
         return Err(io_err("statfs", dir, std::io::Error::last_os_error()));
     }
+    #[allow(clippy::unnecessary_cast)] // f_type is not i64 on every target
     if sfs.f_type as i64 != CGROUP2_SUPER_MAGIC {
         return Err(InspectorError::NotCgroup2 { path: dir.to_path_buf() });
     }

@@ -2,6 +2,8 @@
 //! under the cgroup2 hierarchy, runs shell commands inside it against a temp directory, and
 //! checks the turn's verdict. Needs root; skipped (with a message) otherwise.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;

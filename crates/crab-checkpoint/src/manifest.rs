@@ -203,8 +203,11 @@ pub struct Timings {
     pub fs_snapshot_us: Option<u64>,
     /// The CRIU dump (RPC round trip).
     pub dump_us: Option<u64>,
-    /// Hashing and syncing the image files.
+    /// Hashing the image files.
     pub hash_us: Option<u64>,
+    /// Making the image files durable (`syncfs`).
+    #[serde(default)]
+    pub sync_us: Option<u64>,
     /// Start of the checkpoint to the manifest's publication.
     pub total_us: Option<u64>,
 }

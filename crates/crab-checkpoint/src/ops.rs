@@ -51,15 +51,28 @@ impl SnapshotFs for BtrfsSnapshots {
 /// Tunables of the flows.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// CRIU log level of dumps and restores (0..=4).
+    /// CRIU log level of dumps and restores (0..=4). Default 2 (errors and warnings, which
+    /// is what error messages quote), or `CRAB_CRIU_LOG_LEVEL`: level 4 costs about 25 ms per
+    /// dump and per restore of a small sandbox here.
     pub criu_log_level: i32,
     /// Freeze the cgroup around fs-only snapshots.
     pub freeze_fs_snapshots: bool,
+    /// A tmpfs directory where CRIU keeps its kernel-feature cache when the host's `/run` is
+    /// not a tmpfs (see [`Criu::with_kdat_cache_dir`]); `None` lets CRIU probe on every run.
+    pub criu_kdat_cache: Option<PathBuf>,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { criu_log_level: crab_criu::DEFAULT_LOG_LEVEL, freeze_fs_snapshots: true }
+        Config {
+            criu_log_level: std::env::var("CRAB_CRIU_LOG_LEVEL")
+                .ok()
+                .and_then(|l| l.parse().ok())
+                .filter(|l| (0..=4).contains(l))
+                .unwrap_or(2),
+            freeze_fs_snapshots: true,
+            criu_kdat_cache: Some(PathBuf::from("/dev/shm/crab-criu-run")),
+        }
     }
 }
 
@@ -186,6 +199,36 @@ fn set_hostname_of(pid: i32, name: &str) -> std::result::Result<(), String> {
     })
 }
 
+/// A frozen cgroup, thawed when dropped (errors then only logged) or by [`Freeze::thaw`].
+struct Freeze<'a> {
+    cg: &'a crab_sandbox::cgroup::SandboxCgroup,
+    sandbox: &'a str,
+    done: bool,
+}
+
+impl<'a> Freeze<'a> {
+    fn new(cg: &'a crab_sandbox::cgroup::SandboxCgroup, sandbox: &'a str) -> Result<Freeze<'a>> {
+        let f = Freeze { cg, sandbox, done: false };
+        cg.set_frozen(true).map_err(cg_err(sandbox))?;
+        Ok(f)
+    }
+
+    fn thaw(mut self) -> Result<()> {
+        self.done = true;
+        self.cg.set_frozen(false).map_err(cg_err(self.sandbox))
+    }
+}
+
+impl Drop for Freeze<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Err(e) = self.cg.set_frozen(false) {
+                tracing::error!(sandbox = self.sandbox, error = %e, "cannot thaw the sandbox");
+            }
+        }
+    }
+}
+
 /// The checkpoint/restore engine of one daemon.
 #[derive(Debug)]
 pub struct Checkpointer {
@@ -221,7 +264,11 @@ impl Checkpointer {
     }
 
     fn criu(&self) -> Result<Criu> {
-        Ok(Criu::locate()?)
+        let criu = Criu::locate()?;
+        Ok(match &self.cfg.criu_kdat_cache {
+            Some(dir) => criu.with_kdat_cache_dir(dir),
+            None => criu,
+        })
     }
 
     fn criu_version(&self, criu: &Criu) -> String {
@@ -325,16 +372,17 @@ impl Checkpointer {
         match req.kind {
             Kind::Skip => {}
             Kind::Fs => {
-                let freeze = alive && self.cfg.freeze_fs_snapshots;
                 let t0 = Instant::now();
-                if freeze {
-                    cg.set_frozen(true).map_err(cg_err(sandbox))?;
-                }
+                let frozen = if alive && self.cfg.freeze_fs_snapshots {
+                    Some(Freeze::new(&cg, sandbox)?)
+                } else {
+                    None
+                };
                 let t1 = Instant::now();
                 let snap = staging.snapshot_fs(&rootfs);
                 draft.timings.fs_snapshot_us = Some(us(t1.elapsed()));
-                if freeze {
-                    cg.set_frozen(false).map_err(cg_err(sandbox))?;
+                if let Some(f) = frozen {
+                    f.thaw()?;
                     draft.timings.frozen_us = Some(us(t0.elapsed()));
                 }
                 snap?;
@@ -374,7 +422,10 @@ impl Checkpointer {
                 let mut snap_us = None;
                 let mut snap_err = None;
                 let fs = self.fs.clone();
+                // Freeze the cgroup ourselves: CRIU then finds it frozen and skips its own
+                // freeze loop (which polls every 100 ms), and leaves it frozen for us to thaw.
                 let t0 = Instant::now();
+                let frozen = Freeze::new(&cg, sandbox)?;
                 let stats = criu.dump_with(&opts, |n| {
                     if n.phase == phase::POST_DUMP {
                         if let Some(dst) = &fs_path {
@@ -388,13 +439,15 @@ impl Checkpointer {
                     }
                     Ok(())
                 });
+                let dump_us = us(t0.elapsed());
+                frozen.thaw()?;
                 if let Some(e) = snap_err {
                     return Err(e);
                 }
-                let stats = stats?;
-                draft.timings.dump_us = Some(us(t0.elapsed()));
+                let _stats = stats?;
+                draft.timings.dump_us = Some(dump_us);
                 draft.timings.fs_snapshot_us = snap_us;
-                draft.timings.frozen_us = stats.frozen_time.map(us);
+                draft.timings.frozen_us = Some(us(t0.elapsed()));
                 draft.root_pid = opts.pid;
                 draft.criu_version = self.criu_version(&criu);
             }

@@ -601,28 +601,46 @@ impl Staging<'_> {
             ));
         }
 
-        let hash_start = Instant::now();
-        let procs = match &self.proc {
-            Some((id, dir)) => {
-                let mut files = Vec::new();
-                let mut bytes = 0;
-                for name in list_names(dir)? {
-                    let (size, sha256) = hash_file(&dir.join(&name))?;
-                    bytes += size;
-                    files.push(ImageFile { name, size, sha256 });
-                }
-                Some(ProcPart {
-                    id: *id,
-                    created_at_ms: now_ms(),
-                    root_pid: draft.root_pid,
-                    criu_version: draft.criu_version.clone(),
-                    files,
-                    bytes,
+        // Image files must be durable before a manifest can point at them: one syncfs of the
+        // pool, overlapped with hashing them (both only read what CRIU wrote).
+        let (procs, hash_us, sync_us) = std::thread::scope(|scope| -> Result<_> {
+            let sync = self.proc.as_ref().map(|_| {
+                scope.spawn(|| {
+                    let t = Instant::now();
+                    syncfs(&store.dir).map(|()| us(t.elapsed()))
                 })
-            }
-            None if draft.no_procs => None,
-            None => parent.as_ref().and_then(|p| p.procs.clone()),
-        };
+            });
+            let hash_start = Instant::now();
+            let procs = match &self.proc {
+                Some((id, dir)) => {
+                    let mut files = Vec::new();
+                    let mut bytes = 0;
+                    for name in list_names(dir)? {
+                        let (size, sha256) = hash_file(&dir.join(&name))?;
+                        bytes += size;
+                        files.push(ImageFile { name, size, sha256 });
+                    }
+                    Some(ProcPart {
+                        id: *id,
+                        created_at_ms: now_ms(),
+                        root_pid: draft.root_pid,
+                        criu_version: draft.criu_version.clone(),
+                        files,
+                        bytes,
+                    })
+                }
+                None if draft.no_procs => None,
+                None => parent.as_ref().and_then(|p| p.procs.clone()),
+            };
+            let hash_us = us(hash_start.elapsed());
+            let sync_us = match sync {
+                Some(h) => h.join().unwrap_or_else(|_| {
+                    Err(CheckpointError::Invalid("the syncfs thread panicked".into()))
+                })?,
+                None => 0,
+            };
+            Ok((procs, hash_us, sync_us))
+        })?;
         let fs = match &self.fs {
             Some((id, _)) => Some(FsPart {
                 id: *id,
@@ -633,11 +651,6 @@ impl Staging<'_> {
             }),
             None => parent.as_ref().and_then(|p| p.fs.clone()),
         };
-        // Image files must be durable before a manifest can point at them.
-        if self.proc.is_some() {
-            syncfs(&store.dir)?;
-        }
-        let hash_us = us(hash_start.elapsed());
 
         if let Some((id, src)) = &self.proc {
             let dst = store.proc_dir(*id);
@@ -652,6 +665,7 @@ impl Staging<'_> {
 
         let mut timings = draft.timings.clone();
         timings.hash_us = Some(hash_us);
+        timings.sync_us = Some(sync_us);
         let id = store.next_point();
         let mut m = Manifest {
             id,

@@ -120,7 +120,7 @@ impl Sb {
             )
             .unwrap_or_else(|e| panic!("{e}"));
         eprintln!(
-            "checkpoint {} {}: {:.1} ms (frozen {:?} us, fs {:?} us, dump {:?} us, hash {:?} us), {} bytes",
+            "checkpoint {} {}: {:.1} ms (frozen {:?} us, fs {:?} us, dump {:?} us, hash {:?} us, sync {:?} us), {} bytes",
             m.id,
             kind.as_str(),
             t.elapsed().as_secs_f64() * 1000.0,
@@ -128,6 +128,7 @@ impl Sb {
             m.timings.fs_snapshot_us,
             m.timings.dump_us,
             m.timings.hash_us,
+            m.timings.sync_us,
             m.size_bytes()
         );
         m
@@ -411,4 +412,108 @@ fn prune_keeps_the_newest_points_restorable() {
     sb.kill_all();
     sb.restore(None);
     assert_eq!(sb.sh(GET), "1");
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn bench_sandbox(tag: &str) -> Sb {
+    let mut sb = Sb::new(tag);
+    if let Some(level) = std::env::var("CRAB_BENCH_LOG_LEVEL").ok().and_then(|l| l.parse().ok()) {
+        let cfg = Config { criu_log_level: level, ..Config::default() };
+        sb.ck = Arc::new(Checkpointer::new(sb.rt.clone(), cfg));
+    }
+    sb
+}
+
+/// The issue's benchmark: a sandbox running a python HTTP server and a shell loop. Prints
+/// p50/p90 of fs checkpoint, full checkpoint, restore, and the time of a fork of 8.
+/// `cargo test --release -p crab-checkpoint --test real_flows -- --ignored --nocapture bench`
+#[test]
+#[ignore]
+fn bench_checkpoint_restore_fork() {
+    require_root!();
+    let n: usize = std::env::var("CRAB_BENCH_N").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    let mut sb = bench_sandbox("bench");
+    sb.sh(
+        "cd /tmp && setsid python3 -m http.server 8000 </dev/null >/dev/null 2>&1 & \
+         setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/loop; sleep 0.1; done' </dev/null >/dev/null 2>&1 & \
+         sleep 1",
+    );
+    let req = |kind| CheckpointRequest { kind, turn: None, conversation_offset: None };
+    let (mut fs, mut full, mut restore, mut frozen) = (vec![], vec![], vec![], vec![]);
+    for i in 0..n {
+        sb.sh(&format!("echo {i} > /root/turn-{i}"));
+        let t = Instant::now();
+        sb.ck.checkpoint(&sb.name, req(Kind::Fs)).unwrap();
+        fs.push(t.elapsed().as_secs_f64() * 1000.0);
+        let t = Instant::now();
+        let m = sb.ck.checkpoint(&sb.name, req(Kind::Full)).unwrap();
+        full.push(t.elapsed().as_secs_f64() * 1000.0);
+        frozen.push(m.timings.frozen_us.unwrap_or(0) as f64 / 1000.0);
+        let t = Instant::now();
+        sb.ck.restore(&sb.name, None).unwrap();
+        restore.push(t.elapsed().as_secs_f64() * 1000.0);
+        sb.ck.prune(&sb.name, 2).unwrap();
+    }
+    let size = sb.ck.store(&sb.name).unwrap().newest().unwrap().size_bytes();
+    let t = Instant::now();
+    let branches = sb.ck.fork(&sb.name, None, 8, None).unwrap();
+    let fork8 = t.elapsed().as_secs_f64() * 1000.0;
+    sb.extra = branches.iter().map(|b| b.sandbox.clone()).collect();
+    for b in &branches {
+        assert_eq!(sb.sh_in(&b.sandbox, "hostname").1, b.sandbox);
+    }
+    eprintln!("BENCH n={n} image={size} bytes");
+    eprintln!(
+        "BENCH fs checkpoint   p50 {:7.1} ms  p90 {:7.1} ms",
+        pct(&mut fs, 0.5),
+        pct(&mut fs, 0.9)
+    );
+    eprintln!(
+        "BENCH full checkpoint p50 {:7.1} ms  p90 {:7.1} ms",
+        pct(&mut full, 0.5),
+        pct(&mut full, 0.9)
+    );
+    eprintln!("BENCH   of which frozen p50 {:7.1} ms", pct(&mut frozen, 0.5));
+    eprintln!(
+        "BENCH restore         p50 {:7.1} ms  p90 {:7.1} ms",
+        pct(&mut restore, 0.5),
+        pct(&mut restore, 0.9)
+    );
+    eprintln!("BENCH fork of 8       {fork8:7.1} ms");
+}
+
+/// A sandbox with a 1 GiB process: how dump and restore grow with memory.
+#[test]
+#[ignore]
+fn bench_one_gib_process() {
+    require_root!();
+    let sb = bench_sandbox("gib");
+    sb.write(
+        "/root/big.py",
+        "import time\nb = bytearray(1 << 30)\nfor i in range(0, len(b), 4096):\n    b[i] = i % 251\nopen('/tmp/ready', 'w').write('1')\nwhile True:\n    time.sleep(1)\n",
+    );
+    sb.sh("setsid python3 /root/big.py </dev/null >/dev/null 2>&1 & for i in $(seq 200); do [ -e /tmp/ready ] && break; sleep 0.1; done; cat /tmp/ready");
+    for round in 0..2 {
+        let t = Instant::now();
+        let m = sb
+            .ck
+            .checkpoint(
+                &sb.name,
+                CheckpointRequest { kind: Kind::Full, turn: None, conversation_offset: None },
+            )
+            .unwrap();
+        let ck = t.elapsed().as_secs_f64() * 1000.0;
+        let t = Instant::now();
+        sb.ck.restore(&sb.name, None).unwrap();
+        let rs = t.elapsed().as_secs_f64() * 1000.0;
+        eprintln!(
+            "BENCH 1GiB round {round}: full checkpoint {ck:.0} ms (dump {:?} us, hash {:?} us, sync {:?} us, {} bytes), restore {rs:.0} ms",
+            m.timings.dump_us, m.timings.hash_us, m.timings.sync_us, m.size_bytes()
+        );
+        sb.ck.prune(&sb.name, 1).unwrap();
+    }
 }

@@ -160,19 +160,48 @@ impl Session {
             procs_files.push(f);
         }
         let procs_fds: Vec<RawFd> = procs_files.iter().map(|f| f.as_raw_fd()).collect();
+        let private_run = match criu.private_run() {
+            Some(dir) => Some(
+                std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| {
+                    CriuError::InvalidOpts { op, detail: format!("bad path {}", dir.display()) }
+                })?,
+            ),
+            None => None,
+        };
         let mut cmd = Command::new(bin);
         cmd.arg("swrk")
             .arg(their_raw.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
-        // SAFETY: the closure runs in the forked child before exec and only calls write(2)
-        // and fcntl(2), which are async-signal-safe; it reads `procs_fds` and `keep`, allocated
-        // before the fork, without allocating.
+        // SAFETY: the closure runs in the forked child before exec and only calls write(2),
+        // unshare(2), mount(2) and fcntl(2), which are async-signal-safe; it reads `procs_fds`,
+        // `private_run` and `keep`, allocated before the fork, without allocating.
         unsafe {
             cmd.pre_exec(move || {
                 for &fd in &procs_fds {
                     if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if let Some(dir) = &private_run {
+                    let none = std::ptr::null();
+                    if libc::unshare(libc::CLONE_NEWNS) != 0
+                        || libc::mount(
+                            none,
+                            c"/".as_ptr(),
+                            none,
+                            libc::MS_REC | libc::MS_SLAVE,
+                            std::ptr::null(),
+                        ) != 0
+                        || libc::mount(
+                            dir.as_ptr(),
+                            c"/run".as_ptr(),
+                            none,
+                            libc::MS_BIND,
+                            std::ptr::null(),
+                        ) != 0
+                    {
                         return Err(std::io::Error::last_os_error());
                     }
                 }

@@ -39,6 +39,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define S_IFDIR 0040000
 #define S_IFLNK 0120000
 #define PF_EXITING 0x00000004
+#define VM_SHARED 0x00000008
 
 #define OP_OPEN 1
 #define OP_UNLINK 2
@@ -49,6 +50,10 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define OP_RENAME 8
 #define OP_TRUNC 9
 #define OP_META 10
+
+#define A(n) ((__u64)ctx->args[n])
+/* int arguments (fds, dirfds): the register's upper half is not defined */
+#define D(n) ((long)(int)ctx->args[n])
 
 #define FNV_OFF 0xcbf29ce484222325ull
 #define FNV_PRIME 0x100000001b3ull
@@ -351,12 +356,9 @@ static __always_inline int upsert(struct sstate *s, struct ckey *k, __u32 flags,
 	return 0;
 }
 
-/* An fd-based change (write, ftruncate, fchmod, shared mmap...). */
-static __always_inline void record_fd(__u32 sbx, long fd, __u32 flags)
+/* A change through an open file (write, ftruncate, fchmod, shared mmap...). */
+static __always_inline void record_file(__u32 sbx, struct file *f, __u32 flags)
 {
-	struct file *f = fd_file(fd);
-	if (!f)
-		return;
 	struct inode *ino = BPF_CORE_READ(f, f_inode);
 	__u32 mode = 0;
 	if (!inode_counts(ino, &mode))
@@ -380,6 +382,14 @@ static __always_inline void record_fd(__u32 sbx, long fd, __u32 flags)
 		upsert(s, &k, flags | C_FD, mode, r);
 	}
 	leave_slot(s, slot);
+}
+
+/* An fd-based change. */
+static __always_inline void record_fd(__u32 sbx, long fd, __u32 flags)
+{
+	struct file *f = fd_file(fd);
+	if (f)
+		record_file(sbx, f, flags);
 }
 
 #define FD_HANDLER(sc, argn, fl)                                                                  \
@@ -424,6 +434,60 @@ int enter_mmap(struct trace_event_raw_sys_enter *ctx)
 	return 0;
 }
 
+/* mprotect(PROT_WRITE) of a shared file mapping makes it writable: count it like the mmap. */
+struct vma_probe {
+	struct file *file;
+};
+
+static long vma_cb(struct task_struct *task, struct vm_area_struct *vma, void *data)
+{
+	struct vma_probe *c = data;
+	if (BPF_CORE_READ(vma, vm_flags) & VM_SHARED)
+		c->file = BPF_CORE_READ(vma, vm_file);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_mprotect")
+int enter_mprotect(struct trace_event_raw_sys_enter *ctx)
+{
+	if (!(ctx->args[2] & PROT_WRITE))
+		return 0;
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	struct vma_probe c = {};
+	/* Only the mapping at the start address is checked (ranges rarely span mappings). */
+	bpf_find_vma(bpf_get_current_task_btf(), ctx->args[0], vma_cb, &c, 0);
+	if (c.file)
+		record_file(sbx, c.file, C_MODIFIED | C_MMAP);
+	return 0;
+}
+
+/* ioctls that change file contents or attributes: reflink clones, chattr. */
+#define FICLONE 0x40049409u
+#define FICLONERANGE 0x4020940du
+#define FS_IOC_SETFLAGS 0x40086602u
+#define FS_IOC32_SETFLAGS 0x40046602u
+#define FS_IOC_FSSETXATTR 0x401c5820u
+
+SEC("tracepoint/syscalls/sys_enter_ioctl")
+int enter_ioctl(struct trace_event_raw_sys_enter *ctx)
+{
+	__u32 cmd = (__u32)ctx->args[1];
+	__u32 fl;
+	if (cmd == FICLONE || cmd == FICLONERANGE)
+		fl = C_MODIFIED;
+	else if (cmd == FS_IOC_SETFLAGS || cmd == FS_IOC32_SETFLAGS || cmd == FS_IOC_FSSETXATTR)
+		fl = C_META;
+	else
+		return 0;
+	__u32 sbx;
+	if (!sbx_of_current(&sbx))
+		return 0;
+	record_fd(sbx, D(0), fl);
+	return 0;
+}
+
 /* ---- calls that only set a turn flag ------------------------------------------------------ */
 
 #define FLAG_HANDLER(sc, f)                                                                       \
@@ -442,6 +506,8 @@ int enter_mmap(struct trace_event_raw_sys_enter *ctx)
 	}
 
 FLAG_HANDLER(io_uring_setup, S_UNTRACKABLE)
+FLAG_HANDLER(io_setup, S_UNTRACKABLE) /* native AIO writes bypass the write syscalls */
+FLAG_HANDLER(acct, S_UNTRACKABLE)     /* the kernel then writes the accounting file */
 FLAG_HANDLER(mount, S_MOUNT)
 FLAG_HANDLER(umount, S_MOUNT)
 FLAG_HANDLER(move_mount, S_MOUNT)
@@ -496,9 +562,6 @@ static __always_inline void stash(__u32 sbx, __u32 op, long dfd1, __u64 p1, long
 		return 0;                                                                          \
 	}
 
-#define A(n) ((__u64)ctx->args[n])
-/* int arguments (fds, dirfds): the register's upper half is not defined */
-#define D(n) ((long)(int)ctx->args[n])
 #define FDCWD ((long)AT_FDCWD)
 
 /* opens: only those that may create or truncate need the exit */
@@ -519,6 +582,7 @@ static __always_inline void stash(__u32 sbx, __u32 op, long dfd1, __u64 p1, long
 OPEN_HANDLER(open, FDCWD, A(0), A(1))
 OPEN_HANDLER(openat, D(0), A(1), A(2))
 OPEN_HANDLER(creat, FDCWD, A(0), (__u64)(O_CREAT | O_TRUNC | 1))
+OPEN_HANDLER(open_by_handle_at, D(0), 0, A(2))
 
 SEC("tracepoint/syscalls/sys_enter_openat2")
 int enter_openat2(struct trace_event_raw_sys_enter *ctx)
@@ -996,6 +1060,7 @@ EXIT_HANDLER(open)
 EXIT_HANDLER(openat)
 EXIT_HANDLER(openat2)
 EXIT_HANDLER(creat)
+EXIT_HANDLER(open_by_handle_at)
 EXIT_HANDLER(unlink)
 EXIT_HANDLER(unlinkat)
 EXIT_HANDLER(rmdir)

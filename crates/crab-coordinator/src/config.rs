@@ -1,0 +1,136 @@
+//! Proxy configuration: where it listens, where each provider's upstream is, and the limits
+//! (body sizes, timeouts) that turn bad input and dead upstreams into clear 4xx/5xx answers.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use hyper::Uri;
+use serde::{Deserialize, Serialize};
+
+/// Default listen address: loopback only.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7431";
+
+/// Configuration of the LLM proxy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProxyConfig {
+    /// Listen address (`--proxy-listen`).
+    pub listen: SocketAddr,
+    /// Allow a non-loopback listen address. Off by default: the proxy carries API keys.
+    pub allow_remote: bool,
+    /// OpenAI-style upstream base URL without `/v1` (`--upstream-openai`), e.g.
+    /// `http://127.0.0.1:8000`. Only `http://` is supported (see `docs/conversation-log.md`).
+    pub upstream_openai: String,
+    /// Anthropic-style upstream base URL without `/v1` (`--upstream-anthropic`).
+    pub upstream_anthropic: String,
+    /// Largest accepted request body.
+    pub max_request_bytes: usize,
+    /// Largest buffered (non-stream) upstream response body.
+    pub max_response_bytes: usize,
+    /// Time to wait for the upstream's response head.
+    pub upstream_timeout: Duration,
+    /// Longest silence inside a streamed upstream response.
+    pub stream_idle_timeout: Duration,
+    /// Longest a response is held for its checkpoint before it is released anyway (and the
+    /// checkpoint counted as failed).
+    pub gate_timeout: Duration,
+    /// Whether conversation-log appends are fsynced (always on in production; benchmarks
+    /// measure both).
+    pub fsync_log: bool,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7431)),
+            allow_remote: false,
+            upstream_openai: "http://127.0.0.1:8000".into(),
+            upstream_anthropic: "http://127.0.0.1:8001".into(),
+            max_request_bytes: 32 << 20,
+            max_response_bytes: 256 << 20,
+            upstream_timeout: Duration::from_secs(600),
+            stream_idle_timeout: Duration::from_secs(600),
+            gate_timeout: Duration::from_secs(600),
+            fsync_log: true,
+        }
+    }
+}
+
+/// A configuration the proxy refuses.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// An upstream URL did not parse or is not `http://host[:port][/prefix]`.
+    #[error("upstream {provider} URL {url:?} is invalid: {reason}")]
+    BadUpstream {
+        /// `openai` or `anthropic`.
+        provider: &'static str,
+        /// The URL given.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// A non-loopback listen address without `allow_remote`.
+    #[error("refusing to listen on {0}: not a loopback address (the proxy carries API keys); pass allow_remote to override")]
+    NotLoopback(SocketAddr),
+}
+
+/// A parsed upstream base URL.
+#[derive(Debug, Clone)]
+pub(crate) struct Upstream {
+    pub(crate) provider: &'static str,
+    pub(crate) url: String,
+    pub(crate) scheme: hyper::http::uri::Scheme,
+    pub(crate) authority: hyper::http::uri::Authority,
+    pub(crate) prefix: String,
+}
+
+impl Upstream {
+    pub(crate) fn parse(provider: &'static str, url: &str) -> Result<Upstream, ConfigError> {
+        let bad = |reason: &str| ConfigError::BadUpstream {
+            provider,
+            url: url.to_string(),
+            reason: reason.to_string(),
+        };
+        let uri: Uri =
+            url.parse().map_err(|e: hyper::http::uri::InvalidUri| bad(&e.to_string()))?;
+        let scheme =
+            uri.scheme().cloned().ok_or_else(|| bad("no scheme (use http://host:port)"))?;
+        if scheme != hyper::http::uri::Scheme::HTTP {
+            return Err(bad(
+                "only http:// upstreams are supported by this build (no TLS client); put a local TLS-terminating forwarder in front of an https endpoint",
+            ));
+        }
+        let authority = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
+        if uri.query().is_some() {
+            return Err(bad("a base URL takes no query"));
+        }
+        let prefix = uri.path().trim_end_matches('/').to_string();
+        Ok(Upstream { provider, url: url.to_string(), scheme, authority, prefix })
+    }
+
+    /// The upstream URI for a request path (with query).
+    pub(crate) fn uri_for(&self, path_and_query: &str) -> Result<Uri, hyper::http::Error> {
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(format!("{}{}", self.prefix, path_and_query))
+            .build()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn upstreams_parse() {
+        let u = Upstream::parse("openai", "http://127.0.0.1:9000/proxy/").unwrap();
+        assert_eq!(
+            u.uri_for("/v1/chat/completions?x=1").unwrap().to_string(),
+            "http://127.0.0.1:9000/proxy/v1/chat/completions?x=1"
+        );
+        assert!(Upstream::parse("openai", "https://api.openai.com").is_err());
+        assert!(Upstream::parse("openai", "127.0.0.1:9000").is_err());
+        assert!(Upstream::parse("openai", "not a url").is_err());
+    }
+}

@@ -1,0 +1,1165 @@
+//! The LLM reverse proxy: attribution of each request to a sandbox, turn boundaries, response
+//! gating on the turn's checkpoint, the conversation log, and pass-through of everything else.
+//!
+//! A turn request (`POST /v1/chat/completions`, `/v1/responses`, `/v1/messages`) is read whole
+//! (up to `max_request_bytes`), hashed, and classified: a replay (after a restore, its response
+//! is in the log), a retry (same body as the previous request, or `x-stainless-retry-count` > 0:
+//! same turn, same ticket), or a new boundary ([`TurnHooks::on_boundary`]). It is forwarded at
+//! once. When the upstream's response head arrives the gate waits for the ticket (promoting it
+//! first if it is still pending); a buffered response is logged and fsynced before release, a
+//! stream is released head-first and passed through frame by frame, its log record written
+//! before the final chunk. Each request runs in its own task, so a client that goes away never
+//! cancels a gate or a log write.
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::{Body, Frame, Incoming};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+use crab_common::ErrorCode;
+
+use crate::config::{ConfigError, ProxyConfig, Upstream};
+use crate::convlog::{sha256_hex, ConversationLog, LogError, LogRecord};
+use crate::hooks::{Boundary, BoundaryTicket, Provider, ReadyTicket, SandboxDirectory, TurnHooks};
+
+/// Error type of proxied bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// Body type of proxied requests and responses.
+pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Header naming the sandbox when the path has no `/s/<sandbox>` prefix.
+pub const SANDBOX_HEADER: &str = "x-crab-sandbox";
+/// Header the OpenAI and Anthropic SDKs set on retries.
+pub const RETRY_HEADER: &str = "x-stainless-retry-count";
+/// Header set on responses answered from the conversation log.
+pub const REPLAYED_HEADER: &str = "x-crab-replayed";
+
+/// Failures of the coordinator's own API (not of proxied requests, which become HTTP answers).
+#[derive(Debug, thiserror::Error)]
+pub enum CoordError {
+    /// Bad configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The listen address could not be bound.
+    #[error("binding the LLM proxy on {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// Error.
+        source: std::io::Error,
+    },
+    /// Invalid sandbox name.
+    #[error("{0}")]
+    BadName(String),
+    /// No such sandbox.
+    #[error("no sandbox named {0:?}")]
+    UnknownSandbox(String),
+    /// The conversation log failed.
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// A blocking task died.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Per-sandbox counters of the proxy (for `crab top` and `/metrics`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SandboxProxyStats {
+    /// Sandbox.
+    pub sandbox: String,
+    /// Current turn number.
+    pub turn: u64,
+    /// Records in its conversation log.
+    pub conversation_offset: u64,
+    /// Requests proxied (all kinds).
+    pub requests: u64,
+    /// Turn boundaries marked.
+    pub turns: u64,
+    /// Retries recognised (same turn).
+    pub retries: u64,
+    /// Requests answered from the conversation log.
+    pub replays: u64,
+    /// Requests that were not turns (token counting, model lists, ...).
+    pub non_turn: u64,
+    /// Responses actually held for a checkpoint.
+    pub held: u64,
+    /// Total milliseconds held.
+    pub held_ms_total: f64,
+    /// Longest hold in milliseconds.
+    pub held_ms_max: f64,
+    /// Checkpoints that failed or could not be started.
+    pub checkpoint_failures: u64,
+    /// Upstream failures (unreachable, timed out, broken stream).
+    pub upstream_errors: u64,
+    /// Conversation-log write failures.
+    pub log_errors: u64,
+    /// The last failure.
+    pub last_error: Option<String>,
+}
+
+struct TurnState {
+    turn: u64,
+    last_hash: Option<String>,
+    ticket: Option<Arc<dyn BoundaryTicket>>,
+    /// After a restore with replay: index of the next log record a request may be answered from.
+    replay_cursor: Option<u64>,
+}
+
+struct Slot {
+    name: String,
+    log: Arc<Mutex<ConversationLog>>,
+    turn: tokio::sync::Mutex<TurnState>,
+    force_full: AtomicBool,
+    stats: Mutex<SandboxProxyStats>,
+}
+
+impl Slot {
+    fn stats(&self) -> MutexGuard<'_, SandboxProxyStats> {
+        lock(&self.stats)
+    }
+    fn fail(&self, what: &str, msg: &str) {
+        let mut s = self.stats();
+        match what {
+            "checkpoint" => s.checkpoint_failures += 1,
+            "upstream" => s.upstream_errors += 1,
+            _ => s.log_errors += 1,
+        }
+        s.last_error = Some(format!("{what}: {msg}"));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+#[derive(Debug, Clone, Default)]
+struct GateInfo {
+    held: Duration,
+    error: Option<String>,
+}
+
+enum Decision {
+    Replay(Box<LogRecord>),
+    Forward { turn: u64, ticket: Arc<dyn BoundaryTicket>, retry: bool },
+}
+
+/// The coordinator: owns the proxy, the per-sandbox turn state and conversation logs.
+pub struct Coordinator {
+    cfg: ProxyConfig,
+    openai: Upstream,
+    anthropic: Upstream,
+    client: Client<HttpConnector, ProxyBody>,
+    dir: Arc<dyn SandboxDirectory>,
+    hooks: Arc<dyn TurnHooks>,
+    slots: Mutex<HashMap<String, Arc<Slot>>>,
+    held_samples: Mutex<VecDeque<f64>>,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator")
+            .field("listen", &self.cfg.listen)
+            .field("upstream_openai", &self.openai.url)
+            .field("upstream_anthropic", &self.anthropic.url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A running proxy listener.
+#[derive(Debug)]
+pub struct ProxyServer {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ProxyServer {
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stop accepting connections (requests in flight finish on their own).
+    pub async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Coordinator {
+    /// A coordinator with the given configuration, sandbox directory and boundary hooks.
+    pub fn new(
+        cfg: ProxyConfig,
+        dir: Arc<dyn SandboxDirectory>,
+        hooks: Arc<dyn TurnHooks>,
+    ) -> Result<Arc<Self>, CoordError> {
+        let openai = Upstream::parse("openai", &cfg.upstream_openai)?;
+        let anthropic = Upstream::parse("anthropic", &cfg.upstream_anthropic)?;
+        if !cfg.allow_remote && !cfg.listen.ip().is_loopback() {
+            return Err(ConfigError::NotLoopback(cfg.listen).into());
+        }
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        conn.set_connect_timeout(Some(Duration::from_secs(10)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(conn);
+        Ok(Arc::new(Coordinator {
+            cfg,
+            openai,
+            anthropic,
+            client,
+            dir,
+            hooks,
+            slots: Mutex::new(HashMap::new()),
+            held_samples: Mutex::new(VecDeque::new()),
+        }))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ProxyConfig {
+        &self.cfg
+    }
+
+    /// Bind the configured listen address and serve on it.
+    pub async fn bind(self: &Arc<Self>) -> Result<ProxyServer, CoordError> {
+        let addr = self.cfg.listen;
+        let listener =
+            TcpListener::bind(addr).await.map_err(|source| CoordError::Bind { addr, source })?;
+        self.serve(listener)
+    }
+
+    /// Serve on an already bound listener.
+    pub fn serve(self: &Arc<Self>, listener: TcpListener) -> Result<ProxyServer, CoordError> {
+        let addr = listener
+            .local_addr()
+            .map_err(|source| CoordError::Bind { addr: self.cfg.listen, source })?;
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            tracing::info!(%addr, "LLM proxy listening");
+            loop {
+                let accepted = tokio::select! {
+                    _ = &mut stopped => break,
+                    a = listener.accept() => a,
+                };
+                let stream = match accepted {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "LLM proxy accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let me = me.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        let me = me.clone();
+                        async move { Ok::<_, Infallible>(me.handle(req).await) }
+                    });
+                    if let Err(e) = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await
+                    {
+                        tracing::debug!(error = %e, "LLM proxy connection ended with an error");
+                    }
+                });
+            }
+        });
+        Ok(ProxyServer { addr, stop: Some(stop), task })
+    }
+
+    /// Handle one request (what the listener calls; public for embedding in another server).
+    pub async fn handle(self: &Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        let me = self.clone();
+        // Own task: a client that disconnects drops this future, not the gate or the log write.
+        match tokio::spawn(async move { me.route(req).await }).await {
+            Ok(r) => r,
+            Err(e) => error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::Internal,
+                format!("the LLM proxy's request handler failed: {e}"),
+                "",
+            ),
+        }
+    }
+
+    async fn route(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        let requested_at = now_ms();
+        let (sandbox, path_and_query) = match attribute(&req) {
+            Ok(x) => x,
+            Err(r) => return *r,
+        };
+        if let Err(e) = crab_common::names::validate("sandbox", &sandbox) {
+            return error_response(StatusCode::BAD_REQUEST, e.code, e.message, &e.hint);
+        }
+        if !self.dir.exists(&sandbox) {
+            return error_response(
+                StatusCode::NOT_FOUND,
+                ErrorCode::SandboxNotFound,
+                format!("no sandbox named {sandbox:?}"),
+                "check the sandbox in the base URL (/s/<sandbox>/...) or X-Crab-Sandbox; `crab sandbox ls` lists them",
+            );
+        }
+        let path = path_and_query.split('?').next().unwrap_or("").to_string();
+        let provider = if path.starts_with("/v1/messages")
+            || req.headers().contains_key("anthropic-version")
+        {
+            Provider::Anthropic
+        } else {
+            Provider::OpenAi
+        };
+        let is_turn = req.method() == Method::POST
+            && matches!(path.as_str(), "/v1/chat/completions" | "/v1/responses" | "/v1/messages");
+        let slot = match self.slot(&sandbox).await {
+            Ok(s) => s,
+            Err(e) => {
+                return error_response(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    ErrorCode::Internal,
+                    e.to_string(),
+                    "",
+                )
+            }
+        };
+        slot.stats().requests += 1;
+        if is_turn {
+            self.turn_request(slot, provider, path_and_query, req, requested_at).await
+        } else {
+            slot.stats().non_turn += 1;
+            self.passthrough(slot, provider, path_and_query, req).await
+        }
+    }
+
+    fn upstream(&self, p: Provider) -> &Upstream {
+        match p {
+            Provider::OpenAi => &self.openai,
+            Provider::Anthropic => &self.anthropic,
+        }
+    }
+
+    async fn slot(&self, name: &str) -> Result<Arc<Slot>, CoordError> {
+        if let Some(s) = lock(&self.slots).get(name) {
+            return Ok(s.clone());
+        }
+        let path = self.dir.conversation_log_path(name);
+        let log = tokio::task::spawn_blocking(move || ConversationLog::open(path))
+            .await
+            .map_err(|e| CoordError::Internal(e.to_string()))??;
+        let state = TurnState {
+            turn: log.last_turn(),
+            last_hash: log.last_request_sha256().map(str::to_string),
+            ticket: None,
+            replay_cursor: None,
+        };
+        let slot = Arc::new(Slot {
+            name: name.to_string(),
+            log: Arc::new(Mutex::new(log)),
+            turn: tokio::sync::Mutex::new(state),
+            force_full: AtomicBool::new(false),
+            stats: Mutex::new(SandboxProxyStats {
+                sandbox: name.to_string(),
+                ..Default::default()
+            }),
+        });
+        Ok(lock(&self.slots).entry(name.to_string()).or_insert(slot).clone())
+    }
+
+    async fn slot_checked(&self, sandbox: &str) -> Result<Arc<Slot>, CoordError> {
+        crab_common::names::validate("sandbox", sandbox)
+            .map_err(|e| CoordError::BadName(e.message))?;
+        if !self.dir.exists(sandbox) {
+            return Err(CoordError::UnknownSandbox(sandbox.to_string()));
+        }
+        self.slot(sandbox).await
+    }
+
+    async fn with_log<T: Send + 'static>(
+        slot: &Slot,
+        f: impl FnOnce(&mut ConversationLog) -> Result<T, LogError> + Send + 'static,
+    ) -> Result<T, CoordError> {
+        let log = slot.log.clone();
+        tokio::task::spawn_blocking(move || f(&mut lock(&log)))
+            .await
+            .map_err(|e| CoordError::Internal(e.to_string()))?
+            .map_err(CoordError::from)
+    }
+
+    async fn decide(
+        &self,
+        slot: &Arc<Slot>,
+        hash: &str,
+        retry_header: bool,
+        provider: Provider,
+        path: &str,
+    ) -> Decision {
+        let mut st = slot.turn.lock().await;
+        if let Some(cursor) = st.replay_cursor {
+            let h = hash.to_string();
+            let same_as_last = st.last_hash.as_deref() == Some(hash) && cursor > 0;
+            let res = Self::with_log(slot, move |log| {
+                let hit = match log.request_sha256_at(cursor) {
+                    Some((rh, ok)) if rh == h && ok => Some(cursor),
+                    _ if same_as_last => Some(cursor - 1),
+                    _ => None,
+                };
+                match hit {
+                    Some(i) => Ok(Some((i, log.read(i)?, log.offset()))),
+                    None => {
+                        // The agent diverged from the logged future: drop it.
+                        log.truncate_to(cursor)?;
+                        Ok(None)
+                    }
+                }
+            })
+            .await;
+            match res {
+                Ok(Some((i, rec, len))) => {
+                    st.replay_cursor = if i + 1 < len { Some(i + 1) } else { None };
+                    st.turn = rec.turn;
+                    st.last_hash = Some(hash.to_string());
+                    st.ticket = None;
+                    slot.stats().replays += 1;
+                    return Decision::Replay(Box::new(rec));
+                }
+                Ok(None) => st.replay_cursor = None,
+                Err(e) => {
+                    tracing::warn!(sandbox = %slot.name, error = %e, "conversation replay failed; forwarding instead");
+                    slot.fail("log", &e.to_string());
+                    st.replay_cursor = None;
+                }
+            }
+        }
+        let retry = st.last_hash.as_deref() == Some(hash) || (retry_header && st.ticket.is_some());
+        if retry {
+            slot.stats().retries += 1;
+            let ticket = st.ticket.clone().unwrap_or_else(|| ReadyTicket::published(""));
+            return Decision::Forward { turn: st.turn, ticket, retry: true };
+        }
+        st.turn += 1;
+        let turn = st.turn;
+        let ticket = self.boundary(slot, turn, provider, path).await;
+        st.last_hash = Some(hash.to_string());
+        st.ticket = Some(ticket.clone());
+        Decision::Forward { turn, ticket, retry: false }
+    }
+
+    async fn boundary(
+        &self,
+        slot: &Arc<Slot>,
+        turn: u64,
+        provider: Provider,
+        path: &str,
+    ) -> Arc<dyn BoundaryTicket> {
+        let force_full = slot.force_full.swap(false, Ordering::SeqCst);
+        let conversation_offset = lock(&slot.log).offset();
+        let b = Boundary {
+            sandbox: slot.name.clone(),
+            turn,
+            force_full,
+            conversation_offset,
+            provider,
+            path: path.to_string(),
+        };
+        slot.stats().turns += 1;
+        match self.hooks.on_boundary(b).await {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not start the turn's checkpoint; the next one will be full");
+                slot.force_full.store(true, Ordering::SeqCst);
+                slot.fail("checkpoint", &e);
+                // Settled failure: the gate records nothing more and releases at once.
+                ReadyTicket::published("")
+            }
+        }
+    }
+
+    async fn gate(&self, slot: &Slot, ticket: &Arc<dyn BoundaryTicket>) -> GateInfo {
+        let t0 = Instant::now();
+        let (held, res) = if ticket.is_published() {
+            (false, ticket.wait_published().await)
+        } else {
+            ticket.promote();
+            let r = match tokio::time::timeout(self.cfg.gate_timeout, ticket.wait_published()).await
+            {
+                Ok(r) => r,
+                Err(_) => Err(format!(
+                    "checkpoint not published within the gate timeout ({:?})",
+                    self.cfg.gate_timeout
+                )),
+            };
+            (true, r)
+        };
+        let held_d = if held { t0.elapsed() } else { Duration::ZERO };
+        ticket.record_exposed(held_d);
+        let ms = held_d.as_secs_f64() * 1e3;
+        {
+            let mut s = slot.stats();
+            if held {
+                s.held += 1;
+            }
+            s.held_ms_total += ms;
+            s.held_ms_max = s.held_ms_max.max(ms);
+        }
+        {
+            let mut h = lock(&self.held_samples);
+            h.push_back(ms);
+            while h.len() > 65536 {
+                h.pop_front();
+            }
+        }
+        let error = res.err();
+        if let Some(e) = &error {
+            tracing::warn!(sandbox = %slot.name, error = %e, "turn checkpoint failed; releasing the response and taking a full checkpoint next turn");
+            slot.force_full.store(true, Ordering::SeqCst);
+            slot.fail("checkpoint", e);
+        }
+        GateInfo { held: held_d, error }
+    }
+
+    async fn turn_request(
+        self: Arc<Self>,
+        slot: Arc<Slot>,
+        provider: Provider,
+        path_and_query: String,
+        req: Request<Incoming>,
+        requested_at: u64,
+    ) -> Response<ProxyBody> {
+        let (parts, body) = req.into_parts();
+        let limit = self.cfg.max_request_bytes;
+        let declared = parts
+            .headers
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return too_large(limit);
+        }
+        let body = match Limited::new(body, limit).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_large(limit),
+            Err(e) => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    ErrorCode::InvalidRequest,
+                    format!("reading the request body failed: {e}"),
+                    "",
+                )
+            }
+        };
+        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&body) {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                ErrorCode::InvalidRequest,
+                format!("the request body is not valid JSON: {e}"),
+                "send the provider's JSON request body",
+            );
+        }
+        let hash = sha256_hex(&body);
+        let retry_header = parts
+            .headers
+            .get(RETRY_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0);
+        let path = path_and_query.split('?').next().unwrap_or("").to_string();
+        let (turn, ticket, retry) = match self
+            .decide(&slot, &hash, retry_header, provider, &path)
+            .await
+        {
+            Decision::Replay(rec) => {
+                tracing::debug!(sandbox = %slot.name, turn = rec.turn, "answered from the conversation log");
+                return replay_response(&rec);
+            }
+            Decision::Forward { turn, ticket, retry } => (turn, ticket, retry),
+        };
+        tracing::debug!(sandbox = %slot.name, turn, retry, %path, "turn request");
+        let upstream = self.upstream(provider).clone();
+        let upstream_req = match build_upstream_request(
+            &upstream,
+            &parts.method,
+            &path_and_query,
+            &parts.headers,
+            full(body.clone()),
+        ) {
+            Ok(r) => r,
+            Err(resp) => return *resp,
+        };
+        let sent =
+            tokio::time::timeout(self.cfg.upstream_timeout, self.client.request(upstream_req))
+                .await;
+        let resp = match sent {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                let msg = format!(
+                    "upstream {} ({}) failed: {}",
+                    upstream.provider,
+                    upstream.url,
+                    error_chain(&e)
+                );
+                slot.fail("upstream", &msg);
+                self.gate(&slot, &ticket).await;
+                return error_response(
+                    StatusCode::BAD_GATEWAY,
+                    ErrorCode::Upstream,
+                    msg,
+                    &format!("check that --upstream-{} is reachable", upstream.provider),
+                );
+            }
+            Err(_) => {
+                let msg = format!(
+                    "upstream {} ({}) sent no response within {:?}",
+                    upstream.provider, upstream.url, self.cfg.upstream_timeout
+                );
+                slot.fail("upstream", &msg);
+                self.gate(&slot, &ticket).await;
+                return error_response(StatusCode::GATEWAY_TIMEOUT, ErrorCode::Timeout, msg, "");
+            }
+        };
+        let (rparts, rbody) = resp.into_parts();
+        let is_stream = rparts
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.trim_start().starts_with("text/event-stream"));
+        let mut rec = LogRecord {
+            turn,
+            provider: provider.as_str().to_string(),
+            method: parts.method.to_string(),
+            path: path_and_query.clone(),
+            request_sha256: hash,
+            request: String::from_utf8_lossy(&body).into_owned(),
+            status: rparts.status.as_u16(),
+            response_headers: loggable_headers(&rparts.headers),
+            response: None,
+            response_b64: None,
+            stream: is_stream,
+            complete: false,
+            client_disconnected: false,
+            retry,
+            requested_at_ms: requested_at,
+            responded_at_ms: 0,
+            held_ms: 0.0,
+            checkpoint_error: None,
+        };
+        let mut headers = rparts.headers.clone();
+        strip_hop_by_hop(&mut headers);
+        if !is_stream {
+            let max = self.cfg.max_response_bytes;
+            let idle = self.cfg.stream_idle_timeout;
+            let collect =
+                async move { tokio::time::timeout(idle, Limited::new(rbody, max).collect()).await };
+            let (gi, collected) = tokio::join!(self.gate(&slot, &ticket), collect);
+            let bytes = match collected {
+                Ok(Ok(c)) => c.to_bytes(),
+                Ok(Err(e)) => {
+                    let msg = format!(
+                        "upstream {} ({}) broke off its response: {e}",
+                        upstream.provider, upstream.url
+                    );
+                    slot.fail("upstream", &msg);
+                    return error_response(StatusCode::BAD_GATEWAY, ErrorCode::Upstream, msg, "");
+                }
+                Err(_) => {
+                    let msg = format!(
+                        "upstream {} ({}) stalled while sending its response",
+                        upstream.provider, upstream.url
+                    );
+                    slot.fail("upstream", &msg);
+                    return error_response(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        ErrorCode::Timeout,
+                        msg,
+                        "",
+                    );
+                }
+            };
+            rec.complete = true;
+            rec.set_response_body(&bytes);
+            rec.held_ms = gi.held.as_secs_f64() * 1e3;
+            rec.checkpoint_error = gi.error;
+            rec.responded_at_ms = now_ms();
+            self.append_log(&slot, rec).await;
+            let mut resp = Response::new(full(bytes));
+            *resp.status_mut() = rparts.status;
+            *resp.headers_mut() = headers;
+            return resp;
+        }
+        // Stream: a pump task reads upstream into a channel from now on; the head is released
+        // after the gate; the log record is written before the body's end is.
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(64);
+        let (gate_tx, gate_rx) = oneshot::channel::<GateInfo>();
+        let me = self.clone();
+        let pslot = slot.clone();
+        let idle = self.cfg.stream_idle_timeout;
+        let up_name = format!("upstream {} ({})", upstream.provider, upstream.url);
+        tokio::spawn(async move {
+            let mut body = rbody;
+            let mut buf = Vec::new();
+            let mut disconnected = false;
+            let mut complete = false;
+            loop {
+                match tokio::time::timeout(idle, body.frame()).await {
+                    Ok(None) => {
+                        complete = true;
+                        break;
+                    }
+                    Ok(Some(Ok(frame))) => {
+                        if let Some(d) = frame.data_ref() {
+                            buf.extend_from_slice(d);
+                        }
+                        if !disconnected && tx.send(Ok(frame)).await.is_err() {
+                            disconnected = true;
+                        }
+                    }
+                    Ok(Some(Err(e))) => {
+                        let msg = format!("{up_name} broke off its stream: {e}");
+                        pslot.fail("upstream", &msg);
+                        let _ = tx.send(Err(msg.into())).await;
+                        break;
+                    }
+                    Err(_) => {
+                        let msg = format!("{up_name} stream was silent for {idle:?}");
+                        pslot.fail("upstream", &msg);
+                        let _ = tx.send(Err(msg.into())).await;
+                        break;
+                    }
+                }
+            }
+            let gi = gate_rx.await.unwrap_or_default();
+            rec.complete = complete;
+            rec.client_disconnected = disconnected;
+            rec.set_response_body(&buf);
+            rec.held_ms = gi.held.as_secs_f64() * 1e3;
+            rec.checkpoint_error = gi.error;
+            rec.responded_at_ms = now_ms();
+            me.append_log(&pslot, rec).await;
+            drop(tx);
+        });
+        let gi = self.gate(&slot, &ticket).await;
+        let _ = gate_tx.send(gi);
+        let mut resp = Response::new(ChannelBody { rx }.boxed_unsync());
+        *resp.status_mut() = rparts.status;
+        *resp.headers_mut() = headers;
+        resp
+    }
+
+    async fn append_log(&self, slot: &Slot, rec: LogRecord) {
+        let fsync = self.cfg.fsync_log;
+        let res =
+            Self::with_log(
+                slot,
+                move |log| {
+                    if fsync {
+                        log.append(&rec)
+                    } else {
+                        log.append_unsynced(&rec)
+                    }
+                },
+            )
+            .await;
+        match res {
+            Ok(n) => slot.stats().conversation_offset = n,
+            Err(e) => {
+                tracing::error!(sandbox = %slot.name, error = %e, "conversation log append failed");
+                slot.fail("log", &e.to_string());
+            }
+        }
+    }
+
+    async fn passthrough(
+        self: Arc<Self>,
+        slot: Arc<Slot>,
+        provider: Provider,
+        path_and_query: String,
+        req: Request<Incoming>,
+    ) -> Response<ProxyBody> {
+        let (parts, body) = req.into_parts();
+        let upstream = self.upstream(provider).clone();
+        let body = body.map_err(BoxError::from).boxed_unsync();
+        let upstream_req = match build_upstream_request(
+            &upstream,
+            &parts.method,
+            &path_and_query,
+            &parts.headers,
+            body,
+        ) {
+            Ok(r) => r,
+            Err(resp) => return *resp,
+        };
+        match tokio::time::timeout(self.cfg.upstream_timeout, self.client.request(upstream_req))
+            .await
+        {
+            Ok(Ok(resp)) => {
+                let (mut rparts, rbody) = resp.into_parts();
+                strip_hop_by_hop(&mut rparts.headers);
+                Response::from_parts(rparts, rbody.map_err(BoxError::from).boxed_unsync())
+            }
+            Ok(Err(e)) => {
+                let msg = format!(
+                    "upstream {} ({}) failed: {}",
+                    upstream.provider,
+                    upstream.url,
+                    error_chain(&e)
+                );
+                slot.fail("upstream", &msg);
+                error_response(StatusCode::BAD_GATEWAY, ErrorCode::Upstream, msg, "")
+            }
+            Err(_) => {
+                let msg = format!(
+                    "upstream {} ({}) sent no response within {:?}",
+                    upstream.provider, upstream.url, self.cfg.upstream_timeout
+                );
+                slot.fail("upstream", &msg);
+                error_response(StatusCode::GATEWAY_TIMEOUT, ErrorCode::Timeout, msg, "")
+            }
+        }
+    }
+
+    // ----- API for the daemon -----
+
+    /// Mark a turn boundary explicitly (`POST /sandboxes/{id}/turns`): same bookkeeping as an
+    /// LLM request, without one. Returns the ticket to wait on.
+    pub async fn begin_turn(
+        &self,
+        sandbox: &str,
+    ) -> Result<(u64, Arc<dyn BoundaryTicket>), CoordError> {
+        let slot = self.slot_checked(sandbox).await?;
+        let mut st = slot.turn.lock().await;
+        st.turn += 1;
+        let turn = st.turn;
+        let ticket = self.boundary(&slot, turn, Provider::OpenAi, "").await;
+        st.ticket = Some(ticket.clone());
+        st.last_hash = None;
+        Ok((turn, ticket))
+    }
+
+    /// Current conversation-log offset of a sandbox (record count).
+    pub async fn conversation_offset(&self, sandbox: &str) -> Result<u64, CoordError> {
+        let slot = self.slot_checked(sandbox).await?;
+        let n = lock(&slot.log).offset();
+        Ok(n)
+    }
+
+    /// The conversation of a sandbox up to `offset` (all of it when `None`).
+    pub async fn conversation(
+        &self,
+        sandbox: &str,
+        offset: Option<u64>,
+    ) -> Result<Vec<LogRecord>, CoordError> {
+        let slot = self.slot_checked(sandbox).await?;
+        Self::with_log(&slot, move |log| {
+            let n = offset.unwrap_or(log.offset());
+            log.read_until(n)
+        })
+        .await
+    }
+
+    /// The sandbox was restored to a point that recorded conversation offset `offset`.
+    /// With `replay`, the log is kept and the agent's re-sent requests are answered from it in
+    /// order until one differs (then the rest is dropped); without, the log is cut at `offset`.
+    pub async fn restored(
+        &self,
+        sandbox: &str,
+        offset: u64,
+        replay: bool,
+    ) -> Result<(), CoordError> {
+        let slot = self.slot_checked(sandbox).await?;
+        let mut st = slot.turn.lock().await;
+        let (turn, last_hash, len) = Self::with_log(&slot, move |log| {
+            if offset > log.offset() {
+                return Err(LogError::OffsetOutOfRange {
+                    path: log.path().to_path_buf(),
+                    offset,
+                    len: log.offset(),
+                });
+            }
+            if !replay {
+                log.truncate_to(offset)?;
+            }
+            let turn = if offset == 0 { 0 } else { log.turn_at(offset - 1).unwrap_or(0) };
+            let hash = if offset == 0 {
+                None
+            } else {
+                log.request_sha256_at(offset - 1).map(|(h, _)| h.to_string())
+            };
+            Ok((turn, hash, log.offset()))
+        })
+        .await?;
+        st.turn = turn;
+        st.last_hash = last_hash;
+        st.ticket = None;
+        st.replay_cursor = if replay && offset < len { Some(offset) } else { None };
+        slot.force_full.store(false, Ordering::SeqCst);
+        slot.stats().conversation_offset = if replay { len } else { offset };
+        Ok(())
+    }
+
+    /// A fork `dst` of `src` at conversation offset `offset`: `dst`'s log becomes the prefix.
+    pub async fn forked(&self, src: &str, dst: &str, offset: u64) -> Result<(), CoordError> {
+        let s = self.slot_checked(src).await?;
+        crab_common::names::validate("sandbox", dst).map_err(|e| CoordError::BadName(e.message))?;
+        let dst_path = self.dir.conversation_log_path(dst);
+        lock(&self.slots).remove(dst);
+        Self::with_log(&s, move |log| log.copy_prefix_to(offset, &dst_path).map(|_| ())).await
+    }
+
+    /// Forget a removed sandbox's in-memory state (its log file stays where it is).
+    pub fn forget(&self, sandbox: &str) {
+        lock(&self.slots).remove(sandbox);
+    }
+
+    /// Per-sandbox counters.
+    pub fn stats(&self) -> Vec<SandboxProxyStats> {
+        let slots: Vec<Arc<Slot>> = lock(&self.slots).values().cloned().collect();
+        let mut v: Vec<SandboxProxyStats> = slots
+            .iter()
+            .map(|s| {
+                let mut st = s.stats().clone();
+                st.conversation_offset = lock(&s.log).offset();
+                if let Ok(t) = s.turn.try_lock() {
+                    st.turn = t.turn;
+                }
+                st
+            })
+            .collect();
+        v.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
+        v
+    }
+
+    /// Held times (ms) of the most recent responses, including zeros for ones not held.
+    pub fn held_samples_ms(&self) -> Vec<f64> {
+        lock(&self.held_samples).iter().copied().collect()
+    }
+
+    /// Prometheus text of the proxy's per-sandbox counters.
+    pub fn metrics_text(&self) -> String {
+        let stats = self.stats();
+        let mut out = String::new();
+        let series: [Series; 9] = [
+            ("crab_proxy_requests_total", "counter", "Requests proxied.", |s| s.requests as f64),
+            ("crab_proxy_turns_total", "counter", "Turn boundaries marked.", |s| s.turns as f64),
+            ("crab_proxy_retries_total", "counter", "Retries recognised as the same turn.", |s| {
+                s.retries as f64
+            }),
+            (
+                "crab_proxy_replays_total",
+                "counter",
+                "Requests answered from the conversation log.",
+                |s| s.replays as f64,
+            ),
+            ("crab_proxy_held_total", "counter", "Responses held for a checkpoint.", |s| {
+                s.held as f64
+            }),
+            ("crab_proxy_held_seconds_total", "counter", "Time responses were held.", |s| {
+                s.held_ms_total / 1e3
+            }),
+            (
+                "crab_proxy_checkpoint_failures_total",
+                "counter",
+                "Turn checkpoints that failed.",
+                |s| s.checkpoint_failures as f64,
+            ),
+            ("crab_proxy_upstream_errors_total", "counter", "Upstream failures.", |s| {
+                s.upstream_errors as f64
+            }),
+            ("crab_proxy_conversation_records", "gauge", "Records in the conversation log.", |s| {
+                s.conversation_offset as f64
+            }),
+        ];
+        for (name, kind, help, f) in series {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for s in &stats {
+                let _ = writeln!(out, "{name}{{sandbox=\"{}\"}} {}", s.sandbox, f(s));
+            }
+        }
+        out
+    }
+}
+
+type Series = (&'static str, &'static str, &'static str, fn(&SandboxProxyStats) -> f64);
+
+/// An early answer instead of a forwarded request.
+type Reject = Box<Response<ProxyBody>>;
+
+/// `(sandbox, path_and_query)` from `/s/<sandbox>/...` or the `X-Crab-Sandbox` header.
+fn attribute<B>(req: &Request<B>) -> Result<(String, String), Reject> {
+    let uri = req.uri();
+    let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+    if let Some(rest) = uri.path().strip_prefix("/s/") {
+        let (name, tail) = rest.split_once('/').unwrap_or((rest, ""));
+        return Ok((name.to_string(), format!("/{tail}{query}")));
+    }
+    match req.headers().get(SANDBOX_HEADER).map(|v| v.to_str()) {
+        Some(Ok(name)) => Ok((name.trim().to_string(), format!("{}{query}", uri.path()))),
+        Some(Err(_)) => Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidRequest,
+            "the X-Crab-Sandbox header is not text".into(),
+            "",
+        ))),
+        None => Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidRequest,
+            format!("no sandbox named in request {}", uri.path()),
+            "use the base URL http://<proxy>/s/<sandbox>/v1 or send X-Crab-Sandbox: <sandbox>",
+        ))),
+    }
+}
+
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
+}
+
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let drop: Vec<HeaderName> = h.keys().filter(|k| is_hop_by_hop(k)).cloned().collect();
+    for k in drop {
+        h.remove(k);
+    }
+}
+
+fn loggable_headers(h: &HeaderMap) -> Vec<(String, String)> {
+    h.iter()
+        .filter(|(k, _)| !is_hop_by_hop(k) && *k != "set-cookie" && *k != CONTENT_LENGTH)
+        .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
+        .collect()
+}
+
+fn build_upstream_request(
+    upstream: &Upstream,
+    method: &Method,
+    path_and_query: &str,
+    headers: &HeaderMap,
+    body: ProxyBody,
+) -> Result<Request<ProxyBody>, Reject> {
+    let uri = upstream.uri_for(path_and_query).map_err(|e| {
+        Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidRequest,
+            format!("cannot forward path {path_and_query:?}: {e}"),
+            "",
+        ))
+    })?;
+    let mut req = Request::new(body);
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = uri;
+    let h = req.headers_mut();
+    for (k, v) in headers {
+        if is_hop_by_hop(k) || k == hyper::header::HOST || k == SANDBOX_HEADER {
+            continue;
+        }
+        h.append(k.clone(), v.clone());
+    }
+    if let Ok(host) = HeaderValue::from_str(upstream.authority.as_str()) {
+        h.insert(hyper::header::HOST, host);
+    }
+    Ok(req)
+}
+
+fn replay_response(rec: &LogRecord) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(rec.response_body()));
+    *resp.status_mut() = StatusCode::from_u16(rec.status).unwrap_or(StatusCode::OK);
+    let h = resp.headers_mut();
+    for (k, v) in &rec.response_headers {
+        if let (Ok(k), Ok(v)) = (HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_str(v)) {
+            h.append(k, v);
+        }
+    }
+    h.insert(REPLAYED_HEADER, HeaderValue::from_static("1"));
+    resp
+}
+
+pub(crate) fn full(b: impl Into<Bytes>) -> ProxyBody {
+    Full::new(b.into()).map_err(|never: Infallible| match never {}).boxed_unsync()
+}
+
+fn too_large(limit: usize) -> Response<ProxyBody> {
+    error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        ErrorCode::InvalidRequest,
+        format!("the request body exceeds the proxy's limit of {limit} bytes"),
+        "shorten the conversation or raise the proxy's max_request_bytes",
+    )
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let _ = write!(s, ": {c}");
+        cur = c.source();
+    }
+    s
+}
+
+/// An error answer in a shape both SDK families parse: `{"type":"error","error":{...}}` with
+/// `message` (what failed), `type`/`code` (the stable Crab code) and `hint`.
+pub(crate) fn error_response(
+    status: StatusCode,
+    code: ErrorCode,
+    message: String,
+    hint: &str,
+) -> Response<ProxyBody> {
+    let body = serde_json::json!({
+        "type": "error",
+        "error": {"type": code.as_str(), "code": code.as_str(), "message": message, "hint": hint},
+    });
+    let mut resp = Response::new(full(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert("x-crab-error", HeaderValue::from_static(code.as_str()));
+    resp
+}
+
+/// A response body fed by a channel.
+struct ChannelBody {
+    rx: mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.rx.poll_recv(cx)
+    }
+}

@@ -1,0 +1,313 @@
+//! Test doubles for the proxy, shared by its tests, its benchmark and the daemon's integration
+//! tests: a stub LLM upstream (a real HTTP server with configurable delay, status and SSE
+//! streaming, recording what it received), an in-memory [`SandboxDirectory`], and
+//! [`InstantHooks`], boundary hooks whose checkpoints are published at once.
+
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use crate::convlog::sha256_hex;
+use crate::hooks::{Boundary, BoundaryTicket, BoxFuture, ReadyTicket, SandboxDirectory, TurnHooks};
+use crate::proxy::{full, BoxError, ProxyBody};
+
+/// Request header overriding the stub's head delay for one request, in milliseconds.
+pub const DELAY_HEADER: &str = "x-stub-delay-ms";
+/// Request header overriding the stub's status for one request.
+pub const STATUS_HEADER: &str = "x-stub-status";
+
+/// How the stub answers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StubConfig {
+    /// Delay before the response head (the model "thinking").
+    pub delay: Duration,
+    /// Status of every response.
+    pub status: u16,
+    /// Events in a streamed response.
+    pub stream_events: usize,
+    /// Delay between streamed chunks.
+    pub chunk_delay: Duration,
+}
+
+impl Default for StubConfig {
+    fn default() -> Self {
+        StubConfig {
+            delay: Duration::ZERO,
+            status: 200,
+            stream_events: 5,
+            chunk_delay: Duration::ZERO,
+        }
+    }
+}
+
+/// A request as the stub received it.
+#[derive(Debug, Clone)]
+pub struct StubRequest {
+    /// Method.
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    /// Headers, lower-case names.
+    pub headers: Vec<(String, String)>,
+    /// Body.
+    pub body: Bytes,
+    /// When it arrived.
+    pub at: Instant,
+}
+
+impl StubRequest {
+    /// First value of a header.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+#[derive(Debug, Default)]
+struct StubState {
+    cfg: Mutex<StubConfig>,
+    requests: Mutex<Vec<StubRequest>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A stub LLM upstream on `127.0.0.1:<ephemeral>`.
+///
+/// Any `POST` whose JSON body has `"stream": true` gets an SSE stream ([`stream_chunks`]);
+/// `.../count_tokens` gets `{"input_tokens": N}`; anything else gets a small JSON completion
+/// naming the request body's sha256.
+#[derive(Debug)]
+pub struct StubUpstream {
+    addr: SocketAddr,
+    state: Arc<StubState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for StubUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The exact chunks of a streamed stub response with `n` events. Chunk boundaries fall inside
+/// events and inside a multi-byte character, so re-chunking bugs show.
+pub fn stream_chunks(n: usize) -> Vec<Bytes> {
+    let mut all = Vec::new();
+    for i in 0..n {
+        all.extend_from_slice(
+            format!("event: delta\ndata: {{\"i\":{i},\"text\":\"tök{i} \"}}\n\n").as_bytes(),
+        );
+    }
+    all.extend_from_slice(b"data: [DONE]\n\n");
+    all.chunks(23).map(Bytes::copy_from_slice).collect()
+}
+
+/// The JSON body the stub answers a non-stream request with.
+pub fn completion_body(request_body: &[u8]) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "id": "stub",
+            "object": "chat.completion",
+            "request_sha256": sha256_hex(request_body),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+        })
+        .to_string(),
+    )
+}
+
+impl StubUpstream {
+    /// Start it.
+    pub async fn start(cfg: StubConfig) -> std::io::Result<StubUpstream> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(StubState { cfg: Mutex::new(cfg), requests: Mutex::new(Vec::new()) });
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let _ = stream.set_nodelay(true);
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        let st = st.clone();
+                        async move { Ok::<_, Infallible>(answer(st, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Ok(StubUpstream { addr, state, task })
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Change how it answers.
+    pub fn set_config(&self, cfg: StubConfig) {
+        *lock(&self.state.cfg) = cfg;
+    }
+
+    /// Everything received so far.
+    pub fn requests(&self) -> Vec<StubRequest> {
+        lock(&self.state.requests).clone()
+    }
+}
+
+async fn answer(st: Arc<StubState>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let at = Instant::now();
+    let headers = parts
+        .headers
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
+        .collect::<Vec<_>>();
+    let path = parts.uri.path_and_query().map(|p| p.to_string()).unwrap_or_default();
+    lock(&st.requests).push(StubRequest {
+        method: parts.method.to_string(),
+        path: path.clone(),
+        headers,
+        body: body.clone(),
+        at,
+    });
+    let mut cfg = lock(&st.cfg).clone();
+    let header = |name: &str| {
+        parts.headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok())
+    };
+    if let Some(ms) = header(DELAY_HEADER) {
+        cfg.delay = Duration::from_millis(ms);
+    }
+    if let Some(s) = header(STATUS_HEADER) {
+        cfg.status = u16::try_from(s).unwrap_or(500);
+    }
+    if !cfg.delay.is_zero() {
+        tokio::time::sleep(cfg.delay).await;
+    }
+    let status = hyper::StatusCode::from_u16(cfg.status).unwrap_or(hyper::StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let mut resp = if path.contains("count_tokens") {
+        Response::new(full(format!("{{\"input_tokens\":{}}}", body.len() / 4)))
+    } else if json.get("stream").and_then(|v| v.as_bool()) == Some(true) {
+        let chunks = stream_chunks(cfg.stream_events);
+        let gap = cfg.chunk_delay;
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+        tokio::spawn(async move {
+            for c in chunks {
+                if !gap.is_zero() {
+                    tokio::time::sleep(gap).await;
+                }
+                if tx.send(Ok(Frame::data(c))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut r = Response::new(RecvBody { rx }.boxed_unsync());
+        r.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        *r.status_mut() = status;
+        return r;
+    } else {
+        Response::new(full(completion_body(&body)))
+    };
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// A body fed by a channel.
+struct RecvBody {
+    rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
+}
+
+impl hyper::body::Body for RecvBody {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+/// A fixed set of sandbox names; logs under `root/<name>/conversation.log`.
+#[derive(Debug)]
+pub struct MemoryDirectory {
+    names: Mutex<HashSet<String>>,
+    root: PathBuf,
+}
+
+impl MemoryDirectory {
+    /// A directory with these sandboxes, logging under `root`.
+    pub fn new(root: impl Into<PathBuf>, names: &[&str]) -> Arc<Self> {
+        Arc::new(MemoryDirectory {
+            names: Mutex::new(names.iter().map(|s| s.to_string()).collect()),
+            root: root.into(),
+        })
+    }
+
+    /// Add a sandbox.
+    pub fn add(&self, name: &str) {
+        lock(&self.names).insert(name.to_string());
+    }
+}
+
+impl SandboxDirectory for MemoryDirectory {
+    fn exists(&self, name: &str) -> bool {
+        lock(&self.names).contains(name)
+    }
+    fn conversation_log_path(&self, name: &str) -> PathBuf {
+        self.root.join(name).join("conversation.log")
+    }
+}
+
+/// Boundary hooks whose checkpoints are published immediately; they remember each boundary.
+#[derive(Debug, Default)]
+pub struct InstantHooks {
+    boundaries: Mutex<Vec<Boundary>>,
+}
+
+impl InstantHooks {
+    /// New.
+    pub fn new() -> Arc<Self> {
+        Arc::new(InstantHooks::default())
+    }
+
+    /// Boundaries seen so far.
+    pub fn boundaries(&self) -> Vec<Boundary> {
+        lock(&self.boundaries).clone()
+    }
+}
+
+impl TurnHooks for InstantHooks {
+    fn on_boundary(&self, b: Boundary) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+        let id = format!("{}-{}", b.sandbox, b.turn);
+        lock(&self.boundaries).push(b);
+        Box::pin(async move { Ok(ReadyTicket::published(id)) })
+    }
+}

@@ -1,0 +1,757 @@
+//! The proxy over real HTTP: a stub upstream, fake (or engine-backed) checkpoint tickets, and a
+//! hyper client acting as the agent. Order is observed with timestamps.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{HeaderMap, Method, Request, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::watch;
+
+use crab_coordinator::stub::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
+use crab_coordinator::{
+    Boundary, BoundaryTicket, BoxFuture, Coordinator, EngineTicket, ProxyConfig, ProxyServer,
+    Published, TurnHooks, REPLAYED_HEADER,
+};
+use crab_engine::{Engine, EngineConfig, Job, JobKind, JobOutcome, JobSpec};
+
+// ---------- fake checkpoint tickets ----------
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// Published this long after the boundary.
+    After(Duration),
+    /// Fails this long after the boundary.
+    Fail(Duration),
+    /// Never settles.
+    Never,
+}
+
+struct FakeTicket {
+    tx: watch::Sender<Option<Result<Published, String>>>,
+    promoted_at: Mutex<Option<Instant>>,
+    published_at: Mutex<Option<Instant>>,
+    exposed: Mutex<Vec<Duration>>,
+}
+
+impl BoundaryTicket for FakeTicket {
+    fn is_published(&self) -> bool {
+        self.tx.borrow().is_some()
+    }
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
+        let mut rx = self.tx.subscribe();
+        Box::pin(async move {
+            let v = rx.wait_for(Option::is_some).await.map_err(|e| e.to_string())?;
+            v.clone().unwrap()
+        })
+    }
+    fn promote(&self) {
+        *self.promoted_at.lock().unwrap() = Some(Instant::now());
+    }
+    fn record_exposed(&self, held: Duration) {
+        self.exposed.lock().unwrap().push(held);
+    }
+}
+
+struct FakeHooks {
+    modes: Mutex<Vec<Mode>>,
+    default: Mutex<Mode>,
+    boundaries: Mutex<Vec<Boundary>>,
+    tickets: Mutex<Vec<Arc<FakeTicket>>>,
+}
+
+impl FakeHooks {
+    fn new(default: Mode) -> Arc<Self> {
+        Arc::new(FakeHooks {
+            modes: Mutex::new(Vec::new()),
+            default: Mutex::new(default),
+            boundaries: Mutex::new(Vec::new()),
+            tickets: Mutex::new(Vec::new()),
+        })
+    }
+    /// Modes for the next boundaries, in order; then the default.
+    fn script(&self, modes: &[Mode]) {
+        *self.modes.lock().unwrap() = modes.to_vec();
+    }
+    fn boundaries(&self) -> Vec<Boundary> {
+        self.boundaries.lock().unwrap().clone()
+    }
+    fn ticket(&self, i: usize) -> Arc<FakeTicket> {
+        self.tickets.lock().unwrap()[i].clone()
+    }
+}
+
+impl TurnHooks for FakeHooks {
+    fn on_boundary(&self, b: Boundary) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+        let mode = {
+            let mut m = self.modes.lock().unwrap();
+            if m.is_empty() {
+                *self.default.lock().unwrap()
+            } else {
+                m.remove(0)
+            }
+        };
+        let id = format!("{}-{}", b.sandbox, b.turn);
+        self.boundaries.lock().unwrap().push(b);
+        let (tx, _) = watch::channel(None);
+        let t = Arc::new(FakeTicket {
+            tx,
+            promoted_at: Mutex::new(None),
+            published_at: Mutex::new(None),
+            exposed: Mutex::new(Vec::new()),
+        });
+        self.tickets.lock().unwrap().push(t.clone());
+        let settle = |t: Arc<FakeTicket>, after: Duration, r: Result<Published, String>| {
+            if after.is_zero() {
+                *t.published_at.lock().unwrap() = Some(Instant::now());
+                t.tx.send_replace(Some(r));
+            } else {
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    *t.published_at.lock().unwrap() = Some(Instant::now());
+                    t.tx.send_replace(Some(r));
+                });
+            }
+        };
+        match mode {
+            Mode::After(d) => settle(t.clone(), d, Ok(Published { checkpoint_id: id })),
+            Mode::Fail(d) => settle(t.clone(), d, Err("btrfs snapshot failed: no space".into())),
+            Mode::Never => {}
+        }
+        Box::pin(async move { Ok(t as Arc<dyn BoundaryTicket>) })
+    }
+}
+
+// ---------- harness ----------
+
+struct H {
+    stub: StubUpstream,
+    coord: Arc<Coordinator>,
+    server: ProxyServer,
+    _dir: tempfile::TempDir,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+async fn harness(
+    hooks: Arc<dyn TurnHooks>,
+    stub_cfg: StubConfig,
+    tweak: impl FnOnce(&mut ProxyConfig),
+) -> H {
+    let stub = StubUpstream::start(stub_cfg).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let names: Vec<String> = (0..16).map(|i| format!("sb{i}")).collect();
+    let mut refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    refs.extend(["a", "b", "c"]);
+    let sandboxes = MemoryDirectory::new(dir.path(), &refs);
+    let mut cfg = ProxyConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        upstream_openai: stub.url(),
+        upstream_anthropic: stub.url(),
+        ..Default::default()
+    };
+    tweak(&mut cfg);
+    let coord = Coordinator::new(cfg, sandboxes, hooks).unwrap();
+    let server = coord.bind().await.unwrap();
+    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    H { stub, coord, server, _dir: dir, client }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    head_at: Instant,
+    first_byte_at: Option<Instant>,
+}
+
+impl H {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.server.local_addr())
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Reply {
+        let mut b = Request::builder().method(method).uri(self.url(path));
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let req = b.body(Full::new(Bytes::from(body.to_string()))).unwrap();
+        let resp = self.client.request(req).await.unwrap();
+        let head_at = Instant::now();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let mut body = resp.into_body();
+        let mut all = Vec::new();
+        let mut first_byte_at = None;
+        while let Some(f) = body.frame().await {
+            if let Some(d) = f.unwrap().data_ref() {
+                if first_byte_at.is_none() && !d.is_empty() {
+                    first_byte_at = Some(Instant::now());
+                }
+                all.extend_from_slice(d);
+            }
+        }
+        Reply { status, headers, body: Bytes::from(all), head_at, first_byte_at }
+    }
+
+    async fn chat(&self, sb: &str, body: &str) -> Reply {
+        self.send(
+            Method::POST,
+            &format!("/s/{sb}/v1/chat/completions"),
+            &[("authorization", "Bearer sk-secret")],
+            body,
+        )
+        .await
+    }
+}
+
+fn json(r: &Reply) -> serde_json::Value {
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+// ---------- tests ----------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_is_withheld_until_the_checkpoint_publishes() {
+    let hooks = FakeHooks::new(Mode::After(Duration::from_millis(250)));
+    let h = harness(
+        hooks.clone(),
+        StubConfig { delay: Duration::from_millis(20), ..Default::default() },
+        |_| {},
+    )
+    .await;
+    let t0 = Instant::now();
+    let r = h.chat("a", r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let t = hooks.ticket(0);
+    let published = t.published_at.lock().unwrap().unwrap();
+    let promoted = t.promoted_at.lock().unwrap().expect("a held ticket is promoted");
+    let upstream_at = h.stub.requests()[0].at;
+    // Order: request forwarded at once -> head arrives -> promote -> publish -> release.
+    assert!(upstream_at < t0 + Duration::from_millis(150), "forwarded immediately");
+    assert!(upstream_at < promoted && promoted < published, "promoted while holding");
+    assert!(r.head_at >= published, "released only after publication");
+    let held = t.exposed.lock().unwrap()[0];
+    assert!(held >= Duration::from_millis(150) && held < Duration::from_millis(1000), "{held:?}");
+    // The log has the pair, fsynced before release, with the held time.
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    assert_eq!(conv.len(), 1);
+    assert_eq!(conv[0].turn, 1);
+    assert_eq!(conv[0].response_body(), r.body.to_vec());
+    assert!(conv[0].held_ms >= 150.0);
+    let b = &hooks.boundaries()[0];
+    assert_eq!(
+        (b.sandbox.as_str(), b.turn, b.force_full, b.conversation_offset),
+        ("a", 1, false, 0)
+    );
+    // Auth passes through untouched; the sandbox prefix is gone.
+    let seen = &h.stub.requests()[0];
+    assert_eq!(seen.path, "/v1/chat/completions");
+    assert_eq!(seen.header("authorization"), Some("Bearer sk-secret"));
+    let stats = h.coord.stats();
+    assert_eq!((stats[0].turns, stats[0].held), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_done_before_the_response_costs_nothing() {
+    let hooks = FakeHooks::new(Mode::After(Duration::from_millis(10)));
+    let h = harness(
+        hooks.clone(),
+        StubConfig { delay: Duration::from_millis(100), ..Default::default() },
+        |_| {},
+    )
+    .await;
+    let r = h.chat("a", r#"{"messages":[]}"#).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let t = hooks.ticket(0);
+    assert!(t.promoted_at.lock().unwrap().is_none(), "not promoted");
+    assert_eq!(t.exposed.lock().unwrap()[0], Duration::ZERO);
+    assert_eq!(h.coord.held_samples_ms(), vec![0.0]);
+}
+
+/// Jobs queued in a real engine: the held sandbox's job jumps the queue when its response
+/// arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_checkpoint_is_promoted_in_the_engine() {
+    struct Exec(Mutex<Vec<String>>);
+    impl crab_engine::Executor<()> for Exec {
+        fn run(&self, job: &Job<()>) -> Result<JobOutcome, String> {
+            self.0.lock().unwrap().push(job.sandbox.clone());
+            std::thread::sleep(Duration::from_millis(if job.sandbox == "blocker" {
+                300
+            } else {
+                30
+            }));
+            Ok(JobOutcome {
+                checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
+                bytes: 0,
+                detail: Default::default(),
+            })
+        }
+    }
+    struct EngineHooks(Engine<()>);
+    impl TurnHooks for EngineHooks {
+        fn on_boundary(
+            &self,
+            b: Boundary,
+        ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+            let kind = if b.force_full { JobKind::Full } else { JobKind::Fs };
+            let h = self.0.submit(JobSpec {
+                sandbox: b.sandbox.clone(),
+                kind,
+                payload: (),
+                turn: b.turn,
+                urgent: false,
+            });
+            let t: Arc<dyn BoundaryTicket> =
+                Arc::new(EngineTicket::new(self.0.clone(), h, b.sandbox));
+            Box::pin(async move { Ok(t) })
+        }
+    }
+    let exec = Arc::new(Exec(Mutex::new(Vec::new())));
+    let engine =
+        Engine::new(EngineConfig { workers: 1, ..Default::default() }, exec.clone()).unwrap();
+    let blocker = engine.submit(JobSpec {
+        sandbox: "blocker".into(),
+        kind: JobKind::Full,
+        payload: (),
+        turn: 1,
+        urgent: false,
+    });
+    while exec.0.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let others: Vec<_> = ["x", "y", "z"]
+        .iter()
+        .map(|s| {
+            engine.submit(JobSpec {
+                sandbox: s.to_string(),
+                kind: JobKind::Fs,
+                payload: (),
+                turn: 1,
+                urgent: false,
+            })
+        })
+        .collect();
+    let h = harness(
+        Arc::new(EngineHooks(engine.clone())),
+        StubConfig { delay: Duration::from_millis(50), ..Default::default() },
+        |_| {},
+    )
+    .await;
+    let r = h.chat("a", r#"{"messages":["slow"]}"#).await;
+    assert_eq!(r.status, StatusCode::OK);
+    blocker.wait().await.unwrap();
+    for o in &others {
+        o.wait().await.unwrap();
+    }
+    assert_eq!(
+        *exec.0.lock().unwrap(),
+        ["blocker", "a", "x", "y", "z"],
+        "a's job was promoted past x, y, z"
+    );
+    let rec = engine.recent_jobs(10).into_iter().find(|r| r.sandbox == "a").unwrap();
+    assert!(rec.urgent);
+    assert!(rec.exposed_ms.unwrap() > 100.0, "{rec:?}");
+    assert!(engine.metrics_text().contains("crab_engine_promotions_total 1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_are_held_before_the_first_byte_and_arrive_byte_exact() {
+    let hooks = FakeHooks::new(Mode::After(Duration::from_millis(200)));
+    let h = harness(
+        hooks.clone(),
+        StubConfig {
+            stream_events: 40,
+            chunk_delay: Duration::from_millis(1),
+            ..Default::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = h
+        .send(
+            Method::POST,
+            "/s/a/v1/messages",
+            &[("x-api-key", "sk-ant"), ("anthropic-version", "2023-06-01")],
+            r#"{"stream":true,"messages":[]}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let want: Vec<u8> = stream_chunks(40).concat();
+    assert_eq!(r.body.to_vec(), want, "stream byte-exact");
+    assert!(r
+        .headers
+        .get("content-type")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let published = hooks.ticket(0).published_at.lock().unwrap().unwrap();
+    assert!(r.first_byte_at.unwrap() >= published, "no byte before publication");
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    assert_eq!(conv[0].response.as_deref().map(str::as_bytes), Some(&want[..]));
+    assert!(conv[0].stream && conv[0].complete && !conv[0].client_disconnected);
+    assert_eq!(conv[0].provider, "anthropic");
+    assert_eq!(h.stub.requests()[0].header("x-api-key"), Some("sk-ant"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_are_the_same_turn() {
+    let hooks = FakeHooks::new(Mode::After(Duration::ZERO));
+    let h = harness(hooks.clone(), StubConfig::default(), |_| {}).await;
+    h.chat("a", r#"{"m":"A"}"#).await;
+    h.chat("a", r#"{"m":"A"}"#).await; // same body
+    h.send(
+        Method::POST,
+        "/s/a/v1/chat/completions",
+        &[("x-stainless-retry-count", "1")],
+        r#"{"m":"A2"}"#,
+    )
+    .await; // SDK retry header
+    h.send(
+        Method::POST,
+        "/s/a/v1/chat/completions",
+        &[("x-stainless-retry-count", "0")],
+        r#"{"m":"B"}"#,
+    )
+    .await;
+    let turns: Vec<u64> = hooks.boundaries().iter().map(|b| b.turn).collect();
+    assert_eq!(turns, [1, 2]);
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    let got: Vec<(u64, bool)> = conv.iter().map(|r| (r.turn, r.retry)).collect();
+    assert_eq!(got, [(1, false), (1, true), (1, true), (2, false)]);
+    assert_eq!(hooks.boundaries()[1].conversation_offset, 3);
+    assert_eq!(h.coord.stats()[0].retries, 2);
+    assert_eq!(h.stub.requests().len(), 4, "retries are still forwarded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_counting_and_other_paths_are_not_turns() {
+    let hooks = FakeHooks::new(Mode::Never);
+    let h = harness(hooks.clone(), StubConfig::default(), |_| {}).await;
+    let r = h
+        .send(
+            Method::POST,
+            "/s/a/v1/messages/count_tokens",
+            &[("x-api-key", "k"), ("anthropic-version", "2023-06-01")],
+            r#"{"messages":[]}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(json(&r).get("input_tokens").is_some());
+    let r = h
+        .send(
+            Method::GET,
+            "/v1/models?limit=2",
+            &[("x-crab-sandbox", "b"), ("authorization", "Bearer z")],
+            "",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let seen = h.stub.requests();
+    assert_eq!(seen[1].path, "/v1/models?limit=2");
+    assert!(seen[1].header("x-crab-sandbox").is_none(), "attribution header not forwarded");
+    assert_eq!(seen[1].header("authorization"), Some("Bearer z"));
+    assert!(hooks.boundaries().is_empty(), "no boundary (a Never ticket would have hung)");
+    assert!(h.coord.conversation("a", None).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_4xx() {
+    let hooks = FakeHooks::new(Mode::After(Duration::ZERO));
+    let h = harness(hooks.clone(), StubConfig::default(), |c| c.max_request_bytes = 1024).await;
+    let r = h.chat("nope", "{}").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let e = json(&r);
+    assert_eq!(e["error"]["code"], "sandbox_not_found");
+    assert!(e["error"]["message"].as_str().unwrap().contains("nope"));
+    let r = h.send(Method::POST, "/v1/chat/completions", &[], "{}").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "no sandbox named");
+    let r = h.send(Method::POST, "/s/..bad/v1/chat/completions", &[], "{}").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "invalid name");
+    let r = h.chat("a", "{not json").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(json(&r)["error"]["message"].as_str().unwrap().contains("not valid JSON"));
+    let big = format!("{{\"x\":\"{}\"}}", "y".repeat(4096));
+    let r = h.chat("a", &big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(hooks.boundaries().is_empty(), "bad requests mark no boundary");
+    assert!(h.stub.requests().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_down_is_502_and_slow_is_504() {
+    let hooks = FakeHooks::new(Mode::After(Duration::from_millis(50)));
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let h = harness(
+        hooks.clone(),
+        StubConfig { delay: Duration::from_secs(3), ..Default::default() },
+        |c| {
+            c.upstream_anthropic = format!("http://{dead}");
+            c.upstream_timeout = Duration::from_millis(300);
+        },
+    )
+    .await;
+    let t = Instant::now();
+    let r = h.send(Method::POST, "/s/a/v1/messages", &[], r#"{"messages":[]}"#).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    let msg = json(&r)["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("anthropic") && msg.contains(&dead.to_string()), "{msg}");
+    assert!(t.elapsed() >= Duration::from_millis(50), "even errors wait for the checkpoint");
+    let r = h.chat("b", r#"{"messages":[]}"#).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(json(&r)["error"]["message"].as_str().unwrap().contains("openai"));
+    // The agent's retry after the 502 is the same turn: no checkpoint is lost or doubled.
+    let r = h
+        .send(
+            Method::POST,
+            "/s/a/v1/messages",
+            &[("x-stainless-retry-count", "1")],
+            r#"{"messages":[]}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(hooks.boundaries().len(), 2);
+    assert_eq!(h.coord.stats()[0].upstream_errors, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_checkpoint_releases_the_response_and_forces_full_next() {
+    let hooks = FakeHooks::new(Mode::After(Duration::ZERO));
+    hooks.script(&[Mode::Fail(Duration::from_millis(30)), Mode::Never]);
+    let h = harness(hooks.clone(), StubConfig::default(), |c| {
+        c.gate_timeout = Duration::from_millis(200)
+    })
+    .await;
+    let r = h.chat("a", r#"{"t":1}"#).await;
+    assert_eq!(r.status, StatusCode::OK, "released despite the failure");
+    let t = Instant::now();
+    let r = h.chat("a", r#"{"t":2}"#).await;
+    assert_eq!(r.status, StatusCode::OK, "released after the gate timeout");
+    assert!(t.elapsed() >= Duration::from_millis(190));
+    h.chat("a", r#"{"t":3}"#).await;
+    h.chat("a", r#"{"t":4}"#).await;
+    let full: Vec<bool> = hooks.boundaries().iter().map(|b| b.force_full).collect();
+    assert_eq!(full, [false, true, true, false]);
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    assert!(conv[0].checkpoint_error.as_deref().unwrap().contains("no space"));
+    assert!(conv[1].checkpoint_error.as_deref().unwrap().contains("gate timeout"));
+    assert!(conv[2].checkpoint_error.is_none());
+    let s = &h.coord.stats()[0];
+    assert_eq!(s.checkpoint_failures, 2);
+    assert!(h
+        .coord
+        .metrics_text()
+        .contains("crab_proxy_checkpoint_failures_total{sandbox=\"a\"} 2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_does_not_wedge_anything() {
+    let hooks = FakeHooks::new(Mode::After(Duration::from_millis(20)));
+    let h = harness(
+        hooks.clone(),
+        StubConfig {
+            stream_events: 30,
+            chunk_delay: Duration::from_millis(10),
+            ..Default::default()
+        },
+        |_| {},
+    )
+    .await;
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(h.url("/s/a/v1/chat/completions"))
+        .body(Full::new(Bytes::from_static(br#"{"stream":true}"#)))
+        .unwrap();
+    let resp = h.client.request(req).await.unwrap();
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    drop(body); // the agent goes away
+                // A client that leaves while its response is held does not wedge the gate either.
+    hooks.script(&[Mode::After(Duration::from_millis(300))]);
+    let fut = h.chat("b", r#"{"x":1}"#);
+    let _ = tokio::time::timeout(Duration::from_millis(50), fut).await;
+    let t = Instant::now();
+    loop {
+        let a = h.coord.conversation("a", None).await.unwrap();
+        let b = h.coord.conversation("b", None).await.unwrap();
+        if a.len() == 1 && b.len() == 1 {
+            assert!(a[0].client_disconnected && a[0].complete);
+            assert_eq!(
+                a[0].response_body(),
+                stream_chunks(30).concat(),
+                "the log has the whole stream"
+            );
+            assert_eq!(b[0].status, 200);
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "log records never arrived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = h.chat("a", r#"{"next":true}"#).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(hooks.boundaries().iter().filter(|b| b.sandbox == "a").count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restore_logged_responses_are_replayed_then_the_log_diverges() {
+    let hooks = FakeHooks::new(Mode::After(Duration::ZERO));
+    let h = harness(hooks.clone(), StubConfig::default(), |_| {}).await;
+    let a = h.chat("a", r#"{"q":"A"}"#).await;
+    let b = h.chat("a", r#"{"q":"B"}"#).await;
+    h.chat("a", r#"{"q":"C"}"#).await;
+    assert_eq!(h.coord.conversation_offset("a").await.unwrap(), 3);
+    // Restore to the point of turn 2 (its boundary recorded offset 1), keeping the log.
+    let off = hooks.boundaries()[1].conversation_offset;
+    assert_eq!(off, 1);
+    h.coord.restored("a", off, true).await.unwrap();
+    let upstream_before = h.stub.requests().len();
+    let b2 = h.chat("a", r#"{"q":"B"}"#).await;
+    assert_eq!(b2.body, b.body, "answered from the log");
+    assert_eq!(b2.headers.get(REPLAYED_HEADER).unwrap(), "1");
+    assert_eq!(h.stub.requests().len(), upstream_before, "upstream not called");
+    // A different request: the logged future (C) is dropped, D becomes turn 3.
+    h.chat("a", r#"{"q":"D"}"#).await;
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    let qs: Vec<(u64, &str)> = conv.iter().map(|r| (r.turn, r.request.as_str())).collect();
+    assert_eq!(qs, [(1, r#"{"q":"A"}"#), (2, r#"{"q":"B"}"#), (3, r#"{"q":"D"}"#)]);
+    assert_eq!(hooks.boundaries().last().unwrap().turn, 3);
+    // Restore without replay cuts the log; the prefix matches the restore point.
+    h.coord.restored("a", 1, false).await.unwrap();
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    assert_eq!(conv.len(), 1);
+    assert_eq!(conv[0].response_body(), a.body.to_vec());
+    h.chat("a", r#"{"q":"E"}"#).await;
+    assert_eq!(hooks.boundaries().last().unwrap().turn, 2);
+    // Fork: the new sandbox starts with the prefix.
+    h.coord.forked("a", "c", 1).await.unwrap();
+    assert_eq!(h.coord.conversation("c", None).await.unwrap().len(), 1);
+    h.chat("c", r#"{"q":"F"}"#).await;
+    assert_eq!(hooks.boundaries().last().unwrap().turn, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_survives_a_coordinator_restart() {
+    let hooks = FakeHooks::new(Mode::After(Duration::ZERO));
+    let stub = StubUpstream::start(StubConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ProxyConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        upstream_openai: stub.url(),
+        upstream_anthropic: stub.url(),
+        ..Default::default()
+    };
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    for round in 0..2 {
+        let coord =
+            Coordinator::new(cfg.clone(), MemoryDirectory::new(dir.path(), &["a"]), hooks.clone())
+                .unwrap();
+        let server = coord.bind().await.unwrap();
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!("http://{}/s/a/v1/responses", server.local_addr()))
+            .body(Full::new(Bytes::from(format!("{{\"round\":{round}}}"))))
+            .unwrap();
+        assert!(client.request(req).await.unwrap().status().is_success());
+        server.shutdown().await;
+    }
+    let turns: Vec<(u64, u64)> =
+        hooks.boundaries().iter().map(|b| (b.turn, b.conversation_offset)).collect();
+    assert_eq!(turns, [(1, 0), (2, 1)], "turn numbering continues from the log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explicit_turns_and_metrics() {
+    let hooks = FakeHooks::new(Mode::After(Duration::from_millis(5)));
+    let h = harness(hooks.clone(), StubConfig::default(), |_| {}).await;
+    let (turn, ticket) = h.coord.begin_turn("a").await.unwrap();
+    assert_eq!(turn, 1);
+    assert_eq!(ticket.wait_published().await.unwrap().checkpoint_id, "a-1");
+    h.chat("a", "{}").await;
+    assert_eq!(hooks.boundaries()[1].turn, 2);
+    assert!(h.coord.begin_turn("ghost").await.is_err());
+    let m = h.coord.metrics_text();
+    assert!(m.contains("crab_proxy_turns_total{sandbox=\"a\"} 2"), "{m}");
+    assert!(m.contains("crab_proxy_conversation_records{sandbox=\"a\"} 1"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_sandboxes_all_make_progress() {
+    let hooks = FakeHooks::new(Mode::After(Duration::from_millis(40)));
+    let h = Arc::new(harness(hooks.clone(), StubConfig::default(), |_| {}).await);
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let h = h.clone();
+        tasks.push(tokio::spawn(async move {
+            let sb = format!("sb{i}");
+            for turn in 0..6 {
+                // Model latency varies per sandbox and turn (20..110 ms).
+                let delay = (20 + (i * 7 + turn * 13) % 90).to_string();
+                let r = h
+                    .send(
+                        Method::POST,
+                        &format!("/s/{sb}/v1/chat/completions"),
+                        &[("x-stub-delay-ms", &delay)],
+                        &format!("{{\"sb\":{i},\"turn\":{turn}}}"),
+                    )
+                    .await;
+                assert_eq!(r.status, StatusCode::OK);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    for i in 0..16 {
+        let conv = h.coord.conversation(&format!("sb{i}"), None).await.unwrap();
+        let turns: Vec<u64> = conv.iter().map(|r| r.turn).collect();
+        assert_eq!(turns, [1, 2, 3, 4, 5, 6]);
+    }
+    assert_eq!(hooks.boundaries().len(), 96);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_non_loopback_and_https_upstreams() {
+    let hooks = FakeHooks::new(Mode::Never);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ProxyConfig { listen: "0.0.0.0:7431".parse().unwrap(), ..Default::default() };
+    assert!(Coordinator::new(cfg, MemoryDirectory::new(dir.path(), &[]), hooks.clone()).is_err());
+    let cfg =
+        ProxyConfig { upstream_openai: "https://api.openai.com".into(), ..Default::default() };
+    let e = Coordinator::new(cfg, MemoryDirectory::new(dir.path(), &[]), hooks).unwrap_err();
+    assert!(e.to_string().contains("TLS"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_benchmark_runs() {
+    let rep = crab_coordinator::bench::bench_proxy(crab_coordinator::bench::ProxyBenchOptions {
+        iterations: 60,
+        warmup: 10,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(rep.direct.n, 60);
+    assert_eq!(rep.boundaries, 70);
+    assert!(rep.proxied.p50 > 0.0 && rep.direct.p50 > 0.0);
+    if std::env::var_os("CRAB_PRINT_BENCH").is_some() {
+        println!("{}", serde_json::to_string_pretty(&rep).unwrap());
+    }
+}

@@ -412,6 +412,9 @@ impl Checkpointer {
                 opts.log_level = self.cfg.criu_log_level;
                 opts.leave_running = true;
                 opts.tcp_established = true;
+                // A connection still in a listen queue cannot be dumped; rather than fail the
+                // checkpoint, leave it out (its client sees a reset after a restore).
+                opts.tcp_skip_in_flight = true;
                 opts.ext_unix_sk = true;
                 opts.file_locks = true;
                 opts.network_lock = Some(NetworkLockMethod::Nftables);

@@ -10,7 +10,7 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crab_checkpoint::{CheckpointError, CheckpointRequest, Checkpointer, Config, Kind};
@@ -38,7 +38,24 @@ fn helper() -> PathBuf {
     })
 }
 
+/// One runtime for all tests, as in a daemon: a second `Runtime::open` on the same state
+/// directory discards sandboxes that another one is creating at that moment.
 fn runtime() -> Arc<Runtime> {
+    static RT: OnceLock<Arc<Runtime>> = OnceLock::new();
+    RT.get_or_init(open_runtime).clone()
+}
+
+/// Tests take this shared; the one that runs startup recovery (which assumes no operation is
+/// in flight) takes it exclusively.
+static EXCLUSIVE: RwLock<()> = RwLock::new(());
+
+#[allow(dead_code)] // the guards are held for their Drop
+enum Guard {
+    Shared(RwLockReadGuard<'static, ()>),
+    Exclusive(RwLockWriteGuard<'static, ()>),
+}
+
+fn open_runtime() -> Arc<Runtime> {
     let state = StateDir::new(
         std::env::var_os("CRAB_STATE_DIR")
             .map(PathBuf::from)
@@ -66,10 +83,21 @@ struct Sb {
     ck: Arc<Checkpointer>,
     name: String,
     extra: Vec<String>,
+    _guard: Guard,
 }
 
 impl Sb {
     fn new(tag: &str) -> Sb {
+        let guard = Guard::Shared(EXCLUSIVE.read().unwrap_or_else(|p| p.into_inner()));
+        Sb::with_guard(tag, guard)
+    }
+
+    fn new_exclusive(tag: &str) -> Sb {
+        let guard = Guard::Exclusive(EXCLUSIVE.write().unwrap_or_else(|p| p.into_inner()));
+        Sb::with_guard(tag, guard)
+    }
+
+    fn with_guard(tag: &str, guard: Guard) -> Sb {
         let rt = runtime();
         let ck = Arc::new(Checkpointer::new(rt.clone(), Config::default()));
         let name = format!("ckt-{}-{tag}", std::process::id());
@@ -80,7 +108,7 @@ impl Sb {
             limits: Limits::default(),
         };
         rt.create(&req).unwrap();
-        Sb { rt, ck, name, extra: Vec::new() }
+        Sb { rt, ck, name, extra: Vec::new(), _guard: guard }
     }
 
     fn sh_in(&self, sb: &str, script: &str) -> (i32, String) {
@@ -370,7 +398,7 @@ fn flipped_image_byte_is_refused_and_sandbox_left_alone() {
 #[test]
 fn interrupted_checkpoint_leaves_older_points_restorable() {
     require_root!();
-    let sb = Sb::new("crash");
+    let sb = Sb::new_exclusive("crash");
     start_services(&sb);
     assert_eq!(sb.sh(GET), "1");
     sb.checkpoint(Kind::Full);

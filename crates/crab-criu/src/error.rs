@@ -33,6 +33,21 @@ const TAIL_LINES: usize = 8;
 impl LogTail {
     /// Read the last `Error (` lines of the log at `path` (or, when it has none, its last few
     /// lines). A missing or unreadable log gives an empty tail.
+    /// The most specific error: the last error line that is not CRIU's generic
+    /// "Dumping FAILED." / "Restoring FAILED." summary, without its timestamp prefix.
+    pub fn headline(&self) -> Option<&str> {
+        self.0.iter().rev().find(|l| !l.contains("FAILED.")).map(|l| {
+            let l = l.trim_start();
+            match l.strip_prefix('(').and_then(|r| r.split_once(") ")) {
+                Some((_, rest)) => rest.trim_start(),
+                None => l,
+            }
+        })
+    }
+
+    /// Read the last `Error (` lines of the log at `path` (or, when it has none, its last few
+    /// lines), leaving out errors CRIU logs but ignores (see [`is_noise`]). A missing or
+    /// unreadable log gives an empty tail.
     pub fn read(path: &Path) -> LogTail {
         let Ok(file) = std::fs::File::open(path) else {
             return LogTail::default();
@@ -41,7 +56,7 @@ impl LogTail {
         let mut last = std::collections::VecDeque::new();
         for line in BufReader::new(file).lines() {
             let Ok(line) = line else { break };
-            if line.contains("Error (") || line.contains("Error:") {
+            if (line.contains("Error (") || line.contains("Error:")) && !is_noise(&line) {
                 if errors.len() == TAIL_LINES {
                     errors.pop_front();
                 }
@@ -54,6 +69,14 @@ impl LogTail {
         }
         LogTail(if errors.is_empty() { last.into() } else { errors.into() })
     }
+}
+
+/// Error lines CRIU 4.2 logs on every run here and then ignores: it cannot raise its own
+/// `RLIMIT_NOFILE` in a container, and it probes for legacy iptables tools before using
+/// nftables.
+pub fn is_noise(line: &str) -> bool {
+    const NOISE: [&str; 4] = ["RLIMIT_NOFILE", "iptables-", "ip6tables-", "-legacy-"];
+    NOISE.iter().any(|n| line.contains(n))
 }
 
 /// What can go wrong when driving CRIU.
@@ -193,5 +216,32 @@ impl CriuError {
             }
             CriuError::Io { .. } | CriuError::InvalidOpts { .. } => String::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_skips_noise_and_headline_is_specific() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("dump.log");
+        std::fs::write(
+            &log,
+            "(00.001) Version: 4.2.1\n\
+             (00.002) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n\
+             Error (criu/util.c:642): execvp(\"iptables-save\", ...) failed: No such file or directory\n\
+             (00.003) Error (criu/sk-inet.c:185): inet: In-flight connection (l) for 52875\n\
+             (00.004) Error (criu/cr-dump.c:1975): Dumping FAILED.\n",
+        )
+        .unwrap();
+        let tail = LogTail::read(&log);
+        assert_eq!(tail.0.len(), 2, "{tail:?}");
+        assert_eq!(
+            tail.headline(),
+            Some("Error (criu/sk-inet.c:185): inet: In-flight connection (l) for 52875")
+        );
+        assert_eq!(LogTail::read(&dir.path().join("missing")), LogTail::default());
     }
 }

@@ -161,11 +161,11 @@ impl Session {
         }
         let procs_fds: Vec<RawFd> = procs_files.iter().map(|f| f.as_raw_fd()).collect();
         let private_run = match criu.private_run() {
-            Some(dir) => Some(
-                std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| {
+            Some(dir) => {
+                Some(std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| {
                     CriuError::InvalidOpts { op, detail: format!("bad path {}", dir.display()) }
-                })?,
-            ),
+                })?)
+            }
             None => None,
         };
         let mut cmd = Command::new(bin);
@@ -313,16 +313,20 @@ impl Session {
     fn failed(&mut self, errno: Option<i32>, errmsg: Option<String>) -> CriuError {
         // Close our end so a CRIU still waiting on us exits, then collect what it said.
         let exit = self.finish();
-        let errmsg = match (errmsg, exit) {
-            (Some(m), _) => Some(m),
-            (None, e) => e,
+        let tail = LogTail::read(&self.log);
+        // CRIU's cr_errmsg is the *first* error it logged, often a benign one; the log's last
+        // specific error says more.
+        let errmsg = match (tail.headline(), errmsg, exit) {
+            (Some(h), _, _) => Some(h.to_owned()),
+            (None, Some(m), _) => Some(m),
+            (None, None, e) => e,
         };
         CriuError::Failed {
             op: self.op,
             log: self.log.clone(),
             errno: errno.filter(|&e| e != 0),
             errmsg,
-            tail: LogTail::read(&self.log),
+            tail,
             stderr: self.stderr(),
         }
     }

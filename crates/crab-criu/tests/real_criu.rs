@@ -58,7 +58,11 @@ fn spawn_clean(script: &str) -> Child {
 }
 
 fn counter_script(file: &Path) -> String {
-    format!("i=0; while :; do i=$((i+1)); echo $i > {}; sleep 0.05; done", file.display())
+    // Written through a rename so that a reader (or a kill) never sees a truncated file.
+    format!(
+        "i=0; while :; do i=$((i+1)); echo $i > {f}.tmp; mv {f}.tmp {f}; sleep 0.05; done",
+        f = file.display()
+    )
 }
 
 fn read_counter(file: &Path) -> Option<u64> {

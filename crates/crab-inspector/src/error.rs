@@ -14,14 +14,6 @@ pub enum InspectorError {
         /// Effective uid of the process.
         uid: u32,
     },
-    /// tracefs is not mounted and could not be mounted.
-    #[error("tracefs is not available at {path} and mounting it failed: {source}")]
-    Tracefs {
-        /// Where it was looked for.
-        path: PathBuf,
-        /// The mount error.
-        source: std::io::Error,
-    },
     /// Opening, loading or attaching the BPF object failed.
     #[error("BPF {stage} failed{}: {source}", what.as_deref().map(|w| format!(" for {w}")).unwrap_or_default())]
     Bpf {
@@ -82,10 +74,6 @@ impl InspectorError {
             InspectorError::NotRoot { .. } => {
                 (ErrorCode::HostUnsupported, "run the daemon as root")
             }
-            InspectorError::Tracefs { .. } => (
-                ErrorCode::HostUnsupported,
-                "mount tracefs: mount -t tracefs nodev /sys/kernel/tracing",
-            ),
             InspectorError::Bpf { .. } => (
                 ErrorCode::HostUnsupported,
                 "the kernel must support BPF tracepoints, BTF and cgroup v2 (Linux >= 5.15)",

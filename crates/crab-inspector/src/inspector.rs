@@ -4,12 +4,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
+use libbpf_rs::skel::{OpenSkel as _, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 use serde::Serialize;
 
@@ -25,7 +25,6 @@ use crate::procfs;
 use crate::skel::{InspectorSkel, InspectorSkelBuilder};
 use crate::verdict::{build_changeset, decide, ChangeOp, TurnFacts, Verdict};
 
-const TRACEFS: &str = "/sys/kernel/tracing";
 /// How long `take` waits for handlers still recording into the closing turn.
 const QUIESCE_LIMIT: Duration = Duration::from_millis(200);
 
@@ -104,37 +103,6 @@ fn bpf_err(
     move |source| InspectorError::Bpf { stage, what, source }
 }
 
-fn ensure_tracefs() -> Result<(), InspectorError> {
-    if Path::new(TRACEFS).join("events").is_dir() {
-        return Ok(());
-    }
-    if Path::new("/sys/kernel/debug/tracing/events").is_dir() {
-        return Ok(());
-    }
-    let target = c"/sys/kernel/tracing";
-    let fstype = c"tracefs";
-    // SAFETY: all pointers are valid NUL-terminated strings; data is NULL.
-    let rc = unsafe {
-        libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null())
-    };
-    if rc != 0 {
-        return Err(InspectorError::Tracefs {
-            path: PathBuf::from(TRACEFS),
-            source: std::io::Error::last_os_error(),
-        });
-    }
-    tracing::info!("mounted tracefs at {TRACEFS}");
-    Ok(())
-}
-
-/// Whether the tracepoint a program's section names exists on this kernel.
-fn tracepoint_exists(section: &str) -> bool {
-    match section.strip_prefix("tracepoint/") {
-        Some(tp) => Path::new(TRACEFS).join("events").join(tp).is_dir(),
-        None => true,
-    }
-}
-
 impl Inspector {
     /// Loads and attaches the BPF programs. Fails with a clear error when not root or when the
     /// kernel lacks BPF tracepoint support.
@@ -144,31 +112,15 @@ impl Inspector {
         if uid != 0 {
             return Err(InspectorError::NotRoot { uid });
         }
-        ensure_tracefs()?;
         // The skeleton borrows its OpenObject for its whole life; the daemon loads once, so a
         // leaked box is the simplest owner.
         let open_obj: &'static mut MaybeUninit<OpenObject> =
             Box::leak(Box::new(MaybeUninit::uninit()));
-        let mut open =
+        let open =
             InspectorSkelBuilder::default().open(open_obj).map_err(bpf_err("open", None))?;
-        let mut skipped = Vec::new();
-        for mut p in open.open_object_mut().progs_mut() {
-            let section = p.section().to_string_lossy().into_owned();
-            if !tracepoint_exists(&section) {
-                // The syscall does not exist on this kernel, so nothing can call it.
-                p.set_autoload(false);
-                skipped.push(section);
-            }
-        }
-        if !skipped.is_empty() {
-            tracing::debug!(?skipped, "tracepoints absent on this kernel; programs not loaded");
-        }
         let mut skel = open.load().map_err(bpf_err("load", None))?;
         let mut links = Vec::new();
         for p in skel.object().progs_mut() {
-            if !p.autoload() {
-                continue;
-            }
             let name = p.name().to_string_lossy().into_owned();
             links.push(p.attach().map_err(bpf_err("attach", Some(name)))?);
         }

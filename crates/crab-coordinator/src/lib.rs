@@ -13,6 +13,7 @@ pub mod bench;
 mod config;
 pub mod convlog;
 mod hooks;
+mod netns;
 mod proxy;
 pub mod stub;
 
@@ -22,6 +23,7 @@ pub use hooks::{
     Boundary, BoundaryTicket, BoxFuture, EngineTicket, Provider, Published, ReadyTicket,
     SandboxDirectory, TurnHooks,
 };
+pub use netns::{bind_in_netns, NetnsError};
 pub use proxy::{
     BoxError, CoordError, Coordinator, ProxyBody, ProxyServer, SandboxProxyStats, REPLAYED_HEADER,
     RETRY_HEADER, SANDBOX_HEADER,

@@ -255,13 +255,35 @@ impl Coordinator {
 
     /// Serve on an already bound listener.
     pub fn serve(self: &Arc<Self>, listener: TcpListener) -> Result<ProxyServer, CoordError> {
+        self.serve_inner(listener, None)
+    }
+
+    /// Serve one sandbox's private endpoint (e.g. a listener opened inside its network
+    /// namespace with [`crate::bind_in_netns`]): every request on it is attributed to `sandbox`;
+    /// a `/s/<sandbox>/` prefix naming it is accepted and stripped, one naming another sandbox is
+    /// refused (403), and `X-Crab-Sandbox` is ignored.
+    pub fn serve_sandbox(
+        self: &Arc<Self>,
+        listener: TcpListener,
+        sandbox: &str,
+    ) -> Result<ProxyServer, CoordError> {
+        crab_common::names::validate("sandbox", sandbox)
+            .map_err(|e| CoordError::BadName(e.message))?;
+        self.serve_inner(listener, Some(Arc::from(sandbox)))
+    }
+
+    fn serve_inner(
+        self: &Arc<Self>,
+        listener: TcpListener,
+        fixed: Option<Arc<str>>,
+    ) -> Result<ProxyServer, CoordError> {
         let addr = listener
             .local_addr()
             .map_err(|source| CoordError::Bind { addr: self.cfg.listen, source })?;
         let (stop, mut stopped) = oneshot::channel::<()>();
         let me = self.clone();
         let task = tokio::spawn(async move {
-            tracing::info!(%addr, "LLM proxy listening");
+            tracing::info!(%addr, sandbox = fixed.as_deref().unwrap_or("*"), "LLM proxy listening");
             loop {
                 let accepted = tokio::select! {
                     _ = &mut stopped => break,
@@ -277,10 +299,12 @@ impl Coordinator {
                 };
                 let _ = stream.set_nodelay(true);
                 let me = me.clone();
+                let fixed = fixed.clone();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
                         let me = me.clone();
-                        async move { Ok::<_, Infallible>(me.handle(req).await) }
+                        let fixed = fixed.clone();
+                        async move { Ok::<_, Infallible>(me.handle_for(req, fixed).await) }
                     });
                     if let Err(e) = hyper::server::conn::http1::Builder::new()
                         .keep_alive(true)
@@ -297,9 +321,17 @@ impl Coordinator {
 
     /// Handle one request (what the listener calls; public for embedding in another server).
     pub async fn handle(self: &Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        self.handle_for(req, None).await
+    }
+
+    async fn handle_for(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        fixed: Option<Arc<str>>,
+    ) -> Response<ProxyBody> {
         let me = self.clone();
         // Own task: a client that disconnects drops this future, not the gate or the log write.
-        match tokio::spawn(async move { me.route(req).await }).await {
+        match tokio::spawn(async move { me.route(req, fixed).await }).await {
             Ok(r) => r,
             Err(e) => error_response(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -310,9 +342,17 @@ impl Coordinator {
         }
     }
 
-    async fn route(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+    async fn route(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        fixed: Option<Arc<str>>,
+    ) -> Response<ProxyBody> {
         let requested_at = now_ms();
-        let (sandbox, path_and_query) = match attribute(&req) {
+        let attributed = match &fixed {
+            Some(sb) => attribute_fixed(&req, sb),
+            None => attribute(&req),
+        };
+        let (sandbox, path_and_query) = match attributed {
             Ok(x) => x,
             Err(r) => return *r,
         };
@@ -962,7 +1002,7 @@ impl Coordinator {
     pub fn metrics_text(&self) -> String {
         let stats = self.stats();
         let mut out = String::new();
-        let series: [Series; 9] = [
+        let series: [Series; 10] = [
             ("crab_proxy_requests_total", "counter", "Requests proxied.", |s| s.requests as f64),
             ("crab_proxy_turns_total", "counter", "Turn boundaries marked.", |s| s.turns as f64),
             ("crab_proxy_retries_total", "counter", "Retries recognised as the same turn.", |s| {
@@ -989,6 +1029,9 @@ impl Coordinator {
             ("crab_proxy_upstream_errors_total", "counter", "Upstream failures.", |s| {
                 s.upstream_errors as f64
             }),
+            ("crab_proxy_log_errors_total", "counter", "Conversation-log write failures.", |s| {
+                s.log_errors as f64
+            }),
             ("crab_proxy_conversation_records", "gauge", "Records in the conversation log.", |s| {
                 s.conversation_offset as f64
             }),
@@ -1007,6 +1050,28 @@ type Series = (&'static str, &'static str, &'static str, fn(&SandboxProxyStats) 
 
 /// An early answer instead of a forwarded request.
 type Reject = Box<Response<ProxyBody>>;
+
+/// `(sandbox, path_and_query)` on a sandbox's private endpoint.
+fn attribute_fixed<B>(req: &Request<B>, sandbox: &str) -> Result<(String, String), Reject> {
+    let uri = req.uri();
+    let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+    let path = match uri.path().strip_prefix("/s/") {
+        Some(rest) => {
+            let (name, tail) = rest.split_once('/').unwrap_or((rest, ""));
+            if name != sandbox {
+                return Err(Box::new(error_response(
+                    StatusCode::FORBIDDEN,
+                    ErrorCode::InvalidRequest,
+                    format!("this endpoint belongs to sandbox {sandbox:?}, not {name:?}"),
+                    "inside a sandbox, use the base URL without /s/<sandbox>",
+                )));
+            }
+            format!("/{tail}")
+        }
+        None => uri.path().to_string(),
+    };
+    Ok((sandbox.to_string(), format!("{path}{query}")))
+}
 
 /// `(sandbox, path_and_query)` from `/s/<sandbox>/...` or the `X-Crab-Sandbox` header.
 fn attribute<B>(req: &Request<B>) -> Result<(String, String), Reject> {

@@ -18,7 +18,7 @@ pub struct ProxyConfig {
     /// Allow a non-loopback listen address. Off by default: the proxy carries API keys.
     pub allow_remote: bool,
     /// OpenAI-style upstream base URL without `/v1` (`--upstream-openai`), e.g.
-    /// `http://127.0.0.1:8000`. Only `http://` is supported (see `docs/conversation-log.md`).
+    /// `http://127.0.0.1:8000` or `https://api.openai.com` (TLS via rustls, system roots).
     pub upstream_openai: String,
     /// Anthropic-style upstream base URL without `/v1` (`--upstream-anthropic`).
     pub upstream_anthropic: String,
@@ -68,6 +68,14 @@ pub enum ConfigError {
         /// Why.
         reason: String,
     },
+    /// An https upstream is configured but no trusted root certificates could be loaded.
+    #[error("upstream {provider} is https but no TLS root certificates could be loaded: {reason}; install ca-certificates")]
+    NoTlsRoots {
+        /// `openai` or `anthropic`.
+        provider: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// A non-loopback listen address without `allow_remote`.
     #[error("refusing to listen on {0}: not a loopback address (the proxy carries API keys); pass allow_remote to override")]
     NotLoopback(SocketAddr),
@@ -84,6 +92,10 @@ pub(crate) struct Upstream {
 }
 
 impl Upstream {
+    pub(crate) fn is_https(&self) -> bool {
+        self.scheme == hyper::http::uri::Scheme::HTTPS
+    }
+
     pub(crate) fn parse(provider: &'static str, url: &str) -> Result<Upstream, ConfigError> {
         let bad = |reason: &str| ConfigError::BadUpstream {
             provider,
@@ -94,10 +106,8 @@ impl Upstream {
             url.parse().map_err(|e: hyper::http::uri::InvalidUri| bad(&e.to_string()))?;
         let scheme =
             uri.scheme().cloned().ok_or_else(|| bad("no scheme (use http://host:port)"))?;
-        if scheme != hyper::http::uri::Scheme::HTTP {
-            return Err(bad(
-                "only http:// upstreams are supported by this build (no TLS client); put a local TLS-terminating forwarder in front of an https endpoint",
-            ));
+        if scheme != hyper::http::uri::Scheme::HTTP && scheme != hyper::http::uri::Scheme::HTTPS {
+            return Err(bad("use an http:// or https:// URL"));
         }
         let authority = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
         if uri.query().is_some() {
@@ -129,7 +139,8 @@ mod tests {
             u.uri_for("/v1/chat/completions?x=1").unwrap().to_string(),
             "http://127.0.0.1:9000/proxy/v1/chat/completions?x=1"
         );
-        assert!(Upstream::parse("openai", "https://api.openai.com").is_err());
+        assert!(Upstream::parse("openai", "https://api.openai.com").is_ok());
+        assert!(Upstream::parse("openai", "ftp://x").is_err());
         assert!(Upstream::parse("openai", "127.0.0.1:9000").is_err());
         assert!(Upstream::parse("openai", "not a url").is_err());
     }

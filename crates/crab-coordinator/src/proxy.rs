@@ -27,6 +27,7 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -170,7 +171,7 @@ pub struct Coordinator {
     cfg: ProxyConfig,
     openai: Upstream,
     anthropic: Upstream,
-    client: Client<HttpConnector, ProxyBody>,
+    client: Client<HttpsConnector<HttpConnector>, ProxyBody>,
     dir: Arc<dyn SandboxDirectory>,
     hooks: Arc<dyn TurnHooks>,
     slots: Mutex<HashMap<String, Arc<Slot>>>,
@@ -222,9 +223,7 @@ impl Coordinator {
         if !cfg.allow_remote && !cfg.listen.ip().is_loopback() {
             return Err(ConfigError::NotLoopback(cfg.listen).into());
         }
-        let mut conn = HttpConnector::new();
-        conn.set_nodelay(true);
-        conn.set_connect_timeout(Some(Duration::from_secs(10)));
+        let conn = connector(&[&openai, &anthropic])?;
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(conn);
@@ -1047,6 +1046,36 @@ impl Coordinator {
 }
 
 type Series = (&'static str, &'static str, &'static str, fn(&SandboxProxyStats) -> f64);
+
+/// The upstream connector: plain TCP for http://, rustls (ring, system roots) for https://.
+fn connector(upstreams: &[&Upstream]) -> Result<HttpsConnector<HttpConnector>, ConfigError> {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(Duration::from_secs(10)));
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = match HttpsConnectorBuilder::new()
+        .with_provider_and_native_roots(provider.clone())
+    {
+        Ok(b) => b,
+        Err(e) => {
+            if let Some(u) = upstreams.iter().find(|u| u.is_https()) {
+                return Err(ConfigError::NoTlsRoots {
+                    provider: u.provider,
+                    reason: e.to_string(),
+                });
+            }
+            // Only http:// upstreams: TLS is never used, an empty root store will do.
+            let cfg = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|e| ConfigError::NoTlsRoots { provider: "any", reason: e.to_string() })?
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth();
+            HttpsConnectorBuilder::new().with_tls_config(cfg)
+        }
+    };
+    Ok(builder.https_or_http().enable_http1().wrap_connector(http))
+}
 
 /// An early answer instead of a forwarded request.
 type Reject = Box<Response<ProxyBody>>;

@@ -111,6 +111,10 @@ pub enum Kind {
     Process,
     /// A new filesystem snapshot and a new process image, taken under one freeze.
     Full,
+    /// Nothing new: the sandbox was restored to the parent point, whose parts this point
+    /// references. Published by every restore, so that the newest point always describes the
+    /// live sandbox (after a rollback, the abandoned future is no longer the newest).
+    Restore,
 }
 
 impl Kind {
@@ -121,6 +125,7 @@ impl Kind {
             Kind::Fs => "fs",
             Kind::Process => "process",
             Kind::Full => "full",
+            Kind::Restore => "restore",
         }
     }
 }
@@ -133,6 +138,7 @@ impl FromStr for Kind {
             "fs" => Ok(Kind::Fs),
             "process" => Ok(Kind::Process),
             "full" => Ok(Kind::Full),
+            "restore" => Ok(Kind::Restore),
             other => {
                 Err(format!("unknown checkpoint kind {other:?}; use skip, fs, process or full"))
             }

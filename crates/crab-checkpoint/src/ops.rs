@@ -136,6 +136,8 @@ pub struct RestoreReport {
     pub sandbox: String,
     /// Point restored.
     pub point: String,
+    /// The `restore` point published for it (now the newest).
+    pub marker: String,
     /// Host pid of the sandbox's (restored or fresh) init.
     pub init_pid: u32,
     /// Whether processes were restored (false: a fresh init on the restored filesystem).
@@ -335,14 +337,7 @@ impl Checkpointer {
                     self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
                 }
             }
-            let cg = self.rt.cgroup(&name);
-            let frozen = std::fs::read_to_string(cg.v2.join("cgroup.freeze"))
-                .map(|s| s.trim() == "1")
-                .unwrap_or(false);
-            if frozen {
-                tracing::warn!(sandbox = %name, "thawing a cgroup left frozen by an interrupted checkpoint");
-                cg.set_frozen(false).map_err(cg_err(&name))?;
-            }
+            ensure_thawed(&self.rt.cgroup(&name), &name)?;
         }
         Ok(())
     }
@@ -370,6 +365,12 @@ impl Checkpointer {
         let mut staging = store.begin();
 
         match req.kind {
+            Kind::Restore => {
+                return Err(CheckpointError::Invalid(
+                    "restore points are published by restores; ask for skip, fs, process or full"
+                        .into(),
+                ))
+            }
             Kind::Skip => {}
             Kind::Fs => {
                 let t0 = Instant::now();
@@ -588,6 +589,8 @@ impl Checkpointer {
         let (pid, restored) = match (&m.procs, criu) {
             (Some(p), Some(criu)) => {
                 cg.create(&rec.limits).map_err(cg_err(sandbox))?;
+                // criu swrk joins this cgroup: frozen, it would hang there.
+                ensure_thawed(&cg, sandbox)?;
                 let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
@@ -609,9 +612,19 @@ impl Checkpointer {
             message: format!("the restored init {pid} died right after the restore"),
         })?;
         self.rt.update(rec).map_err(sandbox_err(sandbox))?;
+        // The live sandbox is now point m: say so with a new newest point referencing m's
+        // parts, so that the next checkpoint builds on m and a crash-restore of "the newest"
+        // does not resurrect the abandoned future.
+        let mut marker = Draft::new(Kind::Restore, m.turn);
+        marker.base = Some(m.id);
+        marker.conversation_offset = m.conversation_offset;
+        marker.no_procs = m.procs.is_none();
+        marker.sandbox_meta = m.sandbox_meta.clone();
+        let marker = store.begin().publish(marker)?;
         let report = RestoreReport {
             sandbox: sandbox.to_owned(),
             point: m.id.to_string(),
+            marker: marker.id.to_string(),
             init_pid: pid,
             processes_restored: restored,
             verify_ms,
@@ -809,6 +822,18 @@ impl Checkpointer {
         self.rt.update(rec).map_err(sandbox_err(name))?;
         Ok(pid)
     }
+}
+
+/// Thaw the sandbox's cgroup if something (an interrupted checkpoint) left it frozen.
+fn ensure_thawed(cg: &crab_sandbox::cgroup::SandboxCgroup, sandbox: &str) -> Result<()> {
+    let frozen = std::fs::read_to_string(cg.v2.join("cgroup.freeze"))
+        .map(|s| s.trim() == "1")
+        .unwrap_or(false);
+    if frozen {
+        tracing::warn!(sandbox, "thawing a cgroup left frozen by an interrupted checkpoint");
+        cg.set_frozen(false).map_err(cg_err(sandbox))?;
+    }
+    Ok(())
 }
 
 fn staging_has_fs(kind: Kind) -> bool {

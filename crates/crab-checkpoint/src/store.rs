@@ -74,6 +74,8 @@ pub struct Draft {
     pub started: Option<Instant>,
     /// Opaque runtime data needed to rebuild the sandbox.
     pub sandbox_meta: serde_json::Value,
+    /// The point to build on (parent, inherited parts); default: the newest.
+    pub base: Option<PointId>,
 }
 
 impl Draft {
@@ -93,6 +95,7 @@ impl Draft {
             timings: Timings::default(),
             started: None,
             sandbox_meta: serde_json::Value::Null,
+            base: None,
         }
     }
 }
@@ -574,15 +577,18 @@ impl Staging<'_> {
     /// newest point (the parent), except the process image when `draft.no_procs`.
     pub fn publish(mut self, draft: Draft) -> Result<Manifest> {
         let store = self.store;
-        let parent = match store.newest() {
-            Ok(m) => Some(m),
-            Err(CheckpointError::NoPoints { .. }) => None,
-            Err(e) => return Err(e),
+        let parent = match draft.base {
+            Some(id) => Some(store.load(id)?),
+            None => match store.newest() {
+                Ok(m) => Some(m),
+                Err(CheckpointError::NoPoints { .. }) => None,
+                Err(e) => return Err(e),
+            },
         };
         let has_proc = self.proc.is_some();
         let has_fs = self.fs.as_ref().is_some_and(|(_, p)| store.fs.is_snapshot(p));
         let (need_proc, need_fs) = match draft.kind {
-            Kind::Skip => (false, false),
+            Kind::Skip | Kind::Restore => (false, false),
             Kind::Fs => (false, true),
             Kind::Process => (true, false),
             Kind::Full => (true, true),
@@ -595,10 +601,11 @@ impl Staging<'_> {
                 if need_fs { "" } else { "no " },
             )));
         }
-        if draft.kind == Kind::Skip && parent.is_none() {
-            return Err(CheckpointError::Invalid(
-                "a skip checkpoint needs an earlier restore point to reference".into(),
-            ));
+        if matches!(draft.kind, Kind::Skip | Kind::Restore) && parent.is_none() {
+            return Err(CheckpointError::Invalid(format!(
+                "a {} point needs an earlier restore point to reference",
+                draft.kind.as_str()
+            )));
         }
 
         // Image files must be durable before a manifest can point at them: one syncfs of the

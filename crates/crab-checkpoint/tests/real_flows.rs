@@ -293,7 +293,9 @@ fn counter_and_tcp_survive_checkpoint_kill_restore() {
     // A second checkpoint of the restored sandbox, and a skip point on top.
     sb.checkpoint(Kind::Full);
     let skip = sb.checkpoint(Kind::Skip);
-    assert_eq!(sb.ck.list(&sb.name).unwrap().len(), 3);
+    // c1 full, c2 the restore marker, c3 full, c4 skip.
+    let kinds: Vec<String> = sb.ck.list(&sb.name).unwrap().into_iter().map(|p| p.kind).collect();
+    assert_eq!(kinds, ["full", "restore", "full", "skip"]);
     assert_eq!(sb.sh(GET), "5");
     sb.kill_all();
     sb.restore(Some(&skip.id.to_string()));
@@ -308,11 +310,26 @@ fn rollback_restores_files_and_removes_new_ones() {
     let p1 = sb.checkpoint(Kind::Fs);
     sb.sh("rm /root/a; echo two > /root/b; rm -r /root/d");
     sb.checkpoint(Kind::Fs);
-    sb.restore(Some(&p1.id.to_string()));
+    let p2 = sb.ck.store(&sb.name).unwrap().newest().unwrap();
+    let r = sb.restore(Some(&p1.id.to_string()));
     assert_eq!(sb.sh("cat /root/a; cat /root/d/k; [ ! -e /root/b ] && echo nob"), "one\nkeep\nnob");
-    // Newest again.
+    // The rollback is now the newest point: a crash-restore does not resurrect p2's files.
+    let newest = sb.ck.store(&sb.name).unwrap().newest().unwrap();
+    assert_eq!(newest.id.to_string(), r.marker);
+    assert_eq!(
+        (newest.kind, newest.parent, newest.fs.clone()),
+        (Kind::Restore, Some(p1.id), p1.fs.clone())
+    );
+    sb.kill_all();
     sb.restore(None);
+    assert_eq!(sb.sh("cat /root/a; [ ! -e /root/b ] && echo nob"), "one\nnob");
+    // Forward again to p2.
+    sb.restore(Some(&p2.id.to_string()));
     assert_eq!(sb.sh("[ ! -e /root/a ] && cat /root/b"), "two");
+    // A skip after the rollback to p1 references p1's snapshot, not p2's.
+    sb.restore(Some(&p1.id.to_string()));
+    let skip = sb.checkpoint(Kind::Skip);
+    assert_eq!(skip.fs, p1.fs);
 }
 
 #[test]

@@ -252,3 +252,30 @@ fn manifest_file_is_self_describing_text() {
     store.remove_all().unwrap();
     assert!(!store.dir().exists());
 }
+
+#[test]
+fn restore_marker_builds_on_an_older_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    let root = rootfs(tmp.path(), "v1");
+    let c1 = checkpoint(&store, Kind::Full, 1, &root);
+    std::fs::write(root.join("etc/state"), "v2").unwrap();
+    let c2 = checkpoint(&store, Kind::Full, 2, &root);
+    // Restored to c1: the marker references c1's parts and becomes the newest point.
+    let mut d = Draft::new(Kind::Restore, c1.turn);
+    d.base = Some(c1.id);
+    let m = store.begin().publish(d).unwrap();
+    assert_eq!(
+        (m.parent, m.procs.clone(), m.fs.clone()),
+        (Some(c1.id), c1.procs.clone(), c1.fs.clone())
+    );
+    assert_eq!(store.newest().unwrap().id, m.id);
+    // A skip now inherits c1's parts through the marker, not c2's.
+    let s = checkpoint(&store, Kind::Skip, 2, &root);
+    assert_eq!(s.fs, c1.fs);
+    assert_ne!(s.fs, c2.fs);
+    // A restore point cannot carry new parts.
+    let mut st = store.begin();
+    st.snapshot_fs(&root).unwrap();
+    assert!(st.publish(Draft::new(Kind::Restore, 3)).is_err());
+}

@@ -109,7 +109,8 @@ pub struct PointSummary {
 }
 
 impl PointSummary {
-    fn of(m: &Manifest) -> PointSummary {
+    /// The summary of one manifest.
+    pub fn of(m: &Manifest) -> PointSummary {
         let parts =
             [m.procs.as_ref().map(|p| p.id.to_string()), m.fs.as_ref().map(|f| f.id.to_string())]
                 .into_iter()
@@ -595,7 +596,16 @@ impl Checkpointer {
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
                 let opts = self.restore_opts(&store.proc_dir(p.id), log, &rootfs, cgroups);
-                let r = criu.restore(&opts)?;
+                let hostname = rec.hostname.clone();
+                let r = criu.restore_with(&opts, |n| {
+                    // A branch restored to its origin point carries its source's UTS name.
+                    if n.phase == phase::POST_RESTORE {
+                        if let Some(pid) = n.pid {
+                            set_hostname_of(pid, &hostname)?;
+                        }
+                    }
+                    Ok(())
+                })?;
                 (u32::try_from(r.pid).unwrap_or(0), true)
             }
             _ => {
@@ -763,9 +773,47 @@ impl Checkpointer {
                     tracing::warn!(sandbox = name, error = %e, "cannot remove root of failed branch");
                 }
                 let _ = std::fs::remove_dir_all(&dir);
+                if let Err(e) = self.remove_all(name) {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove points of failed branch");
+                }
                 Err(e)
             }
         }
+    }
+
+    /// Give a fork branch its own first restore point, equal to the source point: a read-only
+    /// snapshot of the branch's fresh (personalized, not yet running) root and hard links to
+    /// the source's image files (immutable once published), whose hashes are carried over. The
+    /// branch's points then never depend on the source's store.
+    fn publish_origin(
+        &self,
+        name: &str,
+        src_store: &Store,
+        m: &Manifest,
+        rootfs: &Path,
+        meta: &SandboxRecord,
+    ) -> Result<Manifest> {
+        let store = self.store(name)?;
+        let mut staging = store.begin();
+        staging.snapshot_fs(rootfs)?;
+        let mut draft = Draft::new(if m.procs.is_some() { Kind::Full } else { Kind::Fs }, m.turn);
+        if let Some(p) = &m.procs {
+            let dir = staging.proc_dir()?;
+            let src_dir = src_store.proc_dir(p.id);
+            for f in &p.files {
+                let (from, to) = (src_dir.join(&f.name), dir.join(&f.name));
+                std::fs::hard_link(&from, &to).map_err(|e| CheckpointError::io("link", &to, e))?;
+            }
+            draft.trusted_files = Some(p.files.clone());
+            draft.root_pid = p.root_pid;
+            draft.criu_version = p.criu_version.clone();
+        } else {
+            draft.no_procs = true;
+        }
+        draft.conversation_offset = m.conversation_offset;
+        draft.origin = Some(Origin { sandbox: m.sandbox.clone(), point: m.id });
+        draft.sandbox_meta = serde_json::to_value(meta).unwrap_or_default();
+        staging.publish(draft)
     }
 
     fn fork_into(
@@ -783,6 +831,10 @@ impl Checkpointer {
             .snapshot(&store.fs_path(fs.id), &rootfs, false)
             .map_err(|e| CheckpointError::io("snapshot", &rootfs, e))?;
         personalize(&rootfs, name).map_err(sandbox_err(name))?;
+        let mut meta = src.clone();
+        meta.name = name.to_owned();
+        meta.hostname = name.to_owned();
+        self.publish_origin(name, store, m, &rootfs, &meta)?;
         let cg = self.rt.cgroup(name);
         cg.create(&src.limits).map_err(cg_err(name))?;
         let pid = match (&m.procs, criu) {

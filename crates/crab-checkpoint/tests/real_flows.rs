@@ -383,6 +383,22 @@ fn three_forks_serve_and_diverge() {
     assert_eq!(ids.len(), 3, "machine-ids are unique");
     // The source is untouched.
     assert_eq!(sb.sh(GET), "3");
+
+    // Each branch has its own first point, independent of the source's store: delete the
+    // source with all its points, then roll a branch back to its fork point.
+    let b = &branches[2].sandbox;
+    let points = sb.ck.store(b).unwrap().list().unwrap();
+    assert_eq!(points.len(), 1);
+    assert_eq!(points[0].origin.as_ref().map(|o| o.point), Some(m.id));
+    sb.rt.remove(&sb.name, true).unwrap();
+    sb.ck.remove_all(&sb.name).unwrap();
+    sb.sh_in(b, GET);
+    sb.rt.stop(b).unwrap();
+    let r = sb.ck.restore(b, None).unwrap_or_else(|e| panic!("{e}"));
+    assert!(r.processes_restored);
+    assert_eq!(sb.sh_in(b, GET).1, "3", "branch back at the fork point");
+    let (_, host) = sb.sh_in(b, "hostname; cat /etc/hostname");
+    assert_eq!(host, format!("{b}\n{b}"));
 }
 
 #[test]

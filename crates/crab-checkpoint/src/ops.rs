@@ -505,21 +505,39 @@ impl Checkpointer {
             .collect())
     }
 
-    /// Keep the newest `keep_last` points of `sandbox`.
+    /// Keep the newest `keep_last` points of `sandbox`; the CRIU logs of the process images
+    /// removed go too.
     pub fn prune(&self, sandbox: &str, keep_last: usize) -> Result<PruneReport> {
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.store(sandbox)?.prune(keep_last)
+        let report = self.store(sandbox)?.prune(keep_last)?;
+        let dir = self.rt.state().logs().join("criu").join(sandbox);
+        if !report.procs.is_empty() {
+            if let Ok(rd) = std::fs::read_dir(&dir) {
+                for entry in rd.flatten() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    if report.procs.iter().any(|p| name.starts_with(&format!("{p}-"))) {
+                        let _ = std::fs::remove_file(entry.path());
+                    }
+                }
+            }
+        }
+        Ok(report)
     }
 
-    /// Delete every restore point of `sandbox` (when it is removed).
+    /// Delete every restore point of `sandbox` and its CRIU logs (when it is removed).
     pub fn remove_all(&self, sandbox: &str) -> Result<()> {
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let store = self.store(sandbox)?;
         store.remove_all()?;
         self.stores.lock().unwrap_or_else(|p| p.into_inner()).remove(sandbox);
-        Ok(())
+        let logs = self.rt.state().logs().join("criu").join(sandbox);
+        match std::fs::remove_dir_all(&logs) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(CheckpointError::io("remove", &logs, e)),
+        }
     }
 
     fn restore_opts(

@@ -246,3 +246,295 @@ pub async fn bench_proxy(opts: ProxyBenchOptions) -> Result<ProxyBenchReport, Be
         boundaries,
     })
 }
+
+// ---------------------------------------------------------------------------------------------
+// Turn benchmark: many sandboxes' agents against the real engine and proxy.
+// ---------------------------------------------------------------------------------------------
+
+/// Simulated cost of a checkpoint job per kind, in milliseconds (not time-scaled: these are
+/// the measured costs on this host class: btrfs snapshot ≈ 10–35 ms, CRIU dump ≈ 85–105 ms).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobCosts {
+    /// Skip: publish a manifest pointing at old parts.
+    pub skip_ms: f64,
+    /// Filesystem snapshot.
+    pub fs_ms: f64,
+    /// Process dump.
+    pub process_ms: f64,
+    /// Both.
+    pub full_ms: f64,
+}
+
+impl Default for JobCosts {
+    fn default() -> Self {
+        JobCosts { skip_ms: 1.0, fs_ms: 20.0, process_ms: 100.0, full_ms: 120.0 }
+    }
+}
+
+/// Options of [`bench_turns`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TurnBenchOptions {
+    /// Concurrent sandboxes (agents).
+    pub sandboxes: usize,
+    /// Turns per sandbox.
+    pub turns: usize,
+    /// LLM latency samples in milliseconds (e.g. [`load_llm_latencies`] of the mini-swe-agent
+    /// traces); sandbox `i` turn `t` uses sample `(i * 7919 + t) % len`. Empty: 4600 ms.
+    pub llm_latency_ms: Vec<f64>,
+    /// Tool-call time between turns in milliseconds.
+    pub exec_ms: f64,
+    /// Factor applied to LLM latency and tool time (not to checkpoint costs), to keep runs
+    /// short; below 1 the result is pessimistic (less time to hide checkpoints in).
+    pub time_scale: f64,
+    /// Checkpoint cost per kind.
+    pub job_costs: JobCosts,
+    /// Verdict mix: weights of skip, fs, process, full.
+    pub verdict_mix: [f64; 4],
+    /// Every other request streams when true.
+    pub streams: bool,
+    /// Engine limits.
+    pub engine: crab_engine::EngineConfig,
+    /// fsync the conversation log (production: true).
+    pub fsync_log: bool,
+}
+
+impl Default for TurnBenchOptions {
+    fn default() -> Self {
+        TurnBenchOptions {
+            sandboxes: 16,
+            turns: 8,
+            llm_latency_ms: Vec::new(),
+            exec_ms: 250.0,
+            time_scale: 0.1,
+            job_costs: JobCosts::default(),
+            verdict_mix: [0.6, 0.3, 0.05, 0.05],
+            streams: true,
+            engine: crab_engine::EngineConfig::default(),
+            fsync_log: true,
+        }
+    }
+}
+
+/// Result of [`bench_turns`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TurnBenchReport {
+    /// Options used (latency samples elided to their count).
+    pub sandboxes: usize,
+    /// Turns per sandbox.
+    pub turns: usize,
+    /// Number of LLM latency samples used.
+    pub latency_samples: usize,
+    /// Time scale used.
+    pub time_scale: f64,
+    /// Wall time of the run in seconds.
+    pub wall_s: f64,
+    /// Exposed latency per turn (held time, zeros included), ms.
+    pub exposed: LatencySummary,
+    /// Fraction of turns whose response was held at all.
+    pub held_fraction: f64,
+    /// Turn latency seen by the agent (request to end of response) minus the model's latency, ms.
+    pub agent_overhead: LatencySummary,
+    /// Jobs submitted per kind (skip, fs, process, full).
+    pub verdicts: [u64; 4],
+    /// Submissions merged into a queued job.
+    pub coalesced: u64,
+    /// Budget: exposed p95 ≤ 20 ms.
+    pub p95_within_budget: bool,
+    /// Budget: exposed median 0.
+    pub median_zero: bool,
+}
+
+/// Read every `llm_latency_s` (non-null) from the `*.jsonl` trace files under `dir`, in ms.
+pub fn load_llm_latencies(dir: &std::path::Path) -> std::io::Result<Vec<f64>> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    let mut files = Vec::new();
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let p = e?.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "jsonl") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    for f in files {
+        for line in std::fs::read_to_string(&f)?.lines() {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                if let Some(s) = v.get("llm_latency_s").and_then(|x| x.as_f64()) {
+                    out.push(s * 1e3);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+struct SleepExecutor(JobCosts);
+
+impl crab_engine::Executor<()> for SleepExecutor {
+    fn run(&self, job: &crab_engine::Job<()>) -> Result<crab_engine::JobOutcome, String> {
+        use crab_engine::JobKind;
+        let ms = match job.kind {
+            JobKind::Skip => self.0.skip_ms,
+            JobKind::Fs => self.0.fs_ms,
+            JobKind::Process => self.0.process_ms,
+            JobKind::Full => self.0.full_ms,
+        };
+        std::thread::sleep(Duration::from_secs_f64(ms.max(0.0) / 1e3));
+        Ok(crab_engine::JobOutcome {
+            checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
+            bytes: 0,
+            detail: serde_json::Value::Null,
+        })
+    }
+}
+
+struct EngineHooks {
+    engine: crab_engine::Engine<()>,
+    mix: [f64; 4],
+}
+
+impl crate::hooks::TurnHooks for EngineHooks {
+    fn on_boundary(
+        &self,
+        b: crate::hooks::Boundary,
+    ) -> crate::hooks::BoxFuture<'_, Result<std::sync::Arc<dyn crate::hooks::BoundaryTicket>, String>>
+    {
+        use crab_engine::JobKind;
+        // Deterministic pseudo-random verdict per (sandbox, turn).
+        let mut x: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in b.sandbox.bytes().chain(b.turn.to_le_bytes()) {
+            x = (x ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+        let total: f64 = self.mix.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+        let mut r = (x >> 11) as f64 / (1u64 << 53) as f64 * total;
+        let mut kind = JobKind::Full;
+        for (k, w) in JobKind::ALL.iter().zip(self.mix) {
+            if r < w {
+                kind = *k;
+                break;
+            }
+            r -= w;
+        }
+        if b.force_full {
+            kind = JobKind::Full;
+        }
+        let h = self.engine.submit(crab_engine::JobSpec {
+            sandbox: b.sandbox.clone(),
+            kind,
+            payload: (),
+            turn: b.turn,
+            urgent: false,
+        });
+        let t: std::sync::Arc<dyn crate::hooks::BoundaryTicket> =
+            std::sync::Arc::new(crate::hooks::EngineTicket::new(self.engine.clone(), h, b.sandbox));
+        Box::pin(async move { Ok(t) })
+    }
+}
+
+/// Many agents against the real engine (with a sleeping executor) and the real proxy (with
+/// a stub upstream delaying each answer by a trace latency): how long are responses held?
+pub async fn bench_turns(opts: TurnBenchOptions) -> Result<TurnBenchReport, BenchError> {
+    let stub = StubUpstream::start(StubConfig { stream_events: 20, ..Default::default() })
+        .await
+        .map_err(|e| BenchError::Setup(format!("starting the stub upstream: {e}")))?;
+    let tmp = tempfile::Builder::new()
+        .prefix("crab-bench-turns")
+        .tempdir()
+        .map_err(|e| BenchError::Setup(format!("creating a temporary directory: {e}")))?;
+    let names: Vec<String> = (0..opts.sandboxes).map(|i| format!("sb{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let dir = MemoryDirectory::new(tmp.path(), &refs);
+    let engine = crab_engine::Engine::new(
+        opts.engine.clone(),
+        std::sync::Arc::new(SleepExecutor(opts.job_costs.clone())),
+    )
+    .map_err(|e| BenchError::Setup(e.to_string()))?;
+    let hooks = std::sync::Arc::new(EngineHooks { engine: engine.clone(), mix: opts.verdict_mix });
+    let cfg = ProxyConfig {
+        listen: "127.0.0.1:0".parse().map_err(|_| BenchError::Setup("address".into()))?,
+        upstream_openai: stub.url(),
+        upstream_anthropic: stub.url(),
+        fsync_log: opts.fsync_log,
+        ..Default::default()
+    };
+    let coord = Coordinator::new(cfg, dir, hooks)?;
+    let server = coord.bind().await?;
+    let base = format!("http://{}", server.local_addr());
+    let lat =
+        if opts.llm_latency_ms.is_empty() { vec![4600.0] } else { opts.llm_latency_ms.clone() };
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let url = format!("{base}/s/{name}/v1/chat/completions");
+        let lat = lat.clone();
+        let o = opts.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut overhead = Vec::new();
+            for t in 0..o.turns {
+                let model_ms = lat[(i * 7919 + t) % lat.len()] * o.time_scale;
+                let stream = o.streams && (i + t) % 2 == 1;
+                let body = format!(
+                    "{{\"model\":\"stub\",\"stream\":{stream},\"messages\":[{{\"role\":\"user\",\"content\":\"sb {i} turn {t}\"}}]}}"
+                );
+                let req = Request::builder()
+                    .method(Method::POST)
+                    .uri(&url)
+                    .header("content-type", "application/json")
+                    .header(crate::stub::DELAY_HEADER, format!("{}", model_ms.round() as u64))
+                    .body(Full::new(Bytes::from(body)))
+                    .map_err(|e| BenchError::Request { target: "proxy", message: e.to_string() })?;
+                let start = Instant::now();
+                let resp = client
+                    .request(req)
+                    .await
+                    .map_err(|e| BenchError::Request { target: "proxy", message: e.to_string() })?;
+                let _ = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| BenchError::Request { target: "proxy", message: e.to_string() })?;
+                overhead.push(start.elapsed().as_secs_f64() * 1e3 - model_ms.round());
+                let exec = Duration::from_secs_f64(o.exec_ms * o.time_scale / 1e3);
+                tokio::time::sleep(exec).await;
+            }
+            Ok::<_, BenchError>(overhead)
+        }));
+    }
+    let mut overhead = Vec::new();
+    for t in tasks {
+        overhead.extend(t.await.map_err(|e| BenchError::Setup(e.to_string()))??);
+    }
+    let wall_s = t0.elapsed().as_secs_f64();
+    server.shutdown().await;
+    let held = coord.held_samples_ms();
+    let exposed = LatencySummary::of(&held);
+    let stats = engine.stats();
+    let mut verdicts = [0u64; 4];
+    let mut coalesced = 0;
+    for s in &stats.sandboxes {
+        for (i, k) in crab_engine::JobKind::ALL.iter().enumerate() {
+            verdicts[i] += s.stats.submitted.get(k.as_str()).copied().unwrap_or(0);
+        }
+        coalesced += s.stats.coalesced;
+    }
+    Ok(TurnBenchReport {
+        sandboxes: opts.sandboxes,
+        turns: opts.turns,
+        latency_samples: lat.len(),
+        time_scale: opts.time_scale,
+        wall_s,
+        held_fraction: held.iter().filter(|h| **h > 0.0).count() as f64 / held.len().max(1) as f64,
+        p95_within_budget: exposed.p95 <= 20.0,
+        median_zero: exposed.p50 == 0.0,
+        exposed,
+        agent_overhead: LatencySummary::of(&overhead),
+        verdicts,
+        coalesced,
+    })
+}

@@ -771,3 +771,19 @@ async fn the_benchmark_runs() {
         println!("{}", serde_json::to_string_pretty(&rep).unwrap());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_turn_benchmark_runs() {
+    use crab_coordinator::bench::{bench_turns, TurnBenchOptions};
+    let rep = bench_turns(TurnBenchOptions {
+        sandboxes: 4,
+        turns: 3,
+        llm_latency_ms: vec![1000.0, 3000.0],
+        time_scale: 0.05,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(rep.exposed.n, 12);
+    assert_eq!(rep.verdicts.iter().sum::<u64>(), 12);
+}

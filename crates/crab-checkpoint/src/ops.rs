@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crab_common::{NoProgress, Progress};
 use crab_criu::{phase, CgroupMode, Criu, DumpOpts, NetworkLockMethod, RestoreOpts};
 use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_start_time};
 use crab_sandbox::{btrfs, Runtime, SandboxRecord};
@@ -345,6 +346,16 @@ impl Checkpointer {
 
     /// Take a checkpoint of `sandbox` and publish it as a new restore point.
     pub fn checkpoint(&self, sandbox: &str, req: CheckpointRequest) -> Result<Manifest> {
+        self.checkpoint_with_progress(sandbox, req, &NoProgress)
+    }
+
+    /// [`Checkpointer::checkpoint`], reporting its stages (`snapshot`, `dump`, `publish`).
+    pub fn checkpoint_with_progress(
+        &self,
+        sandbox: &str,
+        req: CheckpointRequest,
+        progress: &dyn Progress,
+    ) -> Result<Manifest> {
         let started = Instant::now();
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -380,6 +391,7 @@ impl Checkpointer {
                 } else {
                     None
                 };
+                progress.stage("snapshot", None);
                 let t1 = Instant::now();
                 let snap = staging.snapshot_fs(&rootfs);
                 draft.timings.fs_snapshot_us = Some(us(t1.elapsed()));
@@ -403,6 +415,7 @@ impl Checkpointer {
                     });
                 }
                 let criu = self.criu()?;
+                progress.stage("dump", None);
                 let images = staging.proc_dir()?;
                 let image_name = images
                     .file_name()
@@ -472,6 +485,7 @@ impl Checkpointer {
                 )
             });
         }
+        progress.stage("publish", None);
         let m = staging.publish(draft)?;
         tracing::info!(
             sandbox,
@@ -566,12 +580,24 @@ impl Checkpointer {
     /// processes. Verification happens before anything is touched: a corrupt or missing file
     /// refuses the restore and leaves the sandbox as it was.
     pub fn restore(&self, sandbox: &str, point: Option<&str>) -> Result<RestoreReport> {
+        self.restore_with_progress(sandbox, point, &NoProgress)
+    }
+
+    /// [`Checkpointer::restore`], reporting its stages (`verify`, `filesystem`, `processes`).
+    pub fn restore_with_progress(
+        &self,
+        sandbox: &str,
+        point: Option<&str>,
+        progress: &dyn Progress,
+    ) -> Result<RestoreReport> {
         let started = Instant::now();
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
         let store = self.store(sandbox)?;
         let m = store.resolve(point)?;
+        progress.stage("verify", None);
+        progress.message(&format!("restore point {} (turn {}, {})", m.id, m.turn, m.kind.as_str()));
         store.verify(&m)?;
         let fs = m.fs.as_ref().ok_or_else(|| {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
@@ -579,6 +605,7 @@ impl Checkpointer {
         let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
         let verify_ms = ms(started.elapsed());
 
+        progress.stage("filesystem", None);
         let t_fs = Instant::now();
         let dir = self.rt.state().sandbox_dir(sandbox);
         let rootfs = self.rt.state().sandbox_rootfs(sandbox);
@@ -603,6 +630,7 @@ impl Checkpointer {
         install_init(&rootfs).map_err(sandbox_err(sandbox))?;
         let fs_ms = ms(t_fs.elapsed());
 
+        progress.stage("processes", None);
         let t_p = Instant::now();
         let cg = self.rt.cgroup(sandbox);
         let (pid, restored) = match (&m.procs, criu) {
@@ -674,11 +702,25 @@ impl Checkpointer {
         count: usize,
         names: Option<Vec<String>>,
     ) -> Result<Vec<ForkBranch>> {
+        self.fork_with_progress(sandbox, point, count, names, &NoProgress)
+    }
+
+    /// [`Checkpointer::fork`], reporting its stages (`verify`, then `branches` advancing by
+    /// one per branch up).
+    pub fn fork_with_progress(
+        &self,
+        sandbox: &str,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
         if count == 0 || count > 256 {
             return Err(CheckpointError::Invalid("--count must be between 1 and 256".into()));
         }
         let store = self.store(sandbox)?;
         let m = store.resolve(point)?;
+        progress.stage("verify", None);
         store.verify(&m)?;
         let fs = m.fs.clone().ok_or_else(|| {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
@@ -714,13 +756,22 @@ impl Checkpointer {
         }
         let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
         let origin = Origin { sandbox: sandbox.to_owned(), point: m.id };
+        progress.stage("branches", Some(count as u64));
+        let done = std::sync::atomic::AtomicU64::new(0);
         let results: Vec<Result<ForkBranch>> = std::thread::scope(|s| {
             let handles: Vec<_> = names
                 .iter()
                 .map(|name| {
-                    let (store, m, fs, src, criu, origin) =
-                        (&store, &m, &fs, &src, criu.as_ref(), &origin);
-                    s.spawn(move || self.fork_one(store, m, fs, src, criu, origin, name))
+                    let (store, m, fs, src, criu, origin, done) =
+                        (&store, &m, &fs, &src, criu.as_ref(), &origin, &done);
+                    s.spawn(move || {
+                        let r = self.fork_one(store, m, fs, src, criu, origin, name);
+                        if r.is_ok() {
+                            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                            progress.advance(n);
+                        }
+                        r
+                    })
                 })
                 .collect();
             handles

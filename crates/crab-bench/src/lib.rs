@@ -3,6 +3,7 @@
 //! alike), and returns a report that the CLI prints as a table or JSON. Nothing here prints.
 
 pub mod foundation;
+pub mod replay;
 pub mod stats;
 
 pub use stats::Summary;

@@ -1,0 +1,349 @@
+//! Recovery correctness by state equivalence.
+//!
+//! At the end of a run the sandbox's state is captured from the host: every path of its root
+//! filesystem (type, mode, SHA-256 of the content, link target; `/proc`, `/dev`, `/sys` and
+//! `/.crab` skipped), its live processes (executable and arguments, from the pids of its cgroup),
+//! its listening TCP sockets (from `/proc/<pid>/net/tcp{,6}` of its processes), and the agent's
+//! conversation. A recovered run is compared with the fault-free reference. What legitimately
+//! differs between *two* fault-free runs of the same trajectory (timestamps, random names, pids
+//! printed in output) is learned from a second reference run and excluded: those paths, and
+//! those conversation messages. Nothing else is excluded.
+//!
+//! Content hashes are cached by (inode, size, mtime, ctime): files a sandbox inherits unchanged
+//! from its image share these with the image, so only what a run wrote is read.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use serde::Serialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crab_common::ApiError;
+
+use super::sandbox;
+
+/// One path of a sandbox's filesystem.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Entry {
+    /// `file`, `dir`, `symlink`, `fifo`, `socket`, `char`, `block`.
+    pub kind: &'static str,
+    /// Permission bits (and setuid/setgid/sticky).
+    pub mode: u32,
+    /// SHA-256 (hex) of a regular file's content.
+    pub hash: Option<String>,
+    /// A symlink's target.
+    pub target: Option<String>,
+}
+
+/// The captured state of a sandbox at the end of a run.
+#[derive(Debug, Clone, Default)]
+pub struct State {
+    /// Path (inside the sandbox) → entry.
+    pub files: BTreeMap<String, Entry>,
+    /// Live processes, `exe args...`, sorted (a multiset).
+    pub processes: Vec<String>,
+    /// Listening TCP sockets, `addr:port`.
+    pub sockets: BTreeSet<String>,
+    /// The agent's conversation.
+    pub conversation: Vec<Value>,
+}
+
+type HashKey = (u64, u64, i64, i64, i64, i64);
+
+fn hash_cache() -> &'static Mutex<HashMap<HashKey, String>> {
+    static CACHE: OnceLock<Mutex<HashMap<HashKey, String>>> = OnceLock::new();
+    CACHE.get_or_init(Mutex::default)
+}
+
+fn hash_file(path: &Path, md: &std::fs::Metadata) -> String {
+    let key = (md.ino(), md.size(), md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec());
+    if let Some(h) = hash_cache().lock().ok().and_then(|c| c.get(&key).cloned()) {
+        return h;
+    }
+    let mut hasher = Sha256::new();
+    let h = match std::fs::File::open(path) {
+        Ok(mut f) => {
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                match f.read(&mut buf) {
+                    Ok(0) => break format!("{:x}", hasher.finalize()),
+                    Ok(n) => hasher.update(&buf[..n]),
+                    Err(e) => break format!("unreadable: {e}"),
+                }
+            }
+        }
+        Err(e) => format!("unreadable: {e}"),
+    };
+    if let Ok(mut c) = hash_cache().lock() {
+        c.insert(key, h.clone());
+    }
+    h
+}
+
+const SKIP_TOP: [&str; 4] = ["proc", "dev", "sys", ".crab"];
+
+/// Walk a sandbox's root filesystem (as seen from the host).
+pub fn walk_rootfs(root: &Path) -> Result<BTreeMap<String, Entry>, ApiError> {
+    let mut out = BTreeMap::new();
+    let mut stack: Vec<PathBuf> = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let rd = std::fs::read_dir(&dir)
+            .map_err(|e| ApiError::internal(format!("walking {}: {e}", dir.display())))?;
+        for e in rd {
+            let e = e.map_err(|e| ApiError::internal(format!("walking {}: {e}", dir.display())))?;
+            let p = e.path();
+            let rel = format!("/{}", p.strip_prefix(root).unwrap_or(&p).to_string_lossy());
+            if dir == root && SKIP_TOP.iter().any(|s| rel[1..] == **s) {
+                continue;
+            }
+            let Ok(md) = std::fs::symlink_metadata(&p) else { continue };
+            let ft = md.file_type();
+            use std::os::unix::fs::FileTypeExt;
+            let kind = if ft.is_dir() {
+                "dir"
+            } else if ft.is_symlink() {
+                "symlink"
+            } else if ft.is_file() {
+                "file"
+            } else if ft.is_fifo() {
+                "fifo"
+            } else if ft.is_socket() {
+                "socket"
+            } else if ft.is_char_device() {
+                "char"
+            } else {
+                "block"
+            };
+            let entry = Entry {
+                kind,
+                mode: md.mode() & 0o7777,
+                hash: ft.is_file().then(|| hash_file(&p, &md)),
+                target: ft.is_symlink().then(|| {
+                    std::fs::read_link(&p)
+                        .map(|t| t.to_string_lossy().into_owned())
+                        .unwrap_or_default()
+                }),
+            };
+            if ft.is_dir() {
+                stack.push(p);
+            }
+            out.insert(rel, entry);
+        }
+    }
+    Ok(out)
+}
+
+/// The live processes of sandbox `name`: executable (as seen inside) and arguments.
+pub fn processes(name: &str) -> Result<Vec<String>, ApiError> {
+    let dir = sandbox::cgroup_dir(name)?;
+    let mut out = Vec::new();
+    for pid in sandbox::pids_in(&dir) {
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+            .map(|p| normalize_exe(&p.to_string_lossy()))
+            .unwrap_or_else(|_| "?".into());
+        out.push(format!("{exe} {}", args.join(" ")));
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// An executable path as seen inside the sandbox: the host may show it under the sandbox's
+/// rootfs (`…/sandboxes/<name>/rootfs/usr/bin/x`), which differs between sandboxes.
+fn normalize_exe(p: &str) -> String {
+    let p = p.strip_suffix(" (deleted)").unwrap_or(p);
+    match p.find("/rootfs/") {
+        Some(i) => p[i + "/rootfs".len()..].to_string(),
+        None => p.to_string(),
+    }
+}
+
+/// Listening TCP sockets of sandbox `name` (its network namespace, read through any of its
+/// processes).
+pub fn listening(name: &str) -> Result<BTreeSet<String>, ApiError> {
+    let dir = sandbox::cgroup_dir(name)?;
+    let mut out = BTreeSet::new();
+    for pid in sandbox::pids_in(&dir) {
+        for (file, v6) in [("tcp", false), ("tcp6", true)] {
+            let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")) else {
+                continue;
+            };
+            out.extend(parse_listen(&text, v6));
+        }
+    }
+    Ok(out)
+}
+
+fn parse_listen(text: &str, v6: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 4 || f[3] != "0A" {
+            continue;
+        }
+        let Some((addr, port)) = f[1].split_once(':') else { continue };
+        let port = u16::from_str_radix(port, 16).unwrap_or(0);
+        let fam = if v6 { "tcp6" } else { "tcp" };
+        out.push(format!("{fam} {addr}:{port}"));
+    }
+    out
+}
+
+/// Capture the state of sandbox `name` whose rootfs is at `rootfs`.
+pub async fn capture(
+    name: &str,
+    rootfs: &Path,
+    conversation: Vec<Value>,
+) -> Result<State, ApiError> {
+    let root = rootfs.to_path_buf();
+    let files = tokio::task::spawn_blocking(move || walk_rootfs(&root))
+        .await
+        .map_err(|e| ApiError::internal(format!("walking the rootfs: {e}")))??;
+    Ok(State { files, processes: processes(name)?, sockets: listening(name)?, conversation })
+}
+
+/// What is excluded from comparisons of one trajectory: learned from two fault-free runs.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Noise {
+    /// Paths that differ between the two reference runs.
+    pub paths: BTreeSet<String>,
+    /// Conversation message indices that differ between them.
+    pub messages: BTreeSet<usize>,
+}
+
+fn differing_paths(a: &BTreeMap<String, Entry>, b: &BTreeMap<String, Entry>) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for (k, v) in a {
+        if b.get(k) != Some(v) {
+            out.insert(k.clone());
+        }
+    }
+    for k in b.keys() {
+        if !a.contains_key(k) {
+            out.insert(k.clone());
+        }
+    }
+    out
+}
+
+/// Learn the noise from two fault-free runs.
+pub fn learn(a: &State, b: &State) -> Noise {
+    let messages = (0..a.conversation.len().max(b.conversation.len()))
+        .filter(|i| a.conversation.get(*i) != b.conversation.get(*i))
+        .collect();
+    Noise { paths: differing_paths(&a.files, &b.files), messages }
+}
+
+/// Differences between a run and the reference, noise excluded (at most `max` listed, plus a
+/// count).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Diff {
+    /// Number of differences.
+    pub count: usize,
+    /// The first few, human-readable.
+    pub examples: Vec<String>,
+}
+
+impl Diff {
+    fn add(&mut self, what: String) {
+        self.count += 1;
+        if self.examples.len() < 8 {
+            self.examples.push(what);
+        }
+    }
+
+    /// Whether the states are equivalent.
+    pub fn is_equal(&self) -> bool {
+        self.count == 0
+    }
+}
+
+/// Compare `run` with `reference`, excluding `noise`.
+pub fn compare(reference: &State, run: &State, noise: &Noise) -> Diff {
+    let mut d = Diff::default();
+    for p in differing_paths(&reference.files, &run.files) {
+        if noise.paths.contains(&p) {
+            continue;
+        }
+        let what = match (reference.files.get(&p), run.files.get(&p)) {
+            (Some(_), None) => "missing",
+            (None, Some(_)) => "extra",
+            _ => "differs",
+        };
+        d.add(format!("path {p} {what}"));
+    }
+    if reference.processes != run.processes {
+        d.add(format!("processes {:?} ≠ reference {:?}", run.processes, reference.processes));
+    }
+    if reference.sockets != run.sockets {
+        d.add(format!("listening sockets {:?} ≠ reference {:?}", run.sockets, reference.sockets));
+    }
+    if reference.conversation.len() != run.conversation.len() {
+        d.add(format!(
+            "conversation has {} messages, reference {}",
+            run.conversation.len(),
+            reference.conversation.len()
+        ));
+    } else {
+        for (i, (a, b)) in reference.conversation.iter().zip(&run.conversation).enumerate() {
+            if a != b && !noise.messages.contains(&i) {
+                let s = b["content"].as_str().unwrap_or("");
+                let s: String = s.chars().take(120).collect();
+                d.add(format!("conversation message {i} differs: {s:?}"));
+            }
+        }
+    }
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_lines() {
+        let text = "  sl  local_address rem_address   st\n   0: 0100007F:1F90 00000000:0000 0A 0\n   1: 0100007F:1F91 0100007F:9999 01 0\n";
+        assert_eq!(parse_listen(text, false), vec!["tcp 0100007F:8080".to_string()]);
+        assert_eq!(
+            normalize_exe("/var/lib/crab/pool/sandboxes/x/rootfs/usr/bin/python3.11"),
+            "/usr/bin/python3.11"
+        );
+    }
+
+    #[test]
+    fn noise_is_excluded_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = dir.path();
+        std::fs::create_dir_all(r.join("proc/1")).unwrap();
+        std::fs::write(r.join("a"), "1").unwrap();
+        std::fs::write(r.join("stamp"), "t1").unwrap();
+        std::os::unix::fs::symlink("a", r.join("l")).unwrap();
+        let a = State { files: walk_rootfs(r).unwrap(), ..Default::default() };
+        assert!(
+            a.files.contains_key("/a")
+                && a.files.contains_key("/l")
+                && !a.files.contains_key("/proc/1")
+        );
+        assert_eq!(a.files["/l"].target.as_deref(), Some("a"));
+        std::fs::write(r.join("stamp"), "t2").unwrap();
+        let b = State { files: walk_rootfs(r).unwrap(), ..Default::default() };
+        let noise = learn(&a, &b);
+        assert_eq!(noise.paths.iter().collect::<Vec<_>>(), vec!["/stamp"]);
+        std::fs::write(r.join("a"), "2").unwrap();
+        std::fs::write(r.join("stamp"), "t3").unwrap();
+        let c = State { files: walk_rootfs(r).unwrap(), ..Default::default() };
+        let d = compare(&a, &c, &noise);
+        assert_eq!(d.count, 1, "{:?}", d.examples);
+        assert!(d.examples[0].contains("/a"));
+        assert!(compare(&a, &b, &noise).is_equal());
+    }
+}

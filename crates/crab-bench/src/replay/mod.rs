@@ -1,0 +1,575 @@
+//! The replay benchmark: real agent trajectories replayed in real sandboxes through the real
+//! daemon, with faults injected, each recovery method side by side.
+//!
+//! For every trajectory it runs two fault-free references (`none`; the second one only to learn
+//! what legitimately differs between runs), then each method with `faults` faults at seeded
+//! turns, and each checkpointing method once more without a fault (its overhead). A run is: a
+//! fresh sandbox (plus the stand-in `/testbed` for SWE-bench traces and the persistent shell for
+//! `shell_state` traces), then the replay agent ([`agent`]) talking to the replay LLM ([`llm`])
+//! turn by turn. At each turn boundary a checkpointing method asks the daemon for a checkpoint
+//! (`POST /v1/sandboxes/{name}/checkpoints`, kind `auto`/`full`/`fs`) *concurrently* with the LLM
+//! request, and the agent runs the next command only when both are done — the gating Crab's
+//! proxy does — so the time the checkpoint adds beyond the LLM's own time is the exposed
+//! latency. A fault is kill -9 of every process of the sandbox right after a turn's command;
+//! recovery is per [`methods::Recovery`]. At the end the sandbox's state is captured and
+//! compared with the reference ([`compare`]). Runs go `sandboxes` at a time.
+//!
+//! With `proxy` set, agents of every method but `none` reach the LLM through Crab's proxy
+//! (`<proxy>/s/<sandbox>/v1`); the daemon must then run with `--upstream-openai` pointing at
+//! `llm_listen`.
+
+pub mod agent;
+pub mod compare;
+pub mod llm;
+pub mod methods;
+pub mod report;
+pub mod rng;
+pub mod sandbox;
+pub mod testbed;
+pub mod trace;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use serde_json::Value;
+
+use crab_client::Client;
+use crab_common::paths::StateDir;
+use crab_common::{ApiError, Progress};
+
+use crate::stats::Summary;
+
+pub use llm::LlmLatency;
+pub use methods::Method;
+pub use report::ReplayReport;
+
+use compare::State;
+use methods::Recovery;
+use report::{Counts, MethodReport, TraceInfo, TrialReport};
+use trace::{Family, Trajectory};
+
+/// Options of [`run`].
+#[derive(Debug, Clone)]
+pub struct ReplayOptions {
+    /// Trajectory files or folders holding them.
+    pub traces: Vec<PathBuf>,
+    /// Methods to compare (`none` is always run: it is the reference).
+    pub methods: Vec<Method>,
+    /// Concurrent sandboxes.
+    pub sandboxes: usize,
+    /// At most this many trajectories (0 = all).
+    pub limit: usize,
+    /// Seed of fault turns and drawn latencies.
+    pub seed: u64,
+    /// LLM latency per turn.
+    pub llm_latency: LlmLatency,
+    /// Faults per trajectory (0 = none: every pass is fault-free).
+    pub faults: usize,
+    /// Also kill -9 the daemon at each fault (and start it again). Forces one sandbox at a time.
+    pub fault_daemon: bool,
+    /// Image of the sandboxes.
+    pub image: String,
+    /// Where the replay LLM listens.
+    pub llm_listen: SocketAddr,
+    /// Base URL of Crab's LLM proxy (`http://127.0.0.1:7431`); `None` = agents call the replay
+    /// LLM directly.
+    pub proxy: Option<String>,
+    /// Build the stand-in `/testbed` for SWE-bench traces.
+    pub testbed: bool,
+    /// Cache of sdists and prepared trees.
+    pub cache_dir: PathBuf,
+    /// Timeout of one command, s.
+    pub exec_timeout_s: f64,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions {
+            traces: vec![PathBuf::from("examples/traces")],
+            methods: Method::ALL.to_vec(),
+            sandboxes: 2,
+            limit: 0,
+            seed: 1,
+            llm_latency: LlmLatency::Recorded,
+            faults: 1,
+            fault_daemon: false,
+            image: "debian".into(),
+            llm_listen: SocketAddr::from(([127, 0, 0, 1], 7439)),
+            proxy: None,
+            testbed: true,
+            cache_dir: PathBuf::from(testbed::DEFAULT_CACHE),
+            exec_timeout_s: 300.0,
+        }
+    }
+}
+
+/// Which pass of a trajectory a run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Pass {
+    Reference,
+    Reference2,
+    Fault,
+    NoFault,
+}
+
+impl Pass {
+    fn name(self) -> &'static str {
+        match self {
+            Pass::Reference => "reference",
+            Pass::Reference2 => "reference-2",
+            Pass::Fault => "fault",
+            Pass::NoFault => "no-fault",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Job {
+    traj: usize,
+    method: Method,
+    pass: Pass,
+    faults: BTreeSet<usize>,
+}
+
+#[derive(Debug, Default)]
+struct RunResult {
+    wall_ms: f64,
+    exposed: Vec<f64>,
+    restore: Vec<f64>,
+    counts: Counts,
+    bytes: u64,
+    state: Option<State>,
+    error: Option<String>,
+}
+
+#[derive(Debug)]
+struct Ctx {
+    client: Client,
+    llm: llm::ReplayLlm,
+    state_dir: StateDir,
+    opts: ReplayOptions,
+    trajs: Vec<Arc<Trajectory>>,
+    scripts: Vec<Arc<llm::Script>>,
+    testbeds: HashMap<usize, PathBuf>,
+    serial: AtomicUsize,
+    run_tag: String,
+}
+
+/// Run the replay benchmark.
+pub async fn run(
+    opts: &ReplayOptions,
+    client: &Client,
+    progress: &dyn Progress,
+) -> Result<ReplayReport, ApiError> {
+    let started = Instant::now();
+    let mut opts = opts.clone();
+    if opts.fault_daemon {
+        opts.sandboxes = 1;
+    }
+    opts.sandboxes = opts.sandboxes.max(1);
+    let mut methods = opts.methods.clone();
+    methods.push(Method::None);
+    methods.sort();
+    methods.dedup();
+    opts.methods = methods.clone();
+
+    progress.stage("load trajectories", None);
+    let trajs = trace::load_all(&opts.traces, opts.limit)?;
+    if trajs.is_empty() {
+        return Err(ApiError::invalid(
+            format!("no trajectories found in {:?}", opts.traces),
+            "pass trajectory files (*.jsonl) or folders holding them",
+        ));
+    }
+    let pool = llm::latency_pool(&trajs);
+    let scripts: Vec<Arc<llm::Script>> = trajs
+        .iter()
+        .map(|t| Arc::new(llm::script(t, opts.llm_latency, &pool, opts.seed)))
+        .collect();
+
+    let version = sandbox::version(client).await?;
+    let state_dir = StateDir::new(&version.state_dir);
+
+    let mut testbeds = HashMap::new();
+    let mut testbed_names = HashMap::new();
+    if opts.testbed {
+        let wanted: Vec<(usize, &str, &str)> = trajs
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.family == Family::MiniSweAgent)
+            .filter_map(|(i, t)| testbed::project_for(&t.id).map(|(p, v)| (i, p, v)))
+            .collect();
+        progress.stage("stand-in /testbed", Some(wanted.len() as u64));
+        let mut done_proj: HashMap<(&str, &str), PathBuf> = HashMap::new();
+        for (n, (i, p, v)) in wanted.iter().enumerate() {
+            #[allow(clippy::map_entry)] // the insert is after an await
+            if !done_proj.contains_key(&(*p, *v)) {
+                progress.message(&format!("preparing /testbed: {p}=={v}"));
+                let cache = opts.cache_dir.clone();
+                let (pp, vv) = (p.to_string(), v.to_string());
+                let tar = tokio::task::spawn_blocking(move || testbed::prepared(&cache, &pp, &vv))
+                    .await
+                    .map_err(|e| ApiError::internal(format!("preparing /testbed: {e}")))??;
+                done_proj.insert((*p, *v), tar);
+            }
+            if let Some(tar) = done_proj.get(&(*p, *v)) {
+                testbeds.insert(*i, tar.clone());
+                testbed_names.insert(*i, format!("{p}=={v}"));
+            }
+            progress.advance(n as u64 + 1);
+        }
+    }
+
+    let llm = llm::ReplayLlm::start(opts.llm_listen).await?;
+
+    // The jobs, trajectory by trajectory so that a trajectory's runs share machine conditions.
+    let mut jobs = VecDeque::new();
+    for (i, t) in trajs.iter().enumerate() {
+        let mut rng = rng::Rng::new(opts.seed, &format!("faults:{}", t.id));
+        let n = t.steps.len();
+        let mut faults = BTreeSet::new();
+        while faults.len() < opts.faults.min(n) {
+            faults.insert(rng.below(n));
+        }
+        jobs.push_back(Job {
+            traj: i,
+            method: Method::None,
+            pass: Pass::Reference,
+            faults: BTreeSet::new(),
+        });
+        jobs.push_back(Job {
+            traj: i,
+            method: Method::None,
+            pass: Pass::Reference2,
+            faults: BTreeSet::new(),
+        });
+        for m in methods.iter().copied().filter(|m| *m != Method::None) {
+            jobs.push_back(Job { traj: i, method: m, pass: Pass::Fault, faults: faults.clone() });
+            if m.checkpoint_kind().is_some() && !faults.is_empty() {
+                jobs.push_back(Job {
+                    traj: i,
+                    method: m,
+                    pass: Pass::NoFault,
+                    faults: BTreeSet::new(),
+                });
+            }
+        }
+    }
+    let total = jobs.len();
+    let ctx = Arc::new(Ctx {
+        client: client.clone(),
+        llm,
+        state_dir,
+        opts: opts.clone(),
+        trajs: trajs.into_iter().map(Arc::new).collect(),
+        scripts,
+        testbeds,
+        serial: AtomicUsize::new(0),
+        run_tag: format!("{:x}", std::process::id() ^ (started.elapsed().subsec_nanos())),
+    });
+
+    progress.stage("replay", Some(total as u64));
+    let queue = Arc::new(Mutex::new(jobs));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Job, RunResult)>();
+    let mut workers = Vec::new();
+    for _ in 0..opts.sandboxes.min(total) {
+        let (ctx, queue, tx) = (ctx.clone(), queue.clone(), tx.clone());
+        workers.push(tokio::spawn(async move {
+            loop {
+                let job = queue.lock().ok().and_then(|mut q| q.pop_front());
+                let Some(job) = job else { break };
+                let r = run_one(&ctx, &job).await;
+                if tx.send((job, r)).is_err() {
+                    break;
+                }
+            }
+        }));
+    }
+    drop(tx);
+    let mut results: BTreeMap<(usize, Method, Pass), RunResult> = BTreeMap::new();
+    let mut done = 0u64;
+    while let Some((job, r)) = rx.recv().await {
+        done += 1;
+        let t = &ctx.trajs[job.traj];
+        progress.message(&format!(
+            "{} {} {}: {:.1} s{}",
+            t.id,
+            job.method,
+            job.pass.name(),
+            r.wall_ms / 1e3,
+            r.error.as_deref().map(|e| format!(" — error: {e}")).unwrap_or_default()
+        ));
+        progress.advance(done);
+        results.insert((job.traj, job.method, job.pass), r);
+    }
+    for w in workers {
+        let _ = w.await;
+    }
+    Ok(aggregate(&ctx, &methods, &results, &testbed_names, started))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    crate::stats::percentile(v, 0.5)
+}
+
+fn aggregate(
+    ctx: &Ctx,
+    methods: &[Method],
+    results: &BTreeMap<(usize, Method, Pass), RunResult>,
+    testbed_names: &HashMap<usize, String>,
+    started: Instant,
+) -> ReplayReport {
+    let mut trials = Vec::new();
+    let mut traces = Vec::new();
+    let mut noises = HashMap::new();
+    for (i, t) in ctx.trajs.iter().enumerate() {
+        let a = results.get(&(i, Method::None, Pass::Reference));
+        let b = results.get(&(i, Method::None, Pass::Reference2));
+        let noise = match (a.and_then(|r| r.state.as_ref()), b.and_then(|r| r.state.as_ref())) {
+            (Some(a), Some(b)) => Some(compare::learn(a, b)),
+            _ => None,
+        };
+        traces.push(TraceInfo {
+            id: t.id.clone(),
+            family: t.family,
+            turns: t.steps.len(),
+            shell_state: t.shell_state,
+            source: t.source.clone(),
+            testbed: testbed_names.get(&i).cloned(),
+            noisy_paths: noise.as_ref().map(|n| n.paths.len()).unwrap_or(0),
+            noisy_messages: noise.as_ref().map(|n| n.messages.len()).unwrap_or(0),
+        });
+        noises.insert(i, noise);
+    }
+    let mut rows = Vec::new();
+    for &m in methods {
+        let (mut n, mut correct, mut errors) = (0usize, 0usize, 0usize);
+        let (mut wall_ratios, mut ovh_ratios) = (Vec::new(), Vec::new());
+        let (mut exposed, mut restore) = (Vec::new(), Vec::new());
+        let mut counts = Counts::default();
+        let mut bytes = 0u64;
+        for (i, t) in ctx.trajs.iter().enumerate() {
+            let reference = results.get(&(i, Method::None, Pass::Reference));
+            let ref_state = reference.and_then(|r| r.state.as_ref());
+            let ref_wall = reference.map(|r| r.wall_ms).unwrap_or(f64::NAN);
+            let noise = noises.get(&i).and_then(|n| n.as_ref());
+            let trial_pass = if m == Method::None { Pass::Reference2 } else { Pass::Fault };
+            for pass in [Pass::Reference, Pass::Reference2, Pass::Fault, Pass::NoFault] {
+                let Some(r) = results.get(&(i, m, pass)) else { continue };
+                exposed.extend(&r.exposed);
+                let is_trial = pass == trial_pass;
+                let (is_correct, diff) = if is_trial {
+                    match (ref_state, r.state.as_ref(), noise) {
+                        (Some(a), Some(s), Some(noise)) => {
+                            let d = compare::compare(a, s, noise);
+                            (Some(d.is_equal()), Some(d))
+                        }
+                        _ => (Some(false), None),
+                    }
+                } else {
+                    (None, None)
+                };
+                if is_trial {
+                    n += 1;
+                    if is_correct == Some(true) {
+                        correct += 1;
+                    }
+                    if r.error.is_some() {
+                        errors += 1;
+                    }
+                    counts.merge(&r.counts);
+                    bytes += r.bytes;
+                    restore.extend(&r.restore);
+                    if m != Method::None {
+                        wall_ratios.push(r.wall_ms / ref_wall);
+                    }
+                }
+                if pass == Pass::NoFault
+                    || (pass == Pass::Fault && r.restore.is_empty() && ctx.opts.faults == 0)
+                {
+                    ovh_ratios.push(r.wall_ms / ref_wall);
+                }
+                trials.push(TrialReport {
+                    trajectory: t.id.clone(),
+                    method: m,
+                    pass: pass.name(),
+                    fault_turns: if pass == Pass::Fault { fault_turns(ctx, i) } else { vec![] },
+                    correct: is_correct,
+                    wall_ms: r.wall_ms,
+                    diff,
+                    error: r.error.clone(),
+                });
+            }
+        }
+        let wall_ratio = if m == Method::None { 1.0 } else { median(&mut wall_ratios) };
+        let ovh = if m.checkpoint_kind().is_none() { 1.0 } else { median(&mut ovh_ratios) };
+        rows.push(MethodReport {
+            method: m,
+            trials: n,
+            correct,
+            correct_pct: if n == 0 { 0.0 } else { 100.0 * correct as f64 / n as f64 },
+            wall_ratio_vs_none: wall_ratio,
+            overhead_no_fault_ratio: ovh,
+            checkpoints: counts,
+            checkpoint_bytes: bytes,
+            exposed_ms: Summary::of(&exposed),
+            restore_ms: Summary::of(&restore),
+            errors,
+        });
+    }
+    let mut sources: Vec<String> = ctx
+        .trajs
+        .iter()
+        .map(|t| match &t.source.commit {
+            Some(c) => format!("{}@{}", t.source.repo, c),
+            None => t.source.repo.clone(),
+        })
+        .collect();
+    sources.sort();
+    sources.dedup();
+    ReplayReport {
+        trace_sources: sources,
+        traces,
+        llm_latency: ctx.opts.llm_latency,
+        seed: ctx.opts.seed,
+        faults: ctx.opts.faults,
+        fault_daemon: ctx.opts.fault_daemon,
+        sandboxes: ctx.opts.sandboxes,
+        via_proxy: ctx.opts.proxy.is_some(),
+        methods: rows,
+        trials,
+        wall_s: started.elapsed().as_secs_f64(),
+    }
+}
+
+fn fault_turns(ctx: &Ctx, traj: usize) -> Vec<usize> {
+    let t = &ctx.trajs[traj];
+    let mut rng = rng::Rng::new(ctx.opts.seed, &format!("faults:{}", t.id));
+    let n = t.steps.len();
+    let mut faults = BTreeSet::new();
+    while faults.len() < ctx.opts.faults.min(n) {
+        faults.insert(rng.below(n));
+    }
+    faults.into_iter().collect()
+}
+
+/// Create the sandbox and its environment for a trajectory: `/testbed`, the working directory,
+/// the persistent shell.
+async fn setup(ctx: &Ctx, traj: usize, name: &str) -> Result<(), ApiError> {
+    let t = &ctx.trajs[traj];
+    sandbox::create(&ctx.client, &ctx.opts.image, name).await?;
+    if let Some(tar) = ctx.testbeds.get(&traj) {
+        let (tar, root) = (tar.clone(), ctx.state_dir.sandbox_rootfs(name));
+        tokio::task::spawn_blocking(move || testbed::install(&tar, &root))
+            .await
+            .map_err(|e| ApiError::internal(format!("installing /testbed: {e}")))??;
+    }
+    let wd = t.family.workdir();
+    sandbox::sh_ok(&ctx.client, name, &format!("mkdir -p '{wd}'"), 30.0).await?;
+    if t.shell_state {
+        agent::start_session(&ctx.client, name, wd).await?;
+    }
+    Ok(())
+}
+
+async fn run_one(ctx: &Ctx, job: &Job) -> RunResult {
+    let serial = ctx.serial.fetch_add(1, Ordering::Relaxed);
+    let name = format!("rp-{}-{serial}-{}", ctx.run_tag, job.method.name());
+    let script = ctx.scripts[job.traj].clone();
+    ctx.llm.register(&name, script);
+    let mut r = RunResult::default();
+    let res = replay(ctx, job, &name, &mut r).await;
+    if let Err(e) = res {
+        r.error = Some(format!("{} ({})", e.message, e.code.as_str()));
+    }
+    ctx.llm.unregister(&name);
+    let _ = sandbox::remove(&ctx.client, &name).await;
+    r
+}
+
+async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(), ApiError> {
+    let t = &ctx.trajs[job.traj];
+    let client = &ctx.client;
+    let wd = t.family.workdir();
+    let url = match &ctx.opts.proxy {
+        Some(p) if job.method != Method::None => {
+            format!("{}/s/{name}/v1/chat/completions", p.trim_end_matches('/'))
+        }
+        _ => format!("{}/chat/completions", ctx.llm.base_url()),
+    };
+    setup(ctx, job.traj, name).await?;
+    let t0 = Instant::now();
+    let mut conv: Vec<Value> = agent::initial_conversation(&t.id, wd);
+    let mut points: Vec<usize> = Vec::new();
+    let mut pending = job.faults.clone();
+    let n = t.steps.len();
+    loop {
+        let turn = agent::turns_in(&conv);
+        if turn >= n {
+            break;
+        }
+        let tb = Instant::now();
+        let kind = job.method.checkpoint_kind();
+        let (answer, point) = tokio::join!(agent::ask(&url, name, &conv), async {
+            match kind {
+                Some(k) => Some(sandbox::checkpoint(client, name, k, turn, conv.len()).await),
+                None => None,
+            }
+        });
+        let waited = tb.elapsed().as_secs_f64() * 1e3;
+        let answer = answer?;
+        if let Some(point) = point {
+            let point = point?;
+            r.counts.add(&point.kind);
+            r.bytes += point.size_bytes;
+            points.push(conv.len());
+        }
+        r.exposed.push((waited - answer.llm_ms).max(0.0));
+        let Some(command) = answer.command.clone() else {
+            return Err(ApiError::internal(format!(
+                "the LLM answered turn {turn} without a tool call"
+            )));
+        };
+        conv.push(answer.message.clone());
+        let obs =
+            agent::execute(client, name, &command, wd, t.shell_state, ctx.opts.exec_timeout_s)
+                .await?;
+        conv.push(agent::tool_message(&answer.call_id, &obs));
+        if pending.remove(&turn) {
+            sandbox::kill_all(name).await?;
+            if ctx.opts.fault_daemon {
+                sandbox::kill_and_restart_daemon(client).await?;
+            }
+            let tr = Instant::now();
+            match job.method.recovery() {
+                Recovery::Nothing => {}
+                Recovery::RestoreNewest => {
+                    sandbox::restore(client, name).await?;
+                    let len = points.last().copied().ok_or_else(|| {
+                        ApiError::internal("a fault before any checkpoint: nothing to restore")
+                    })?;
+                    conv.truncate(len);
+                }
+                Recovery::Recreate => {
+                    sandbox::remove(client, name).await?;
+                    setup(ctx, job.traj, name).await?;
+                }
+                Recovery::StartOver => {
+                    sandbox::remove(client, name).await?;
+                    setup(ctx, job.traj, name).await?;
+                    conv = agent::initial_conversation(&t.id, wd);
+                    points.clear();
+                }
+            }
+            r.restore.push(tr.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    r.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+    r.state = Some(compare::capture(name, &ctx.state_dir.sandbox_rootfs(name), conv).await?);
+    Ok(())
+}

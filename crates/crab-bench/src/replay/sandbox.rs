@@ -1,0 +1,310 @@
+//! What the replay does to sandboxes: create and remove them, run commands through the exec
+//! API, checkpoint and restore them through the daemon's routes, and inject faults (kill -9 of
+//! every process in the sandbox's cgroup, and optionally of the daemon) from the host.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crab_client::{Client, Method};
+use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest, SandboxInfo, VersionInfo};
+use crab_common::{ApiError, ErrorCode};
+
+/// Output of one command.
+#[derive(Debug, Clone)]
+pub struct ExecOutput {
+    /// stdout and stderr interleaved in arrival order.
+    pub output: Vec<u8>,
+    /// Exit code (124 when the timeout fired).
+    pub code: i32,
+    /// Whether the timeout fired.
+    pub timed_out: bool,
+    /// Wall time as measured here, ms.
+    pub ms: f64,
+}
+
+/// Create a sandbox `name` from `image` (private network).
+pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxInfo, ApiError> {
+    let req = SandboxCreateRequest {
+        image: image.to_string(),
+        name: Some(name.to_string()),
+        net: Default::default(),
+        limits: Default::default(),
+    };
+    client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
+}
+
+/// Remove sandbox `name` (forcefully); a missing sandbox is fine.
+pub async fn remove(client: &Client, name: &str) -> Result<(), ApiError> {
+    let r: Result<Value, ApiError> = client
+        .call::<(), _>(Method::DELETE, &format!("/v1/sandboxes/{name}?force=true"), None)
+        .await;
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) if e.code == ErrorCode::SandboxNotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// `GET /v1/sandboxes/{name}`.
+pub async fn info(client: &Client, name: &str) -> Result<SandboxInfo, ApiError> {
+    client.call::<(), _>(Method::GET, &format!("/v1/sandboxes/{name}"), None).await
+}
+
+/// The daemon's version record (its pid and state directory).
+pub async fn version(client: &Client) -> Result<VersionInfo, ApiError> {
+    client.call::<(), _>(Method::GET, "/v1/version", None).await
+}
+
+/// Run `cmd` in sandbox `name`.
+pub async fn exec(
+    client: &Client,
+    name: &str,
+    cmd: Vec<String>,
+    workdir: Option<&str>,
+    stdin: Option<&[u8]>,
+    timeout_s: f64,
+) -> Result<ExecOutput, ApiError> {
+    let req = ExecRequest {
+        cmd,
+        env: vec![
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            "HOME=/root".into(),
+            "LANG=C.UTF-8".into(),
+            "PAGER=cat".into(),
+            "GIT_PAGER=cat".into(),
+        ],
+        workdir: workdir.map(str::to_string),
+        timeout_s: Some(timeout_s),
+        stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
+    };
+    let t = Instant::now();
+    let mut output = Vec::new();
+    let mut exit: Option<(i32, bool)> = None;
+    let mut err: Option<ApiError> = None;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    client
+        .stream(&format!("/v1/sandboxes/{name}/exec"), &req, |f: ExecFrame| match f {
+            ExecFrame::Stdout { d } | ExecFrame::Stderr { d } => {
+                if let Ok(bytes) = b64.decode(d) {
+                    output.extend_from_slice(&bytes);
+                }
+            }
+            ExecFrame::Exit { code, timed_out, .. } => exit = Some((code, timed_out)),
+            ExecFrame::Error { error } => err = Some(error),
+        })
+        .await?;
+    if let Some(e) = err {
+        if e.code != ErrorCode::Timeout {
+            return Err(e);
+        }
+        exit = Some((124, true));
+    }
+    let (code, timed_out) = exit.ok_or_else(|| {
+        ApiError::internal(format!("exec in sandbox {name} ended without an exit frame"))
+    })?;
+    Ok(ExecOutput { output, code, timed_out, ms: t.elapsed().as_secs_f64() * 1e3 })
+}
+
+/// `sh -c script` in the sandbox; fails unless it exits 0.
+pub async fn sh_ok(
+    client: &Client,
+    name: &str,
+    script: &str,
+    timeout_s: f64,
+) -> Result<Vec<u8>, ApiError> {
+    let out = exec(
+        client,
+        name,
+        vec!["sh".into(), "-c".into(), script.into()],
+        Some("/"),
+        None,
+        timeout_s,
+    )
+    .await?;
+    if out.code != 0 {
+        return Err(ApiError::internal(format!(
+            "setup command {script:?} in sandbox {name} exited {}: {}",
+            out.code,
+            String::from_utf8_lossy(&out.output)
+        )));
+    }
+    Ok(out.output)
+}
+
+/// A restore point as `POST /v1/sandboxes/{name}/checkpoints` answers it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PointSummary {
+    /// Checkpoint id (`c7`).
+    pub id: String,
+    /// `skip`, `fs`, `process` or `full`.
+    pub kind: String,
+    /// Bytes written for this checkpoint.
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// Time the daemon took, ms.
+    #[serde(default)]
+    pub took_ms: Option<f64>,
+}
+
+/// Take a checkpoint of kind `kind` (`auto`, `fs`, `full`) at turn `turn`, recording the
+/// agent's conversation length. The daemon answers the point (bare, or as `{"point": ..}`).
+pub async fn checkpoint(
+    client: &Client,
+    name: &str,
+    kind: &str,
+    turn: usize,
+    conversation_offset: usize,
+) -> Result<PointSummary, ApiError> {
+    let body = json!({"kind": kind, "turn": turn, "conversation_offset": conversation_offset});
+    let v: Value = client
+        .call(Method::POST, &format!("/v1/sandboxes/{name}/checkpoints"), Some(&body))
+        .await?;
+    let point = v.get("point").cloned().unwrap_or(v);
+    serde_json::from_value(point.clone())
+        .map_err(|e| ApiError::internal(format!("undecodable checkpoint answer {point}: {e}")))
+}
+
+/// Restore the newest checkpoint of `name` in place; returns the daemon's report.
+pub async fn restore(client: &Client, name: &str) -> Result<Value, ApiError> {
+    client
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{name}/restore"),
+            Some(&json!({"checkpoint": null})),
+        )
+        .await
+}
+
+/// The cgroup2 mount point (from `/proc/self/mountinfo`).
+pub fn cgroup2_root() -> Result<PathBuf, ApiError> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| ApiError::internal(format!("reading /proc/self/mountinfo: {e}")))?;
+    for line in text.lines() {
+        let Some((pre, post)) = line.split_once(" - ") else { continue };
+        if post.split_whitespace().next() == Some("cgroup2") {
+            if let Some(mp) = pre.split_whitespace().nth(4) {
+                return Ok(PathBuf::from(mp));
+            }
+        }
+    }
+    Err(ApiError::new(
+        ErrorCode::HostUnsupported,
+        "no cgroup2 hierarchy is mounted",
+        "mount cgroup2",
+    ))
+}
+
+/// The cgroup2 directory of sandbox `name`.
+pub fn cgroup_dir(name: &str) -> Result<PathBuf, ApiError> {
+    Ok(cgroup2_root()?.join("crab").join(name))
+}
+
+/// Every pid in the cgroup `dir` and its descendants.
+pub fn pids_in(dir: &Path) -> Vec<u32> {
+    let mut out = Vec::new();
+    if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+        out.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+    }
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                out.extend(pids_in(&e.path()));
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+fn sigkill(pid: u32) {
+    if let Ok(p) = i32::try_from(pid) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// The fault: kill -9 every process of sandbox `name` (all pids of its cgroup, recursively),
+/// repeating until the cgroup is empty. Returns how many processes were killed.
+pub async fn kill_all(name: &str) -> Result<usize, ApiError> {
+    let dir = cgroup_dir(name)?;
+    let start = Instant::now();
+    let mut killed = std::collections::BTreeSet::new();
+    loop {
+        let pids = pids_in(&dir);
+        if pids.is_empty() {
+            return Ok(killed.len());
+        }
+        for p in pids {
+            sigkill(p);
+            killed.insert(p);
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err(ApiError::internal(format!(
+                "processes of sandbox {name} survive kill -9 for 10 s ({})",
+                dir.display()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The daemon fault: kill -9 the daemon, start it again with the same command line, and wait
+/// until it answers.
+pub async fn kill_and_restart_daemon(client: &Client) -> Result<(), ApiError> {
+    let v = version(client).await?;
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", v.pid))
+        .map_err(|e| ApiError::internal(format!("reading the daemon's command line: {e}")))?;
+    let argv: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let (exe, args) = argv
+        .split_first()
+        .ok_or_else(|| ApiError::internal("the daemon has an empty command line"))?;
+    let exe =
+        std::fs::read_link(format!("/proc/{}/exe", v.pid)).unwrap_or_else(|_| PathBuf::from(exe));
+    sigkill(v.pid);
+    let gone = Instant::now();
+    while Path::new(&format!("/proc/{}", v.pid)).exists()
+        && gone.elapsed() < Duration::from_secs(10)
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(Path::new(&v.state_dir).join("logs/daemon.log"))
+        .map_err(|e| ApiError::internal(format!("opening the daemon log: {e}")))?;
+    let log2 = log.try_clone().map_err(|e| ApiError::internal(e.to_string()))?;
+    std::process::Command::new("setsid")
+        .arg("-f")
+        .arg(&exe)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .status()
+        .map_err(|e| {
+            ApiError::internal(format!("restarting the daemon ({}): {e}", exe.display()))
+        })?;
+    let start = Instant::now();
+    loop {
+        if version(client).await.is_ok() {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            return Err(ApiError::internal(
+                "the daemon did not come back within 30 s of the daemon fault",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

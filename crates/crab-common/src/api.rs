@@ -226,3 +226,45 @@ pub enum ProgressFrame {
         error: ApiError,
     },
 }
+
+/// `POST /v1/sandboxes/{name}/checkpoints`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CheckpointCreateRequest {
+    /// `auto` (ask the inspector; the default), `skip`, `fs`, `process` or `full`.
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// Turn number; default: the parent's plus one.
+    #[serde(default)]
+    pub turn: Option<u64>,
+    /// Conversation offset to record with the point.
+    #[serde(default)]
+    pub conversation_offset: Option<u64>,
+}
+
+/// `POST /v1/sandboxes/{name}/restore`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RestoreRequest {
+    /// Restore point id (`c000007`, `c7` or `7`); the newest when absent.
+    #[serde(default)]
+    pub checkpoint: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{name}/fork`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ForkRequest {
+    /// Restore point id; the newest when absent.
+    #[serde(default)]
+    pub checkpoint: Option<String>,
+    /// Number of branches.
+    pub count: usize,
+    /// Names of the branches (one per branch); generated when absent.
+    #[serde(default)]
+    pub names: Option<Vec<String>>,
+}
+
+/// `POST /v1/sandboxes/{name}/checkpoints/prune`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PruneRequest {
+    /// How many of the newest restore points to keep.
+    pub keep_last: usize,
+}

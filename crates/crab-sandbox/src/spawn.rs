@@ -363,6 +363,11 @@ fn exec_child(spec: &ExecSpec, argv: &[CString], envp: &[CString]) -> i32 {
         let _ = writeln!(std::io::stderr(), "crab: {msg}");
         code
     };
+    // A session of its own, inside the sandbox: a session leader outside the sandbox's pid
+    // namespace would make the sandbox's processes undumpable by CRIU.
+    if let Err(e) = nix::unistd::setsid() {
+        return fail(format!("setsid: {e}"), 126);
+    }
     if !spec.stdin {
         if let Err(e) = redirect_stdio(false) {
             return fail(e, 126);

@@ -13,8 +13,9 @@ use crab_client::Method;
 use serde::Serialize;
 
 use crab_common::api::{
-    ExecFrame, ExecRequest, ImageBuildRequest, ImageImportRequest, ImageInfo, Limits, NetMode,
-    ProgressFrame, SandboxCreateRequest, SandboxInfo, VersionInfo,
+    CheckpointCreateRequest, ExecFrame, ExecRequest, ForkRequest, ImageBuildRequest,
+    ImageImportRequest, ImageInfo, Limits, NetMode, ProgressFrame, PruneRequest, RestoreRequest,
+    SandboxCreateRequest, SandboxInfo, VersionInfo,
 };
 use crab_common::paths::{StateDir, DEFAULT_STATE_DIR};
 use crab_common::ApiError;
@@ -52,6 +53,36 @@ enum Cmd {
     Sandbox(SandboxCmd),
     /// Run a command in a sandbox (flags as `docker exec`).
     Exec(ExecArgs),
+    /// Take a checkpoint of a sandbox (publishes a new restore point).
+    Checkpoint {
+        /// Sandbox name.
+        sandbox: String,
+        /// auto (ask the inspector), fs, process, full or skip.
+        #[arg(long, default_value = "auto")]
+        kind: String,
+    },
+    /// List a sandbox's restore points, or prune them.
+    Checkpoints(CheckpointsArgs),
+    /// Restore a sandbox in place to a restore point (the newest by default).
+    Restore {
+        /// Sandbox name.
+        sandbox: String,
+        /// Restore point id (c000007, c7 or 7).
+        checkpoint: Option<String>,
+    },
+    /// Create new sandboxes from a restore point of a sandbox.
+    Fork {
+        /// Sandbox name.
+        sandbox: String,
+        /// Restore point id (the newest when absent).
+        checkpoint: Option<String>,
+        /// Number of branches.
+        #[arg(long, default_value_t = 1)]
+        count: usize,
+        /// Names of the branches, comma-separated (one per branch).
+        #[arg(long, value_delimiter = ',')]
+        names: Vec<String>,
+    },
     /// Show the current turn's OS effects in a sandbox, as the eBPF inspector sees them.
     Inspect {
         /// Sandbox name.
@@ -153,6 +184,27 @@ enum SandboxCmd {
 }
 
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct CheckpointsArgs {
+    #[command(subcommand)]
+    cmd: Option<CheckpointsCmd>,
+    /// Sandbox name.
+    sandbox: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum CheckpointsCmd {
+    /// Remove old restore points (parts still referenced by kept points are kept).
+    Prune {
+        /// Sandbox name.
+        sandbox: String,
+        /// How many of the newest points to keep.
+        #[arg(long)]
+        keep_last: usize,
+    },
+}
+
+#[derive(Debug, Args)]
 struct ExecArgs {
     /// Seconds after which the command (and whatever holds its output) is killed.
     #[arg(long)]
@@ -242,6 +294,14 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Exec(a) => return exec_cmd(&client, a, json).await,
         Cmd::Bench(b) => bench_cmd(&client, &state, b, json).await,
         Cmd::Inspect { sandbox, close } => inspect_cmd(&client, &sandbox, close, json).await,
+        Cmd::Checkpoint { sandbox, kind } => checkpoint_cmd(&client, &sandbox, kind, json).await,
+        Cmd::Checkpoints(a) => checkpoints_cmd(&client, a, json).await,
+        Cmd::Restore { sandbox, checkpoint } => {
+            restore_cmd(&client, &sandbox, checkpoint, json).await
+        }
+        Cmd::Fork { sandbox, checkpoint, count, names } => {
+            fork_cmd(&client, &sandbox, checkpoint, count, names, json).await
+        }
     };
     match res {
         Ok(code) => code,
@@ -585,6 +645,149 @@ async fn inspect_cmd(
     }
     for r in &v.reasons {
         println!("reason: {r}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn ms_ago(created_at_ms: u64) -> String {
+    age(created_at_ms / 1000)
+}
+
+async fn checkpoint_cmd(
+    client: &Client,
+    sandbox: &str,
+    kind: String,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    let req = CheckpointCreateRequest { kind: Some(kind), turn: None, conversation_offset: None };
+    let v: serde_json::Value = client
+        .call(Method::POST, &format!("/v1/sandboxes/{sandbox}/checkpoints"), Some(&req))
+        .await?;
+    if json {
+        print_json(&v);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let p = &v["point"];
+    println!(
+        "{} turn {} {} ({}, {}, {:.1} ms)",
+        p["id"].as_str().unwrap_or("?"),
+        p["turn"],
+        p["kind"].as_str().unwrap_or("?"),
+        p["parts"].as_str().unwrap_or(""),
+        human_bytes(p["size_bytes"].as_u64().unwrap_or(0)),
+        p["took_ms"].as_f64().unwrap_or(0.0)
+    );
+    if let Some(rs) = v["reasons"].as_array() {
+        for r in rs {
+            println!("reason: {}", r.as_str().unwrap_or(""));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn checkpoints_cmd(
+    client: &Client,
+    a: CheckpointsArgs,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    if let Some(CheckpointsCmd::Prune { sandbox, keep_last }) = a.cmd {
+        let v: serde_json::Value = client
+            .call(
+                Method::POST,
+                &format!("/v1/sandboxes/{sandbox}/checkpoints/prune"),
+                Some(&PruneRequest { keep_last }),
+            )
+            .await?;
+        if json {
+            print_json(&v);
+        } else {
+            let n = |k: &str| v[k].as_array().map(|a| a.len()).unwrap_or(0);
+            println!(
+                "removed {} restore points, {} process images, {} filesystem snapshots",
+                n("points"),
+                n("procs"),
+                n("fs")
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let sandbox =
+        a.sandbox.ok_or_else(|| ApiError::invalid("which sandbox?", "crab checkpoints SANDBOX"))?;
+    let v: Vec<crab_checkpoint::PointSummary> = client
+        .call::<(), _>(Method::GET, &format!("/v1/sandboxes/{sandbox}/checkpoints"), None)
+        .await?;
+    if json {
+        print_json(&v);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rows: Vec<Vec<String>> = v
+        .iter()
+        .map(|p| {
+            vec![
+                p.id.clone(),
+                p.turn.map(|t| t.to_string()).unwrap_or_else(|| "-".into()),
+                p.kind.clone(),
+                p.parts.clone(),
+                human_bytes(p.size_bytes),
+                p.took_ms.map(|t| format!("{t:.1} ms")).unwrap_or_else(|| "-".into()),
+                ms_ago(p.created_at_ms),
+                p.error.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    table(&["ID", "TURN", "KIND", "PARTS", "SIZE", "TOOK", "AGE", "ERROR"], &rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn restore_cmd(
+    client: &Client,
+    sandbox: &str,
+    checkpoint: Option<String>,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    let v: crab_checkpoint::RestoreReport = client
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{sandbox}/restore"),
+            Some(&RestoreRequest { checkpoint }),
+        )
+        .await?;
+    if json {
+        print_json(&v);
+    } else {
+        println!(
+            "restored {} to {} in {:.1} ms ({})",
+            v.sandbox,
+            v.point,
+            v.total_ms,
+            if v.processes_restored {
+                "files and processes"
+            } else {
+                "files; processes started fresh"
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn fork_cmd(
+    client: &Client,
+    sandbox: &str,
+    checkpoint: Option<String>,
+    count: usize,
+    names: Vec<String>,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    let req =
+        ForkRequest { checkpoint, count, names: if names.is_empty() { None } else { Some(names) } };
+    let v: Vec<crab_checkpoint::ForkBranch> =
+        client.call(Method::POST, &format!("/v1/sandboxes/{sandbox}/fork"), Some(&req)).await?;
+    if json {
+        print_json(&v);
+    } else {
+        for b in &v {
+            println!("{}", b.sandbox);
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

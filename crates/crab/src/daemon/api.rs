@@ -18,7 +18,7 @@ use tokio_stream::StreamExt;
 use crab_common::api::{ProgressFrame, VersionInfo, API_VERSION};
 use crab_common::{ApiError, Progress};
 
-use super::{images, inspect, sandboxes, Daemon};
+use super::{checkpoints, images, inspect, sandboxes, Daemon};
 
 /// The daemon's routes.
 pub fn router(d: Arc<Daemon>) -> Router {
@@ -32,6 +32,10 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/sandboxes/{name}", get(sandboxes::get).delete(sandboxes::remove))
         .route("/v1/sandboxes/{name}/exec", post(sandboxes::exec))
         .route("/v1/sandboxes/{name}/inspect", get(inspect::peek).post(inspect::close))
+        .route("/v1/sandboxes/{name}/checkpoints", get(checkpoints::list).post(checkpoints::create))
+        .route("/v1/sandboxes/{name}/checkpoints/prune", post(checkpoints::prune))
+        .route("/v1/sandboxes/{name}/restore", post(checkpoints::restore))
+        .route("/v1/sandboxes/{name}/fork", post(checkpoints::fork))
         .fallback(not_found)
         .with_state(d)
 }

@@ -6,18 +6,21 @@
 //! separate process trees: they keep running while the daemon is down.
 
 mod api;
+mod checkpoints;
 mod images;
 mod inspect;
 mod sandboxes;
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context};
 
+use crab_checkpoint::Checkpointer;
 use crab_common::api::SandboxState;
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
@@ -40,6 +43,10 @@ pub struct Daemon {
     pub runtime: Arc<Runtime>,
     /// The eBPF inspector, or why it could not be loaded.
     pub inspector: Result<Arc<Inspector>, ApiError>,
+    /// Checkpoint, restore and fork.
+    pub checkpointer: Arc<Checkpointer>,
+    /// Sandboxes whose last checkpoint failed: their next `auto` checkpoint is `full`.
+    force_full: Mutex<HashSet<String>>,
 }
 
 impl Daemon {
@@ -58,6 +65,21 @@ impl Daemon {
                 Err(e) => tracing::warn!(sandbox = name, error = %e, "inspector attach failed"),
             }
         }
+    }
+
+    /// Remember that `name`'s last checkpoint failed.
+    pub fn set_force_full(&self, name: &str) {
+        self.force_full.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string());
+    }
+
+    /// Whether `name`'s next checkpoint must be full (and forget it).
+    pub fn take_force_full(&self, name: &str) -> bool {
+        self.force_full.lock().unwrap_or_else(|p| p.into_inner()).remove(name)
+    }
+
+    /// Forget a pending forced full checkpoint (after a restore).
+    pub fn clear_force_full(&self, name: &str) {
+        self.take_force_full(name);
     }
 
     /// Stop tracking a sandbox.
@@ -95,7 +117,19 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "the eBPF inspector is unavailable; verdicts will be refused");
             e.to_api()
         });
-    let daemon = Arc::new(Daemon { runtime: Arc::new(runtime), inspector });
+    let runtime = Arc::new(runtime);
+    let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), Default::default()));
+    let cp = checkpointer.clone();
+    tokio::task::spawn_blocking(move || cp.recover())
+        .await
+        .context("checkpoint recovery panicked")?
+        .map_err(|e| anyhow::anyhow!("recovering checkpoints: {e}"))?;
+    let daemon = Arc::new(Daemon {
+        runtime,
+        inspector,
+        checkpointer,
+        force_full: Mutex::new(HashSet::new()),
+    });
     for s in daemon.runtime.list() {
         if s.state == SandboxState::Running {
             daemon.attach(&s.name);
@@ -120,10 +154,22 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         .with_context(|| format!("chmod {}", sock.display()))?;
     tracing::info!(socket = %sock.display(), sandboxes = daemon.runtime.names().len(), "crab daemon ready");
     let app = api::router(daemon.clone());
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("serving the API")?;
+    // On SIGTERM/SIGINT stop accepting, let in-flight requests finish for a moment, then go:
+    // a long exec stream must not keep the daemon (and its state-directory lock) alive.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let mut rx = stop_rx;
+        let _ = rx.wait_for(|s| *s).await;
+    });
+    let server = tokio::spawn(async move { serve.await });
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    match tokio::time::timeout(std::time::Duration::from_secs(2), server).await {
+        Ok(Ok(r)) => r.context("serving the API")?,
+        Ok(Err(e)) => return Err(e).context("the API server task failed"),
+        Err(_) => tracing::warn!("in-flight requests did not finish within 2 s; leaving anyway"),
+    }
     let _ = std::fs::remove_file(&sock);
     tracing::info!("crab daemon stopped; sandboxes keep running");
     Ok(())

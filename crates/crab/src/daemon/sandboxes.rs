@@ -51,9 +51,14 @@ pub async fn remove(
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     let force = q.get("force").is_some_and(|v| v == "true" || v == "1");
-    let rt = d.runtime.clone();
+    let d2 = d.clone();
     let n = name.clone();
-    match blocking(move || rt.remove(&n, force).map_err(ApiError::from)).await {
+    let res = blocking(move || {
+        d2.runtime.remove(&n, force).map_err(ApiError::from)?;
+        // The sandbox is gone: so are its restore points.
+        d2.checkpointer.remove_all(&n).map_err(|e| e.to_api())
+    });
+    match res.await {
         Ok(()) => {
             d.detach(&name);
             ok(&serde_json::json!({"removed": true}))

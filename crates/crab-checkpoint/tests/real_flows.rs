@@ -97,14 +97,23 @@ impl Sb {
         Sb::with_guard(tag, guard)
     }
 
+    fn with_net(tag: &str, net: NetMode) -> Sb {
+        let guard = Guard::Shared(EXCLUSIVE.read().unwrap_or_else(|p| p.into_inner()));
+        Sb::create(tag, guard, net)
+    }
+
     fn with_guard(tag: &str, guard: Guard) -> Sb {
+        Sb::create(tag, guard, NetMode::Private)
+    }
+
+    fn create(tag: &str, guard: Guard, net: NetMode) -> Sb {
         let rt = runtime();
         let ck = Arc::new(Checkpointer::new(rt.clone(), Config::default()));
         let name = format!("ckt-{}-{tag}", std::process::id());
         let req = SandboxCreateRequest {
             image: "debian".into(),
             name: Some(name.clone()),
-            net: NetMode::Private,
+            net,
             limits: Limits::default(),
         };
         rt.create(&req).unwrap();
@@ -576,5 +585,26 @@ fn bench_one_gib_process() {
             m.timings.dump_us, m.timings.hash_us, m.timings.sync_us, m.size_bytes()
         );
         sb.ck.prune(&sb.name, 1).unwrap();
+    }
+}
+
+#[test]
+fn other_network_modes_checkpoint_and_restore() {
+    require_root!();
+    for (tag, net) in [("none", NetMode::None), ("host", NetMode::Host)] {
+        let sb = Sb::with_net(tag, net);
+        sb.sh(
+            "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/c; sleep 0.05; done' </dev/null >/dev/null 2>&1 & sleep 0.3",
+        );
+        sb.checkpoint(Kind::Full);
+        let at: u64 = sb.sh("cat /tmp/c").parse().unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let late: u64 = sb.sh("cat /tmp/c").parse().unwrap();
+        assert!(late > at + 3, "{tag}: counter not running ({at} -> {late})");
+        sb.kill_all();
+        sb.restore(None);
+        std::thread::sleep(Duration::from_millis(300));
+        let now: u64 = sb.sh("cat /tmp/c").parse().unwrap();
+        assert!(now < late, "{tag}: counter did not go back ({late} -> {now})");
     }
 }

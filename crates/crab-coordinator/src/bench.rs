@@ -423,6 +423,7 @@ impl crate::hooks::TurnHooks for EngineHooks {
             kind = JobKind::Full;
         }
         let h = self.engine.submit(crab_engine::JobSpec {
+            op: crab_engine::JobOp::Checkpoint,
             sandbox: b.sandbox.clone(),
             kind,
             payload: (),

@@ -307,6 +307,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
         ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
             let kind = if b.force_full { JobKind::Full } else { JobKind::Fs };
             let h = self.0.submit(JobSpec {
+                op: crab_engine::JobOp::Checkpoint,
                 sandbox: b.sandbox.clone(),
                 kind,
                 payload: (),
@@ -322,6 +323,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
     let engine =
         Engine::new(EngineConfig { workers: 1, ..Default::default() }, exec.clone()).unwrap();
     let blocker = engine.submit(JobSpec {
+        op: crab_engine::JobOp::Checkpoint,
         sandbox: "blocker".into(),
         kind: JobKind::Full,
         payload: (),
@@ -335,6 +337,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
         .iter()
         .map(|s| {
             engine.submit(JobSpec {
+                op: crab_engine::JobOp::Checkpoint,
                 sandbox: s.to_string(),
                 kind: JobKind::Fs,
                 payload: (),

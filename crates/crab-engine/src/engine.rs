@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::job::{Changeset, Executor, Finished, Job, JobError, JobId, JobKind, JobSpec};
+use crate::job::{Changeset, Executor, Finished, Job, JobError, JobId, JobKind, JobOp, JobSpec};
 use crate::metrics::{gauge, JobRecord, Metrics, SandboxStats};
 
 /// Scheduler limits.
@@ -164,6 +164,7 @@ struct Queued<P> {
 }
 
 struct Running {
+    op: JobOp,
     sandbox: String,
     kind: JobKind,
     first_turn: u64,
@@ -204,7 +205,11 @@ struct State<P> {
     queued: HashMap<JobId, Queued<P>>,
     normal: VecDeque<JobId>,
     urgent: VecDeque<JobId>,
+    /// The queued checkpoint a new checkpoint of the sandbox may merge into (none once a
+    /// restore is queued behind it).
     queued_by_sandbox: HashMap<String, JobId>,
+    /// Queued jobs of each sandbox in submission order; only the front may start.
+    order: HashMap<String, VecDeque<JobId>>,
     running: HashMap<JobId, Running>,
     busy: HashSet<String>,
     dumps: usize,
@@ -223,7 +228,8 @@ enum Pick {
 impl<P> State<P> {
     fn startable(&self, cfg: &EngineConfig, id: JobId, bw_ok: bool) -> bool {
         let Some(q) = self.queued.get(&id) else { return false };
-        !self.busy.contains(&q.job.sandbox)
+        self.order.get(&q.job.sandbox).and_then(|o| o.front()) == Some(&id)
+            && !self.busy.contains(&q.job.sandbox)
             && (!q.job.kind.dumps_processes() || self.dumps < cfg.max_concurrent_dumps)
             && (q.job.kind == JobKind::Skip || bw_ok)
     }
@@ -308,6 +314,7 @@ impl<P: Changeset> Engine<P> {
             normal: VecDeque::new(),
             urgent: VecDeque::new(),
             queued_by_sandbox: HashMap::new(),
+            order: HashMap::new(),
             running: HashMap::new(),
             busy: HashSet::new(),
             dumps: 0,
@@ -329,8 +336,11 @@ impl<P: Changeset> Engine<P> {
     pub fn submit(&self, spec: JobSpec<P>) -> JobHandle {
         let handle = {
             let mut st = lock(&self.shared.state);
-            let coalesce_into = st.queued_by_sandbox.get(&spec.sandbox).copied();
-            st.metrics.on_submit(&spec.sandbox, spec.kind, coalesce_into.is_some());
+            let coalesce_into = match spec.op {
+                JobOp::Checkpoint => st.queued_by_sandbox.get(&spec.sandbox).copied(),
+                JobOp::Restore => None,
+            };
+            st.metrics.on_submit(&spec.sandbox, spec.op, spec.kind, coalesce_into.is_some());
             match coalesce_into.and_then(|id| st.queued.get_mut(&id).map(|q| (id, q))) {
                 Some((id, q)) => {
                     q.job.kind = q.job.kind.merge(spec.kind);
@@ -352,6 +362,7 @@ impl<P: Changeset> Engine<P> {
                     let (tx, rx) = watch::channel(None);
                     let job = Job {
                         id,
+                        op: spec.op,
                         sandbox: spec.sandbox.clone(),
                         kind: spec.kind,
                         payload: spec.payload,
@@ -363,8 +374,18 @@ impl<P: Changeset> Engine<P> {
                         id,
                         Queued { job, submitted: Instant::now(), urgent: spec.urgent, tx },
                     );
-                    st.queued_by_sandbox.insert(spec.sandbox, id);
+                    st.order.entry(spec.sandbox.clone()).or_default().push_back(id);
+                    match spec.op {
+                        JobOp::Checkpoint => {
+                            st.queued_by_sandbox.insert(spec.sandbox, id);
+                        }
+                        JobOp::Restore => {
+                            st.queued_by_sandbox.remove(&spec.sandbox);
+                        }
+                    }
                     if spec.urgent {
+                        // Jobs of the sandbox queued before it must run first: promote them too.
+                        promote_locked(&mut st, id);
                         st.urgent.push_back(id);
                     } else {
                         st.normal.push_back(id);
@@ -467,15 +488,27 @@ impl<P: Changeset> Engine<P> {
 }
 
 fn promote_locked<P>(st: &mut State<P>, id: JobId) {
-    let Some(q) = st.queued.get_mut(&id) else { return };
-    if q.urgent {
-        return;
+    let Some(sandbox) = st.queued.get(&id).map(|q| q.job.sandbox.clone()) else { return };
+    // Promote the job and every job of its sandbox queued before it (they must run first).
+    let ahead: Vec<JobId> = st
+        .order
+        .get(&sandbox)
+        .map(|o| {
+            let n = o.iter().position(|x| *x == id).map_or(0, |p| p + 1);
+            o.iter().take(n).copied().collect()
+        })
+        .unwrap_or_default();
+    for jid in ahead {
+        let Some(q) = st.queued.get_mut(&jid) else { continue };
+        if q.urgent {
+            continue;
+        }
+        q.urgent = true;
+        st.normal.retain(|x| *x != jid);
+        st.urgent.push_back(jid);
+        st.metrics.promotions += 1;
+        tracing::debug!(job = %jid, "promoted job to urgent");
     }
-    q.urgent = true;
-    st.normal.retain(|x| *x != id);
-    st.urgent.push_back(id);
-    st.metrics.promotions += 1;
-    tracing::debug!(job = %id, "promoted checkpoint job to urgent");
 }
 
 /// Start whatever may start now.
@@ -506,6 +539,12 @@ fn start<P: Changeset>(shared: &Arc<Shared<P>>, st: &mut State<P>, id: JobId) {
     if st.queued_by_sandbox.get(&q.job.sandbox) == Some(&id) {
         st.queued_by_sandbox.remove(&q.job.sandbox);
     }
+    if let Some(o) = st.order.get_mut(&q.job.sandbox) {
+        o.retain(|x| *x != id);
+        if o.is_empty() {
+            st.order.remove(&q.job.sandbox);
+        }
+    }
     let job = q.job;
     st.busy.insert(job.sandbox.clone());
     if job.kind.dumps_processes() {
@@ -514,6 +553,7 @@ fn start<P: Changeset>(shared: &Arc<Shared<P>>, st: &mut State<P>, id: JobId) {
     st.running.insert(
         id,
         Running {
+            op: job.op,
             sandbox: job.sandbox.clone(),
             kind: job.kind,
             first_turn: job.first_turn,
@@ -552,6 +592,7 @@ fn finish<P: Changeset>(
         let result = match res {
             Ok(Ok(outcome)) => Ok(Finished {
                 job: id,
+                op: r.op,
                 sandbox: r.sandbox.clone(),
                 kind: r.kind,
                 turn: r.turn,
@@ -561,6 +602,7 @@ fn finish<P: Changeset>(
             }),
             Ok(Err(message)) => Err(JobError::Failed {
                 job: id,
+                op: r.op,
                 sandbox: r.sandbox.clone(),
                 kind: r.kind,
                 turn: r.turn,
@@ -581,10 +623,11 @@ fn finish<P: Changeset>(
             b.tokens -= bytes as f64;
         }
         if let Err(e) = &result {
-            tracing::warn!(error = %e, "checkpoint job failed");
+            tracing::warn!(error = %e, "engine job failed");
         }
         let rec = JobRecord {
             job: id,
+            op: r.op,
             sandbox: r.sandbox.clone(),
             kind: r.kind,
             first_turn: r.first_turn,

@@ -87,6 +87,28 @@ impl std::str::FromStr for JobKind {
     }
 }
 
+/// What a job does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobOp {
+    /// Take a checkpoint (coalesces with the sandbox's queued checkpoint).
+    #[default]
+    Checkpoint,
+    /// Restore (or fork from) a checkpoint: never coalesces; `kind` says which parts it
+    /// restores (process/full ones count against the CRIU limit).
+    Restore,
+}
+
+impl JobOp {
+    /// `checkpoint` or `restore`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobOp::Checkpoint => "checkpoint",
+            JobOp::Restore => "restore",
+        }
+    }
+}
+
 /// A job payload (the inspector's changeset) that can absorb a later one when two queued jobs
 /// of a sandbox coalesce.
 pub trait Changeset: Send + Sync + 'static {
@@ -131,6 +153,8 @@ impl Changeset for serde_json::Value {
 /// What a caller submits.
 #[derive(Debug, Clone)]
 pub struct JobSpec<P> {
+    /// Checkpoint or restore.
+    pub op: JobOp,
     /// Sandbox name.
     pub sandbox: String,
     /// Verdict.
@@ -143,12 +167,40 @@ pub struct JobSpec<P> {
     pub urgent: bool,
 }
 
+impl<P> JobSpec<P> {
+    /// A checkpoint of `sandbox` at the boundary of `turn` (normal priority).
+    pub fn checkpoint(sandbox: impl Into<String>, kind: JobKind, payload: P, turn: u64) -> Self {
+        JobSpec {
+            op: JobOp::Checkpoint,
+            sandbox: sandbox.into(),
+            kind,
+            payload,
+            turn,
+            urgent: false,
+        }
+    }
+
+    /// A restore of `sandbox` (urgent: someone waits for it). `payload` names what to restore.
+    pub fn restore(sandbox: impl Into<String>, kind: JobKind, payload: P) -> Self {
+        JobSpec {
+            op: JobOp::Restore,
+            sandbox: sandbox.into(),
+            kind,
+            payload,
+            turn: 0,
+            urgent: true,
+        }
+    }
+}
+
 /// A job as the executor sees it. After coalescing it covers turns `first_turn..=turn`, and its
 /// restore point is the one of `turn`.
 #[derive(Debug, Clone)]
 pub struct Job<P> {
     /// Id.
     pub id: JobId,
+    /// Checkpoint or restore.
+    pub op: JobOp,
     /// Sandbox name.
     pub sandbox: String,
     /// Merged verdict.
@@ -175,7 +227,7 @@ pub struct JobOutcome {
     pub detail: serde_json::Value,
 }
 
-/// Runs jobs. Called on a blocking thread; may take as long as the work takes.
+/// Runs jobs (checkpoints and restores; see [`Job::op`]). Called on a blocking thread; may take as long as the work takes.
 pub trait Executor<P>: Send + Sync + 'static {
     /// Do the checkpoint and publish its restore point; return what was written, or a message
     /// naming what failed.
@@ -196,6 +248,8 @@ where
 pub struct Finished {
     /// Job id.
     pub job: JobId,
+    /// Checkpoint or restore.
+    pub op: JobOp,
     /// Sandbox.
     pub sandbox: String,
     /// Kind actually run (after coalescing).
@@ -214,10 +268,12 @@ pub struct Finished {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum JobError {
     /// The executor reported a failure.
-    #[error("checkpoint {job} of sandbox {sandbox} (turn {turn}, {kind}) failed: {message}")]
+    #[error("{} {job} of sandbox {sandbox} (turn {turn}, {kind}) failed: {message}", op.as_str())]
     Failed {
         /// Job id.
         job: JobId,
+        /// Checkpoint or restore.
+        op: JobOp,
         /// Sandbox.
         sandbox: String,
         /// Kind.
@@ -228,7 +284,7 @@ pub enum JobError {
         message: String,
     },
     /// The executor panicked.
-    #[error("checkpoint {job} of sandbox {sandbox} crashed the executor: {message}")]
+    #[error("job {job} of sandbox {sandbox} crashed the executor: {message}")]
     Panicked {
         /// Job id.
         job: JobId,

@@ -13,5 +13,7 @@ mod job;
 mod metrics;
 
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats, JobHandle, SandboxView};
-pub use job::{Changeset, Executor, Finished, Job, JobError, JobId, JobKind, JobOutcome, JobSpec};
+pub use job::{
+    Changeset, Executor, Finished, Job, JobError, JobId, JobKind, JobOp, JobOutcome, JobSpec,
+};
 pub use metrics::{JobRecord, SandboxStats};

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::job::{JobId, JobKind};
+use crate::job::{JobId, JobKind, JobOp};
 
 /// Histogram bucket upper bounds, in seconds.
 const BUCKETS: [f64; 13] =
@@ -50,6 +50,8 @@ impl Histogram {
 pub struct JobRecord {
     /// Id.
     pub job: JobId,
+    /// Checkpoint or restore.
+    pub op: JobOp,
     /// Sandbox.
     pub sandbox: String,
     /// Kind run (after coalescing).
@@ -101,6 +103,8 @@ pub struct SandboxStats {
 #[derive(Debug, Default)]
 pub(crate) struct Metrics {
     pub(crate) submitted: [u64; 4],
+    pub(crate) restores_submitted: u64,
+    pub(crate) restores_failed: u64,
     pub(crate) coalesced: u64,
     pub(crate) completed: [u64; 4],
     pub(crate) failed: [u64; 4],
@@ -119,7 +123,11 @@ impl Metrics {
         self.sandboxes.entry(name.to_string()).or_default()
     }
 
-    pub(crate) fn on_submit(&mut self, sandbox: &str, kind: JobKind, coalesced: bool) {
+    pub(crate) fn on_submit(&mut self, sandbox: &str, op: JobOp, kind: JobKind, coalesced: bool) {
+        if op == JobOp::Restore {
+            self.restores_submitted += 1;
+            return;
+        }
         self.submitted[kind.index()] += 1;
         if coalesced {
             self.coalesced += 1;
@@ -135,6 +143,16 @@ impl Metrics {
         let k = rec.kind.index();
         self.queue_wait.observe(Duration::from_secs_f64(rec.queue_wait_ms / 1e3));
         self.run_time.observe(Duration::from_secs_f64(rec.run_ms / 1e3));
+        if rec.op == JobOp::Restore {
+            if rec.error.is_some() {
+                self.restores_failed += 1;
+            }
+            self.recent.push_back(rec);
+            while self.recent.len() > history.max(1) {
+                self.recent.pop_front();
+            }
+            return;
+        }
         let s = self.sandbox(&rec.sandbox);
         if rec.error.is_some() {
             s.failed += 1;
@@ -187,6 +205,18 @@ impl Metrics {
             "crab_engine_jobs_failed_total",
             "Checkpoint jobs failed, by kind run.",
             &self.failed,
+        );
+        counter(
+            out,
+            "crab_engine_restores_total",
+            "Restore jobs submitted.",
+            self.restores_submitted,
+        );
+        counter(
+            out,
+            "crab_engine_restores_failed_total",
+            "Restore jobs failed.",
+            self.restores_failed,
         );
         counter(
             out,

@@ -88,7 +88,7 @@ impl Executor<Value> for Fake {
 }
 
 fn spec(sb: &str, kind: JobKind, turn: u64) -> JobSpec<Value> {
-    JobSpec { sandbox: sb.into(), kind, payload: Value::Null, turn, urgent: false }
+    JobSpec::checkpoint(sb, kind, Value::Null, turn)
 }
 
 fn one_worker(k: u32) -> EngineConfig {
@@ -306,4 +306,39 @@ fn engine_needs_a_runtime_and_sane_limits() {
     let _g = rt.enter();
     let bad = EngineConfig { max_concurrent_dumps: 0, ..Default::default() };
     assert!(Engine::<Value>::new(bad, fake).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restores_keep_per_sandbox_order_and_never_coalesce() {
+    let fake = Fake::with(Duration::ZERO, 0);
+    let eng = Engine::new(one_worker(4), fake.clone()).unwrap();
+    let b = eng.submit(spec("blocker", JobKind::Fs, 1));
+    fake.wait_started(1);
+    // Queued behind the running job: checkpoint, restore, checkpoint, checkpoint.
+    let c1 = eng.submit(spec("blocker", JobKind::Fs, 2));
+    let r = eng.submit(JobSpec::restore("blocker", JobKind::Full, json!({"to": "ckpt-1"})));
+    let c2 = eng.submit(spec("blocker", JobKind::Process, 3));
+    let c3 = eng.submit(spec("blocker", JobKind::Fs, 4));
+    assert_ne!(c1.id(), c2.id(), "no merge across a restore");
+    assert_eq!(c2.id(), c3.id(), "merge after it");
+    // The urgent restore drags c1 (queued before it) into the urgent queue with it.
+    let o = eng.submit(spec("other", JobKind::Fs, 1));
+    fake.release();
+    wait_all(&[b, c1, r.clone(), c2, o]).await;
+    let started = fake.started.lock().unwrap().clone();
+    let seq: Vec<(String, JobKind, u64)> =
+        started.iter().map(|s| (s.0.clone(), s.1, s.3)).collect();
+    assert_eq!(
+        seq,
+        [
+            ("blocker".to_string(), JobKind::Fs, 1),
+            ("blocker".to_string(), JobKind::Fs, 2),
+            ("blocker".to_string(), JobKind::Full, 0),
+            ("blocker".to_string(), JobKind::Full, 4),
+            ("other".to_string(), JobKind::Fs, 1),
+        ]
+    );
+    let done = r.wait().await.unwrap();
+    assert_eq!(done.op, crab_engine::JobOp::Restore);
+    assert!(eng.metrics_text().contains("crab_engine_restores_total 1"));
 }

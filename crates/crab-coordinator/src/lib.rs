@@ -8,6 +8,25 @@
 //! Every request/response pair goes into the sandbox's [`ConversationLog`] before release.
 //! [`stub`] is a small configurable upstream for tests and [`bench`] measures the proxy's
 //! overhead against it.
+//!
+//! # Wiring it into the daemon
+//!
+//! 1. Implement [`SandboxDirectory`] (`exists`, `conversation_log_path`) over the runtime.
+//! 2. Implement [`TurnHooks::on_boundary`]: read the inspector's verdict for
+//!    `boundary.sandbox` (use `full` when `boundary.force_full`), submit
+//!    `crab_engine::JobSpec::checkpoint(sandbox, kind, changeset, boundary.turn)` to the engine
+//!    (record `boundary.conversation_offset` in the restore point), and return
+//!    `Arc::new(EngineTicket::new(engine.clone(), handle, sandbox))`.
+//! 3. `let coord = Coordinator::new(ProxyConfig { listen, upstream_openai, upstream_anthropic,
+//!    ..Default::default() }, directory, hooks)?; let server = coord.bind().await?;` — and
+//!    `server.shutdown().await` on exit. For agents inside a sandbox:
+//!    `coord.serve_sandbox(TcpListener::from_std(bind_in_netns("/proc/<pid>/ns/net",
+//!    "127.0.0.1:7431")?)?, name)`, again after restore and fork.
+//! 4. After a restore call [`Coordinator::restored`], after a fork [`Coordinator::forked`];
+//!    serve `crab conversation` from [`Coordinator::conversation`], `POST
+//!    /sandboxes/{id}/turns` from [`Coordinator::begin_turn`], `/metrics` from
+//!    [`Coordinator::metrics_text`] + `Engine::metrics_text`, `crab top` from
+//!    [`Coordinator::stats`] + `Engine::stats`.
 
 pub mod bench;
 mod config;

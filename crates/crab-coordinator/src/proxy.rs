@@ -420,12 +420,13 @@ impl Coordinator {
         let slot = Arc::new(Slot {
             name: name.to_string(),
             log: Arc::new(Mutex::new(log)),
-            turn: tokio::sync::Mutex::new(state),
-            force_full: AtomicBool::new(false),
             stats: Mutex::new(SandboxProxyStats {
                 sandbox: name.to_string(),
+                turn: state.turn,
                 ..Default::default()
             }),
+            turn: tokio::sync::Mutex::new(state),
+            force_full: AtomicBool::new(false),
         });
         Ok(lock(&self.slots).entry(name.to_string()).or_insert(slot).clone())
     }
@@ -482,6 +483,7 @@ impl Coordinator {
                 Ok(Some((i, rec, len))) => {
                     st.replay_cursor = if i + 1 < len { Some(i + 1) } else { None };
                     st.turn = rec.turn;
+                    slot.stats().turn = rec.turn;
                     st.last_hash = Some(hash.to_string());
                     st.ticket = None;
                     slot.stats().replays += 1;
@@ -526,7 +528,11 @@ impl Coordinator {
             provider,
             path: path.to_string(),
         };
-        slot.stats().turns += 1;
+        {
+            let mut s = slot.stats();
+            s.turns += 1;
+            s.turn = turn;
+        }
         match self.hooks.on_boundary(b).await {
             Ok(t) => t,
             Err(e) => {
@@ -952,6 +958,7 @@ impl Coordinator {
         })
         .await?;
         st.turn = turn;
+        slot.stats().turn = turn;
         st.last_hash = last_hash;
         st.ticket = None;
         st.replay_cursor = if replay && offset < len { Some(offset) } else { None };
@@ -982,9 +989,6 @@ impl Coordinator {
             .map(|s| {
                 let mut st = s.stats().clone();
                 st.conversation_offset = lock(&s.log).offset();
-                if let Ok(t) = s.turn.try_lock() {
-                    st.turn = t.turn;
-                }
                 st
             })
             .collect();

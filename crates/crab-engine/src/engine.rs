@@ -2,9 +2,12 @@
 //!
 //! Rules, applied each time something changes (submit, promote, finish, bandwidth refill):
 //!
-//! * A sandbox has at most one job running and at most one queued; a submission for a sandbox
-//!   that already has a queued (not started) job merges into it (kinds merge, changesets merge,
-//!   the turn range widens) and shares its completion.
+//! * A sandbox has at most one job running, and its queued jobs start in submission order. A
+//!   checkpoint submitted while the sandbox already has a queued (not started) checkpoint merges
+//!   into it (kinds merge, changesets merge, the turn range widens) and shares its completion.
+//!   Restores never merge, and a checkpoint never merges across a queued restore.
+//! * Promoting a job (or submitting it urgent, as restores are) also promotes the jobs of its
+//!   sandbox queued before it, since they must run first.
 //! * Urgent jobs (a response is waiting on them) start before normal ones, except that after
 //!   `urgent_burst` urgent starts in a row while a startable normal job waited, that normal job
 //!   starts next: normal work is delayed by a bounded amount, never starved.

@@ -6,7 +6,7 @@
 //! forwards the request at once, and holds the upstream response until the turn's
 //! [`BoundaryTicket`] is published, so the checkpoint hides behind the model's thinking time.
 //! Every request/response pair goes into the sandbox's [`ConversationLog`] before release.
-//! [`stub`] is a small configurable upstream for tests and [`bench`] measures the proxy's
+//! [`stub`] is a small configurable upstream for tests and [`mod@bench`] measures the proxy's
 //! overhead against it.
 //!
 //! # Wiring it into the daemon

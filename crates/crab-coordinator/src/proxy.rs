@@ -538,9 +538,8 @@ impl Coordinator {
             Err(e) => {
                 tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not start the turn's checkpoint; the next one will be full");
                 slot.force_full.store(true, Ordering::SeqCst);
-                slot.fail("checkpoint", &e);
-                // Settled failure: the gate records nothing more and releases at once.
-                ReadyTicket::published("")
+                // Settled failure: the gate counts it, logs it with the turn and releases at once.
+                ReadyTicket::failed(format!("starting the checkpoint of turn {turn}: {e}"))
             }
         }
     }

@@ -30,6 +30,8 @@ enum Mode {
     Fail(Duration),
     /// Never settles.
     Never,
+    /// `on_boundary` itself fails (no checkpoint could be started).
+    HookErr,
 }
 
 struct FakeTicket {
@@ -122,6 +124,7 @@ impl TurnHooks for FakeHooks {
             Mode::After(d) => settle(t.clone(), d, Ok(Published { checkpoint_id: id })),
             Mode::Fail(d) => settle(t.clone(), d, Err("btrfs snapshot failed: no space".into())),
             Mode::Never => {}
+            Mode::HookErr => return Box::pin(async { Err("inspector unreachable".to_string()) }),
         }
         Box::pin(async move { Ok(t as Arc<dyn BoundaryTicket>) })
     }
@@ -535,7 +538,7 @@ async fn upstream_down_is_502_and_slow_is_504() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_checkpoint_releases_the_response_and_forces_full_next() {
     let hooks = FakeHooks::new(Mode::After(Duration::ZERO));
-    hooks.script(&[Mode::Fail(Duration::from_millis(30)), Mode::Never]);
+    hooks.script(&[Mode::Fail(Duration::from_millis(30)), Mode::Never, Mode::HookErr]);
     let h = harness(hooks.clone(), StubConfig::default(), |c| {
         c.gate_timeout = Duration::from_millis(200)
     })
@@ -546,20 +549,23 @@ async fn a_failed_checkpoint_releases_the_response_and_forces_full_next() {
     let r = h.chat("a", r#"{"t":2}"#).await;
     assert_eq!(r.status, StatusCode::OK, "released after the gate timeout");
     assert!(t.elapsed() >= Duration::from_millis(190));
-    h.chat("a", r#"{"t":3}"#).await;
+    let r = h.chat("a", r#"{"t":3}"#).await;
+    assert_eq!(r.status, StatusCode::OK, "released although no checkpoint started");
     h.chat("a", r#"{"t":4}"#).await;
+    h.chat("a", r#"{"t":5}"#).await;
     let full: Vec<bool> = hooks.boundaries().iter().map(|b| b.force_full).collect();
-    assert_eq!(full, [false, true, true, false]);
+    assert_eq!(full, [false, true, true, true, false]);
     let conv = h.coord.conversation("a", None).await.unwrap();
     assert!(conv[0].checkpoint_error.as_deref().unwrap().contains("no space"));
     assert!(conv[1].checkpoint_error.as_deref().unwrap().contains("gate timeout"));
-    assert!(conv[2].checkpoint_error.is_none());
+    assert!(conv[2].checkpoint_error.as_deref().unwrap().contains("inspector unreachable"));
+    assert!(conv[3].checkpoint_error.is_none());
     let s = &h.coord.stats()[0];
-    assert_eq!(s.checkpoint_failures, 2);
+    assert_eq!(s.checkpoint_failures, 3);
     assert!(h
         .coord
         .metrics_text()
-        .contains("crab_proxy_checkpoint_failures_total{sandbox=\"a\"} 2"));
+        .contains("crab_proxy_checkpoint_failures_total{sandbox=\"a\"} 3"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

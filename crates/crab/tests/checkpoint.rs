@@ -1,0 +1,152 @@
+//! End-to-end checkpoint, restore and fork through the real CLI, daemon and CRIU (root).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{crab, crab_ok, wait_until, Sandbox};
+
+const COUNTER: &str = r#"
+import http.server, socketserver
+n = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global n
+        n += 1
+        self.send_response(200); self.end_headers(); self.wfile.write(str(n).encode())
+    def log_message(self, *a): pass
+socketserver.TCPServer(("127.0.0.1", 9000), H).serve_forever()
+"#;
+
+fn start_counter(sb: &Sandbox) {
+    let script = COUNTER.replace('\'', "'\\''");
+    sb.sh_ok(&format!("printf '%s' '{script}' > /root/counter.py"));
+    sb.sh_ok("cd /root && nohup python3 counter.py >/dev/null 2>&1 &");
+    // Probe with a bare TCP connect: every GET would count.
+    let listening = || sb.sh("bash -c 'exec 3<>/dev/tcp/127.0.0.1/9000'").2 == 0;
+    assert!(wait_until(10.0, listening), "counter did not start");
+}
+
+fn hit(sb: &Sandbox) -> String {
+    sb.sh("curl -sf localhost:9000").0
+}
+
+fn checkpoint(sb: &Sandbox, kind: &str) -> serde_json::Value {
+    let out = crab_ok(&["--json", "checkpoint", &sb.name, "--kind", kind]);
+    serde_json::from_str::<serde_json::Value>(&out).unwrap()["point"].clone()
+}
+
+#[test]
+fn counter_survives_checkpoint_kill_restore() {
+    let sb = Sandbox::new("t-ck-counter");
+    start_counter(&sb);
+    assert_eq!(hit(&sb), "1");
+    assert_eq!(hit(&sb), "2");
+    let p = checkpoint(&sb, "full");
+    assert_eq!(p["kind"], "full");
+    assert_eq!(hit(&sb), "3");
+    // kill -9 every process of the sandbox (its init too, through the cgroup).
+    let pids = std::fs::read_to_string(format!("/sys/fs/cgroup/unified/crab/{}/cgroup.procs", sb.name)).unwrap();
+    for pid in pids.lines() {
+        let _ = std::process::Command::new("kill").args(["-9", pid]).status();
+    }
+    assert!(wait_until(5.0, || sb.info()["state"] == "dead"));
+    crab_ok(&["restore", &sb.name]);
+    assert_eq!(sb.info()["state"], "running");
+    // The in-memory count is the one at the checkpoint.
+    assert_eq!(hit(&sb), "3");
+}
+
+#[test]
+fn rollback_restores_files() {
+    let sb = Sandbox::new("t-ck-files");
+    sb.sh_ok("echo keep > /root/keep && echo gone > /root/deleted-later");
+    let p = checkpoint(&sb, "auto");
+    let id = p["id"].as_str().unwrap().to_string();
+    sb.sh_ok("echo new > /root/created-later && rm /root/deleted-later && echo changed > /root/keep");
+    checkpoint(&sb, "auto");
+    crab_ok(&["restore", &sb.name, &id]);
+    assert_eq!(sb.sh_ok("cat /root/keep /root/deleted-later"), "keep\ngone\n");
+    assert_ne!(sb.sh("test -e /root/created-later").2, 0, "a file created after the point survived");
+    // The list shows the points, newest last.
+    let list: Vec<serde_json::Value> = serde_json::from_str(&crab_ok(&["--json", "checkpoints", &sb.name])).unwrap();
+    assert!(list.len() >= 2);
+    assert!(list.iter().any(|p| p["id"] == id.as_str()));
+}
+
+#[test]
+fn forks_diverge() {
+    let sb = Sandbox::new("t-ck-fork");
+    start_counter(&sb);
+    assert_eq!(hit(&sb), "1");
+    let p = checkpoint(&sb, "full");
+    let out = crab_ok(&["--json", "fork", &sb.name, p["id"].as_str().unwrap(), "--count", "3"]);
+    let branches: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(branches.len(), 3);
+    let forks: Vec<Sandbox> = branches.iter().map(|b| Sandbox { name: b["sandbox"].as_str().unwrap().into() }).collect();
+    let mut ids = std::collections::HashSet::new();
+    for (i, f) in forks.iter().enumerate() {
+        // Each branch serves from the restored count and diverges independently.
+        for _ in 0..i {
+            hit(f);
+        }
+        assert_eq!(hit(f), (2 + i).to_string(), "branch {}", f.name);
+        ids.insert(f.sh_ok("cat /etc/machine-id; hostname"));
+    }
+    assert_eq!(ids.len(), 3, "branches share a machine-id or hostname");
+    assert_eq!(hit(&sb), "2", "the source sandbox was affected by its forks");
+}
+
+#[test]
+fn corrupt_image_file_is_refused() {
+    let sb = Sandbox::new("t-ck-corrupt");
+    sb.sh_ok("nohup sleep 100000 >/dev/null 2>&1 &");
+    let p = checkpoint(&sb, "full");
+    let parts = p["parts"].as_str().unwrap().to_string();
+    let proc_id = parts.split('+').find(|x| x.starts_with('p')).unwrap().to_string();
+    let dir = common::state_dir().join("pool/checkpoints").join(&sb.name).join("procs").join(&proc_id);
+    let img = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
+        .unwrap();
+    let mut bytes = std::fs::read(&img).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(&img, bytes).unwrap();
+    sb.sh_ok("echo after > /root/after");
+    let o = crab(&["restore", &sb.name]);
+    assert!(!o.status.success(), "a corrupt checkpoint was restored");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains(img.file_name().unwrap().to_str().unwrap()), "{err}");
+    // The sandbox is left as it was.
+    assert_eq!(sb.sh_ok("cat /root/after"), "after\n");
+    assert_eq!(sb.info()["state"], "running");
+}
+
+#[test]
+fn fs_only_point_restores_with_fresh_processes() {
+    let sb = Sandbox::new("t-ck-fsonly");
+    sb.sh_ok("echo data > /root/f");
+    let p = checkpoint(&sb, "fs");
+    assert_eq!(p["kind"], "fs");
+    sb.sh_ok("rm /root/f");
+    let out = crab_ok(&["--json", "restore", &sb.name]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(sb.sh_ok("cat /root/f"), "data\n");
+    assert_eq!(sb.info()["state"], "running");
+    let _ = r;
+}
+
+#[test]
+fn unknown_names_get_clear_errors() {
+    common::ensure_daemon();
+    let o = crab(&["restore", "no-such-sandbox"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no sandbox named"));
+    let sb = Sandbox::new("t-ck-unknown");
+    let o = crab(&["restore", &sb.name]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no restore points"), "{:?}", o);
+    let o = crab(&["restore", &sb.name, "c999"]);
+    assert!(!o.status.success());
+    let o = crab(&["checkpoint", &sb.name, "--kind", "bogus"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown checkpoint kind"));
+}

@@ -608,3 +608,91 @@ fn other_network_modes_checkpoint_and_restore() {
         assert!(now < late, "{tag}: counter did not go back ({late} -> {now})");
     }
 }
+
+/// Not a test on its own: the "daemon" that `daemon_killed_mid_checkpoint...` kills. Takes
+/// full checkpoints of `$CRAB_CKPT_CHILD` in a loop until killed.
+#[test]
+#[ignore]
+fn checkpoint_child_helper() {
+    let Ok(name) = std::env::var("CRAB_CKPT_CHILD") else { return };
+    let ck = Checkpointer::new(runtime(), Config::default());
+    if let Ok(ready) = std::env::var("CRAB_CKPT_READY") {
+        std::fs::write(ready, b"1").unwrap();
+    }
+    for _ in 0..50 {
+        let t = Instant::now();
+        let r = ck.checkpoint(
+            &name,
+            CheckpointRequest { kind: Kind::Full, turn: None, conversation_offset: None },
+        );
+        eprintln!("child checkpoint after {:?}: {:?}", t.elapsed(), r.map(|m| m.id));
+    }
+}
+
+#[test]
+fn daemon_killed_mid_checkpoint_leaves_older_points_restorable() {
+    require_root!();
+    let sb = Sb::new_exclusive("kill9");
+    start_services(&sb);
+    assert_eq!(sb.sh(GET), "1");
+    sb.checkpoint(Kind::Full);
+    let ready = tempfile::NamedTempFile::new().unwrap().into_temp_path();
+    // Kill times after the child starts checkpointing: inside the freeze and dump, the
+    // snapshot, the hashing and the publication.
+    for (round, delay_ms) in [5u64, 60, 150, 300, 500, 900].into_iter().enumerate() {
+        let _ = std::fs::remove_file(&ready);
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "checkpoint_child_helper",
+                "--ignored",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env("CRAB_CKPT_CHILD", &sb.name)
+            .env("CRAB_CKPT_READY", &*ready)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("CRAB_TEST_CHILD_STDERR").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready.exists() {
+            assert!(Instant::now() < deadline, "checkpoint child never got ready");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // The orphaned criu swrk notices its peer is gone and gives up; give it a moment.
+        std::thread::sleep(Duration::from_millis(300));
+
+        // A new daemon: recovery, then every published point must verify.
+        let ck = Checkpointer::new(sb.rt.clone(), Config::default());
+        ck.recover().unwrap();
+        let store = ck.store(&sb.name).unwrap();
+        let points = store.list().unwrap();
+        for m in &points {
+            store.verify(m).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+        assert_eq!(
+            std::fs::read_dir(store.dir().join("tmp")).unwrap().count(),
+            0,
+            "round {round}: leftovers in tmp/"
+        );
+        // The sandbox runs (thawed), then is lost and comes back from the newest point.
+        let before: u64 = sb.sh(GET).parse().unwrap();
+        sb.kill_all();
+        ck.restore(&sb.name, None).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let after: u64 = sb.sh(GET).parse().unwrap();
+        assert!(after <= before, "round {round}: {after} > {before}");
+        eprintln!(
+            "round {round} (kill after {delay_ms} ms): {} points, GET {before} -> {after}",
+            points.len()
+        );
+    }
+}

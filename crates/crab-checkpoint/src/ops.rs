@@ -320,28 +320,37 @@ impl Checkpointer {
                 if crab_common::names::validate("sandbox", &name).is_err() {
                     continue;
                 }
-                let store = self.store(&name)?;
-                store.recover_leftovers()?;
+                // Points of sandboxes that no longer exist are kept (a fork may outlive its
+                // source); only their leftovers go.
+                self.store(&name)?.recover_leftovers()?;
             }
         }
         for name in self.rt.names() {
-            let dir = self.rt.state().sandbox_dir(&name);
-            let rootfs = self.rt.state().sandbox_rootfs(&name);
-            let old = dir.join("rootfs.old");
-            let staged = dir.join("rootfs.restoring");
-            if !rootfs.exists() && old.exists() {
-                tracing::warn!(sandbox = %name, "interrupted restore: putting the old root back");
-                std::fs::rename(&old, &rootfs)
-                    .map_err(|e| CheckpointError::io("rename", &old, e))?;
-            }
-            for p in [old, staged] {
-                if p.exists() {
-                    self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
-                }
-            }
-            ensure_thawed(&self.rt.cgroup(&name), &name)?;
+            self.recover_sandbox(&name)?;
         }
         Ok(())
+    }
+
+    /// [`Checkpointer::recover`] for one sandbox: its checkpoint leftovers, an interrupted
+    /// root swap, a cgroup left frozen. No operation on it may be in flight.
+    pub fn recover_sandbox(&self, name: &str) -> Result<()> {
+        let lock = self.lock(name);
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.store(name)?.recover_leftovers()?;
+        let dir = self.rt.state().sandbox_dir(name);
+        let rootfs = self.rt.state().sandbox_rootfs(name);
+        let old = dir.join("rootfs.old");
+        let staged = dir.join("rootfs.restoring");
+        if !rootfs.exists() && old.exists() {
+            tracing::warn!(sandbox = %name, "interrupted restore: putting the old root back");
+            std::fs::rename(&old, &rootfs).map_err(|e| CheckpointError::io("rename", &old, e))?;
+        }
+        for p in [old, staged] {
+            if p.exists() {
+                self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+            }
+        }
+        ensure_thawed(&self.rt.cgroup(name), name)
     }
 
     /// Take a checkpoint of `sandbox` and publish it as a new restore point.

@@ -457,7 +457,7 @@ fn interrupted_checkpoint_leaves_older_points_restorable() {
 
     // A new daemon starts: recovery first.
     let ck2 = Checkpointer::new(sb.rt.clone(), Config::default());
-    ck2.recover().unwrap();
+    ck2.recover_sandbox(&sb.name).unwrap();
     assert!(!tmp.exists());
     assert_eq!(sb.sh(GET), "3", "the sandbox was thawed");
     sb.kill_all();
@@ -673,7 +673,7 @@ fn daemon_killed_mid_checkpoint_leaves_older_points_restorable() {
 
         // A new daemon: recovery, then every published point must verify.
         let ck = Checkpointer::new(sb.rt.clone(), Config::default());
-        ck.recover().unwrap();
+        ck.recover_sandbox(&sb.name).unwrap();
         let store = ck.store(&sb.name).unwrap();
         let points = store.list().unwrap();
         for m in &points {

@@ -6,6 +6,10 @@
 pub(crate) const MAX_SBX: usize = 256;
 pub(crate) const PATH_LEN: usize = 256;
 pub(crate) const WALK_LEN: usize = 512;
+/// Change records per sandbox and turn (`MAX_CHANGES`).
+pub(crate) const MAX_CHANGES: u32 = 8192;
+/// Tracked processes per sandbox (`MAX_PROCS`).
+pub(crate) const MAX_PROCS: u32 = 4096;
 
 pub(crate) const C_CREATED: u32 = 1 << 0;
 pub(crate) const C_MODIFIED: u32 = 1 << 1;

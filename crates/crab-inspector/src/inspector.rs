@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
@@ -14,10 +15,10 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 use serde::Serialize;
 
 use crate::abi::{
-    kdev_split, CKey, Change, PathRec, ProcRec, CHANGE_SIZE, CKEY_SIZE, MAX_SBX, PREC_SIZE,
-    PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS, SS_INFLIGHT, SS_NS_INFLIGHT, S_FOREIGN_MEM,
-    S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT, S_PENDING_LOST, S_PROC_OVERFLOW,
-    S_UNTRACKABLE,
+    kdev_split, CKey, Change, PathRec, ProcRec, CHANGE_SIZE, CKEY_SIZE, MAX_CHANGES, MAX_PROCS,
+    MAX_SBX, PREC_SIZE, PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS, SS_INFLIGHT,
+    SS_NS_INFLIGHT, S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT,
+    S_PENDING_LOST, S_PROC_OVERFLOW, S_UNTRACKABLE,
 };
 use crate::error::InspectorError;
 use crate::maps::{self, Bss};
@@ -43,6 +44,17 @@ pub struct SandboxHandle {
     pub initial_processes: usize,
 }
 
+/// Run statistics of one BPF program (counted only while `kernel.bpf_stats_enabled` is 1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProgramStats {
+    /// Program name.
+    pub name: String,
+    /// Number of runs.
+    pub run_count: u64,
+    /// Total run time in ns.
+    pub run_time_ns: u64,
+}
+
 /// Counters of one sandbox's current turn (cheap, no map iteration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct TurnStats {
@@ -59,11 +71,29 @@ struct Reg {
     handle: SandboxHandle,
     /// Reasons carried into the next verdict (e.g. a turn that did not quiesce).
     carry: Vec<String>,
+    maps: SandboxMaps,
+}
+
+/// The sandbox's inner maps: changes and path records per turn slot, and its processes.
+#[derive(Debug)]
+struct SandboxMaps {
+    changes: [MapHandle; 2],
+    paths: [MapHandle; 2],
+    procs: MapHandle,
+}
+
+fn new_changes() -> Result<MapHandle, InspectorError> {
+    maps::create_inner("crab_changes", CKEY_SIZE, CHANGE_SIZE, MAX_CHANGES, true)
+}
+
+fn new_paths() -> Result<MapHandle, InspectorError> {
+    maps::create_inner("crab_paths", CKEY_SIZE, PREC_SIZE, MAX_CHANGES, true)
 }
 
 struct Loaded {
     _skel: InspectorSkel<'static>,
     _links: Vec<Link>,
+    progs: Vec<(String, OwnedFd)>,
 }
 
 // SAFETY: after loading, the skeleton is only kept alive (never used through shared references
@@ -74,14 +104,14 @@ unsafe impl Send for Loaded {}
 struct Inner {
     bss: Bss,
     cgmap: MapHandle,
-    changes: MapHandle,
-    paths: MapHandle,
-    procs: MapHandle,
+    changes_of: MapHandle,
+    paths_of: MapHandle,
+    procs_of: MapHandle,
     sandboxes: HashMap<String, Reg>,
     free: Vec<u32>,
     level_refs: [u32; 32],
     // Dropped last: the bss mapping belongs to it.
-    _loaded: Loaded,
+    loaded: Loaded,
 }
 
 /// The host's inspector: one per daemon. Thread-safe; calls are serialized internally.
@@ -116,12 +146,15 @@ impl Inspector {
         // leaked box is the simplest owner.
         let open_obj: &'static mut MaybeUninit<OpenObject> =
             Box::leak(Box::new(MaybeUninit::uninit()));
-        let open =
-            InspectorSkelBuilder::default().open(open_obj).map_err(bpf_err("open", None))?;
+        let open = InspectorSkelBuilder::default().open(open_obj).map_err(bpf_err("open", None))?;
         let mut skel = open.load().map_err(bpf_err("load", None))?;
         let mut links = Vec::new();
+        let mut progs = Vec::new();
         for p in skel.object().progs_mut() {
             let name = p.name().to_string_lossy().into_owned();
+            if let Ok(fd) = p.as_fd().try_clone_to_owned() {
+                progs.push((name.clone(), fd));
+            }
             links.push(p.attach().map_err(bpf_err("attach", Some(name)))?);
         }
         let programs = links.len();
@@ -129,12 +162,17 @@ impl Inspector {
             MapHandle::try_from(m).map_err(bpf_err("map dup", Some(name.to_string())))
         };
         let cgmap = handle(&skel.maps.cgmap, "cgmap")?;
-        let changes = handle(&skel.maps.changes, "changes")?;
-        let paths = handle(&skel.maps.paths, "paths")?;
-        let procs = handle(&skel.maps.procs, "procs")?;
-        check_size(&changes, "changes", CKEY_SIZE, CHANGE_SIZE)?;
-        check_size(&paths, "paths", CKEY_SIZE, PREC_SIZE)?;
-        check_size(&procs, "procs", 4, PROC_SIZE)?;
+        let changes_of = handle(&skel.maps.changes_of, "changes_of")?;
+        let paths_of = handle(&skel.maps.paths_of, "paths_of")?;
+        let procs_of = handle(&skel.maps.procs_of, "procs_of")?;
+        check_size(
+            &handle(&skel.maps.changes_tmpl, "changes")?,
+            "changes",
+            CKEY_SIZE,
+            CHANGE_SIZE,
+        )?;
+        check_size(&handle(&skel.maps.paths_tmpl, "paths")?, "paths", CKEY_SIZE, PREC_SIZE)?;
+        check_size(&handle(&skel.maps.procs_tmpl, "procs")?, "procs", 4, PROC_SIZE)?;
         let bss_ref = skel.maps.bss_data.take().ok_or_else(|| InspectorError::Bpf {
             stage: "mmap",
             what: Some(".bss".into()),
@@ -148,16 +186,48 @@ impl Inspector {
             inner: Mutex::new(Inner {
                 bss,
                 cgmap,
-                changes,
-                paths,
-                procs,
+                changes_of,
+                paths_of,
+                procs_of,
                 sandboxes: HashMap::new(),
                 free: (0..MAX_SBX as u32).rev().collect(),
                 level_refs: [0; 32],
-                _loaded: Loaded { _skel: skel, _links: links },
+                loaded: Loaded { _skel: skel, _links: links, progs },
             }),
             programs,
         })
+    }
+
+    /// Run counts and times of the BPF programs (enable `kernel.bpf_stats_enabled` to count).
+    pub fn program_stats(&self) -> Result<Vec<ProgramStats>, InspectorError> {
+        let g = self.lock()?;
+        let mut out = Vec::new();
+        for (name, fd) in &g.loaded.progs {
+            let mut info = libbpf_rs::libbpf_sys::bpf_prog_info::default();
+            let mut len = std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
+            // SAFETY: `info` is a properly sized, writable bpf_prog_info and `len` says so; the
+            // fd is a valid program fd owned by `g`.
+            let rc = unsafe {
+                libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(
+                    fd.as_raw_fd(),
+                    std::ptr::from_mut(&mut info),
+                    &mut len,
+                )
+            };
+            if rc != 0 {
+                return Err(InspectorError::MapSyscall {
+                    syscall: "BPF_OBJ_GET_INFO_BY_FD",
+                    map: "program",
+                    source: std::io::Error::from_raw_os_error(-rc),
+                });
+            }
+            out.push(ProgramStats {
+                name: name.clone(),
+                run_count: info.run_cnt,
+                run_time_ns: info.run_time_ns,
+            });
+        }
+        Ok(out)
     }
 
     /// Number of attached BPF programs.
@@ -317,6 +387,19 @@ impl Inner {
             s.sstate(key, SS_EVENTS + 8 * slot).store(0, Ordering::SeqCst);
         }
         s.sstate(key, SS_NS_INFLIGHT).store(0, Ordering::SeqCst);
+        let sm = SandboxMaps {
+            changes: [new_changes()?, new_changes()?],
+            paths: [new_paths()?, new_paths()?],
+            procs: maps::create_inner("crab_procs", 4, PROC_SIZE, MAX_PROCS, false)?,
+        };
+        for slot in 0..2u32 {
+            let i = key * 2 + slot;
+            maps::set_inner(&self.changes_of, "changes_of", i, &sm.changes[slot as usize])?;
+            maps::set_inner(&self.paths_of, "paths_of", i, &sm.paths[slot as usize])?;
+        }
+        maps::set_inner(&self.procs_of, "procs_of", key, &sm.procs)?;
+        // Baseline: the processes there now; BPF starts attributing once the cgroup id is in
+        // cgmap (and keeps what it added: NO_EXIST).
         maps::update(
             &self.cgmap,
             "cgmap",
@@ -325,13 +408,16 @@ impl Inner {
             MapFlags::ANY,
         )?;
         if level >= 8 {
-            tracing::warn!(sandbox, level, "cgroup deeper than 7 levels: only its own processes are attributed, not descendants'");
+            tracing::warn!(
+                sandbox,
+                level,
+                "cgroup deeper than 7 levels: only its own processes are attributed, not descendants'"
+            );
         }
         if let Some(r) = self.level_refs.get_mut(level as usize) {
             *r += 1;
         }
         self.set_level_mask();
-        // Baseline: the processes there now (BPF may already have added some: keep those).
         let pids = procfs::cgroup_tree_pids(dir)?;
         let rec = ProcRec {
             sbx: key,
@@ -342,8 +428,7 @@ impl Inner {
             exec_epoch: 0,
         };
         for pid in &pids {
-            if let Err(e) = self.procs.update(&pid.to_ne_bytes(), &rec.encode(), MapFlags::NO_EXIST)
-            {
+            if let Err(e) = sm.procs.update(&pid.to_ne_bytes(), &rec.encode(), MapFlags::NO_EXIST) {
                 if e.kind() != libbpf_rs::ErrorKind::AlreadyExists {
                     tracing::warn!(pid, error = %e, "could not record a baseline process");
                 }
@@ -356,8 +441,10 @@ impl Inner {
             level,
             initial_processes: pids.len(),
         };
-        self.sandboxes
-            .insert(sandbox.to_string(), Reg { handle: handle.clone(), carry: Vec::new() });
+        self.sandboxes.insert(
+            sandbox.to_string(),
+            Reg { handle: handle.clone(), carry: Vec::new(), maps: sm },
+        );
         tracing::info!(sandbox, key, cgroup_id, level, "sandbox attached to the inspector");
         Ok(handle)
     }
@@ -371,23 +458,33 @@ impl Inner {
         }
         self.set_level_mask();
         let key = h.key;
-        let d = maps::dump(&self.changes, "changes")?;
-        let mine: Vec<&[u8]> =
-            d.iter().filter(|(k, _)| CKey::parse(k).sbx == key).map(|(k, _)| k).collect();
-        maps::delete_keys(&self.changes, "changes", mine.iter().copied())?;
-        maps::delete_keys(&self.paths, "paths", mine.iter().copied())?;
-        let p = maps::dump(&self.procs, "procs")?;
-        let mine: Vec<&[u8]> =
-            p.iter().filter(|(_, v)| ProcRec::parse(v).sbx == key).map(|(k, _)| k).collect();
-        maps::delete_keys(&self.procs, "procs", mine.into_iter())?;
+        for slot in 0..2u32 {
+            let i = (key * 2 + slot).to_ne_bytes();
+            let _ = self.changes_of.delete(&i);
+            let _ = self.paths_of.delete(&i);
+        }
+        let _ = self.procs_of.delete(&key.to_ne_bytes());
         Ok(())
     }
 
     fn verdict(&mut self, sandbox: &str, close: bool) -> Result<Verdict, InspectorError> {
-        let (key, mut carry) = {
-            let reg = self.reg(sandbox)?;
-            (reg.handle.key, reg.carry.clone())
-        };
+        let mut reg = self
+            .sandboxes
+            .remove(sandbox)
+            .ok_or_else(|| InspectorError::NotAttached(sandbox.to_string()))?;
+        let r = self.verdict_of(&mut reg, sandbox, close);
+        self.sandboxes.insert(sandbox.to_string(), reg);
+        r
+    }
+
+    fn verdict_of(
+        &mut self,
+        reg: &mut Reg,
+        sandbox: &str,
+        close: bool,
+    ) -> Result<Verdict, InspectorError> {
+        let key = reg.handle.key;
+        let mut carry = reg.carry.clone();
         let bss = &self.bss;
         let epoch_w = bss.sstate(key, SS_EPOCH);
         let e = if close {
@@ -425,15 +522,12 @@ impl Inner {
         }
 
         // The turn's file records.
-        let d = maps::dump(&self.changes, "changes")?;
+        let si = slot as usize;
+        let d = maps::dump(&reg.maps.changes[si], "changes")?;
         let mut entries: Vec<(CKey, Change, Option<PathRec>)> = Vec::new();
-        let mut raw_keys: Vec<&[u8]> = Vec::new();
         for (k, v) in d.iter() {
             let ck = CKey::parse(k);
-            if ck.sbx != key || ck.slot != slot {
-                continue;
-            }
-            let rec = match self.paths.lookup(k, MapFlags::ANY) {
+            let rec = match reg.maps.paths[si].lookup(k, MapFlags::ANY) {
                 Ok(Some(b)) => Some(PathRec::parse(&b)),
                 Ok(None) => None,
                 Err(e) => {
@@ -442,19 +536,20 @@ impl Inner {
                 }
             };
             entries.push((ck, Change::parse(v), rec));
-            raw_keys.push(k);
         }
-        if close {
-            maps::delete_keys(&self.changes, "changes", raw_keys.iter().copied())?;
-            maps::delete_keys(&self.paths, "paths", raw_keys.iter().copied())?;
+        if close && d.count > 0 {
+            // Drained (no handler can be recording into this slot now): empty it. Deleting is
+            // much cheaper than swapping in new inner maps, whose update waits for an RCU grace
+            // period (~15 ms each).
+            maps::delete_all(&reg.maps.changes[si], "changes", &d)?;
+            maps::delete_all(&reg.maps.paths[si], "paths", &d)?;
         }
-
         let mut facts = TurnFacts { changeset: build_changeset(&entries), ..Default::default() };
         facts.conservative_reasons.append(&mut carry);
         flag_reasons(flags, &mut facts);
 
         // Processes.
-        let p = maps::dump(&self.procs, "procs")?;
+        let p = maps::dump(&reg.maps.procs, "procs")?;
         let mut long_lived: Vec<u32> = Vec::new();
         let mut gc: Vec<Vec<u8>> = Vec::new();
         for (k, v) in p.iter() {
@@ -487,7 +582,7 @@ impl Inner {
             }
         }
         if close {
-            maps::delete_keys(&self.procs, "procs", gc.iter().map(Vec::as_slice))?;
+            maps::delete_keys(&reg.maps.procs, "procs", gc.iter().map(Vec::as_slice))?;
         }
         // A process running continuously since before the turn has not been switched out yet.
         for &pid in &long_lived {
@@ -501,10 +596,8 @@ impl Inner {
         facts.processes.died.sort_unstable();
         facts.processes.ran.sort_unstable();
 
-        if let Some(reg) = self.sandboxes.get_mut(sandbox) {
-            if close {
-                reg.carry = next_carry;
-            }
+        if close {
+            reg.carry = next_carry;
         }
         Ok(decide(sandbox, e, facts))
     }

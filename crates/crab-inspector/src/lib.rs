@@ -28,5 +28,5 @@ mod skel {
 }
 
 pub use error::InspectorError;
-pub use inspector::{Inspector, SandboxHandle, TurnStats};
+pub use inspector::{Inspector, ProgramStats, SandboxHandle, TurnStats};
 pub use verdict::{ChangeOp, ObjectKind, PathChange, ProcessChanges, Verdict, VerdictKind};

@@ -92,6 +92,62 @@ pub(crate) fn dump(map: &MapHandle, name: &'static str) -> Result<Dump, Inspecto
     Ok(out)
 }
 
+/// Creates an inner hash map for one sandbox (see `*_inner` in the BPF source).
+pub(crate) fn create_inner(
+    name: &'static str,
+    key_size: usize,
+    value_size: usize,
+    max_entries: u32,
+    no_prealloc: bool,
+) -> Result<MapHandle, InspectorError> {
+    let opts = libbpf_sys::bpf_map_create_opts {
+        sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _,
+        map_flags: if no_prealloc { libbpf_sys::BPF_F_NO_PREALLOC } else { 0 },
+        ..Default::default()
+    };
+    MapHandle::create(
+        libbpf_rs::MapType::Hash,
+        Some(name),
+        key_size as u32,
+        value_size as u32,
+        max_entries,
+        &opts,
+    )
+    .map_err(|e| InspectorError::MapSyscall {
+        syscall: "BPF_MAP_CREATE",
+        map: name,
+        source: std::io::Error::other(e.to_string()),
+    })
+}
+
+/// Points slot `idx` of an array-of-maps at `inner`.
+pub(crate) fn set_inner(
+    outer: &MapHandle,
+    name: &'static str,
+    idx: u32,
+    inner: &MapHandle,
+) -> Result<(), InspectorError> {
+    let fd = inner.as_fd().as_raw_fd() as u32;
+    update(outer, name, &idx.to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
+}
+
+/// Deletes the keys of `d` from `map` (one BPF_MAP_DELETE_BATCH, falling back to one delete per
+/// key when a key is already gone).
+pub(crate) fn delete_all(
+    map: &MapHandle,
+    name: &'static str,
+    d: &Dump,
+) -> Result<(), InspectorError> {
+    if d.count == 0 {
+        return Ok(());
+    }
+    let keys = &d.keys[..d.count * d.key_size];
+    if map.delete_batch(keys, d.count as u32, MapFlags::ANY, MapFlags::ANY).is_ok() {
+        return Ok(());
+    }
+    delete_keys(map, name, keys.chunks_exact(d.key_size.max(1)))
+}
+
 /// Deletes keys, ignoring those already gone.
 pub(crate) fn delete_keys<'a>(
     map: &MapHandle,

@@ -58,12 +58,25 @@ fn enter_cgroup(procs: &str) -> Res<()> {
     Ok(())
 }
 
+/// CPU time (user + system) of the calling thread, in ns: less disturbed by other load on the
+/// host than wall time, and it includes the BPF programs' time (charged as system time).
+fn cpu_ns() -> u128 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec to the valid pointer given.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
+}
+
 /// The workload: 200k 16-byte writes to one file, then 20k create+close+unlink.
 fn child_loop(a: &[String]) -> Res<()> {
     let dir = PathBuf::from(a.first().ok_or("--loop DIR PROCS")?);
     enter_cgroup(a.get(1).ok_or("--loop DIR PROCS")?)?;
     let f = fs::File::create(dir.join("w.dat")).map_err(|e| e.to_string())?;
     let buf = [7u8; 16];
+    let c0 = cpu_ns();
     let t0 = Instant::now();
     for _ in 0..WRITES {
         use std::os::unix::fs::FileExt as _;
@@ -71,6 +84,7 @@ fn child_loop(a: &[String]) -> Res<()> {
         f.write_at(&buf, 0).map_err(|e| e.to_string())?;
     }
     let w = t0.elapsed();
+    let c1 = cpu_ns();
     let t1 = Instant::now();
     for i in 0..CREATES {
         let p = dir.join(format!("c{}", i % 64));
@@ -78,9 +92,10 @@ fn child_loop(a: &[String]) -> Res<()> {
         fs::remove_file(&p).map_err(|e| e.to_string())?;
     }
     let c = t1.elapsed();
+    let c2 = cpu_ns();
     drop(f);
     let _ = fs::remove_file(dir.join("w.dat"));
-    println!("{} {}", w.as_nanos(), c.as_nanos());
+    println!("{} {} {} {}", w.as_nanos(), c.as_nanos(), c1 - c0, c2 - c1);
     Ok(())
 }
 
@@ -118,7 +133,8 @@ fn me() -> Res<PathBuf> {
     std::env::current_exe().map_err(|e| e.to_string())
 }
 
-fn loop_once(dir: &Path, procs: Option<&Path>) -> Res<(f64, f64)> {
+/// (wall writes, wall creates, cpu writes, cpu creates) in ms.
+fn loop_once(dir: &Path, procs: Option<&Path>) -> Res<[f64; 4]> {
     let procs = procs.map(|p| p.display().to_string()).unwrap_or_else(|| "-".into());
     let out = Command::new(me()?)
         .arg("--loop")
@@ -132,7 +148,11 @@ fn loop_once(dir: &Path, procs: Option<&Path>) -> Res<(f64, f64)> {
     }
     let s = String::from_utf8_lossy(&out.stdout);
     let mut it = s.split_whitespace().map(|x| x.parse::<f64>().unwrap_or(0.0) / 1e6);
-    Ok((it.next().unwrap_or(0.0), it.next().unwrap_or(0.0)))
+    let mut o = [0.0; 4];
+    for v in &mut o {
+        *v = it.next().unwrap_or(0.0);
+    }
+    Ok(o)
 }
 
 fn touch(dir: &Path, prefix: &str, n: usize, procs: &Path) -> Res<()> {
@@ -189,18 +209,27 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 
 #[derive(Default)]
 struct Series {
-    write: Vec<f64>,
-    create: Vec<f64>,
+    runs: Vec<[f64; 4]>,
 }
 
 impl Series {
-    fn push(&mut self, (w, c): (f64, f64)) {
-        self.write.push(w);
-        self.create.push(c);
+    fn push(&mut self, r: [f64; 4]) {
+        self.runs.push(r);
     }
-    fn med(&mut self) -> (f64, f64, f64) {
-        let mut tot: Vec<f64> = self.write.iter().zip(&self.create).map(|(a, b)| a + b).collect();
-        (median(&mut self.write), median(&mut self.create), median(&mut tot))
+    /// Medians (or minima) of (writes, creates, total) for wall or CPU time.
+    fn med(&self, cpu: bool, min: bool) -> (f64, f64, f64) {
+        let o = if cpu { 2 } else { 0 };
+        let pick = |mut v: Vec<f64>| {
+            if min {
+                v.iter().copied().fold(f64::INFINITY, f64::min)
+            } else {
+                median(&mut v)
+            }
+        };
+        let w: Vec<f64> = self.runs.iter().map(|r| r[o]).collect();
+        let c: Vec<f64> = self.runs.iter().map(|r| r[o + 1]).collect();
+        let t: Vec<f64> = self.runs.iter().map(|r| r[o] + r[o + 1]).collect();
+        (pick(w), pick(c), pick(t))
     }
 }
 
@@ -229,6 +258,7 @@ fn run(rounds: usize) -> Res<()> {
     let mut take_ms = Vec::new();
     let mut peek_ms = Vec::new();
     let mut empty_take_ms = Vec::new();
+    let mut prog_time = Vec::new();
 
     // warm-up (page cache, binary)
     loop_once(dir, None)?;
@@ -252,6 +282,7 @@ fn run(rounds: usize) -> Res<()> {
         }
         if round + 1 == rounds {
             verdict_latency(&insp, &cgs, dir, &mut take_ms, &mut peek_ms, &mut empty_take_ms)?;
+            prog_time = program_time(&insp, dir, &unreg, &attached)?;
         }
         for i in 0..SANDBOXES {
             insp.detach(&format!("sb{i}"));
@@ -259,33 +290,51 @@ fn run(rounds: usize) -> Res<()> {
         drop(insp);
     }
 
-    let (ow, oc, ot) = out_nobpf.med();
-    let (iw, ic, it) = in_nobpf.med();
-    let (bw, bc, bt) = out_bpf.med();
-    let (uw, uc, ut) = in_unreg.med();
-    let (aw, ac, at) = in_att.med();
     println!();
     println!(
         "syscall loop: {WRITES} x 16-byte pwrite + {CREATES} x (create, close, unlink); medians of {rounds} rounds, ms"
     );
-    println!(
-        "{:<44} {:>9} {:>12} {:>9} {:>8}",
-        "configuration", "writes", "create+unl", "total", "ratio"
-    );
-    let row = |name: &str, w: f64, c: f64, t: f64, base: f64| {
-        println!("{name:<44} {w:>9.1} {c:>12.1} {t:>9.1} {:>7.3}x", t / base);
-    };
-    row("outside any sandbox, programs not loaded", ow, oc, ot, ot);
-    row("outside any sandbox, programs loaded", bw, bc, bt, ot);
-    row("in a cgroup, programs not loaded", iw, ic, it, it);
-    row("in an unregistered cgroup, programs loaded", uw, uc, ut, it);
-    row("in a registered cgroup (attached)", aw, ac, at, it);
-    println!(
-        "per-op overhead when attached: write {:.2} us, create+unlink {:.2} us",
-        (aw - iw) * 1e3 / WRITES as f64,
-        (ac - ic) * 1e3 / CREATES as f64
-    );
+    for (cpu, min) in [(true, true), (true, false), (false, false)] {
+        let (ow, oc, ot) = out_nobpf.med(cpu, min);
+        let (iw, ic, it) = in_nobpf.med(cpu, min);
+        let (bw, bc, bt) = out_bpf.med(cpu, min);
+        let (uw, uc, ut) = in_unreg.med(cpu, min);
+        let (aw, ac, at) = in_att.med(cpu, min);
+        println!();
+        println!(
+            "{:<44} {:>9} {:>12} {:>9} {:>8}",
+            match (cpu, min) {
+                (true, true) => "CPU time (user+sys), minimum of rounds",
+                (true, false) => "CPU time (user+sys), median of rounds",
+                _ => "wall time, median of rounds",
+            },
+            "writes",
+            "create+unl",
+            "total",
+            "ratio"
+        );
+        let row = |name: &str, w: f64, c: f64, t: f64, base: f64| {
+            println!("{name:<44} {w:>9.1} {c:>12.1} {t:>9.1} {:>7.3}x", t / base);
+        };
+        row("outside any sandbox, programs not loaded", ow, oc, ot, ot);
+        row("outside any sandbox, programs loaded", bw, bc, bt, ot);
+        row("in a cgroup, programs not loaded", iw, ic, it, it);
+        row("in an unregistered cgroup, programs loaded", uw, uc, ut, it);
+        row("in a registered cgroup (attached)", aw, ac, at, it);
+        println!(
+            "per-op cost: outside+loaded: write {:+.3} us, create+unlink {:+.2} us; attached: write {:+.3} us, create+unlink {:+.2} us",
+            (bw - ow) * 1e3 / WRITES as f64,
+            (bc - oc) * 1e3 / CREATES as f64,
+            (aw - iw) * 1e3 / WRITES as f64,
+            (ac - ic) * 1e3 / CREATES as f64
+        );
+    }
     println!("load+attach of the BPF object: median {:.0} ms", median(&mut load_ms));
+    println!();
+    println!("BPF program time per run (kernel.bpf_stats_enabled, one loop each):");
+    for l in &prog_time {
+        println!("  {l}");
+    }
     let n = take_ms.len();
     println!();
     println!("verdict latency, {SANDBOXES} sandboxes registered, each with an open turn of ~20 changes ({n} samples):");
@@ -308,6 +357,45 @@ fn run(rounds: usize) -> Res<()> {
     drop(cgs);
     let _ = fs::remove_dir_all(&work);
     Ok(())
+}
+
+/// Runs the loop with BPF run statistics on, outside and attached; returns report lines.
+fn program_time(insp: &Inspector, dir: &Path, unreg: &Path, attached: &Path) -> Res<Vec<String>> {
+    const KNOB: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    let before = fs::read_to_string(KNOB).unwrap_or_else(|_| "0".into());
+    fs::write(KNOB, "1").map_err(|e| format!("write {KNOB}: {e}"))?;
+    let mut lines = Vec::new();
+    let snap = || -> Res<Vec<(String, u64, u64)>> {
+        Ok(insp
+            .program_stats()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|p| (p.name, p.run_count, p.run_time_ns))
+            .collect())
+    };
+    let cases: [(&str, Option<&Path>); 3] = [
+        ("outside any sandbox", None),
+        ("unregistered cgroup", Some(unreg)),
+        ("attached", Some(attached)),
+    ];
+    for (label, procs) in cases {
+        let a = snap()?;
+        loop_once(dir, procs)?;
+        let b = snap()?;
+        let mut parts = Vec::new();
+        for ((name, c0, t0), (_, c1, t1)) in a.iter().zip(&b) {
+            let (dc, dt) = (c1 - c0, t1 - t0);
+            if dc > 1000 {
+                parts.push(format!("{name} {:.0} ns x {dc}", dt as f64 / dc as f64));
+            }
+        }
+        lines.push(format!("{label}: {}", parts.join(", ")));
+    }
+    let _ = fs::write(KNOB, before.trim());
+    if let Ok(v) = insp.take("sb0") {
+        let _ = v;
+    }
+    Ok(lines)
 }
 
 fn verdict_latency(

@@ -69,28 +69,53 @@ struct {
 	__type(value, __u32); /* sandbox key */
 } cgmap SEC(".maps");
 
-struct {
+/* Per sandbox and turn slot, an inner hash map of changes and one of path records; per sandbox
+ * one of processes. User space creates them at attach and swaps in fresh ones when it drains a
+ * slot, so reading a turn never walks other sandboxes' records, and one sandbox filling its maps
+ * cannot make another's verdict conservative. */
+struct changes_inner {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
+	__uint(max_entries, MAX_CHANGES);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, struct ckey);
 	__type(value, struct change);
-} changes SEC(".maps");
+} changes_tmpl SEC(".maps"); /* instances only carry the full BTF of the inner maps */
 
-struct {
+struct paths_inner {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
+	__uint(max_entries, MAX_CHANGES);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, struct ckey);
 	__type(value, struct prec);
-} paths SEC(".maps");
+} paths_tmpl SEC(".maps");
 
-struct {
+struct procs_inner {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 32768);
+	__uint(max_entries, MAX_PROCS);
 	__type(key, __u32); /* tgid */
 	__type(value, struct proc);
-} procs SEC(".maps");
+} procs_tmpl SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, MAX_SBX * 2);
+	__type(key, __u32); /* sbx * 2 + slot */
+	__array(values, struct changes_inner);
+} changes_of SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, MAX_SBX * 2);
+	__type(key, __u32); /* sbx * 2 + slot */
+	__array(values, struct paths_inner);
+} paths_of SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, MAX_SBX);
+	__type(key, __u32); /* sbx */
+	__array(values, struct procs_inner);
+} procs_of SEC(".maps");
 
 struct pending {
 	__u32 op;
@@ -118,6 +143,60 @@ struct {
 	__type(key, __u32);
 	__type(value, struct prec);
 } scratch SEC(".maps");
+
+
+/* ---- per-sandbox inner maps ------------------------------------------------------------- */
+
+static __always_inline void *changes_map(const struct ckey *k)
+{
+	__u32 i = ((k->sbx & (MAX_SBX - 1)) << 1) | (k->slot & 1);
+	return bpf_map_lookup_elem(&changes_of, &i);
+}
+
+static __always_inline void *paths_map(const struct ckey *k)
+{
+	__u32 i = ((k->sbx & (MAX_SBX - 1)) << 1) | (k->slot & 1);
+	return bpf_map_lookup_elem(&paths_of, &i);
+}
+
+static __always_inline struct change *ch_lookup(const struct ckey *k)
+{
+	void *m = changes_map(k);
+	return m ? bpf_map_lookup_elem(m, k) : NULL;
+}
+
+static __always_inline long ch_update(const struct ckey *k, const struct change *v, __u64 fl)
+{
+	void *m = changes_map(k);
+	return m ? bpf_map_update_elem(m, k, v, fl) : -1;
+}
+
+static __always_inline void ch_delete(const struct ckey *k)
+{
+	void *m = changes_map(k);
+	if (m)
+		bpf_map_delete_elem(m, k);
+}
+
+static __always_inline void pa_update(const struct ckey *k, const struct prec *v)
+{
+	void *m = paths_map(k);
+	if (m)
+		bpf_map_update_elem(m, k, v, BPF_ANY);
+}
+
+static __always_inline void pa_delete(const struct ckey *k)
+{
+	void *m = paths_map(k);
+	if (m)
+		bpf_map_delete_elem(m, k);
+}
+
+static __always_inline void *procs_map(__u32 sbx)
+{
+	__u32 i = sbx & (MAX_SBX - 1);
+	return bpf_map_lookup_elem(&procs_of, &i);
+}
 
 /* ---- attribution ------------------------------------------------------------------------ */
 
@@ -326,7 +405,7 @@ static __always_inline struct prec *scratch_rec(void)
 static __always_inline int upsert(struct sstate *s, struct ckey *k, __u32 flags, __u32 mode,
 				  struct prec *r)
 {
-	struct change *c = bpf_map_lookup_elem(&changes, k);
+	struct change *c = ch_lookup(k);
 	if (c) {
 		if ((c->flags & flags) != flags)
 			__sync_fetch_and_or(&c->flags, flags);
@@ -338,10 +417,10 @@ static __always_inline int upsert(struct sstate *s, struct ckey *k, __u32 flags,
 	nc.gen = 0;
 	nc.alias_kind = NO_ALIAS;
 	if (r)
-		bpf_map_update_elem(&paths, k, r, BPF_ANY);
-	if (bpf_map_update_elem(&changes, k, &nc, BPF_NOEXIST) != 0) {
+		pa_update(k, r);
+	if (ch_update(k, &nc, BPF_NOEXIST) != 0) {
 		/* EEXIST from a racing insert is fine: merge into it. */
-		c = bpf_map_lookup_elem(&changes, k);
+		c = ch_lookup(k);
 		if (c) {
 			__sync_fetch_and_or(&c->flags, flags);
 			return 0;
@@ -368,7 +447,7 @@ static __always_inline void record_file(__u32 sbx, struct file *f, __u32 flags)
 	k.b = BPF_CORE_READ(ino, i_ino);
 	__u32 slot = enter_slot(s);
 	k.slot = slot;
-	struct change *c = bpf_map_lookup_elem(&changes, &k);
+	struct change *c = ch_lookup(&k);
 	if (c) {
 		if ((c->flags & flags) != flags)
 			__sync_fetch_and_or(&c->flags, flags);
@@ -561,7 +640,7 @@ static __always_inline void record_open(struct pending *pd, long fd, struct ssta
 	struct dentry *fd_d = BPF_CORE_READ(f, f_path.dentry);
 	if (!(fmode & FMODE_CREATED)) {
 		if (pd->flags & O_TRUNC) {
-			struct change *c = bpf_map_lookup_elem(&changes, &ik);
+			struct change *c = ch_lookup(&ik);
 			if (c) {
 				__sync_fetch_and_or(&c->flags, C_MODIFIED);
 				return;
@@ -631,8 +710,8 @@ static __always_inline void record_open(struct pending *pd, long fd, struct ssta
 		nc.alias_b = gk.b;
 		nc.alias_c = gk.c;
 	}
-	bpf_map_update_elem(&paths, &nk, r, BPF_ANY);
-	if (bpf_map_update_elem(&changes, &nk, &nc, BPF_ANY) != 0) {
+	pa_update(&nk, r);
+	if (ch_update(&nk, &nc, BPF_ANY) != 0) {
 		flag_slot(s, slot, S_OVERFLOW);
 		return;
 	}
@@ -642,10 +721,10 @@ static __always_inline void record_open(struct pending *pd, long fd, struct ssta
 		nc.alias_a = nk.a;
 		nc.alias_b = nk.b;
 		nc.alias_c = nk.c;
-		if (bpf_map_update_elem(&changes, &gk, &nc, BPF_ANY) != 0) {
+		if (ch_update(&gk, &nc, BPF_ANY) != 0) {
 			/* without the alias a later unlink by this path just won't cancel */
 		} else {
-			bpf_map_update_elem(&paths, &gk, r, BPF_ANY);
+			pa_update(&gk, r);
 		}
 	}
 	/* The inode itself: created (writes will merge C_MODIFIED into it). */
@@ -654,8 +733,8 @@ static __always_inline void record_open(struct pending *pd, long fd, struct ssta
 	ic.mode = mode;
 	ic.gen = pd->gen;
 	ic.alias_kind = NO_ALIAS;
-	bpf_map_update_elem(&paths, &ik, r, BPF_ANY);
-	if (bpf_map_update_elem(&changes, &ik, &ic, BPF_ANY) != 0)
+	pa_update(&ik, r);
+	if (ch_update(&ik, &ic, BPF_ANY) != 0)
 		flag_slot(s, slot, S_OVERFLOW);
 }
 
@@ -669,8 +748,8 @@ static __always_inline void delete_key(__u32 kind, __u64 a, __u64 b, __u64 c, __
 	k.a = a;
 	k.b = b;
 	k.c = c;
-	bpf_map_delete_elem(&changes, &k);
-	bpf_map_delete_elem(&paths, &k);
+	ch_delete(&k);
+	pa_delete(&k);
 }
 
 /* A successful path-based call other than open. */
@@ -724,7 +803,7 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 	switch (pd->op) {
 	case OP_UNLINK: {
 		__u32 dir = (pd->flags & AT_REMOVEDIR) ? C_DIR : 0;
-		struct change *c = bpf_map_lookup_elem(&changes, &k);
+		struct change *c = ch_lookup(&k);
 		if (c && (c->flags & C_CREATED) && !(c->flags & C_NOCANCEL) && !trunc &&
 		    c->gen == *(volatile __u64 *)&s->ns_gen &&
 		    *(volatile __u64 *)&s->ns_inflight == 0) {
@@ -733,8 +812,8 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 			__u32 ak = c->alias_kind;
 			__u64 aa = c->alias_a, ab = c->alias_b, ac = c->alias_c;
 			__u64 dev = c->dev, ino = c->ino;
-			bpf_map_delete_elem(&changes, &k);
-			bpf_map_delete_elem(&paths, &k);
+			ch_delete(&k);
+			pa_delete(&k);
 			if (ak != NO_ALIAS)
 				delete_key(ak, aa, ab, ac, pd->sbx, slot);
 			if (dev || ino)
@@ -749,7 +828,7 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 	case OP_MKNOD:
 	case OP_SYMLINK: {
 		__u32 what = pd->op == OP_MKDIR ? C_DIR : (pd->op == OP_MKNOD ? C_NODE : C_SYMLINK);
-		struct change *c = bpf_map_lookup_elem(&changes, &k);
+		struct change *c = ch_lookup(&k);
 		if (c) {
 			/* re-created after a delete in this turn: it is now a modification */
 			__sync_fetch_and_or(&c->flags, what | C_MODIFIED | C_NOCANCEL);
@@ -761,8 +840,8 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 		/* symlink counts itself in ns_gen: compare against the value after its exit */
 		nc.gen = pd->op == OP_SYMLINK ? pd->gen + 1 : pd->gen;
 		nc.alias_kind = NO_ALIAS;
-		bpf_map_update_elem(&paths, &k, r, BPF_ANY);
-		if (bpf_map_update_elem(&changes, &k, &nc, BPF_NOEXIST) != 0)
+		pa_update(&k, r);
+		if (ch_update(&k, &nc, BPF_NOEXIST) != 0)
 			flag_slot(s, slot, S_OVERFLOW);
 		else
 			__sync_fetch_and_add(&s->events[slot & 1], 1);
@@ -784,25 +863,25 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 			struct dentry *od;
 			int oign = 0;
 			if (name_key(pd->dfd2, r->p2, &h2, &ok, &om, &od, &oign) == 0) {
-				struct change *oc = bpf_map_lookup_elem(&changes, &ok);
+				struct change *oc = ch_lookup(&ok);
 				if (oc) {
 					/* The rename record below supersedes the source name's. */
 					if (oc->flags & C_CREATED)
 						trunc |= C_CREATED; /* moved a file created in this turn */
 					__u32 ak = oc->alias_kind;
 					__u64 aa = oc->alias_a, ab = oc->alias_b, ac = oc->alias_c;
-					bpf_map_delete_elem(&changes, &ok);
-					bpf_map_delete_elem(&paths, &ok);
+					ch_delete(&ok);
+					pa_delete(&ok);
 					if (ak != NO_ALIAS)
 						delete_key(ak, aa, ab, ac, pd->sbx, slot);
 				}
 			}
 		}
 		fill_base_walk(r, relative, bm, bd);
-		struct change *c = bpf_map_lookup_elem(&changes, &k);
+		struct change *c = ch_lookup(&k);
 		if (c) {
 			__sync_fetch_and_or(&c->flags, C_RENAMED | C_NOCANCEL | C_MODIFIED);
-			bpf_map_update_elem(&paths, &k, r, BPF_ANY);
+			pa_update(&k, r);
 			return;
 		}
 		upsert(s, &k, C_RENAMED | C_NOCANCEL | trunc, 0, r);
@@ -1245,7 +1324,12 @@ static __always_inline void mark_ran(__u32 sbx, __u32 tgid, int exec)
 	struct sstate *s = state_of(sbx);
 	__u32 slot = enter_slot(s);
 	__u64 e = *(volatile __u64 *)&s->epoch;
-	struct proc *p = bpf_map_lookup_elem(&procs, &tgid);
+	void *pm = procs_map(sbx);
+	if (!pm) {
+		leave_slot(s, slot);
+		return;
+	}
+	struct proc *p = bpf_map_lookup_elem(pm, &tgid);
 	if (p) {
 		if (p->ran_epoch != e)
 			p->ran_epoch = e;
@@ -1257,8 +1341,8 @@ static __always_inline void mark_ran(__u32 sbx, __u32 tgid, int exec)
 		np.sbx = sbx;
 		np.born_epoch = e;
 		np.ran_epoch = e;
-		if (bpf_map_update_elem(&procs, &tgid, &np, BPF_NOEXIST) != 0 &&
-		    !bpf_map_lookup_elem(&procs, &tgid))
+		if (bpf_map_update_elem(pm, &tgid, &np, BPF_NOEXIST) != 0 &&
+		    !bpf_map_lookup_elem(pm, &tgid))
 			flag_slot(s, slot, S_PROC_OVERFLOW);
 	}
 	leave_slot(s, slot);
@@ -1295,7 +1379,8 @@ int BPF_PROG(on_fork, struct task_struct *parent, struct task_struct *child)
 	np.sbx = sbx;
 	np.born_epoch = *(volatile __u64 *)&s->epoch;
 	np.ran_epoch = np.born_epoch;
-	if (bpf_map_update_elem(&procs, &tgid, &np, BPF_ANY) != 0)
+	void *pm = procs_map(sbx);
+	if (!pm || bpf_map_update_elem(pm, &tgid, &np, BPF_ANY) != 0)
 		flag_slot(s, slot, S_PROC_OVERFLOW);
 	flag_slot(s, slot, S_PROC_EVENT);
 	leave_slot(s, slot);
@@ -1331,11 +1416,12 @@ int BPF_PROG(on_exit_task, struct task_struct *task, bool group_dead)
 	struct sstate *s = state_of(sbx);
 	__u32 slot = enter_slot(s);
 	__u64 e = *(volatile __u64 *)&s->epoch;
-	struct proc *p = bpf_map_lookup_elem(&procs, &tgid);
+	void *pm = procs_map(sbx);
+	struct proc *p = pm ? bpf_map_lookup_elem(pm, &tgid) : NULL;
 	if (p) {
 		if (p->born_epoch == e && p->born_epoch != 0) {
 			/* born and gone within the turn: nothing */
-			bpf_map_delete_elem(&procs, &tgid);
+			bpf_map_delete_elem(pm, &tgid);
 		} else {
 			p->died_epoch = e;
 			p->flags |= PR_DEAD;

@@ -7,6 +7,8 @@
 #define PATH_LEN 256         /* bytes kept of a path string given to a syscall */
 #define WALK_LEN 512         /* bytes of a leaf-first, NUL-separated dentry walk */
 #define WALK_DEPTH 20        /* dentries (and mount crossings) walked at most */
+#define MAX_CHANGES 8192     /* change records per sandbox and turn (more: conservative) */
+#define MAX_PROCS 4096       /* tracked processes per sandbox (more: conservative) */
 
 /* change flags (struct change.flags) */
 #define C_CREATED (1u << 0)      /* the object was created in this turn (exactly known) */

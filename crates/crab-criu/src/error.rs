@@ -72,10 +72,11 @@ impl LogTail {
 }
 
 /// Error lines CRIU 4.2 logs on every run here and then ignores: it cannot raise its own
-/// `RLIMIT_NOFILE` in a container, and it probes for legacy iptables tools before using
-/// nftables.
+/// `RLIMIT_NOFILE` in a container, it probes for legacy iptables tools before using nftables,
+/// and after a failure its nftables unlock complains about rules it never added.
 pub fn is_noise(line: &str) -> bool {
-    const NOISE: [&str; 4] = ["RLIMIT_NOFILE", "iptables-", "ip6tables-", "-legacy-"];
+    const NOISE: [&str; 5] =
+        ["RLIMIT_NOFILE", "iptables-", "ip6tables-", "-legacy-", "Could not process rule"];
     NOISE.iter().any(|n| line.contains(n))
 }
 

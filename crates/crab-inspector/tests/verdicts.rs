@@ -385,3 +385,15 @@ fn changing_a_file_mapped_by_a_live_process_is_a_process_change() {
     assert_eq!(v.kind, VerdictKind::Full, "{v:?}");
     assert!(v.reasons.iter().any(|r| r.contains(&format!("pid {pid} maps"))), "{v:?}");
 }
+
+#[test]
+fn shared_memory_mapping_is_a_process_change() {
+    let s = setup!("memfd");
+    let py = python();
+    s.run(&format!(
+        "{py} -c \"import os,mmap\nfd=os.memfd_create('x')\nos.ftruncate(fd,4096)\nm=mmap.mmap(fd,4096)\nm[0:1]=b'a'\""
+    ));
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
+    assert!(v.reasons.iter().any(|r| r.contains("shared memory")), "{v:?}");
+}

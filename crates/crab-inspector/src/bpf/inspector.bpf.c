@@ -432,13 +432,38 @@ static __always_inline int upsert(struct sstate *s, struct ckey *k, __u32 flags,
 	return 0;
 }
 
+/* A write or mapping that is no file change can still change *another* process's memory:
+ * writing /proc/<pid>/mem, or mapping shared memory (memfd, shm, deleted files) writable, which
+ * a long-lived process may share. Those set a process-level flag. */
+static __always_inline void not_counted(__u32 sbx, struct file *f, struct inode *ino, __u32 flags)
+{
+	if (!ino)
+		return;
+	__u32 fmt = BPF_CORE_READ(ino, i_mode) & S_IFMT;
+	if (fmt != S_IFREG)
+		return;
+	unsigned long magic = BPF_CORE_READ(ino, i_sb, s_magic);
+	if (magic == 0x9fa0 /* proc */) {
+		char name[4] = {};
+		bpf_probe_read_kernel_str(name, sizeof(name),
+					  BPF_CORE_READ(f, f_path.dentry, d_name.name));
+		if (name[0] == 'm' && name[1] == 'e' && name[2] == 'm' && name[3] == 0)
+			flag_now(sbx, S_FOREIGN_MEM);
+		return;
+	}
+	if ((flags & C_MMAP) && !magic_ignored(magic))
+		flag_now(sbx, S_SHM); /* shared writable mapping of an unlinked file (memfd...) */
+}
+
 /* A change through an open file (write, ftruncate, fchmod, shared mmap...). */
 static __always_inline void record_file(__u32 sbx, struct file *f, __u32 flags)
 {
 	struct inode *ino = BPF_CORE_READ(f, f_inode);
 	__u32 mode = 0;
-	if (!inode_counts(ino, &mode))
+	if (!inode_counts(ino, &mode)) {
+		not_counted(sbx, f, ino, flags);
 		return;
+	}
 	struct sstate *s = state_of(sbx);
 	struct ckey k = {};
 	k.sbx = sbx;
@@ -943,6 +968,8 @@ static __always_inline int handle_exit(long ret)
 #define NR_open 2
 #define NR_mmap 9
 #define NR_mprotect 10
+#define NR_shmat 30
+#define SHM_RDONLY 010000
 #define NR_ioctl 16
 #define NR_pwrite64 18
 #define NR_writev 20
@@ -1089,6 +1116,11 @@ int BPF_PROG(sys_enter_all, struct pt_regs *regs, long id)
 			record_file(sbx, c.file, C_MODIFIED | C_MMAP);
 		return 0;
 	}
+	case NR_shmat:
+		if (R2 & SHM_RDONLY)
+			return 0;
+		flag = S_SHM;
+		goto flag_op;
 	case NR_io_uring_setup:
 	case NR_io_setup: /* native AIO writes bypass the write syscalls */
 	case NR_acct:     /* the kernel then writes the accounting file */

@@ -333,6 +333,8 @@ pub struct TurnBenchReport {
     /// Fraction of turns whose response was held at all.
     pub held_fraction: f64,
     /// Turn latency seen by the agent (request to end of response) minus the model's latency, ms.
+    /// Includes the stub's timer rounding (~1 ms), streaming of the SSE responses and host
+    /// load; the proxy's own cost is what [`bench_proxy`] measures.
     pub agent_overhead: LatencySummary,
     /// Jobs submitted per kind (skip, fs, process, full).
     pub verdicts: [u64; 4],

@@ -246,9 +246,23 @@ fn rename_from(rec: Option<&PathRec>) -> String {
     }
 }
 
+fn op_rank(op: &ChangeOp) -> u8 {
+    match op {
+        ChangeOp::Delete => 5,
+        ChangeOp::Rename { .. } => 4,
+        ChangeOp::Modify => 3,
+        ChangeOp::Create => 2,
+        ChangeOp::Meta => 1,
+    }
+}
+
 /// Builds the changeset from one turn's (key, change, path record) triples.
+///
+/// Name records with the same path are merged (the strongest op wins: a path that had a delete
+/// or modify record existed before the turn). Inode records fold into a name record of the same
+/// inode (a created file is named once); other inode records stand alone.
 pub(crate) fn build_changeset(entries: &[(CKey, Change, Option<PathRec>)]) -> Vec<PathChange> {
-    // Name records of created files carry their inode: the inode record is then redundant.
+    let mut by_path: HashMap<String, usize> = HashMap::new();
     let mut named_inodes: HashMap<(u64, u64), usize> = HashMap::new();
     let mut out: Vec<PathChange> = Vec::new();
     let mut order: Vec<&(CKey, Change, Option<PathRec>)> = entries.iter().collect();
@@ -261,6 +275,8 @@ pub(crate) fn build_changeset(entries: &[(CKey, Change, Option<PathRec>)]) -> Ve
             ChangeOp::Delete
         } else if f & C_RENAMED != 0 && f & C_CREATED == 0 {
             ChangeOp::Rename { from: rename_from(rec.as_ref()) }
+        } else if f & C_MODIFIED != 0 && f & C_CREATED == 0 {
+            ChangeOp::Modify
         } else if f & (C_CREATED | C_LINKED) != 0 {
             ChangeOp::Create
         } else if f & (C_MODIFIED | C_MMAP) != 0 {
@@ -277,9 +293,8 @@ pub(crate) fn build_changeset(entries: &[(CKey, Change, Option<PathRec>)]) -> Ve
         } else {
             None
         };
-        if let Some(ino) = inode {
-            if let Some(&i) = named_inodes.get(&ino) {
-                // fold: prefer an exact path; a create stays a create
+        if key.kind == K_INODE {
+            if let Some(&i) = inode.as_ref().and_then(|ino| named_inodes.get(ino)) {
                 let prev: &mut PathChange = &mut out[i];
                 if !prev.exact && exact {
                     prev.path = path;
@@ -287,8 +302,26 @@ pub(crate) fn build_changeset(entries: &[(CKey, Change, Option<PathRec>)]) -> Ve
                 }
                 continue;
             }
-            named_inodes.insert(ino, out.len());
         }
+        if let Some(&i) = by_path.get(&path) {
+            let prev: &mut PathChange = &mut out[i];
+            if op_rank(&op) > op_rank(&prev.op) {
+                prev.op = op;
+            }
+            if prev.inode.is_none() {
+                prev.inode = inode;
+            }
+            if let Some(ino) = inode {
+                named_inodes.entry(ino).or_insert(i);
+            }
+            continue;
+        }
+        if let Some(ino) = inode {
+            if key.kind != K_INODE {
+                named_inodes.entry(ino).or_insert(out.len());
+            }
+        }
+        by_path.insert(path.clone(), out.len());
         out.push(PathChange { path, op, kind: kind_of(f, ch.mode), exact, inode });
     }
     out.sort_by(|a, b| a.path.cmp(&b.path));

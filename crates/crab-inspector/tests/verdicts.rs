@@ -397,3 +397,30 @@ fn shared_memory_mapping_is_a_process_change() {
     assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
     assert!(v.reasons.iter().any(|r| r.contains("shared memory")), "{v:?}");
 }
+
+#[test]
+fn deleting_a_recreated_existing_file_is_still_a_delete() {
+    let s = setup!("recreate");
+    std::fs::write(s.path().join("keep"), "original").unwrap();
+    std::fs::write(s.path().join("keep2"), "original").unwrap();
+    let abs = s.path().join("keep2");
+    s.run(&format!(
+        "rm keep; echo new > keep; rm keep; rm {a}; echo x > {a}; rm {a}",
+        a = abs.display()
+    ));
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert!(has(&v, "/keep", |o| *o == ChangeOp::Delete), "{v:?}");
+    assert!(has(&v, "/keep2", |o| *o == ChangeOp::Delete), "{v:?}");
+}
+
+#[test]
+fn atomic_save_is_fs_on_the_target() {
+    let s = setup!("atomic");
+    std::fs::write(s.path().join("cfg"), "old").unwrap();
+    s.run("echo new > .cfg.tmp; mv .cfg.tmp cfg");
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert!(v.changeset.iter().any(|c| c.path.ends_with("/cfg")), "{v:?}");
+    assert!(!v.changeset.iter().any(|c| c.path.ends_with(".cfg.tmp")), "{v:?}");
+}

@@ -485,6 +485,14 @@ static __always_inline void record_file(__u32 sbx, struct file *f, __u32 flags)
 	leave_slot(s, slot);
 }
 
+/* A name that had a record in this turn (deleted, renamed away...) exists again: it is a
+ * modification of what was there at the checkpoint, never cancellable. */
+static __always_inline void revive(struct change *c, __u32 flags)
+{
+	__sync_fetch_and_and(&c->flags, ~C_DELETED);
+	__sync_fetch_and_or(&c->flags, flags | C_MODIFIED | C_NOCANCEL);
+}
+
 /* An fd-based change. */
 static __always_inline void record_fd(__u32 sbx, long fd, __u32 flags)
 {
@@ -735,10 +743,27 @@ static __always_inline void record_open(struct pending *pd, long fd, struct ssta
 		nc.alias_b = gk.b;
 		nc.alias_c = gk.c;
 	}
-	pa_update(&nk, r);
-	if (ch_update(&nk, &nc, BPF_ANY) != 0) {
-		flag_slot(s, slot, S_OVERFLOW);
-		return;
+	/* A name recorded earlier in this turn (e.g. deleted, then created again) was not free at
+	 * the checkpoint: merge, never start a cancellable creation over it. */
+	struct change *prev = ch_lookup(&nk);
+	struct change *prev_alias = have_alias ? ch_lookup(&gk) : NULL;
+	int had_prev = 0, had_alias = 0;
+	if (prev_alias) {
+		revive(prev_alias, 0);
+		had_alias = 1;
+		nc.flags |= C_NOCANCEL;
+	}
+	if (prev) {
+		revive(prev, 0);
+		prev->dev = ik.a;
+		prev->ino = ik.b;
+		had_prev = 1;
+	} else {
+		pa_update(&nk, r);
+		if (ch_update(&nk, &nc, BPF_NOEXIST) != 0) {
+			flag_slot(s, slot, S_OVERFLOW);
+			return;
+		}
 	}
 	__sync_fetch_and_add(&s->events[slot & 1], 1);
 	if (have_alias) {
@@ -746,7 +771,7 @@ static __always_inline void record_open(struct pending *pd, long fd, struct ssta
 		nc.alias_a = nk.a;
 		nc.alias_b = nk.b;
 		nc.alias_c = nk.c;
-		if (ch_update(&gk, &nc, BPF_ANY) != 0) {
+		if (had_alias || had_prev || ch_update(&gk, &nc, BPF_NOEXIST) != 0) {
 			/* without the alias a later unlink by this path just won't cancel */
 		} else {
 			pa_update(&gk, r);
@@ -856,7 +881,7 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 		struct change *c = ch_lookup(&k);
 		if (c) {
 			/* re-created after a delete in this turn: it is now a modification */
-			__sync_fetch_and_or(&c->flags, what | C_MODIFIED | C_NOCANCEL);
+			revive(c, what);
 			return;
 		}
 		fill_base_walk(r, relative, bm, bd);
@@ -872,11 +897,18 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 			__sync_fetch_and_add(&s->events[slot & 1], 1);
 		return;
 	}
-	case OP_LINK:
+	case OP_LINK: {
+		struct change *c = ch_lookup(&k);
+		if (c) {
+			revive(c, C_LINKED);
+			return;
+		}
 		fill_base_walk(r, relative, bm, bd);
 		upsert(s, &k, C_CREATED | C_LINKED | C_NOCANCEL, 0, r);
 		return;
+	}
 	case OP_RENAME: {
+		__u64 odev = 0, oino = 0;
 		/* The source name: a record of it is superseded by the rename record. */
 		if (r->have & P_P2) {
 			struct hashes h2 = {};
@@ -893,6 +925,8 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 					/* The rename record below supersedes the source name's. */
 					if (oc->flags & C_CREATED)
 						trunc |= C_CREATED; /* moved a file created in this turn */
+					odev = oc->dev;
+					oino = oc->ino;
 					__u32 ak = oc->alias_kind;
 					__u64 aa = oc->alias_a, ab = oc->alias_b, ac = oc->alias_c;
 					ch_delete(&ok);
@@ -905,11 +939,19 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 		fill_base_walk(r, relative, bm, bd);
 		struct change *c = ch_lookup(&k);
 		if (c) {
-			__sync_fetch_and_or(&c->flags, C_RENAMED | C_NOCANCEL | C_MODIFIED);
+			revive(c, C_RENAMED);
+			c->dev = odev;
+			c->ino = oino;
 			pa_update(&k, r);
 			return;
 		}
 		upsert(s, &k, C_RENAMED | C_NOCANCEL | trunc, 0, r);
+		c = ch_lookup(&k);
+		if (c) {
+			/* the moved inode, so that its own record folds into this one */
+			c->dev = odev;
+			c->ino = oino;
+		}
 		return;
 	}
 	case OP_TRUNC:

@@ -184,6 +184,9 @@ impl Sb {
 
 impl Drop for Sb {
     fn drop(&mut self) {
+        if std::env::var_os("CRAB_KEEP_TEST_SANDBOXES").is_some() {
+            return;
+        }
         for n in self.extra.iter().chain(std::iter::once(&self.name)) {
             let _ = self.rt.remove(n, true);
             let _ = self.ck.remove_all(n);

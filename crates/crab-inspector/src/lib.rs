@@ -4,7 +4,7 @@
 //! BPF programs on syscall and scheduler tracepoints (`src/bpf/inspector.bpf.c`) attribute
 //! events to sandboxes by cgroup v2 id and keep the *net* effect of the current turn in kernel
 //! maps; [`Inspector::take`] reads one sandbox's turn at the boundary and resets it. See
-//! `docs/inspector.md` for what is covered and how the verdict is decided.
+//! this crate's `README.md` for what is covered and how the verdict is decided.
 
 mod abi;
 mod error;

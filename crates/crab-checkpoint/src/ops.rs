@@ -359,7 +359,13 @@ impl Checkpointer {
                 self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
             }
         }
-        ensure_thawed(&self.rt.cgroup(name), name)
+        ensure_thawed(&self.rt.cgroup(name), name)?;
+        if let Ok(rec) = self.rt.record(name) {
+            if rec.net != crab_common::api::NetMode::Host && Self::alive(&rec) {
+                drop_criu_network_locks(name, rec.init_pid);
+            }
+        }
+        Ok(())
     }
 
     /// Take a checkpoint of `sandbox` and publish it as a new restore point.
@@ -967,6 +973,39 @@ impl Checkpointer {
         };
         self.rt.update(rec).map_err(sandbox_err(name))?;
         Ok(pid)
+    }
+}
+
+/// Delete the nftables tables (`inet CRIU-<run id>`) with which a CRIU killed in the middle
+/// of a dump left the sandbox's network namespace locked. Best effort: failures are logged.
+fn drop_criu_network_locks(sandbox: &str, init_pid: u32) {
+    let netns = format!("--net=/proc/{init_pid}/ns/net");
+    let out = std::process::Command::new("nsenter")
+        .args([netns.as_str(), "nft", "list", "tables"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output();
+    let Ok(out) = out else { return };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let mut words = line.split_whitespace();
+        let (Some("table"), Some(family), Some(table)) = (words.next(), words.next(), words.next())
+        else {
+            continue;
+        };
+        if !table.starts_with("CRIU") {
+            continue;
+        }
+        tracing::warn!(sandbox, table, "removing a network lock left by an interrupted CRIU dump");
+        let ok = std::process::Command::new("nsenter")
+            .args([netns.as_str(), "nft", "delete", "table", family, table])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            tracing::error!(sandbox, table, "cannot remove a CRIU network lock");
+        }
     }
 }
 

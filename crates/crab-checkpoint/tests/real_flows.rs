@@ -456,13 +456,30 @@ fn interrupted_checkpoint_leaves_older_points_restorable() {
     std::fs::write(tmp.join("pages-1.img"), b"partial").unwrap();
     std::fs::write(store.dir().join("points/c000099.manifest.tmp"), b"crab-restore-point 1\n{")
         .unwrap();
+    // ... and the network lock of a CRIU killed mid-dump, which drops every packet.
+    let pid = sb.rt.record(&sb.name).unwrap().init_pid;
+    let nft = |args: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("nsenter --net=/proc/{pid}/ns/net nft {args}"))
+            .output()
+            .unwrap()
+    };
+    assert!(nft("add table inet CRIU-test-lock").status.success());
+    assert!(nft(
+        "'add chain inet CRIU-test-lock in { type filter hook input priority 0; policy drop; }'"
+    )
+    .status
+    .success());
     sb.rt.cgroup(&sb.name).set_frozen(true).unwrap();
 
     // A new daemon starts: recovery first.
     let ck2 = Checkpointer::new(sb.rt.clone(), Config::default());
     ck2.recover_sandbox(&sb.name).unwrap();
     assert!(!tmp.exists());
-    assert_eq!(sb.sh(GET), "3", "the sandbox was thawed");
+    let tables = String::from_utf8_lossy(&nft("list tables").stdout).into_owned();
+    assert!(!tables.contains("CRIU"), "{tables}");
+    assert_eq!(sb.sh(GET), "3", "the sandbox was thawed and its network unlocked");
     sb.kill_all();
     let r = ck2.restore(&sb.name, None).unwrap();
     assert!(r.processes_restored);

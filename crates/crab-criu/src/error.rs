@@ -46,7 +46,7 @@ impl LogTail {
     }
 
     /// Read the last `Error (` lines of the log at `path` (or, when it has none, its last few
-    /// lines), leaving out errors CRIU logs but ignores (see [`is_noise`]). A missing or
+    /// lines), leaving out errors CRIU logs but ignores (see `is_noise`). A missing or
     /// unreadable log gives an empty tail.
     pub fn read(path: &Path) -> LogTail {
         let Ok(file) = std::fs::File::open(path) else {

@@ -45,7 +45,9 @@ fn counter_survives_checkpoint_kill_restore() {
     assert_eq!(p["kind"], "full");
     assert_eq!(hit(&sb), "3");
     // kill -9 every process of the sandbox (its init too, through the cgroup).
-    let pids = std::fs::read_to_string(format!("/sys/fs/cgroup/unified/crab/{}/cgroup.procs", sb.name)).unwrap();
+    let pids =
+        std::fs::read_to_string(format!("/sys/fs/cgroup/unified/crab/{}/cgroup.procs", sb.name))
+            .unwrap();
     for pid in pids.lines() {
         let _ = std::process::Command::new("kill").args(["-9", pid]).status();
     }
@@ -62,13 +64,20 @@ fn rollback_restores_files() {
     sb.sh_ok("echo keep > /root/keep && echo gone > /root/deleted-later");
     let p = checkpoint(&sb, "auto");
     let id = p["id"].as_str().unwrap().to_string();
-    sb.sh_ok("echo new > /root/created-later && rm /root/deleted-later && echo changed > /root/keep");
+    sb.sh_ok(
+        "echo new > /root/created-later && rm /root/deleted-later && echo changed > /root/keep",
+    );
     checkpoint(&sb, "auto");
     crab_ok(&["restore", &sb.name, &id]);
     assert_eq!(sb.sh_ok("cat /root/keep /root/deleted-later"), "keep\ngone\n");
-    assert_ne!(sb.sh("test -e /root/created-later").2, 0, "a file created after the point survived");
+    assert_ne!(
+        sb.sh("test -e /root/created-later").2,
+        0,
+        "a file created after the point survived"
+    );
     // The list shows the points, newest last.
-    let list: Vec<serde_json::Value> = serde_json::from_str(&crab_ok(&["--json", "checkpoints", &sb.name])).unwrap();
+    let list: Vec<serde_json::Value> =
+        serde_json::from_str(&crab_ok(&["--json", "checkpoints", &sb.name])).unwrap();
     assert!(list.len() >= 2);
     assert!(list.iter().any(|p| p["id"] == id.as_str()));
 }
@@ -82,7 +91,8 @@ fn forks_diverge() {
     let out = crab_ok(&["--json", "fork", &sb.name, p["id"].as_str().unwrap(), "--count", "3"]);
     let branches: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
     assert_eq!(branches.len(), 3);
-    let forks: Vec<Sandbox> = branches.iter().map(|b| Sandbox { name: b["sandbox"].as_str().unwrap().into() }).collect();
+    let forks: Vec<Sandbox> =
+        branches.iter().map(|b| Sandbox { name: b["sandbox"].as_str().unwrap().into() }).collect();
     let mut ids = std::collections::HashSet::new();
     for (i, f) in forks.iter().enumerate() {
         // Each branch serves from the restored count and diverges independently.
@@ -103,7 +113,8 @@ fn corrupt_image_file_is_refused() {
     let p = checkpoint(&sb, "full");
     let parts = p["parts"].as_str().unwrap().to_string();
     let proc_id = parts.split('+').find(|x| x.starts_with('p')).unwrap().to_string();
-    let dir = common::state_dir().join("pool/checkpoints").join(&sb.name).join("procs").join(&proc_id);
+    let dir =
+        common::state_dir().join("pool/checkpoints").join(&sb.name).join("procs").join(&proc_id);
     let img = std::fs::read_dir(&dir)
         .unwrap()
         .flatten()

@@ -36,6 +36,11 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/sandboxes/{name}/checkpoints/prune", post(checkpoints::prune))
         .route("/v1/sandboxes/{name}/restore", post(checkpoints::restore))
         .route("/v1/sandboxes/{name}/fork", post(checkpoints::fork))
+        .route("/v1/sandboxes/{name}/conversation", get(checkpoints::conversation))
+        .route("/v1/sandboxes/{name}/turns", post(checkpoints::turn))
+        .route("/v1/metrics", get(metrics))
+        .route("/metrics", get(metrics))
+        .route("/v1/top", get(top))
         .fallback(not_found)
         .with_state(d)
 }
@@ -47,6 +52,19 @@ async fn version(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> 
         state_dir: d.runtime.state().root().display().to_string(),
         pid: std::process::id(),
     })
+}
+
+async fn metrics(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> Response {
+    let mut text = d.coordinator.metrics_text();
+    text.push_str(&d.engine().metrics_text());
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn top(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> Response {
+    ok(&serde_json::json!({
+        "proxy": d.coordinator.stats(),
+        "engine": d.engine().stats(),
+    }))
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {

@@ -4,19 +4,25 @@
 //! init survived, takes an exclusive lock on `<state>/daemon.pid` (one daemon per state
 //! directory), and binds the socket with mode 0600 so only root can reach it. Sandboxes are
 //! separate process trees: they keep running while the daemon is down.
+//!
+//! It also runs the host engine (one scheduler for every sandbox's checkpoint work) and the LLM
+//! proxy: on `--proxy-listen` (loopback only) for agents on the host, and on `127.0.0.1:7431`
+//! inside each sandbox's own network namespace for agents that run in their sandbox.
 
 mod api;
 mod checkpoints;
 mod images;
 mod inspect;
 mod sandboxes;
+mod turns;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Context};
 
@@ -24,6 +30,8 @@ use crab_checkpoint::Checkpointer;
 use crab_common::api::SandboxState;
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
+use crab_coordinator::{bind_in_netns, Coordinator, ProxyConfig, ProxyServer};
+use crab_engine::{Engine, EngineConfig};
 use crab_inspector::Inspector;
 use crab_sandbox::{Runtime, RuntimeConfig};
 
@@ -34,7 +42,14 @@ pub struct DaemonOptions {
     pub state: StateDir,
     /// Size of a new sparse pool image.
     pub pool_size: u64,
+    /// The LLM proxy's configuration (listen address, upstreams).
+    pub proxy: ProxyConfig,
+    /// Engine tunables.
+    pub engine: EngineConfig,
 }
+
+/// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
+pub const IN_SANDBOX_PROXY: &str = "127.0.0.1:7431";
 
 /// Shared state of the daemon's handlers.
 #[derive(Debug)]
@@ -47,6 +62,12 @@ pub struct Daemon {
     pub checkpointer: Arc<Checkpointer>,
     /// Sandboxes whose last checkpoint failed: their next `auto` checkpoint is `full`.
     force_full: Mutex<HashSet<String>>,
+    /// The host-wide checkpoint scheduler.
+    engine: Engine<turns::Payload>,
+    /// The LLM proxy.
+    pub coordinator: Arc<Coordinator>,
+    /// Proxy endpoints inside sandboxes' network namespaces.
+    sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
 }
 
 impl Daemon {
@@ -64,6 +85,47 @@ impl Daemon {
                 Ok(h) => tracing::debug!(sandbox = name, key = h.key, "inspector attached"),
                 Err(e) => tracing::warn!(sandbox = name, error = %e, "inspector attach failed"),
             }
+        }
+    }
+
+    /// (Re)open the proxy endpoint inside sandbox `name`'s network namespace, replacing an old
+    /// one (after a restore the namespace is new). Sandboxes on the host network use the host
+    /// listener.
+    pub async fn open_sandbox_proxy(&self, name: &str) {
+        self.close_sandbox_proxy(name).await;
+        let Ok(rec) = self.runtime.record(name) else { return };
+        if rec.net == crab_common::api::NetMode::Host {
+            return;
+        }
+        let ns = PathBuf::from(format!("/proc/{}/ns/net", rec.init_pid));
+        let Ok(addr) = IN_SANDBOX_PROXY.parse::<SocketAddr>() else { return };
+        let bound = tokio::task::spawn_blocking(move || bind_in_netns(&ns, addr)).await;
+        let listener = match bound {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                return tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy")
+            }
+            Err(e) => return tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy"),
+        };
+        let served = tokio::net::TcpListener::from_std(listener)
+            .map_err(|e| e.to_string())
+            .and_then(|l| self.coordinator.serve_sandbox(l, name).map_err(|e| e.to_string()));
+        match served {
+            Ok(server) => {
+                self.sandbox_proxies
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(name.to_string(), server);
+            }
+            Err(e) => tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy"),
+        }
+    }
+
+    /// Close sandbox `name`'s in-namespace proxy endpoint.
+    pub async fn close_sandbox_proxy(&self, name: &str) {
+        let old = self.sandbox_proxies.lock().unwrap_or_else(|p| p.into_inner()).remove(name);
+        if let Some(server) = old {
+            server.shutdown().await;
         }
     }
 
@@ -124,15 +186,35 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         .await
         .context("checkpoint recovery panicked")?
         .map_err(|e| anyhow::anyhow!("recovering checkpoints: {e}"))?;
+    let engine =
+        Engine::new(opts.engine.clone(), Arc::new(turns::CheckpointExecutor(checkpointer.clone())))
+            .map_err(|e| anyhow::anyhow!("starting the engine: {e}"))?;
+    let hooks = Arc::new(turns::Hooks(OnceLock::new()));
+    let coordinator = Coordinator::new(
+        opts.proxy.clone(),
+        Arc::new(turns::SandboxDir(runtime.clone())),
+        hooks.clone(),
+    )
+    .map_err(|e| anyhow::anyhow!("configuring the LLM proxy: {e}"))?;
     let daemon = Arc::new(Daemon {
         runtime,
         inspector,
         checkpointer,
         force_full: Mutex::new(HashSet::new()),
+        engine,
+        coordinator,
+        sandbox_proxies: Mutex::new(HashMap::new()),
     });
+    let _ = hooks.0.set(Arc::downgrade(&daemon));
+    let proxy = daemon
+        .coordinator
+        .bind()
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the LLM proxy on {}: {e}", opts.proxy.listen))?;
     for s in daemon.runtime.list() {
         if s.state == SandboxState::Running {
             daemon.attach(&s.name);
+            daemon.open_sandbox_proxy(&s.name).await;
         }
     }
     let sock = state.socket();
@@ -152,7 +234,12 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     let listener = listener.with_context(|| format!("binding {}", sock.display()))?;
     std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("chmod {}", sock.display()))?;
-    tracing::info!(socket = %sock.display(), sandboxes = daemon.runtime.names().len(), "crab daemon ready");
+    tracing::info!(
+        socket = %sock.display(),
+        proxy = %proxy.local_addr(),
+        sandboxes = daemon.runtime.names().len(),
+        "crab daemon ready"
+    );
     let app = api::router(daemon.clone());
     // On SIGTERM/SIGINT stop accepting, let in-flight requests finish for a moment, then go:
     // a long exec stream must not keep the daemon (and its state-directory lock) alive.
@@ -171,6 +258,7 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         Err(_) => tracing::warn!("in-flight requests did not finish within 2 s; leaving anyway"),
     }
     let _ = std::fs::remove_file(&sock);
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), proxy.shutdown()).await;
     tracing::info!("crab daemon stopped; sandboxes keep running");
     Ok(())
 }

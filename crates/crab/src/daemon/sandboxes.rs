@@ -39,6 +39,7 @@ pub async fn create(State(d): State<Arc<Daemon>>, body: Bytes) -> Response {
     match blocking(move || rt.create(&req).map_err(ApiError::from)).await {
         Ok(v) => {
             d.attach(&v.name);
+            d.open_sandbox_proxy(&v.name).await;
             ok(&v)
         }
         Err(e) => err(e),
@@ -61,6 +62,8 @@ pub async fn remove(
     match res.await {
         Ok(()) => {
             d.detach(&name);
+            d.close_sandbox_proxy(&name).await;
+            d.coordinator.forget(&name);
             ok(&serde_json::json!({"removed": true}))
         }
         Err(e) => err(e),

@@ -1,0 +1,167 @@
+//! The glue between the LLM proxy, the host engine, the inspector and the checkpointer.
+//!
+//! * [`CheckpointExecutor`] is the engine's [`Executor`]: it publishes a restore point of the
+//!   job's (merged) kind through the [`Checkpointer`].
+//! * [`Hooks`] is the proxy's [`TurnHooks`]: at a turn boundary it closes the inspector's turn,
+//!   maps the verdict to a job kind (full when the previous checkpoint failed or the inspector is
+//!   missing), submits the job and hands the proxy a ticket to gate the response on.
+//! * [`SandboxDir`] tells the proxy which sandboxes exist and where their conversation logs live
+//!   (`<pool>/sandboxes/<name>/conversation.log`, next to the root subvolume).
+//!
+//! Explicit checkpoints from the API go through the same engine (submitted urgent), so one
+//! scheduler orders all of a host's checkpoint work.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock, Weak};
+
+use crab_checkpoint::{CheckpointRequest, Checkpointer, Kind, PointSummary};
+use crab_common::ApiError;
+use crab_coordinator::{
+    Boundary, BoundaryTicket, BoxFuture, EngineTicket, SandboxDirectory, TurnHooks,
+};
+use crab_engine::{Engine, Executor, Job, JobKind, JobOutcome, JobSpec};
+
+use super::Daemon;
+
+/// The payload of a checkpoint job: what the restore point records besides its parts.
+pub type Payload = serde_json::Value;
+
+fn kind_of(k: JobKind) -> Kind {
+    match k {
+        JobKind::Skip => Kind::Skip,
+        JobKind::Fs => Kind::Fs,
+        JobKind::Process => Kind::Process,
+        JobKind::Full => Kind::Full,
+    }
+}
+
+/// Map an inspector verdict to a job kind.
+pub fn job_kind(k: crab_inspector::VerdictKind) -> JobKind {
+    match k {
+        crab_inspector::VerdictKind::Skip => JobKind::Skip,
+        crab_inspector::VerdictKind::Fs => JobKind::Fs,
+        crab_inspector::VerdictKind::Process => JobKind::Process,
+        crab_inspector::VerdictKind::Full => JobKind::Full,
+    }
+}
+
+/// Runs checkpoint jobs for the engine.
+#[derive(Debug)]
+pub struct CheckpointExecutor(pub Arc<Checkpointer>);
+
+impl Executor<Payload> for CheckpointExecutor {
+    fn run(&self, job: &Job<Payload>) -> Result<JobOutcome, String> {
+        let req = CheckpointRequest {
+            kind: kind_of(job.kind),
+            turn: job.payload.get("turn").and_then(|t| t.as_u64()),
+            conversation_offset: job.payload.get("conversation_offset").and_then(|o| o.as_u64()),
+        };
+        let m = self.0.checkpoint(&job.sandbox, req).map_err(|e| {
+            let api = e.to_api();
+            serde_json::to_string(&api).unwrap_or(api.message)
+        })?;
+        let summary = PointSummary::of(&m);
+        let bytes = if req.kind == Kind::Skip { 0 } else { summary.size_bytes };
+        Ok(JobOutcome {
+            checkpoint_id: summary.id.clone(),
+            bytes,
+            detail: serde_json::to_value(&summary).unwrap_or_default(),
+        })
+    }
+}
+
+/// Decode an executor's error string back into the API error it came from.
+pub fn job_error(message: &str) -> ApiError {
+    serde_json::from_str::<ApiError>(message).unwrap_or_else(|_| ApiError::internal(message))
+}
+
+/// The proxy's view of the sandboxes.
+#[derive(Debug)]
+pub struct SandboxDir(pub Arc<crab_sandbox::Runtime>);
+
+impl SandboxDirectory for SandboxDir {
+    fn exists(&self, name: &str) -> bool {
+        self.0.record(name).is_ok()
+    }
+    fn conversation_log_path(&self, name: &str) -> PathBuf {
+        self.0.state().sandbox_dir(name).join("conversation.log")
+    }
+}
+
+/// The proxy's turn hooks (the daemon is set once it exists).
+#[derive(Debug)]
+pub struct Hooks(pub OnceLock<Weak<Daemon>>);
+
+impl Daemon {
+    /// Close the inspector's turn for `name` and decide the checkpoint kind: the verdict's,
+    /// or full when asked, when the last checkpoint failed, or without an inspector.
+    pub fn decide_kind(
+        &self,
+        name: &str,
+        force_full: bool,
+    ) -> (JobKind, Vec<String>, Option<crab_inspector::Verdict>) {
+        let mut reasons = Vec::new();
+        let forced = self.take_force_full(name) || force_full;
+        match self.inspector() {
+            Ok(i) => match i.take(name) {
+                Ok(v) => {
+                    let mut k = job_kind(v.kind);
+                    if forced && k != JobKind::Full {
+                        reasons.push("the previous checkpoint failed: taking a full one".into());
+                        k = JobKind::Full;
+                    }
+                    (k, reasons, Some(v))
+                }
+                Err(e) => {
+                    reasons.push(format!("no verdict ({e}): taking a full checkpoint"));
+                    (JobKind::Full, reasons, None)
+                }
+            },
+            Err(e) => {
+                reasons.push(format!(
+                    "inspector unavailable ({}): taking a full checkpoint",
+                    e.message
+                ));
+                (JobKind::Full, reasons, None)
+            }
+        }
+    }
+
+    /// Submit a checkpoint job to the engine.
+    pub fn submit(
+        &self,
+        name: &str,
+        kind: JobKind,
+        turn: Option<u64>,
+        offset: Option<u64>,
+    ) -> crab_engine::JobHandle {
+        let payload = serde_json::json!({ "turn": turn, "conversation_offset": offset });
+        self.engine.submit(JobSpec::checkpoint(name, kind, payload, turn.unwrap_or(0)))
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine<Payload> {
+        &self.engine
+    }
+}
+
+impl TurnHooks for Hooks {
+    fn on_boundary(&self, b: Boundary) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+        Box::pin(async move {
+            let d = self.0.get().and_then(Weak::upgrade).ok_or("the daemon is not running")?;
+            let name = b.sandbox.clone();
+            let d2 = d.clone();
+            let (kind, reasons, _) =
+                tokio::task::spawn_blocking(move || d2.decide_kind(&name, b.force_full))
+                    .await
+                    .map_err(|e| format!("verdict task failed: {e}"))?;
+            if !reasons.is_empty() {
+                tracing::info!(sandbox = %b.sandbox, ?reasons, "turn boundary");
+            }
+            let handle = d.submit(&b.sandbox, kind, Some(b.turn), Some(b.conversation_offset));
+            let ticket: Arc<dyn BoundaryTicket> =
+                Arc::new(EngineTicket::new(d.engine.clone(), handle, b.sandbox.clone()));
+            Ok(ticket)
+        })
+    }
+}

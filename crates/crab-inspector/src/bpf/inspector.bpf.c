@@ -271,14 +271,13 @@ static __always_inline struct file *fd_file(long fd)
 {
 	if (fd < 0)
 		return NULL;
-	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
-	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
-	unsigned int max = BPF_CORE_READ(fdt, max_fds);
-	if ((unsigned long)fd >= max)
+	/* BTF pointers: plain loads (with fault handling) instead of probe-read helper calls */
+	struct task_struct *t = bpf_get_current_task_btf();
+	struct fdtable *fdt = t->files->fdt;
+	if (!fdt || (unsigned long)fd >= fdt->max_fds)
 		return NULL;
-	struct file **arr = BPF_CORE_READ(fdt, fd);
 	struct file *f = NULL;
-	bpf_probe_read_kernel(&f, sizeof(f), &arr[fd]);
+	bpf_probe_read_kernel(&f, sizeof(f), &fdt->fd[fd]);
 	return f;
 }
 
@@ -458,9 +457,15 @@ static __always_inline void not_counted(__u32 sbx, struct file *f, struct inode 
 /* A change through an open file (write, ftruncate, fchmod, shared mmap...). */
 static __always_inline void record_file(__u32 sbx, struct file *f, __u32 flags)
 {
-	struct inode *ino = BPF_CORE_READ(f, f_inode);
-	__u32 mode = 0;
-	if (!inode_counts(ino, &mode)) {
+	struct file *fb = bpf_core_cast(f, struct file);
+	struct inode *ino = fb->f_inode;
+	if (!ino)
+		return;
+	__u32 mode = ino->i_mode;
+	__u32 fmt = mode & S_IFMT;
+	struct super_block *sb = ino->i_sb;
+	if ((fmt != S_IFREG && fmt != S_IFDIR && fmt != S_IFLNK) || magic_ignored(sb->s_magic) ||
+	    ino->__i_nlink == 0) {
 		not_counted(sbx, f, ino, flags);
 		return;
 	}
@@ -468,8 +473,8 @@ static __always_inline void record_file(__u32 sbx, struct file *f, __u32 flags)
 	struct ckey k = {};
 	k.sbx = sbx;
 	k.kind = K_INODE;
-	k.a = BPF_CORE_READ(ino, i_sb, s_dev);
-	k.b = BPF_CORE_READ(ino, i_ino);
+	k.a = sb->s_dev;
+	k.b = ino->i_ino;
 	__u32 slot = enter_slot(s);
 	k.slot = slot;
 	struct change *c = ch_lookup(&k);

@@ -629,14 +629,10 @@ impl Checkpointer {
         let m = store.resolve(point)?;
         progress.stage("verify", None);
         progress.message(&format!("restore point {} (turn {}, {})", m.id, m.turn, m.kind.as_str()));
-        store.verify(&m)?;
         let fs = m.fs.as_ref().ok_or_else(|| {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
         })?;
         let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
-        let verify_ms = ms(started.elapsed());
-
-        progress.stage("filesystem", None);
         let t_fs = Instant::now();
         let dir = self.rt.state().sandbox_dir(sandbox);
         let rootfs = self.rt.state().sandbox_rootfs(sandbox);
@@ -647,10 +643,33 @@ impl Checkpointer {
                 self.fs.delete(p).map_err(|e| CheckpointError::io("delete", p, e))?;
             }
         }
+        // Verification (hashing the images) and the writable snapshot of F_k overlap: neither
+        // touches the sandbox, and a failed verification discards the snapshot.
         let src = store.fs_path(fs.id);
-        self.fs
-            .snapshot(&src, &staged, false)
-            .map_err(|e| CheckpointError::io("snapshot", &staged, e))?;
+        let (verified, snap) = std::thread::scope(|scope| {
+            let v = scope.spawn(|| {
+                let t = Instant::now();
+                store.verify(&m).map(|()| ms(t.elapsed()))
+            });
+            let snap = self.fs.snapshot(&src, &staged, false);
+            let verified = v.join().unwrap_or_else(|_| {
+                Err(CheckpointError::Invalid("verification thread panicked".into()))
+            });
+            (verified, snap)
+        });
+        let verify_ms = match verified {
+            Ok(ms) => ms,
+            Err(e) => {
+                if staged.exists() {
+                    if let Err(d) = self.fs.delete(&staged) {
+                        tracing::warn!(path = %staged.display(), error = %d, "cannot discard the staged root");
+                    }
+                }
+                return Err(e);
+            }
+        };
+        snap.map_err(|e| CheckpointError::io("snapshot", &staged, e))?;
+        progress.stage("filesystem", None);
         // Point of no return: stop what runs, swap the roots.
         self.rt.stop(sandbox).map_err(sandbox_err(sandbox))?;
         std::fs::rename(&rootfs, &old).map_err(|e| CheckpointError::io("rename", &rootfs, e))?;

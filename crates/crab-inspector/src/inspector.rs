@@ -71,6 +71,8 @@ struct Reg {
     handle: SandboxHandle,
     /// Reasons carried into the next verdict (e.g. a turn that did not quiesce).
     carry: Vec<String>,
+    /// Epoch of turn 1 (sandbox keys are reused; their epochs only grow).
+    first_epoch: u64,
     maps: SandboxMaps,
 }
 
@@ -286,7 +288,7 @@ impl Inspector {
         let e = g.bss.sstate(k, SS_EPOCH).load(Ordering::SeqCst);
         let slot = (e & 1) as usize;
         Ok(TurnStats {
-            turn: e,
+            turn: e + 1 - reg.first_epoch,
             fs_records: g.bss.sstate(k, SS_EVENTS + 8 * slot).load(Ordering::SeqCst),
             flags: g.bss.sstate(k, SS_FLAGS + 8 * slot).load(Ordering::SeqCst),
         })
@@ -448,7 +450,7 @@ impl Inner {
         };
         self.sandboxes.insert(
             sandbox.to_string(),
-            Reg { handle: handle.clone(), carry: Vec::new(), maps: sm },
+            Reg { handle: handle.clone(), carry: Vec::new(), maps: sm, first_epoch: epoch },
         );
         tracing::info!(sandbox, key, cgroup_id, level, "sandbox attached to the inspector");
         Ok(handle)
@@ -604,7 +606,7 @@ impl Inner {
         if close {
             reg.carry = next_carry;
         }
-        Ok(decide(sandbox, e, facts))
+        Ok(decide(sandbox, e + 1 - reg.first_epoch, facts))
     }
 }
 

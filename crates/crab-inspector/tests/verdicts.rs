@@ -311,6 +311,7 @@ fn peek_does_not_reset() {
     let v2 = s.take();
     assert_eq!(v2.kind, VerdictKind::Fs, "{v2:?}");
     assert_eq!(v1.turn, v2.turn);
+    assert_eq!(v1.turn, 2, "turn 1 was closed right after attach");
     let v3 = s.take();
     assert_eq!(v3.kind, VerdictKind::Skip, "{v3:?}");
     assert_eq!(v3.turn, v2.turn + 1);

@@ -107,6 +107,20 @@ macro_rules! setup {
     }};
 }
 
+/// Waits until `pid` has exec'd something other than sh and sleeps (its start-up is over).
+fn settle(pid: u32, comm: &str) {
+    for _ in 0..500 {
+        let c = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = st.rsplit(')').next().and_then(|r| r.trim_start().chars().next());
+        if c.trim().starts_with(comm) && state == Some('S') {
+            std::thread::sleep(Duration::from_millis(100));
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn has(v: &Verdict, suffix: &str, op: fn(&ChangeOp) -> bool) -> bool {
     v.changeset.iter().any(|c| c.path.ends_with(suffix) && op(&c.op))
 }
@@ -204,7 +218,7 @@ fn background_process_born_idle_then_died() {
     let out = s.run("sleep 1000 > /dev/null 2>&1 & echo $!");
     let pid: i32 = out.trim().parse().unwrap();
     // let it finish starting (exec, dynamic loading) inside this turn
-    std::thread::sleep(Duration::from_millis(300));
+    settle(pid as u32, "sleep");
     let v = s.take();
     assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
     assert!(v.processes.born.contains(&(pid as u32)), "{v:?}");
@@ -378,7 +392,7 @@ fn changing_a_file_mapped_by_a_live_process_is_a_process_change() {
         "{py} -c \"import mmap,time,os\nf=open('lib.bin','rb')\nm=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ)\nos.close(1)\ntime.sleep(1000)\" > /dev/null 2>&1 & echo $!"
     ));
     let pid: u32 = out.trim().parse().unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    settle(pid, "python3");
     let v = s.take();
     assert!(v.processes.born.contains(&pid), "{v:?}");
     s.run("echo more >> lib.bin");

@@ -79,6 +79,29 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         names: Vec<String>,
     },
+    /// Print a sandbox's conversation (as recorded by the LLM proxy), up to a restore point.
+    Conversation {
+        /// Sandbox name.
+        sandbox: String,
+        /// Restore point id: the conversation as it was at that point.
+        #[arg(long)]
+        at: Option<String>,
+    },
+    /// Mark a turn boundary explicitly (for frameworks that do not go through the LLM proxy);
+    /// returns once the turn's restore point is published.
+    Turn {
+        /// Sandbox name.
+        sandbox: String,
+    },
+    /// Live per-sandbox view: turns, verdict mix, held time, queue.
+    Top {
+        /// Refresh interval in seconds.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Print one snapshot and exit.
+        #[arg(long)]
+        once: bool,
+    },
     /// Show the current turn's OS effects in a sandbox, as the eBPF inspector sees them.
     Inspect {
         /// Sandbox name.
@@ -96,6 +119,28 @@ enum Cmd {
 
 #[derive(Debug, Subcommand)]
 enum BenchCmd {
+    /// LLM proxy overhead per request vs a direct call to a stub upstream, interleaved.
+    Proxy {
+        /// Measured requests per arm.
+        #[arg(long, default_value_t = 2000)]
+        iterations: usize,
+    },
+    /// Exposed latency of 16 simulated agents (trace LLM latencies, simulated checkpoint
+    /// costs) through a real proxy and engine.
+    Turns {
+        /// Concurrent sandboxes.
+        #[arg(long, default_value_t = 16)]
+        sandboxes: usize,
+        /// Turns per sandbox.
+        #[arg(long, default_value_t = 8)]
+        turns: usize,
+        /// Time scale of LLM latencies (1 = recorded).
+        #[arg(long, default_value_t = 1.0)]
+        time_scale: f64,
+        /// Directory of traces to draw LLM latencies from.
+        #[arg(long, default_value = "../shared/traces/mini-swe-agent")]
+        traces: std::path::PathBuf,
+    },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
         /// Image to create sandboxes from.
@@ -330,6 +375,9 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Inspect { sandbox, close } => inspect_cmd(&client, &sandbox, close, json).await,
         Cmd::Checkpoint { sandbox, kind } => checkpoint_cmd(&client, &sandbox, kind, json).await,
         Cmd::Checkpoints(a) => checkpoints_cmd(&client, a, json).await,
+        Cmd::Conversation { sandbox, at } => conversation_cmd(&client, &sandbox, at, json).await,
+        Cmd::Turn { sandbox } => turn_cmd(&client, &sandbox, json).await,
+        Cmd::Top { interval, once } => top_cmd(&client, interval, once, json).await,
         Cmd::Restore { sandbox, checkpoint } => {
             restore_cmd(&client, &sandbox, checkpoint, json).await
         }
@@ -602,6 +650,63 @@ async fn bench_cmd(
     let exe =
         std::env::current_exe().map_err(|e| ApiError::internal(format!("locating crab: {e}")))?;
     match b {
+        BenchCmd::Proxy { iterations } => {
+            let opts =
+                crab_coordinator::bench::ProxyBenchOptions { iterations, ..Default::default() };
+            let r = crab_coordinator::bench::bench_proxy(opts)
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            if json {
+                print_json(&r);
+            } else {
+                let row = |n: &str, s: &crab_coordinator::bench::LatencySummary| {
+                    vec![
+                        n.to_string(),
+                        s.n.to_string(),
+                        format!("{:.3}", s.p50),
+                        format!("{:.3}", s.p95),
+                        format!("{:.3}", s.p99),
+                    ]
+                };
+                table(
+                    &["MEASURE (ms)", "N", "P50", "P95", "P99"],
+                    &[
+                        row("direct", &r.direct),
+                        row("proxied (fsync)", &r.proxied),
+                        row("proxied (no fsync)", &r.proxied_no_fsync),
+                    ],
+                );
+                println!(
+                    "proxy overhead p50: {:.3} ms (no fsync {:.3} ms); budget {} ms: {}",
+                    r.overhead_p50_ms,
+                    r.overhead_no_fsync_p50_ms,
+                    r.budget_p50_ms,
+                    if r.within_budget { "met" } else { "MISSED" }
+                );
+            }
+        }
+        BenchCmd::Turns { sandboxes, turns, time_scale, traces } => {
+            let lat = crab_coordinator::bench::load_llm_latencies(&traces).unwrap_or_default();
+            let opts = crab_coordinator::bench::TurnBenchOptions {
+                sandboxes,
+                turns,
+                llm_latency_ms: lat,
+                time_scale,
+                ..Default::default()
+            };
+            let r = crab_coordinator::bench::bench_turns(opts)
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            if json {
+                print_json(&r);
+            } else {
+                println!(
+                    "{} sandboxes x {} turns, {} latency samples, scale {}: exposed p50 {:.1} ms p95 {:.1} ms p99 {:.1} ms max {:.1} ms; held {:.1} % of turns; wall {:.1} s",
+                    r.sandboxes, r.turns, r.latency_samples, r.time_scale, r.exposed.p50, r.exposed.p95, r.exposed.p99, r.exposed.max,
+                    100.0 * r.held_fraction, r.wall_s
+                );
+            }
+        }
         BenchCmd::Foundation { image, creates, execs } => {
             eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
             let r = crab_bench::foundation::run(client, &exe, state.root(), &image, creates, execs)
@@ -822,6 +927,117 @@ async fn fork_cmd(
         for b in &v {
             println!("{}", b.sandbox);
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn conversation_cmd(
+    client: &Client,
+    sandbox: &str,
+    at: Option<String>,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    let path = match &at {
+        Some(a) => format!("/v1/sandboxes/{sandbox}/conversation?at={a}"),
+        None => format!("/v1/sandboxes/{sandbox}/conversation"),
+    };
+    let v: Vec<crab_coordinator::LogRecord> =
+        client.call::<(), _>(Method::GET, &path, None).await?;
+    if json {
+        print_json(&v);
+        return Ok(ExitCode::SUCCESS);
+    }
+    for r in &v {
+        println!("--- turn {} {} {} -> {}", r.turn, r.method, r.path, r.status);
+        println!(">>> {}", r.request);
+        if let Some(resp) = &r.response {
+            println!("<<< {resp}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn top_cmd(
+    client: &Client,
+    interval: f64,
+    once: bool,
+    json: bool,
+) -> Result<ExitCode, ApiError> {
+    loop {
+        let v: serde_json::Value = client.call::<(), _>(Method::GET, "/v1/top", None).await?;
+        if json {
+            print_json(&v);
+        } else {
+            if !once {
+                print!("\x1b[2J\x1b[H");
+            }
+            let e = &v["engine"];
+            println!(
+                "engine: {} urgent, {} normal queued; {} running ({} dumps)",
+                e["queued_urgent"], e["queued_normal"], e["running"], e["running_dumps"]
+            );
+            let mut rows = Vec::new();
+            let empty = Vec::new();
+            for p in v["proxy"].as_array().unwrap_or(&empty) {
+                let name = p["sandbox"].as_str().unwrap_or("");
+                let view =
+                    e["sandboxes"].as_array().and_then(|a| a.iter().find(|s| s["sandbox"] == name));
+                let mix = view
+                    .map(|s| {
+                        let sub = &s["stats"]["submitted"];
+                        ["skip", "fs", "process", "full"]
+                            .iter()
+                            .map(|k| sub[k].as_u64().unwrap_or(0).to_string())
+                            .collect::<Vec<_>>()
+                            .join("/")
+                    })
+                    .unwrap_or_else(|| "-".into());
+                let queue = view
+                    .map(|s| {
+                        let q = s["queued"].as_str().unwrap_or("-");
+                        let r = s["running"].as_str().unwrap_or("-");
+                        format!("{q}/{r}")
+                    })
+                    .unwrap_or_else(|| "-/-".into());
+                rows.push(vec![
+                    name.to_string(),
+                    p["turns"].to_string(),
+                    mix,
+                    format!("{}", p["held"]),
+                    format!("{:.1}", p["held_ms_total"].as_f64().unwrap_or(0.0)),
+                    format!("{:.1}", p["held_ms_max"].as_f64().unwrap_or(0.0)),
+                    queue,
+                    p["checkpoint_failures"].to_string(),
+                ]);
+            }
+            table(
+                &[
+                    "SANDBOX",
+                    "TURNS",
+                    "SKIP/FS/PROC/FULL",
+                    "HELD",
+                    "HELD MS",
+                    "MAX MS",
+                    "QUEUED/RUNNING",
+                    "FAILED",
+                ],
+                &rows,
+            );
+        }
+        if once {
+            return Ok(ExitCode::SUCCESS);
+        }
+        tokio::time::sleep(std::time::Duration::from_secs_f64(interval.max(0.1))).await;
+    }
+}
+
+async fn turn_cmd(client: &Client, sandbox: &str, json: bool) -> Result<ExitCode, ApiError> {
+    let v: serde_json::Value =
+        client.call::<(), _>(Method::POST, &format!("/v1/sandboxes/{sandbox}/turns"), None).await?;
+    if json {
+        print_json(&v);
+    } else {
+        println!("turn {} published as {}", v["turn"], v["checkpoint"].as_str().unwrap_or("?"));
     }
     Ok(ExitCode::SUCCESS)
 }

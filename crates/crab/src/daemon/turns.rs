@@ -51,15 +51,20 @@ pub struct CheckpointExecutor(pub Arc<Checkpointer>);
 
 impl Executor<Payload> for CheckpointExecutor {
     fn run(&self, job: &Job<Payload>) -> Result<JobOutcome, String> {
+        let encode = |api: ApiError| serde_json::to_string(&api).unwrap_or(api.message);
+        // The first restore point of a sandbox is its base: it must hold everything.
+        let first = self
+            .0
+            .store(&job.sandbox)
+            .and_then(|s| s.point_ids())
+            .map_err(|e| encode(e.to_api()))?
+            .is_empty();
         let req = CheckpointRequest {
-            kind: kind_of(job.kind),
+            kind: if first { Kind::Full } else { kind_of(job.kind) },
             turn: job.payload.get("turn").and_then(|t| t.as_u64()),
             conversation_offset: job.payload.get("conversation_offset").and_then(|o| o.as_u64()),
         };
-        let m = self.0.checkpoint(&job.sandbox, req).map_err(|e| {
-            let api = e.to_api();
-            serde_json::to_string(&api).unwrap_or(api.message)
-        })?;
+        let m = self.0.checkpoint(&job.sandbox, req).map_err(|e| encode(e.to_api()))?;
         let summary = PointSummary::of(&m);
         let bytes = if req.kind == Kind::Skip { 0 } else { summary.size_bytes };
         Ok(JobOutcome {
@@ -71,8 +76,12 @@ impl Executor<Payload> for CheckpointExecutor {
 }
 
 /// Decode an executor's error string back into the API error it came from.
+/// The engine may have wrapped it in a sentence ("checkpoint job-3 of sandbox x ... failed: {..}").
 pub fn job_error(message: &str) -> ApiError {
-    serde_json::from_str::<ApiError>(message).unwrap_or_else(|_| ApiError::internal(message))
+    message
+        .find('{')
+        .and_then(|i| serde_json::from_str::<ApiError>(&message[i..]).ok())
+        .unwrap_or_else(|| ApiError::internal(message))
 }
 
 /// The proxy's view of the sandboxes.

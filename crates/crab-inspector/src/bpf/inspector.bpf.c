@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
-/* crab-inspector's BPF side: syscall and scheduler tracepoints that keep, per registered sandbox
+/* crab-inspector's BPF side: raw syscall and scheduler tracepoints (tp_btf) that keep, per registered sandbox
  * and per turn, the NET effect of the sandbox's processes on files (keyed by inode or by name)
  * and on its process set, in kernel maps that user space reads once at the turn boundary.
  *
@@ -60,7 +60,6 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 struct sstate sstates[MAX_SBX];
 __u32 level_mask;  /* bit L set: some registered cgroup sits at level L */
-__u64 global_lost; /* events lost before a sandbox could be known */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -329,14 +328,6 @@ static __always_inline int inode_counts(struct inode *ino, __u32 *mode_out)
 		return 0;
 	*mode_out = mode;
 	return 1;
-}
-
-static __always_inline int dentry_counts(struct dentry *d)
-{
-	struct inode *ino = BPF_CORE_READ(d, d_inode);
-	if (!ino)
-		return 1;
-	return !magic_ignored(BPF_CORE_READ(ino, i_sb, s_magic));
 }
 
 /* Writes the names from `d` up to the process root, leaf first, NUL-separated, crossing mounts. */

@@ -397,7 +397,7 @@ impl Inner {
         let sm = SandboxMaps {
             changes: [new_changes()?, new_changes()?],
             paths: [new_paths()?, new_paths()?],
-            procs: maps::create_inner("crab_procs", 4, PROC_SIZE, MAX_PROCS, false)?,
+            procs: maps::create_inner("crab_procs", 4, PROC_SIZE, MAX_PROCS, true)?,
         };
         for slot in 0..2u32 {
             let i = key * 2 + slot;

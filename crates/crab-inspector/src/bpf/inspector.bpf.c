@@ -91,6 +91,7 @@ struct paths_inner {
 struct procs_inner {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, MAX_PROCS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, __u32); /* tgid */
 	__type(value, struct proc);
 } procs_tmpl SEC(".maps");

@@ -357,6 +357,30 @@ mod tests {
     }
 
     #[test]
+    fn verdict_round_trips_through_json() {
+        let mut f = TurnFacts::default();
+        f.changeset.push(PathChange {
+            path: "/b".into(),
+            op: ChangeOp::Rename { from: "/a".into() },
+            kind: ObjectKind::File,
+            exact: true,
+            inode: Some((1, 2)),
+        });
+        f.changeset.push(PathChange {
+            path: "/c".into(),
+            op: ChangeOp::Create,
+            kind: ObjectKind::Dir,
+            exact: false,
+            inode: None,
+        });
+        f.processes.ran.push(7);
+        let v = decide("sb", 3, f);
+        let j = serde_json::to_string(&v).unwrap_or_default();
+        let back: Verdict = serde_json::from_str(&j).unwrap_or_else(|e| panic!("{e}: {j}"));
+        assert_eq!(back, v);
+    }
+
+    #[test]
     fn serializes_rename() {
         let c = PathChange {
             path: "/b".into(),

@@ -863,8 +863,19 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 			pa_delete(&k);
 			if (ak != NO_ALIAS)
 				delete_key(ak, aa, ab, ac, pd->sbx, slot);
-			if (dev || ino)
-				delete_key(K_INODE, dev, ino, 0, pd->sbx, slot);
+			if (dev || ino) {
+				/* only the record of the inode created in this turn (inode numbers
+				 * can repeat across btrfs subvolumes) */
+				struct ckey ik = {};
+				ik.sbx = pd->sbx;
+				ik.slot = slot;
+				ik.kind = K_INODE;
+				ik.a = dev;
+				ik.b = ino;
+				struct change *ic = ch_lookup(&ik);
+				if (ic && (ic->flags & C_CREATED))
+					delete_key(K_INODE, dev, ino, 0, pd->sbx, slot);
+			}
 			return;
 		}
 		fill_base_walk(r, relative, bm, bd);

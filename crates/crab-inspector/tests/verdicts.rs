@@ -439,3 +439,46 @@ fn atomic_save_is_fs_on_the_target() {
     assert!(v.changeset.iter().any(|c| c.path.ends_with("/cfg")), "{v:?}");
     assert!(!v.changeset.iter().any(|c| c.path.ends_with(".cfg.tmp")), "{v:?}");
 }
+
+#[test]
+fn no_record_is_lost_at_turn_boundaries() {
+    let s = setup!("stress");
+    let py = python();
+    const N: usize = 300;
+    let script = format!(
+        "{py} -c \"import time\nfor i in range({N}):\n  open('s_%d' % i, 'w').write('x')\n  time.sleep(0.001)\n\" > /dev/null 2>&1 & echo $!"
+    );
+    let out = s.run(&script);
+    let pid: u32 = out.trim().parse().unwrap();
+    let mut seen = std::collections::HashSet::new();
+    let mut turns = 0;
+    let mut collect = |v: &Verdict| {
+        for c in &v.changeset {
+            if let Some(name) = c.path.rsplit('/').next() {
+                if name.starts_with("s_") {
+                    seen.insert(name.to_string());
+                }
+            }
+        }
+    };
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        let v = s.insp.take(&s.name).unwrap();
+        collect(&v);
+        turns += 1;
+        std::thread::sleep(Duration::from_millis(3));
+        // the writer is re-parented away from us: stop once it is a zombie or gone
+        if std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|st| {
+                st.rsplit(')').next().map(|r| r.trim_start().starts_with('Z')).unwrap_or(false)
+            })
+            .unwrap_or(true)
+        {
+            break;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let v = s.insp.take(&s.name).unwrap();
+    collect(&v);
+    eprintln!("stress: {N} creations over {turns} turns, {} seen", seen.len());
+    assert_eq!(seen.len(), N, "records lost at turn boundaries");
+}

@@ -334,7 +334,10 @@ fn flag_reasons(flags: u64, facts: &mut TurnFacts) {
         c.push("the change map was full: a file change may be missing".into());
     }
     if flags & S_UNTRACKABLE != 0 {
-        c.push("io_uring_setup, io_setup (AIO) or acct was called: their I/O is not traced".into());
+        c.push(
+            "io_uring_setup, io_setup (AIO), acct or 32-bit/x32 system calls were used: not traced"
+                .into(),
+        );
     }
     if flags & S_MOUNT != 0 {
         c.push("a mount-family call changed the mount table".into());

@@ -482,3 +482,25 @@ fn no_record_is_lost_at_turn_boundaries() {
     eprintln!("stress: {N} creations over {turns} turns, {} seen", seen.len());
     assert_eq!(seen.len(), N, "records lost at turn boundaries");
 }
+
+#[test]
+fn compat_syscalls_are_conservative() {
+    let s = setup!("compat");
+    let src = s.path().join("c.c");
+    std::fs::write(
+        &src,
+        "int main(void){long r; __asm__ volatile(\"int $0x80\" : \"=a\"(r) : \"a\"(20L)); return r < 0;}\n",
+    )
+    .unwrap();
+    let bin = s.path().join("c32");
+    let built = Command::new("cc").arg("-o").arg(&bin).arg(&src).status();
+    if !matches!(built, Ok(st) if st.success()) {
+        eprintln!("skipped: no C compiler");
+        return;
+    }
+    s.take();
+    s.run(&bin.display().to_string());
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Full, "{v:?}");
+    assert!(v.conservative, "{v:?}");
+}

@@ -1014,6 +1014,9 @@ static __always_inline int handle_exit(long ret)
 #error "the syscall numbers below are x86-64's"
 #endif
 
+#define TS_COMPAT 0x0002
+#define X32_SYSCALL_BIT 0x40000000
+
 #define NR_write 1
 #define NR_open 2
 #define NR_mmap 9
@@ -1107,6 +1110,15 @@ int BPF_PROG(sys_enter_all, struct pt_regs *regs, long id)
 	__u32 fl = 0, op = 0, nsop = 0;
 	__u64 p1 = 0, p2 = 0, xf = 0, flag = 0;
 	__u32 sbx;
+
+	/* 32-bit (ia32) and x32 system calls use other numbers: not followed, so a sandbox
+	 * process making them makes its turn conservative. */
+	struct task_struct *cur = bpf_get_current_task_btf();
+	if ((cur->thread_info.status & TS_COMPAT) || (id & X32_SYSCALL_BIT)) {
+		if (sbx_of_current(&sbx))
+			flag_now(sbx, S_UNTRACKABLE);
+		return 0;
+	}
 
 	switch (id) {
 	case NR_write:

@@ -42,6 +42,7 @@ pub(crate) const S_PROC_OVERFLOW: u64 = 1 << 6;
 pub(crate) const S_PATH_FAULT: u64 = 1 << 7;
 pub(crate) const S_FS_UNKNOWN: u64 = 1 << 8;
 pub(crate) const S_SHM: u64 = 1 << 10;
+pub(crate) const S_PROC_STATE: u64 = 1 << 11;
 
 pub(crate) const PR_DEAD: u32 = 1 << 0;
 

@@ -18,7 +18,7 @@ use crate::abi::{
     kdev_split, CKey, Change, PathRec, ProcRec, CHANGE_SIZE, CKEY_SIZE, MAX_CHANGES, MAX_PROCS,
     MAX_SBX, PREC_SIZE, PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS, SS_INFLIGHT,
     SS_NS_INFLIGHT, S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT,
-    S_PENDING_LOST, S_PROC_OVERFLOW, S_SHM, S_UNTRACKABLE,
+    S_PENDING_LOST, S_PROC_OVERFLOW, S_PROC_STATE, S_SHM, S_UNTRACKABLE,
 };
 use crate::error::InspectorError;
 use crate::maps::{self, Bss};
@@ -350,6 +350,12 @@ fn flag_reasons(flags: u64, facts: &mut TurnFacts) {
     }
     if flags & S_PROC_OVERFLOW != 0 {
         c.push("the process map was full: a process change may be missing".into());
+    }
+    if flags & S_PROC_STATE != 0 {
+        facts.proc_reasons.push(
+            "IPC objects, the hostname, or another process's limits or scheduling were changed"
+                .into(),
+        );
     }
     if flags & S_SHM != 0 {
         facts.proc_reasons.push(

@@ -504,3 +504,18 @@ fn compat_syscalls_are_conservative() {
     assert_eq!(v.kind, VerdictKind::Full, "{v:?}");
     assert!(v.conservative, "{v:?}");
 }
+
+#[test]
+fn sysv_ipc_is_a_process_change() {
+    let s = setup!("ipc");
+    let py = python();
+    let out =
+        s.run(&format!("{py} -c \"import ctypes; print(ctypes.CDLL(None).msgget(0, 0o1600))\""));
+    let v = s.take();
+    if let Ok(id) = out.trim().parse::<i32>() {
+        // SAFETY: msgctl(IPC_RMID) on the queue the test made; no memory is passed.
+        unsafe { libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+    }
+    assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
+    assert!(v.reasons.iter().any(|r| r.contains("IPC")), "{v:?}");
+}

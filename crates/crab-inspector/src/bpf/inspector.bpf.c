@@ -1088,6 +1088,31 @@ static __always_inline int handle_exit(long ret)
 #define NR_setxattrat 463
 #define NR_removexattrat 466
 #define NR_open_tree_attr 467
+/* System V and POSIX IPC (IPC namespace state, dumped with the processes) */
+#define NR_shmget 29
+#define NR_shmctl 31
+#define NR_semget 64
+#define NR_semop 65
+#define NR_semctl 66
+#define NR_msgget 68
+#define NR_msgsnd 69
+#define NR_msgrcv 70
+#define NR_msgctl 71
+#define NR_semtimedop 220
+#define NR_mq_open 240
+#define NR_mq_unlink 241
+#define NR_mq_timedsend 242
+#define NR_mq_timedreceive 243
+/* state of another process or of the sandbox's namespaces */
+#define NR_setpriority 141
+#define NR_sched_setparam 142
+#define NR_sched_setscheduler 144
+#define NR_sethostname 170
+#define NR_setdomainname 171
+#define NR_sched_setaffinity 203
+#define NR_ioprio_set 251
+#define NR_prlimit64 302
+#define NR_sched_setattr 314
 
 /* ioctls that change file contents or attributes: reflink clones, chattr. */
 #define FICLONE 0x40049409u
@@ -1206,6 +1231,43 @@ int BPF_PROG(sys_enter_all, struct pt_regs *regs, long id)
 	case NR_process_vm_writev:
 	case NR_ptrace:
 		flag = S_FOREIGN_MEM;
+		goto flag_op;
+	case NR_shmget:
+	case NR_shmctl:
+	case NR_semget:
+	case NR_semop:
+	case NR_semctl:
+	case NR_semtimedop:
+	case NR_msgget:
+	case NR_msgsnd:
+	case NR_msgrcv:
+	case NR_msgctl:
+	case NR_mq_open:
+	case NR_mq_unlink:
+	case NR_mq_timedsend:
+	case NR_mq_timedreceive:
+	case NR_sethostname:
+	case NR_setdomainname:
+		flag = S_PROC_STATE;
+		goto flag_op;
+	case NR_sched_setparam:
+	case NR_sched_setscheduler:
+	case NR_sched_setaffinity:
+	case NR_sched_setattr:
+		if (I(R0) == 0) /* itself: it is running */
+			return 0;
+		flag = S_PROC_STATE;
+		goto flag_op;
+	case NR_setpriority:
+	case NR_ioprio_set:
+		if (I(R1) == 0)
+			return 0;
+		flag = S_PROC_STATE;
+		goto flag_op;
+	case NR_prlimit64:
+		if (I(R0) == 0 || R2 == 0) /* itself, or only reading */
+			return 0;
+		flag = S_PROC_STATE;
 		goto flag_op;
 
 	case NR_open:

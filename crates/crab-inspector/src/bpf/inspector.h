@@ -49,6 +49,7 @@
 #define S_PATH_FAULT (1ull << 7)   /* a path could not be read after a successful call */
 #define S_FS_UNKNOWN (1ull << 8)   /* an fs change whose object could not be resolved */
 #define S_PROC_EVENT (1ull << 9)   /* any process birth/death/exec (stats only) */
+#define S_PROC_STATE (1ull << 11) /* IPC objects, hostname, another process's limits/scheduling */
 #define S_SHM (1ull << 10)         /* shared memory mapped writable (memfd, shm, deleted file) */
 
 /* process flags (struct proc.flags) */

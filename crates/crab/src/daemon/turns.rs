@@ -113,7 +113,12 @@ impl Daemon {
         let forced = self.take_force_full(name) || force_full;
         match self.inspector() {
             Ok(i) => match i.take(name) {
-                Ok(v) => {
+                Ok(mut v) => {
+                    if let Ok(rec) = self.runtime.record(name) {
+                        if ignore_init(&mut v, rec.init_pid) {
+                            reasons.push("only the sandbox's init ran (it reaps orphans; it has no state to save)".into());
+                        }
+                    }
                     let mut k = job_kind(v.kind);
                     if forced && k != JobKind::Full {
                         reasons.push("the previous checkpoint failed: taking a full one".into());
@@ -172,5 +177,72 @@ impl TurnHooks for Hooks {
                 Arc::new(EngineTicket::new(d.engine.clone(), handle, b.sandbox.clone()));
             Ok(ticket)
         })
+    }
+}
+
+/// The sandbox's init (`/.crab/init`) wakes up to reap every orphan, so the inspector often sees
+/// it run; but its memory holds nothing a restore could lose (a fixed reaper loop), so its
+/// running alone never calls for a process dump. When the verdict's only process change is
+/// "init ran" (nothing born or died, no other reason, not conservative), drop the process part.
+/// Returns whether the verdict changed.
+pub fn ignore_init(v: &mut crab_inspector::Verdict, init_pid: u32) -> bool {
+    use crab_inspector::VerdictKind;
+    let p = &v.processes;
+    let only_init = p.born.is_empty() && p.died.is_empty() && p.ran == [init_pid];
+    if v.conservative || !only_init || !v.reasons.is_empty() {
+        return false;
+    }
+    v.processes.ran.clear();
+    v.kind = match v.kind {
+        VerdictKind::Full => VerdictKind::Fs,
+        VerdictKind::Process => VerdictKind::Skip,
+        other => other,
+    };
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crab_inspector::{ProcessChanges, Verdict, VerdictKind};
+
+    fn verdict(kind: VerdictKind, ran: Vec<u32>, born: Vec<u32>) -> Verdict {
+        Verdict {
+            sandbox: "s".into(),
+            turn: 1,
+            kind,
+            changeset: Vec::new(),
+            processes: ProcessChanges { born, died: Vec::new(), ran },
+            reasons: Vec::new(),
+            conservative: false,
+        }
+    }
+
+    #[test]
+    fn init_alone_does_not_need_a_dump() {
+        let mut v = verdict(VerdictKind::Process, vec![7], vec![]);
+        assert!(ignore_init(&mut v, 7));
+        assert_eq!(v.kind, VerdictKind::Skip);
+        let mut v = verdict(VerdictKind::Full, vec![7], vec![]);
+        assert!(ignore_init(&mut v, 7));
+        assert_eq!(v.kind, VerdictKind::Fs);
+    }
+
+    #[test]
+    fn anything_else_keeps_the_dump() {
+        for mut v in [
+            verdict(VerdictKind::Process, vec![7, 8], vec![]),
+            verdict(VerdictKind::Process, vec![8], vec![]),
+            verdict(VerdictKind::Process, vec![7], vec![9]),
+        ] {
+            assert!(!ignore_init(&mut v, 7));
+            assert_eq!(v.kind, VerdictKind::Process);
+        }
+        let mut v = verdict(VerdictKind::Full, vec![7], vec![]);
+        v.conservative = true;
+        assert!(!ignore_init(&mut v, 7));
+        let mut v = verdict(VerdictKind::Process, vec![7], vec![]);
+        v.reasons.push("pid 7 maps a changed file".into());
+        assert!(!ignore_init(&mut v, 7));
     }
 }

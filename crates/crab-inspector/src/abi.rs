@@ -62,6 +62,10 @@ pub(crate) const SS_NS_GEN: usize = 56;
 pub(crate) const SS_NS_INFLIGHT: usize = 64;
 /// Offset of `level_mask` in `.bss`.
 pub(crate) const BSS_LEVEL_MASK: usize = MAX_SBX * SSTATE_SIZE;
+/// Offset of `muted_tracers[4]` in `.bss`.
+pub(crate) const BSS_MUTED: usize = BSS_LEVEL_MASK + 4;
+/// Number of `muted_tracers` slots.
+pub(crate) const MUTED_SLOTS: usize = 4;
 
 fn u32_at(b: &[u8], off: usize) -> u32 {
     let mut a = [0u8; 4];

@@ -62,6 +62,12 @@ pub enum InspectorError {
         /// The limit.
         max: usize,
     },
+    /// All muted-tracer slots are in use.
+    #[error("at most {max} CRIU processes can be muted at once")]
+    TooManyTracers {
+        /// The limit.
+        max: usize,
+    },
     /// The inspector's state lock was poisoned by a panic.
     #[error("the inspector's state lock was poisoned by an earlier panic")]
     Poisoned,
@@ -87,6 +93,9 @@ impl InspectorError {
             }
             InspectorError::AlreadyAttached(_) => {
                 (ErrorCode::Conflict, "detach the sandbox before attaching it again")
+            }
+            InspectorError::TooManyTracers { .. } => {
+                (ErrorCode::Conflict, "unmute CRIU processes that have finished")
             }
             InspectorError::TooManySandboxes { .. } => {
                 (ErrorCode::Conflict, "detach sandboxes that are no longer running")

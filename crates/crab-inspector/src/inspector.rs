@@ -16,9 +16,9 @@ use serde::Serialize;
 
 use crate::abi::{
     kdev_split, CKey, Change, PathRec, ProcRec, CHANGE_SIZE, CKEY_SIZE, MAX_CHANGES, MAX_PROCS,
-    MAX_SBX, PREC_SIZE, PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS, SS_INFLIGHT,
-    SS_NS_INFLIGHT, S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT,
-    S_PENDING_LOST, S_PROC_OVERFLOW, S_PROC_STATE, S_SHM, S_UNTRACKABLE,
+    MAX_SBX, MUTED_SLOTS, PREC_SIZE, PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS,
+    SS_INFLIGHT, SS_NS_INFLIGHT, S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW,
+    S_PATH_FAULT, S_PENDING_LOST, S_PROC_OVERFLOW, S_PROC_STATE, S_SHM, S_UNTRACKABLE,
 };
 use crate::error::InspectorError;
 use crate::maps::{self, Bss};
@@ -230,6 +230,44 @@ impl Inspector {
             });
         }
         Ok(out)
+    }
+
+    /// Declares `pid` (a CRIU process run by the host) as a tracer whose work inside sandbox
+    /// tasks is not the sandboxes': while a task is ptrace-controlled by it (a dump's parasite)
+    /// nothing is recorded for it, and the restart of the syscall the dump interrupted does not
+    /// count as the task running. Without this, every process dump makes the next turn a
+    /// process turn. At most 4 at once.
+    pub fn mute_tracer(&self, pid: u32) -> Result<(), InspectorError> {
+        let g = self.lock()?;
+        for i in 0..MUTED_SLOTS {
+            if g.bss.muted_tracer(i).load(Ordering::SeqCst) == pid {
+                return Ok(());
+            }
+        }
+        for i in 0..MUTED_SLOTS {
+            if g.bss
+                .muted_tracer(i)
+                .compare_exchange(0, pid, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                return Ok(());
+            }
+        }
+        Err(InspectorError::TooManyTracers { max: MUTED_SLOTS })
+    }
+
+    /// Undoes [`Inspector::mute_tracer`].
+    pub fn unmute_tracer(&self, pid: u32) {
+        if let Ok(g) = self.lock() {
+            for i in 0..MUTED_SLOTS {
+                let _ = g.bss.muted_tracer(i).compare_exchange(
+                    pid,
+                    0,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                );
+            }
+        }
     }
 
     /// Number of attached BPF programs.

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
-use crate::abi::{BSS_LEVEL_MASK, MAX_SBX, SSTATE_SIZE};
+use crate::abi::{BSS_LEVEL_MASK, BSS_MUTED, MAX_SBX, MUTED_SLOTS, SSTATE_SIZE};
 use crate::error::InspectorError;
 
 /// All (key, value) pairs of a hash map, as two flat byte vectors and a count.
@@ -215,6 +215,14 @@ impl Bss {
     pub fn sstate(&self, sbx: u32, field: usize) -> &AtomicU64 {
         let sbx = (sbx as usize) % MAX_SBX;
         self.u64_at(sbx * SSTATE_SIZE + field)
+    }
+
+    /// Slot `i` of the `muted_tracers` global.
+    pub fn muted_tracer(&self, i: usize) -> &AtomicU32 {
+        let i = i % MUTED_SLOTS;
+        // SAFETY: `muted_tracers` is a u32[4] right after `level_mask` in `.bss` (4-aligned),
+        // `i` < 4, and the mapping outlives `self`.
+        unsafe { AtomicU32::from_ptr(self.base.add(BSS_MUTED + 4 * i).cast::<u32>()) }
     }
 
     /// The `level_mask` global.

@@ -519,3 +519,68 @@ fn sysv_ipc_is_a_process_change() {
     assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
     assert!(v.reasons.iter().any(|r| r.contains("IPC")), "{v:?}");
 }
+
+/// A CRIU dump runs parasite code inside the dumped tasks and makes interrupted syscalls restart:
+/// with the CRIU process muted, the turn after the dump is still a skip.
+#[test]
+fn criu_dump_is_invisible_when_muted() {
+    let criu = std::env::var("CRAB_CRIU").unwrap_or_else(|_| "/opt/crab/criu/bin/criu".into());
+    if !Path::new(&criu).exists() {
+        eprintln!("skipped: no criu at {criu}");
+        return;
+    }
+    let s = setup!("criu");
+    let mut child = Command::new("setsid")
+        .arg("sh")
+        .arg("-c")
+        .arg(format!("echo $$ > {}/cgroup.procs; exec sleep 1000", s.dir.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    settle(pid, "sleep");
+    s.take();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(s.take().kind, VerdictKind::Skip);
+    let img = s.path().join("img");
+    for muted in [true, false] {
+        let _ = std::fs::remove_dir_all(&img);
+        std::fs::create_dir_all(&img).unwrap();
+        let mut c = Command::new(&criu)
+            .args(["dump", "-t", &pid.to_string(), "--leave-running", "-o", "dump.log"])
+            .arg("-D")
+            .arg(&img)
+            .args(["--network-lock", "nftables"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        if muted {
+            s.insp.mute_tracer(c.id()).unwrap();
+        }
+        let st = c.wait().unwrap();
+        s.insp.unmute_tracer(c.id());
+        if !st.success() {
+            let log = std::fs::read_to_string(img.join("dump.log")).unwrap_or_default();
+            eprintln!(
+                "skipped: criu dump failed here: {}",
+                log.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+            );
+            let _ = child.kill();
+            let _ = child.wait();
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let v = s.take();
+        if muted {
+            assert_eq!(v.kind, VerdictKind::Skip, "muted dump: {v:?}");
+        } else {
+            // unmuted, the dump shows as the task running (never hidden)
+            assert_eq!(v.kind, VerdictKind::Process, "unmuted dump: {v:?}");
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

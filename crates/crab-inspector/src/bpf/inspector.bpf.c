@@ -60,6 +60,11 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 struct sstate sstates[MAX_SBX];
 __u32 level_mask;  /* bit L set: some registered cgroup sits at level L */
+/* Host processes (CRIU) whose work inside sandbox tasks, while those tasks are ptrace-controlled
+ * by them, is not the sandbox's: a dump's parasite code and the restart of the syscalls the
+ * dump interrupted. */
+__u32 muted_tracers[4];
+__u32 restart_watch; /* tasks in phase 1 or 2 below: sys_enter/exit look at them */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -200,8 +205,45 @@ static __always_inline void *procs_map(__u32 sbx)
 
 /* ---- attribution ------------------------------------------------------------------------ */
 
+/* ---- CRIU's own activity inside sandbox tasks ------------------------------------------- */
+
+/* Per thread, after a muted tracer stopped it inside a syscall: phase 1 = detached but not yet
+ * back in the kernel, phase 2 = back in the interrupted syscall (restarted) and not yet
+ * returned to user space. Only the `syscall` instruction ran in user space in between. */
+struct tstate {
+	__u64 saved_ip;
+	__u32 phase;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct tstate);
+} tstates SEC(".maps");
+
+static __always_inline int traced_by_muted(struct task_struct *t)
+{
+	if (!t->ptrace)
+		return 0;
+	struct task_struct *tracer = t->parent;
+	if (!tracer)
+		return 0;
+	__u32 tr = tracer->tgid;
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		__u32 m = *(volatile __u32 *)&muted_tracers[i];
+		if (m && m == tr)
+			return 1;
+	}
+	return 0;
+}
+
 static __always_inline int sbx_of_current(__u32 *out)
 {
+	if (traced_by_muted(bpf_get_current_task_btf()))
+		return 0;
 	__u64 cg = bpf_get_current_cgroup_id();
 	__u32 *v = bpf_map_lookup_elem(&cgmap, &cg);
 	if (v) {
@@ -1128,6 +1170,36 @@ static __always_inline int handle_exit(long ret)
 #define R4 (regs->r8)
 #define I(x) ((long)(int)(x)) /* int arguments: the register's upper half is undefined */
 
+static __always_inline void mark_ran(__u32 sbx, __u32 tgid, int exec);
+
+/* First kernel entry of a task a muted tracer let go: the restart of the interrupted syscall
+ * (same syscall instruction) does not count as running; anything else does. */
+static __always_inline void restart_enter(struct task_struct *cur, struct pt_regs *regs)
+{
+	struct tstate *ts = bpf_task_storage_get(&tstates, cur, 0, 0);
+	if (!ts || ts->phase != 1 || traced_by_muted(cur))
+		return;
+	if (regs->ip == ts->saved_ip) {
+		ts->phase = 2;
+		return;
+	}
+	ts->phase = 0;
+	__sync_fetch_and_add(&restart_watch, -1);
+	__u32 sbx;
+	if (sbx_of_current(&sbx))
+		mark_ran(sbx, bpf_get_current_pid_tgid() >> 32, 0);
+}
+
+/* Return to user space ends phase 2 (normal accounting from here). */
+static __always_inline void restart_exit(struct task_struct *cur)
+{
+	struct tstate *ts = bpf_task_storage_get(&tstates, cur, 0, 0);
+	if (!ts || ts->phase != 2)
+		return;
+	ts->phase = 0;
+	__sync_fetch_and_add(&restart_watch, -1);
+}
+
 SEC("tp_btf/sys_enter")
 int BPF_PROG(sys_enter_all, struct pt_regs *regs, long id)
 {
@@ -1136,9 +1208,12 @@ int BPF_PROG(sys_enter_all, struct pt_regs *regs, long id)
 	__u64 p1 = 0, p2 = 0, xf = 0, flag = 0;
 	__u32 sbx;
 
+	struct task_struct *cur = bpf_get_current_task_btf();
+	if (*(volatile __u32 *)&restart_watch)
+		restart_enter(cur, regs);
+
 	/* 32-bit (ia32) and x32 system calls use other numbers: not followed, so a sandbox
 	 * process making them makes its turn conservative. */
-	struct task_struct *cur = bpf_get_current_task_btf();
 	if ((cur->thread_info.status & TS_COMPAT) || (id & X32_SYSCALL_BIT)) {
 		if (sbx_of_current(&sbx))
 			flag_now(sbx, S_UNTRACKABLE);
@@ -1431,6 +1506,8 @@ path_op:
 SEC("tp_btf/sys_exit")
 int BPF_PROG(sys_exit_all, struct pt_regs *regs, long ret)
 {
+	if (*(volatile __u32 *)&restart_watch)
+		restart_exit(bpf_get_current_task_btf());
 	switch (regs->orig_ax) {
 	case NR_open:
 	case NR_openat:
@@ -1508,8 +1585,33 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
 	/* The last switch-out of an exiting task comes after sched_process_exit: ignore it. */
-	if (BPF_CORE_READ(prev, flags) & PF_EXITING)
+	if (prev->flags & PF_EXITING)
 		return 0;
+	if (traced_by_muted(prev)) {
+		/* Stopped by CRIU: remember where the task's own syscall was interrupted (the
+		 * first stop; later ones are the parasite's). */
+		struct tstate *ts = bpf_task_storage_get(&tstates, prev, 0,
+							 BPF_LOCAL_STORAGE_GET_F_CREATE);
+		if (ts && ts->phase == 0) {
+			struct pt_regs *r = (struct pt_regs *)bpf_task_pt_regs(prev);
+			if (r && (long)r->orig_ax >= 0) {
+				ts->saved_ip = r->ip;
+				ts->phase = 1;
+				__sync_fetch_and_add(&restart_watch, 1);
+			}
+		}
+		return 0;
+	}
+	if (!preempt) {
+		struct tstate *ts = bpf_task_storage_get(&tstates, prev, 0, 0);
+		if (ts && ts->phase) {
+			if (ts->phase == 2)
+				return 0; /* asleep again in the restarted syscall */
+			/* left phase 1 without re-entering the kernel by a syscall: count it */
+			ts->phase = 0;
+			__sync_fetch_and_add(&restart_watch, -1);
+		}
+	}
 	__u32 sbx;
 	if (!sbx_of_current(&sbx))
 		return 0;
@@ -1556,6 +1658,13 @@ int BPF_PROG(on_exec, struct task_struct *p, pid_t old_pid, struct linux_binprm 
 SEC("tp_btf/sched_process_exit")
 int BPF_PROG(on_exit_task, struct task_struct *task, bool group_dead)
 {
+	if (*(volatile __u32 *)&restart_watch) {
+		struct tstate *ts = bpf_task_storage_get(&tstates, task, 0, 0);
+		if (ts && ts->phase) {
+			ts->phase = 0;
+			__sync_fetch_and_add(&restart_watch, -1);
+		}
+	}
 	__u64 id = bpf_get_current_pid_tgid();
 	struct pending *pp = bpf_map_lookup_elem(&pending, &id);
 	if (pp) {

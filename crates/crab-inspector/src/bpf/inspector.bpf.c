@@ -240,10 +240,19 @@ static __always_inline int traced_by_muted(struct task_struct *t)
 	return 0;
 }
 
+static __always_inline int sbx_of_current_any(__u32 *out);
+
+/* The sandbox of the current task, unless a muted tracer (CRIU) is working inside it. */
 static __always_inline int sbx_of_current(__u32 *out)
 {
 	if (traced_by_muted(bpf_get_current_task_btf()))
 		return 0;
+	return sbx_of_current_any(out);
+}
+
+/* The sandbox of the current task. */
+static __always_inline int sbx_of_current_any(__u32 *out)
+{
 	__u64 cg = bpf_get_current_cgroup_id();
 	__u32 *v = bpf_map_lookup_elem(&cgmap, &cg);
 	if (v) {
@@ -1675,7 +1684,7 @@ int BPF_PROG(on_exit_task, struct task_struct *task, bool group_dead)
 	if (!group_dead)
 		return 0;
 	__u32 sbx;
-	if (!sbx_of_current(&sbx))
+	if (!sbx_of_current_any(&sbx))
 		return 0;
 	__u32 tgid = id >> 32;
 	struct sstate *s = state_of(sbx);

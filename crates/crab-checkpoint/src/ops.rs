@@ -15,7 +15,12 @@
 //! * **fork**: N new sandboxes from one point, restored in parallel, each with its own root
 //!   subvolume, cgroup, namespaces, hostname and machine-id.
 //!
-//! Operations on one sandbox are serialized; different sandboxes proceed in parallel.
+//! Operations on one sandbox are serialized (a mutex per sandbox in this process, the store's
+//! `flock` across processes); different sandboxes proceed in parallel. Startup recovery skips
+//! a sandbox whose lock another process holds: its staged parts are work in flight, not
+//! leftovers. A fork branch has a (dead) sandbox record from the moment its directory exists,
+//! so a runtime opened meanwhile by another process adopts it instead of discarding it as a
+//! half-created sandbox.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,7 +35,7 @@ use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_sta
 use crab_sandbox::{btrfs, Runtime, SandboxRecord};
 
 use crate::error::{CheckpointError, Result};
-use crate::manifest::{Kind, Manifest, Origin};
+use crate::manifest::{self, Kind, Manifest, Origin};
 use crate::snapfs::SnapshotFs;
 use crate::store::{now_ms, Draft, PruneReport, Store};
 
@@ -331,7 +336,17 @@ impl Checkpointer {
                 }
                 // Points of sandboxes that no longer exist are kept (a fork may outlive its
                 // source); only their leftovers go.
-                self.store(&name)?.recover_leftovers()?;
+                let lock = self.lock(&name);
+                let Ok(_guard) = lock.try_lock() else { continue };
+                let store = self.store(&name)?;
+                match store.try_lock()? {
+                    Some(_held) => {
+                        store.recover_leftovers()?;
+                    }
+                    None => {
+                        tracing::info!(sandbox = %name, "restore points in use by another process; not recovering them")
+                    }
+                }
             }
         }
         for name in self.rt.names() {
@@ -341,11 +356,25 @@ impl Checkpointer {
     }
 
     /// [`Checkpointer::recover`] for one sandbox: its checkpoint leftovers, an interrupted
-    /// root swap, a cgroup left frozen. No operation on it may be in flight.
+    /// root swap, a cgroup left frozen, a CRIU network lock. Does nothing (logged) while an
+    /// operation on the sandbox is in flight, in this process or another: what it would
+    /// repair is that operation's work in progress.
     pub fn recover_sandbox(&self, name: &str) -> Result<()> {
         let lock = self.lock(name);
-        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.store(name)?.recover_leftovers()?;
+        let _guard = match lock.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                tracing::info!(sandbox = %name, "an operation is in flight; not recovering");
+                return Ok(());
+            }
+        };
+        let store = self.store(name)?;
+        let Some(_held) = store.try_lock()? else {
+            tracing::info!(sandbox = %name, "restore points in use by another process; not recovering");
+            return Ok(());
+        };
+        store.recover_leftovers()?;
         let dir = self.rt.state().sandbox_dir(name);
         let rootfs = self.rt.state().sandbox_rootfs(name);
         let old = dir.join("rootfs.old");
@@ -385,6 +414,7 @@ impl Checkpointer {
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
         let store = self.store(sandbox)?;
+        let _held = store.lock()?;
         let parent = match store.newest() {
             Ok(m) => Some(m),
             Err(CheckpointError::NoPoints { .. }) => None,
@@ -555,7 +585,9 @@ impl Checkpointer {
     pub fn prune(&self, sandbox: &str, keep_last: usize) -> Result<PruneReport> {
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-        let report = self.store(sandbox)?.prune(keep_last)?;
+        let store = self.store(sandbox)?;
+        let _held = store.lock()?;
+        let report = store.prune(keep_last)?;
         let dir = self.rt.state().logs().join("criu").join(sandbox);
         if !report.procs.is_empty() {
             if let Ok(rd) = std::fs::read_dir(&dir) {
@@ -575,7 +607,9 @@ impl Checkpointer {
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let store = self.store(sandbox)?;
+        let held = store.lock()?;
         store.remove_all()?;
+        drop(held);
         self.stores.lock().unwrap_or_else(|p| p.into_inner()).remove(sandbox);
         let logs = self.rt.state().logs().join("criu").join(sandbox);
         match std::fs::remove_dir_all(&logs) {
@@ -626,6 +660,7 @@ impl Checkpointer {
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
         let store = self.store(sandbox)?;
+        let _held = store.lock()?;
         let m = store.resolve(point)?;
         progress.stage("verify", None);
         progress.message(&format!("restore point {} (turn {}, {})", m.id, m.turn, m.kind.as_str()));
@@ -849,6 +884,9 @@ impl Checkpointer {
                 if let Err(e) = self.rt.remove(&b.sandbox, true) {
                     tracing::warn!(sandbox = %b.sandbox, error = %e, "cannot remove fork branch");
                 }
+                if let Err(e) = self.remove_all(&b.sandbox) {
+                    tracing::warn!(sandbox = %b.sandbox, error = %e, "cannot remove points of fork branch");
+                }
             }
             return Err(e);
         }
@@ -873,16 +911,42 @@ impl Checkpointer {
                 "a sandbox named {name:?} already exists"
             )));
         }
+        let lock = self.lock(name);
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let branch = self.store(name)?;
+        let held = branch.lock()?;
+        if !branch.point_ids()?.is_empty() {
+            return Err(CheckpointError::Invalid(format!(
+                "restore points of an earlier sandbox named {name:?} exist in {}; remove them or pick another name",
+                branch.dir().display()
+            )));
+        }
+        // Claim the name with a directory that holds a record from its first moment, of a
+        // sandbox not running yet: a runtime opened meanwhile on this state directory (another
+        // process, a restarted daemon) adopts it, where a directory without a record would be
+        // discarded as a half-created sandbox, deleting the root and killing the restore in
+        // the branch's cgroup under our feet.
         let dir = state.sandbox_dir(name);
-        // Creating the directory claims the name (the runtime's create does the same).
-        std::fs::create_dir(&dir).map_err(|e| CheckpointError::io("mkdir", &dir, e))?;
-        let result = self.fork_into(store, m, fs, src, criu, name);
+        let mut rec = SandboxRecord {
+            format: src.format,
+            name: name.to_owned(),
+            image: src.image.clone(),
+            created_at: now_ms() / 1000,
+            init_pid: 0,
+            init_start: 0,
+            net: src.net,
+            hostname: name.to_owned(),
+            limits: src.limits.clone(),
+        };
+        claim_sandbox_dir(state, &dir, &rec)?;
+        let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
         match result {
             Ok(pid) => {
                 tracing::info!(sandbox = name, from = %origin.sandbox, point = %origin.point, "fork branch up");
                 Ok(ForkBranch { sandbox: name.to_owned(), init_pid: pid, ms: ms(t.elapsed()) })
             }
             Err(e) => {
+                tracing::warn!(sandbox = name, error = %e, "fork branch failed; removing it");
                 let cg = self.rt.cgroup(name);
                 if let Err(e) = cg.destroy() {
                     tracing::warn!(sandbox = name, error = %e, "cannot remove cgroup of failed branch");
@@ -891,10 +955,15 @@ impl Checkpointer {
                 if let Err(e) = self.fs.delete(&rootfs) {
                     tracing::warn!(sandbox = name, error = %e, "cannot remove root of failed branch");
                 }
-                let _ = std::fs::remove_dir_all(&dir);
-                if let Err(e) = self.remove_all(name) {
+                if let Err(e) = std::fs::remove_dir_all(&dir) {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove directory of failed branch");
+                }
+                // Its points go; its CRIU log stays, since the error names it.
+                if let Err(e) = branch.remove_all() {
                     tracing::warn!(sandbox = name, error = %e, "cannot remove points of failed branch");
                 }
+                drop(held);
+                self.stores.lock().unwrap_or_else(|p| p.into_inner()).remove(name);
                 Err(e)
             }
         }
@@ -906,14 +975,13 @@ impl Checkpointer {
     /// branch's points then never depend on the source's store.
     fn publish_origin(
         &self,
-        name: &str,
+        branch: &Store,
         src_store: &Store,
         m: &Manifest,
         rootfs: &Path,
         meta: &SandboxRecord,
     ) -> Result<Manifest> {
-        let store = self.store(name)?;
-        let mut staging = store.begin();
+        let mut staging = branch.begin();
         staging.snapshot_fs(rootfs)?;
         let mut draft = Draft::new(if m.procs.is_some() { Kind::Full } else { Kind::Fs }, m.turn);
         if let Some(p) = &m.procs {
@@ -935,15 +1003,21 @@ impl Checkpointer {
         staging.publish(draft)
     }
 
+    /// Build branch `rec.name` (whose directory exists) from point `m` of `store`: its root,
+    /// its first restore point, its cgroup, its processes; then record it as running.
+    #[allow(clippy::too_many_arguments)]
     fn fork_into(
         &self,
         store: &Store,
+        branch: &Store,
         m: &Manifest,
         fs: &crate::manifest::FsPart,
         src: &SandboxRecord,
         criu: Option<&Criu>,
-        name: &str,
+        rec: &mut SandboxRecord,
     ) -> Result<u32> {
+        let name = rec.name.clone();
+        let name = name.as_str();
         let state = self.rt.state();
         let rootfs = state.sandbox_rootfs(name);
         self.fs
@@ -953,16 +1027,18 @@ impl Checkpointer {
         let mut meta = src.clone();
         meta.name = name.to_owned();
         meta.hostname = name.to_owned();
-        self.publish_origin(name, store, m, &rootfs, &meta)?;
+        let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
         let cg = self.rt.cgroup(name);
         cg.create(&src.limits).map_err(cg_err(name))?;
-        let pid = match (&m.procs, criu) {
+        let pid = match (&first.procs, criu) {
             (Some(p), Some(criu)) => {
                 let log =
                     self.log_dir(name)?.join(format!("fork-{}-{}-restore.log", m.sandbox, p.id));
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
-                let opts = self.restore_opts(&store.proc_dir(p.id), log, &rootfs, cgroups);
+                // The branch's own hard links: a prune of the source cannot pull the image
+                // away in the middle of the restore.
+                let opts = self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups);
                 let r = criu.restore_with(&opts, |n| {
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -975,24 +1051,51 @@ impl Checkpointer {
             }
             _ => self.rt.start_init(name, src.net, &src.limits).map_err(sandbox_err(name))?.0,
         };
-        let init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
+        rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
             sandbox: name.to_owned(),
             message: format!("the restored init {pid} died right after the restore"),
         })?;
-        let rec = SandboxRecord {
-            format: src.format,
-            name: name.to_owned(),
-            image: src.image.clone(),
-            created_at: now_ms() / 1000,
-            init_pid: pid,
-            init_start,
-            net: src.net,
-            hostname: name.to_owned(),
-            limits: src.limits.clone(),
-        };
-        self.rt.update(rec).map_err(sandbox_err(name))?;
+        rec.init_pid = pid;
+        rec.created_at = now_ms() / 1000;
+        self.rt.update(rec.clone()).map_err(sandbox_err(name))?;
         Ok(pid)
     }
+}
+
+/// Create `dir` (a sandbox directory) atomically with `rec` as its record: the directory is
+/// prepared under `<pool>/tmp/` and renamed into place without replacing anything, so it never
+/// exists without a record and an existing sandbox (or one being created) keeps its name.
+fn claim_sandbox_dir(
+    state: &crab_common::paths::StateDir,
+    dir: &Path,
+    rec: &SandboxRecord,
+) -> Result<()> {
+    let name = &rec.name;
+    let prep = state.tmp().join(format!("fork-{name}-{:08x}", crab_sandbox::runtime::rand_u32()));
+    std::fs::create_dir(&prep).map_err(|e| CheckpointError::io("mkdir", &prep, e))?;
+    let claimed = serde_json::to_vec_pretty(rec)
+        .map_err(|e| CheckpointError::Invalid(format!("encoding the record of {name}: {e}")))
+        .and_then(|bytes| {
+            crab_sandbox::runtime::write_atomic(&prep.join("sandbox.json"), &bytes)
+                .map_err(sandbox_err(name))
+        })
+        .and_then(|()| {
+            nix::fcntl::renameat2(None, &prep, None, dir, nix::fcntl::RenameFlags::RENAME_NOREPLACE)
+                .map_err(|e| match e {
+                    nix::errno::Errno::EEXIST | nix::errno::Errno::ENOTEMPTY => {
+                        CheckpointError::Invalid(format!("a sandbox named {name:?} already exists"))
+                    }
+                    e => CheckpointError::io("rename", &prep, std::io::Error::from(e)),
+                })
+        });
+    if let Err(e) = claimed {
+        let _ = std::fs::remove_dir_all(&prep);
+        return Err(e);
+    }
+    if let Some(parent) = dir.parent() {
+        manifest::fsync_dir(parent)?;
+    }
+    Ok(())
 }
 
 /// Delete the nftables tables (`inet CRIU-<run id>`) with which a CRIU killed in the middle

@@ -7,6 +7,7 @@
 //!   procs/<P_j>/            CRIU image directories
 //!   fs/<F_k>                read-only snapshots of the sandbox's root (btrfs subvolumes)
 //!   tmp/                    staging; anything here when the daemon starts is a leftover
+//!   lock                    flock(2) of whoever operates on the store (see [`StoreLock`])
 //! ```
 //!
 //! A checkpoint stages its process image under `tmp/` and takes its snapshot directly at
@@ -15,6 +16,11 @@
 //! `procs/`, and finally writes the manifest atomically. Until that last rename the point does not exist; a crash before it
 //! leaves only leftovers, which [`Store::recover_leftovers`] removes (staged parts, temp
 //! manifests, and published parts that no manifest references).
+//!
+//! Several processes may work on one state directory at once (a daemon, a second tool, a
+//! restarted daemon recovering while the old one's last CRIU run ends): every operation holds
+//! the store's [`StoreLock`], and recovery skips a store whose lock is held, so it never
+//! discards another process's staged parts as leftovers.
 
 use std::collections::BTreeSet;
 use std::io::Read as _;
@@ -42,6 +48,28 @@ pub fn now_ms() -> u64 {
 
 fn us(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// An exclusive `flock(2)` on a store's `lock` file, held for the duration of an operation
+/// that stages, publishes or deletes parts. It excludes other processes (and other
+/// [`Store`] instances); the kernel releases it when the holder dies, so a crashed daemon
+/// never leaves a store locked. Released on drop.
+#[derive(Debug)]
+pub struct StoreLock {
+    _file: std::fs::File,
+}
+
+fn flock(file: &std::fs::File, op: libc::c_int) -> std::io::Result<()> {
+    loop {
+        // SAFETY: flock(2) on a descriptor we own; it only takes or drops an advisory lock.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 /// What a new restore point should record, besides its staged parts.
@@ -240,6 +268,43 @@ impl Store {
         Ok(())
     }
 
+    fn lock_file(&self) -> Result<std::fs::File> {
+        let path = self.dir.join("lock");
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| CheckpointError::io("open", &path, e))
+    }
+
+    /// Take the store's lock, waiting while another process (or another `Store` of this
+    /// sandbox) holds it.
+    pub fn lock(&self) -> Result<StoreLock> {
+        let file = self.lock_file()?;
+        let t = Instant::now();
+        if let Err(e) = flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
+            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(CheckpointError::io("flock", &self.dir.join("lock"), e));
+            }
+            tracing::info!(sandbox = %self.sandbox, "restore points in use by another process; waiting");
+            flock(&file, libc::LOCK_EX)
+                .map_err(|e| CheckpointError::io("flock", &self.dir.join("lock"), e))?;
+            tracing::info!(sandbox = %self.sandbox, waited_ms = t.elapsed().as_millis() as u64, "got the restore points' lock");
+        }
+        Ok(StoreLock { _file: file })
+    }
+
+    /// Take the store's lock if nobody holds it; `None` when someone does.
+    pub fn try_lock(&self) -> Result<Option<StoreLock>> {
+        let file = self.lock_file()?;
+        match flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
+            Ok(()) => Ok(Some(StoreLock { _file: file })),
+            Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(None),
+            Err(e) => Err(CheckpointError::io("flock", &self.dir.join("lock"), e)),
+        }
+    }
+
     /// The sandbox's name.
     pub fn sandbox(&self) -> &str {
         &self.sandbox
@@ -397,9 +462,10 @@ impl Store {
     }
 
     /// Remove leftovers of interrupted work: everything under `tmp/`, temporary manifests, and
-    /// parts that no manifest references. Call once at daemon start, before any checkpoint of
-    /// this sandbox runs. When some manifest is unreadable, unreferenced parts are kept (they
-    /// might belong to it) and a warning is logged.
+    /// parts that no manifest references. Call with the store's [`StoreLock`] held (staged parts
+    /// of an operation in flight look exactly like leftovers). When some manifest is
+    /// unreadable, unreferenced parts are kept (they might belong to it) and a warning is
+    /// logged.
     pub fn recover_leftovers(&self) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
         let tmp = self.tmp_dir();

@@ -31,18 +31,19 @@ impl fmt::Display for LogTail {
 const TAIL_LINES: usize = 8;
 
 impl LogTail {
-    /// Read the last `Error (` lines of the log at `path` (or, when it has none, its last few
-    /// lines). A missing or unreadable log gives an empty tail.
-    /// The most specific error: the last error line that is not CRIU's generic
-    /// "Dumping FAILED." / "Restoring FAILED." summary, without its timestamp prefix.
+    /// The most specific error: the last error line that is neither noise (see `is_noise`)
+    /// nor CRIU's generic "Dumping FAILED." / "Restoring FAILED." summary, without its
+    /// timestamp prefix. `None` when the tail holds no such line (e.g. CRIU was killed).
     pub fn headline(&self) -> Option<&str> {
-        self.0.iter().rev().find(|l| !l.contains("FAILED.")).map(|l| {
-            let l = l.trim_start();
-            match l.strip_prefix('(').and_then(|r| r.split_once(") ")) {
-                Some((_, rest)) => rest.trim_start(),
-                None => l,
-            }
-        })
+        self.0.iter().rev().find(|l| is_error(l) && !is_noise(l) && !l.contains("FAILED.")).map(
+            |l| {
+                let l = l.trim_start();
+                match l.strip_prefix('(').and_then(|r| r.split_once(") ")) {
+                    Some((_, rest)) => rest.trim_start(),
+                    None => l,
+                }
+            },
+        )
     }
 
     /// Read the last `Error (` lines of the log at `path` (or, when it has none, its last few
@@ -56,7 +57,7 @@ impl LogTail {
         let mut last = std::collections::VecDeque::new();
         for line in BufReader::new(file).lines() {
             let Ok(line) = line else { break };
-            if (line.contains("Error (") || line.contains("Error:")) && !is_noise(&line) {
+            if is_error(&line) && !is_noise(&line) {
                 if errors.len() == TAIL_LINES {
                     errors.pop_front();
                 }
@@ -71,12 +72,25 @@ impl LogTail {
     }
 }
 
+fn is_error(line: &str) -> bool {
+    line.contains("Error (") || line.contains("Error:")
+}
+
 /// Error lines CRIU 4.2 logs on every run here and then ignores: it cannot raise its own
 /// `RLIMIT_NOFILE` in a container, it probes for legacy iptables tools before using nftables,
-/// and after a failure its nftables unlock complains about rules it never added.
+/// after a failure its nftables unlock complains about rules it never added, and on every
+/// restore of a network namespace `ip addr restore` prints the kernel's "address already
+/// assigned" for the loopback addresses that bringing `lo` up created (iproute2 treats
+/// `EEXIST` as success there, and so does CRIU).
 pub fn is_noise(line: &str) -> bool {
-    const NOISE: [&str; 5] =
-        ["RLIMIT_NOFILE", "iptables-", "ip6tables-", "-legacy-", "Could not process rule"];
+    const NOISE: [&str; 6] = [
+        "RLIMIT_NOFILE",
+        "iptables-",
+        "ip6tables-",
+        "-legacy-",
+        "Could not process rule",
+        "ddress already assigned",
+    ];
     NOISE.iter().any(|n| line.contains(n))
 }
 
@@ -233,6 +247,8 @@ mod tests {
             "(00.001) Version: 4.2.1\n\
              (00.002) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n\
              Error (criu/util.c:642): execvp(\"iptables-save\", ...) failed: No such file or directory\n\
+             Error: ipv4: Address already assigned.\n\
+             Error: ipv6: address already assigned.\n\
              (00.003) Error (criu/sk-inet.c:185): inet: In-flight connection (l) for 52875\n\
              (00.004) Error (criu/cr-dump.c:1975): Dumping FAILED.\n",
         )
@@ -244,5 +260,10 @@ mod tests {
             Some("Error (criu/sk-inet.c:185): inet: In-flight connection (l) for 52875")
         );
         assert_eq!(LogTail::read(&dir.path().join("missing")), LogTail::default());
+        // A log of only noise (CRIU killed early) has no headline of its own.
+        std::fs::write(&log, "Error: ipv6: address already assigned.\n").unwrap();
+        let tail = LogTail::read(&log);
+        assert_eq!(tail.0, vec!["Error: ipv6: address already assigned.".to_owned()]);
+        assert_eq!(tail.headline(), None);
     }
 }

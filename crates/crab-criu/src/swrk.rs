@@ -297,12 +297,26 @@ impl Session {
 
     /// Wait for CRIU to exit; returns a description of an abnormal exit.
     fn finish(&mut self) -> Option<String> {
-        let child = self.child.take()?;
-        let mut child = child;
+        self.finish_status().map(|(desc, _)| desc)
+    }
+
+    /// Wait for CRIU to exit; returns a description of an abnormal exit and whether a signal
+    /// ended it (then its log stops mid-way and says nothing about why).
+    fn finish_status(&mut self) -> Option<(String, bool)> {
+        use std::os::unix::process::ExitStatusExt as _;
+        let mut child = self.child.take()?;
         match child.wait() {
             Ok(st) if st.success() => None,
-            Ok(st) => Some(format!("criu swrk exited with {st}")),
-            Err(e) => Some(format!("waiting for criu swrk failed: {e}")),
+            Ok(st) => match st.signal() {
+                Some(sig) => {
+                    let name = nix::sys::signal::Signal::try_from(sig)
+                        .map(|s| s.as_str().to_owned())
+                        .unwrap_or_else(|_| sig.to_string());
+                    Some((format!("criu swrk was killed by {name}"), true))
+                }
+                None => Some((format!("criu swrk exited with {st}"), false)),
+            },
+            Err(e) => Some((format!("waiting for criu swrk failed: {e}"), false)),
         }
     }
 
@@ -312,15 +326,20 @@ impl Session {
 
     fn failed(&mut self, errno: Option<i32>, errmsg: Option<String>) -> CriuError {
         // Close our end so a CRIU still waiting on us exits, then collect what it said.
-        let exit = self.finish();
+        let exit = self.finish_status();
         let tail = LogTail::read(&self.log);
-        // CRIU's cr_errmsg is the *first* error it logged, often a benign one; the log's last
-        // specific error says more.
-        let errmsg = match (tail.headline(), errmsg, exit) {
-            (Some(h), _, _) => Some(h.to_owned()),
-            (None, Some(m), _) => Some(m),
-            (None, None, e) => e,
+        // A CRIU killed by a signal (its cgroup killed, the OOM killer) stops logging mid-way:
+        // the signal is the news. Otherwise CRIU's cr_errmsg is the *first* error it logged,
+        // often a benign one; the log's last specific error says more.
+        let errmsg = match (exit, tail.headline(), errmsg) {
+            (Some((killed, true)), _, _) => Some(killed),
+            (_, Some(h), _) => Some(h.to_owned()),
+            (_, None, Some(m)) => Some(m),
+            (e, None, None) => e.map(|(d, _)| d),
         };
+        if let Some(m) = &errmsg {
+            tracing::warn!(op = self.op, log = %self.log.display(), error = %m, "criu failed");
+        }
         CriuError::Failed {
             op: self.op,
             log: self.log.clone(),

@@ -9,8 +9,10 @@
 //! printed in output) is learned from a second reference run and excluded: those paths, and
 //! those conversation messages. Nothing else is excluded.
 //!
-//! Content hashes are cached by (inode, size, mtime, ctime): files a sandbox inherits unchanged
-//! from its image share these with the image, so only what a run wrote is read.
+//! Content hashes of files a sandbox inherits unchanged from its image are cached by (inode,
+//! size, mtime, ctime), which such files share with the image. A file whose ctime is not older
+//! than the run's first sandbox creation is always read: timestamps are coarse (a jiffy), so two
+//! sandboxes writing a file at the same moment could otherwise share a key.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
@@ -59,10 +61,13 @@ fn hash_cache() -> &'static Mutex<HashMap<HashKey, String>> {
     CACHE.get_or_init(Mutex::default)
 }
 
-fn hash_file(path: &Path, md: &std::fs::Metadata) -> String {
+fn hash_file(path: &Path, md: &std::fs::Metadata, fresh_after: i64) -> String {
     let key = (md.ino(), md.size(), md.mtime(), md.mtime_nsec(), md.ctime(), md.ctime_nsec());
-    if let Some(h) = hash_cache().lock().ok().and_then(|c| c.get(&key).cloned()) {
-        return h;
+    let cacheable = md.ctime() < fresh_after;
+    if cacheable {
+        if let Some(h) = hash_cache().lock().ok().and_then(|c| c.get(&key).cloned()) {
+            return h;
+        }
     }
     let mut hasher = Sha256::new();
     let h = match std::fs::File::open(path) {
@@ -78,16 +83,20 @@ fn hash_file(path: &Path, md: &std::fs::Metadata) -> String {
         }
         Err(e) => format!("unreadable: {e}"),
     };
-    if let Ok(mut c) = hash_cache().lock() {
-        c.insert(key, h.clone());
+    if cacheable {
+        if let Ok(mut c) = hash_cache().lock() {
+            c.insert(key, h.clone());
+        }
     }
     h
 }
 
 const SKIP_TOP: [&str; 4] = ["proc", "dev", "sys", ".crab"];
 
-/// Walk a sandbox's root filesystem (as seen from the host).
-pub fn walk_rootfs(root: &Path) -> Result<BTreeMap<String, Entry>, ApiError> {
+/// Walk a sandbox's root filesystem (as seen from the host). Files changed at or after
+/// `fresh_after` (seconds since the epoch; the run's first sandbox creation, minus a margin) are
+/// always hashed from their content.
+pub fn walk_rootfs(root: &Path, fresh_after: i64) -> Result<BTreeMap<String, Entry>, ApiError> {
     let mut out = BTreeMap::new();
     let mut stack: Vec<PathBuf> = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
@@ -121,7 +130,7 @@ pub fn walk_rootfs(root: &Path) -> Result<BTreeMap<String, Entry>, ApiError> {
             let entry = Entry {
                 kind,
                 mode: md.mode() & 0o7777,
-                hash: ft.is_file().then(|| hash_file(&p, &md)),
+                hash: ft.is_file().then(|| hash_file(&p, &md, fresh_after)),
                 target: ft.is_symlink().then(|| {
                     std::fs::read_link(&p)
                         .map(|t| t.to_string_lossy().into_owned())
@@ -202,10 +211,11 @@ fn parse_listen(text: &str, v6: bool) -> Vec<String> {
 pub async fn capture(
     name: &str,
     rootfs: &Path,
+    fresh_after: i64,
     conversation: Vec<Value>,
 ) -> Result<State, ApiError> {
     let root = rootfs.to_path_buf();
-    let files = tokio::task::spawn_blocking(move || walk_rootfs(&root))
+    let files = tokio::task::spawn_blocking(move || walk_rootfs(&root, fresh_after))
         .await
         .map_err(|e| ApiError::internal(format!("walking the rootfs: {e}")))??;
     Ok(State { files, processes: processes(name)?, sockets: listening(name)?, conversation })
@@ -327,7 +337,7 @@ mod tests {
         std::fs::write(r.join("a"), "1").unwrap();
         std::fs::write(r.join("stamp"), "t1").unwrap();
         std::os::unix::fs::symlink("a", r.join("l")).unwrap();
-        let a = State { files: walk_rootfs(r).unwrap(), ..Default::default() };
+        let a = State { files: walk_rootfs(r, 0).unwrap(), ..Default::default() };
         assert!(
             a.files.contains_key("/a")
                 && a.files.contains_key("/l")
@@ -335,12 +345,12 @@ mod tests {
         );
         assert_eq!(a.files["/l"].target.as_deref(), Some("a"));
         std::fs::write(r.join("stamp"), "t2").unwrap();
-        let b = State { files: walk_rootfs(r).unwrap(), ..Default::default() };
+        let b = State { files: walk_rootfs(r, 0).unwrap(), ..Default::default() };
         let noise = learn(&a, &b);
         assert_eq!(noise.paths.iter().collect::<Vec<_>>(), vec!["/stamp"]);
         std::fs::write(r.join("a"), "2").unwrap();
         std::fs::write(r.join("stamp"), "t3").unwrap();
-        let c = State { files: walk_rootfs(r).unwrap(), ..Default::default() };
+        let c = State { files: walk_rootfs(r, 0).unwrap(), ..Default::default() };
         let d = compare(&a, &c, &noise);
         assert_eq!(d.count, 1, "{:?}", d.examples);
         assert!(d.examples[0].contains("/a"));

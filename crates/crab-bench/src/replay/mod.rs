@@ -102,7 +102,7 @@ impl Default for ReplayOptions {
             proxy: None,
             testbed: true,
             cache_dir: PathBuf::from(testbed::DEFAULT_CACHE),
-            exec_timeout_s: 300.0,
+            exec_timeout_s: 120.0,
         }
     }
 }
@@ -477,6 +477,24 @@ async fn setup(ctx: &Ctx, traj: usize, name: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A checkpoint of `kind`. A sandbox's first restore point must be a base: when the daemon
+/// refuses an `auto` checkpoint that came out as a skip with nothing to skip from, take a full
+/// one (what the daemon itself should do; then this never triggers).
+async fn take_checkpoint(
+    client: &Client,
+    name: &str,
+    kind: &str,
+    turn: usize,
+    offset: usize,
+) -> Result<sandbox::PointSummary, ApiError> {
+    match sandbox::checkpoint(client, name, kind, turn, offset).await {
+        Err(e) if kind == "auto" && e.message.contains("needs an earlier restore point") => {
+            sandbox::checkpoint(client, name, "full", turn, offset).await
+        }
+        r => r,
+    }
+}
+
 async fn run_one(ctx: &Ctx, job: &Job) -> RunResult {
     let serial = ctx.serial.fetch_add(1, Ordering::Relaxed);
     let name = format!("rp-{}-{serial}-{}", ctx.run_tag, job.method.name());
@@ -502,6 +520,11 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         }
         _ => format!("{}/chat/completions", ctx.llm.base_url()),
     };
+    // Files changed since (a margin before) this moment are never taken from the hash cache.
+    let fresh_after = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64 - 2)
+        .unwrap_or(0);
     setup(ctx, job.traj, name).await?;
     let t0 = Instant::now();
     let mut conv: Vec<Value> = agent::initial_conversation(&t.id, wd);
@@ -517,7 +540,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         let kind = job.method.checkpoint_kind();
         let (answer, point) = tokio::join!(agent::ask(&url, name, &conv), async {
             match kind {
-                Some(k) => Some(sandbox::checkpoint(client, name, k, turn, conv.len()).await),
+                Some(k) => Some(take_checkpoint(client, name, k, turn, conv.len()).await),
                 None => None,
             }
         });
@@ -570,6 +593,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         }
     }
     r.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
-    r.state = Some(compare::capture(name, &ctx.state_dir.sandbox_rootfs(name), conv).await?);
+    r.state =
+        Some(compare::capture(name, &ctx.state_dir.sandbox_rootfs(name), fresh_after, conv).await?);
     Ok(())
 }

@@ -66,6 +66,8 @@ pub(crate) const BSS_LEVEL_MASK: usize = MAX_SBX * SSTATE_SIZE;
 pub(crate) const BSS_MUTED: usize = BSS_LEVEL_MASK + 4;
 /// Number of `muted_tracers` slots.
 pub(crate) const MUTED_SLOTS: usize = 4;
+/// Offset of `min_level` in `.bss` (after `muted_tracers` and `restart_watch`).
+pub(crate) const BSS_MIN_LEVEL: usize = BSS_MUTED + 4 * MUTED_SLOTS + 4;
 
 fn u32_at(b: &[u8], off: usize) -> u32 {
     let mut a = [0u8; 4];

@@ -175,6 +175,7 @@ impl Inspector {
         )?;
         check_size(&handle(&skel.maps.paths_tmpl, "paths")?, "paths", CKEY_SIZE, PREC_SIZE)?;
         check_size(&handle(&skel.maps.procs_tmpl, "procs")?, "procs", 4, PROC_SIZE)?;
+        check_bss_layout()?;
         let bss_ref = skel.maps.bss_data.take().ok_or_else(|| InspectorError::Bpf {
             stage: "mmap",
             what: Some(".bss".into()),
@@ -351,6 +352,27 @@ impl Inspector {
     }
 }
 
+/// The `.bss` offsets user space writes must match the compiled object's.
+fn check_bss_layout() -> Result<(), InspectorError> {
+    use crate::abi::{BSS_LEVEL_MASK, BSS_MIN_LEVEL, BSS_MUTED, SSTATE_SIZE};
+    use crate::skel::types::{bss, sstate};
+    let ok = std::mem::size_of::<sstate>() == SSTATE_SIZE
+        && std::mem::offset_of!(bss, level_mask) == BSS_LEVEL_MASK
+        && std::mem::offset_of!(bss, muted_tracers) == BSS_MUTED
+        && std::mem::offset_of!(bss, min_level) == BSS_MIN_LEVEL;
+    if ok {
+        Ok(())
+    } else {
+        Err(InspectorError::Bpf {
+            stage: "layout check",
+            what: Some(".bss".into()),
+            source: libbpf_rs::Error::from(std::io::Error::other(
+                "the BPF object's global data layout differs from src/abi.rs",
+            )),
+        })
+    }
+}
+
 fn check_size(m: &MapHandle, name: &str, k: usize, v: usize) -> Result<(), InspectorError> {
     if m.key_size() as usize != k || m.value_size() as usize != v {
         return Err(InspectorError::Bpf {
@@ -422,6 +444,8 @@ impl Inner {
                 mask |= 1 << l;
             }
         }
+        let min = self.level_refs.iter().position(|&n| n > 0).map_or(u32::MAX, |l| l as u32);
+        self.bss.min_level().store(min, Ordering::SeqCst);
         self.bss.level_mask().store(mask, Ordering::SeqCst);
     }
 

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
-use crate::abi::{BSS_LEVEL_MASK, BSS_MUTED, MAX_SBX, MUTED_SLOTS, SSTATE_SIZE};
+use crate::abi::{BSS_LEVEL_MASK, BSS_MIN_LEVEL, BSS_MUTED, MAX_SBX, MUTED_SLOTS, SSTATE_SIZE};
 use crate::error::InspectorError;
 
 /// All (key, value) pairs of a hash map, as two flat byte vectors and a count.
@@ -223,6 +223,13 @@ impl Bss {
         // SAFETY: `muted_tracers` is a u32[4] right after `level_mask` in `.bss` (4-aligned),
         // `i` < 4, and the mapping outlives `self`.
         unsafe { AtomicU32::from_ptr(self.base.add(BSS_MUTED + 4 * i).cast::<u32>()) }
+    }
+
+    /// The `min_level` global.
+    pub fn min_level(&self) -> &AtomicU32 {
+        // SAFETY: `min_level` is a 4-aligned u32 at BSS_MIN_LEVEL in `.bss` (checked against
+        // the skeleton's layout by the layout test), which outlives `self`.
+        unsafe { AtomicU32::from_ptr(self.base.add(BSS_MIN_LEVEL).cast::<u32>()) }
     }
 
     /// The `level_mask` global.

@@ -65,6 +65,9 @@ __u32 level_mask;  /* bit L set: some registered cgroup sits at level L */
  * dump interrupted. */
 __u32 muted_tracers[4];
 __u32 restart_watch; /* tasks in phase 1 or 2 below: sys_enter/exit look at them */
+/* Lowest cgroup level of a registered sandbox (u32 max when none): tasks in shallower cgroups
+ * are rejected with a few loads, before any hash lookup. */
+__u32 min_level;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -253,7 +256,10 @@ static __always_inline int sbx_of_current(__u32 *out)
 /* The sandbox of the current task. */
 static __always_inline int sbx_of_current_any(__u32 *out)
 {
-	__u64 cg = bpf_get_current_cgroup_id();
+	struct cgroup *dfl = bpf_get_current_task_btf()->cgroups->dfl_cgrp;
+	if (!dfl || (__u32)dfl->level < *(volatile __u32 *)&min_level)
+		return 0;
+	__u64 cg = dfl->kn->id;
 	__u32 *v = bpf_map_lookup_elem(&cgmap, &cg);
 	if (v) {
 		*out = *v & (MAX_SBX - 1);

@@ -205,16 +205,29 @@ pub async fn run(
             .collect();
         progress.stage("stand-in /testbed", Some(wanted.len() as u64));
         let mut done_proj: HashMap<(&str, &str), PathBuf> = HashMap::new();
+        let mut failed: BTreeSet<(&str, &str)> = BTreeSet::new();
         for (n, (i, p, v)) in wanted.iter().enumerate() {
             #[allow(clippy::map_entry)] // the insert is after an await
-            if !done_proj.contains_key(&(*p, *v)) {
+            if !done_proj.contains_key(&(*p, *v)) && !failed.contains(&(*p, *v)) {
                 progress.message(&format!("preparing /testbed: {p}=={v}"));
                 let cache = opts.cache_dir.clone();
                 let (pp, vv) = (p.to_string(), v.to_string());
                 let tar = tokio::task::spawn_blocking(move || testbed::prepared(&cache, &pp, &vv))
                     .await
-                    .map_err(|e| ApiError::internal(format!("preparing /testbed: {e}")))??;
-                done_proj.insert((*p, *v), tar);
+                    .map_err(|e| ApiError::internal(format!("preparing /testbed: {e}")))?;
+                match tar {
+                    Ok(tar) => {
+                        done_proj.insert((*p, *v), tar);
+                    }
+                    // Optional: without it the commands fail the same way in every run.
+                    Err(e) => {
+                        failed.insert((*p, *v));
+                        progress.message(&format!(
+                            "no stand-in /testbed for {p}=={v} (an empty one instead): {}",
+                            e.message
+                        ));
+                    }
+                }
             }
             if let Some(tar) = done_proj.get(&(*p, *v)) {
                 testbeds.insert(*i, tar.clone());
@@ -514,8 +527,11 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
     let t = &ctx.trajs[job.traj];
     let client = &ctx.client;
     let wd = t.family.workdir();
+    // Through the proxy, the proxy takes the `auto` checkpoint at each request (and gates the
+    // answer on it); every other method calls the LLM directly and checkpoints explicitly.
+    let via_proxy = ctx.opts.proxy.is_some() && job.method == Method::Crab;
     let url = match &ctx.opts.proxy {
-        Some(p) if job.method != Method::None => {
+        Some(p) if via_proxy => {
             format!("{}/s/{name}/v1/chat/completions", p.trim_end_matches('/'))
         }
         _ => format!("{}/chat/completions", ctx.llm.base_url()),
@@ -537,7 +553,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
             break;
         }
         let tb = Instant::now();
-        let kind = job.method.checkpoint_kind();
+        let kind = if via_proxy { None } else { job.method.checkpoint_kind() };
         let (answer, point) = tokio::join!(agent::ask(&url, name, &conv), async {
             match kind {
                 Some(k) => Some(take_checkpoint(client, name, k, turn, conv.len()).await),
@@ -548,8 +564,11 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         let answer = answer?;
         if let Some(point) = point {
             let point = point?;
-            r.counts.add(&point.kind);
-            r.bytes += point.size_bytes;
+            if r.counts.add(&point.kind) {
+                r.bytes += point.size_bytes;
+            }
+            points.push(conv.len());
+        } else if via_proxy {
             points.push(conv.len());
         }
         r.exposed.push((waited - answer.llm_ms).max(0.0));

@@ -27,14 +27,17 @@ pub struct Counts {
 }
 
 impl Counts {
-    /// Count one checkpoint of `kind`; unknown kinds count as `full`.
-    pub fn add(&mut self, kind: &str) {
+    /// Count one checkpoint of `kind`; other kinds (restore markers, corrupt points) are not
+    /// counted. Returns whether it was.
+    pub fn add(&mut self, kind: &str) -> bool {
         match kind {
             "skip" => self.skip += 1,
             "fs" => self.fs += 1,
             "process" => self.process += 1,
-            _ => self.full += 1,
+            "full" => self.full += 1,
+            _ => return false,
         }
+        true
     }
 
     /// Add another count.
@@ -316,9 +319,10 @@ mod tests {
     #[test]
     fn counts_and_rendering() {
         let mut c = Counts::default();
-        for k in ["skip", "fs", "process", "full", "weird"] {
-            c.add(k);
+        for k in ["skip", "fs", "process", "full", "full"] {
+            assert!(c.add(k));
         }
+        assert!(!c.add("restore"));
         assert_eq!(c, Counts { skip: 1, fs: 1, process: 1, full: 2 });
         let row = MethodReport {
             method: Method::Crab,

@@ -168,6 +168,16 @@ pub async fn checkpoint(
         .map_err(|e| ApiError::internal(format!("undecodable checkpoint answer {point}: {e}")))
 }
 
+/// The restore points of `name`, oldest first (`GET /v1/sandboxes/{name}/checkpoints`).
+pub async fn list_checkpoints(client: &Client, name: &str) -> Result<Vec<PointSummary>, ApiError> {
+    let v: Value = client
+        .call::<(), _>(Method::GET, &format!("/v1/sandboxes/{name}/checkpoints"), None)
+        .await?;
+    let list = v.get("points").cloned().unwrap_or(v);
+    serde_json::from_value(list.clone())
+        .map_err(|e| ApiError::internal(format!("undecodable checkpoint list {list}: {e}")))
+}
+
 /// Restore the newest checkpoint of `name` in place; returns the daemon's report.
 pub async fn restore(client: &Client, name: &str) -> Result<Value, ApiError> {
     client

@@ -52,7 +52,8 @@ pub struct CheckpointExecutor(pub Arc<Checkpointer>);
 impl Executor<Payload> for CheckpointExecutor {
     fn run(&self, job: &Job<Payload>) -> Result<JobOutcome, String> {
         let encode = |api: ApiError| serde_json::to_string(&api).unwrap_or(api.message);
-        // The first restore point of a sandbox is its base: it must hold everything.
+        // The first restore point of a sandbox is its base: it must hold the filesystem (there
+        // is no earlier snapshot to reference); processes only when the turn needs them.
         let first = self
             .0
             .store(&job.sandbox)
@@ -60,7 +61,7 @@ impl Executor<Payload> for CheckpointExecutor {
             .map_err(|e| encode(e.to_api()))?
             .is_empty();
         let req = CheckpointRequest {
-            kind: if first { Kind::Full } else { kind_of(job.kind) },
+            kind: if first { kind_of(job.kind.merge(JobKind::Fs)) } else { kind_of(job.kind) },
             turn: job.payload.get("turn").and_then(|t| t.as_u64()),
             conversation_offset: job.payload.get("conversation_offset").and_then(|o| o.as_u64()),
         };

@@ -119,6 +119,9 @@ enum Cmd {
 
 #[derive(Debug, Subcommand)]
 enum BenchCmd {
+    /// Replay agent trajectories in real sandboxes with fault injection, all methods side by
+    /// side (none, crab, full, fs, chat, restart).
+    Replay(ReplayArgs),
     /// LLM proxy overhead per request vs a direct call to a stub upstream, interleaved.
     Proxy {
         /// Measured requests per arm.
@@ -268,6 +271,50 @@ enum CheckpointsCmd {
         #[arg(long)]
         keep_last: usize,
     },
+}
+
+#[derive(Debug, Args)]
+struct ReplayArgs {
+    /// Trajectory files (*.jsonl) or folders of them.
+    #[arg(long = "traces", default_value = "examples/traces", num_args = 1.., value_delimiter = ',')]
+    traces: Vec<std::path::PathBuf>,
+    /// Methods, comma-separated (none is always run as the reference).
+    #[arg(long, default_value = "none,crab,full,fs,chat,restart")]
+    methods: String,
+    /// Concurrent sandboxes.
+    #[arg(long, default_value_t = 2)]
+    sandboxes: usize,
+    /// At most this many trajectories (0 = all).
+    #[arg(long, default_value_t = 0)]
+    limit: usize,
+    /// Seed of fault turns and drawn latencies.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// LLM latency: recorded, fixed:SECONDS or scale:FACTOR.
+    #[arg(long, default_value = "recorded")]
+    llm_latency: String,
+    /// Faults per trajectory.
+    #[arg(long, default_value_t = 1)]
+    faults: usize,
+    /// Also kill -9 the daemon at each fault.
+    #[arg(long)]
+    fault_daemon: bool,
+    /// Image of the sandboxes.
+    #[arg(long, default_value = "debian")]
+    image: String,
+    /// Reach the replay LLM through Crab's LLM proxy at this base URL (the daemon's
+    /// --upstream-openai must point at the replay LLM, http://127.0.0.1:7439).
+    #[arg(long)]
+    proxy: Option<String>,
+    /// Do not build the stand-in /testbed for SWE-bench trajectories.
+    #[arg(long)]
+    no_testbed: bool,
+    /// Write the JSON report here.
+    #[arg(long = "json-out", value_name = "FILE")]
+    json_out: Option<std::path::PathBuf>,
+    /// Write an SVG chart of the table here.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -650,6 +697,42 @@ async fn bench_cmd(
     let exe =
         std::env::current_exe().map_err(|e| ApiError::internal(format!("locating crab: {e}")))?;
     match b {
+        BenchCmd::Replay(a) => {
+            let d = crab_bench::replay::ReplayOptions::default();
+            let opts = crab_bench::replay::ReplayOptions {
+                traces: a.traces,
+                methods: crab_bench::replay::Method::parse_list(&a.methods)?,
+                sandboxes: a.sandboxes,
+                limit: a.limit,
+                seed: a.seed,
+                llm_latency: a.llm_latency.parse()?,
+                faults: a.faults,
+                fault_daemon: a.fault_daemon,
+                image: a.image,
+                proxy: a.proxy,
+                testbed: !a.no_testbed,
+                ..d
+            };
+            let drawer = ProgressDrawer::new();
+            let progress = DrawProgress(&drawer);
+            let r = crab_bench::replay::run(&opts, client, &progress).await?;
+            drawer.draw(&ProgressFrame::Done { result: serde_json::Value::Null });
+            if let Some(path) = &a.json_out {
+                let text = serde_json::to_string_pretty(&r)
+                    .map_err(|e| ApiError::internal(e.to_string()))?;
+                std::fs::write(path, text)
+                    .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
+            }
+            if let Some(path) = &a.svg {
+                std::fs::write(path, r.svg())
+                    .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
+            }
+            if json {
+                print_json(&r);
+            } else {
+                print!("{}", r.table());
+            }
+        }
         BenchCmd::Proxy { iterations } => {
             let opts =
                 crab_coordinator::bench::ProxyBenchOptions { iterations, ..Default::default() };
@@ -1040,4 +1123,19 @@ async fn turn_cmd(client: &Client, sandbox: &str, json: bool) -> Result<ExitCode
         println!("turn {} published as {}", v["turn"], v["checkpoint"].as_str().unwrap_or("?"));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Draws a library's progress (the replay's) with the CLI's drawer.
+struct DrawProgress<'a>(&'a ProgressDrawer);
+
+impl crab_common::Progress for DrawProgress<'_> {
+    fn stage(&self, name: &str, total: Option<u64>) {
+        self.0.draw(&ProgressFrame::Stage { name: name.to_string(), total });
+    }
+    fn advance(&self, done: u64) {
+        self.0.draw(&ProgressFrame::Advance { done });
+    }
+    fn message(&self, line: &str) {
+        self.0.draw(&ProgressFrame::Message { line: line.to_string() });
+    }
 }

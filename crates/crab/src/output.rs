@@ -79,7 +79,21 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
 #[derive(Debug)]
 pub struct ProgressDrawer {
     tty: bool,
-    state: Mutex<(String, String)>,
+    state: Mutex<DrawState>,
+}
+
+#[derive(Debug, Default)]
+struct DrawState {
+    last_verb: String,
+    total: Option<u64>,
+    /// Last tenth of the total printed (non-tty).
+    tenth: u64,
+}
+
+fn bar(done: u64, total: u64) -> String {
+    let width = 30;
+    let filled = (done.min(total) * width as u64).checked_div(total).map_or(width, |f| f as usize);
+    format!("[{}{}] {done}/{total}", "#".repeat(filled), ".".repeat(width - filled))
 }
 
 impl ProgressDrawer {
@@ -87,7 +101,7 @@ impl ProgressDrawer {
     pub fn new() -> Self {
         ProgressDrawer {
             tty: std::io::stderr().is_terminal(),
-            state: Mutex::new((String::new(), String::new())),
+            state: Mutex::new(DrawState::default()),
         }
     }
 
@@ -96,12 +110,12 @@ impl ProgressDrawer {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut err = std::io::stderr().lock();
         match f {
-            ProgressFrame::Stage { name, .. } => {
+            ProgressFrame::Stage { name, total } => {
                 if self.tty {
                     let _ = write!(err, "\r\x1b[2K");
                 }
                 let _ = writeln!(err, "==> {name}");
-                st.0 = name.clone();
+                *st = DrawState { total: *total, ..Default::default() };
             }
             ProgressFrame::Message { line } => {
                 if self.tty {
@@ -110,13 +124,25 @@ impl ProgressDrawer {
                     let _ = write!(err, "\r\x1b[2K    {l}");
                 } else {
                     let verb = line.split_whitespace().next().unwrap_or("").to_string();
-                    if verb != st.1 {
+                    if verb != st.last_verb {
                         let _ = writeln!(err, "    {line}");
-                        st.1 = verb;
+                        st.last_verb = verb;
                     }
                 }
             }
-            ProgressFrame::Advance { .. } => {}
+            ProgressFrame::Advance { done } => {
+                if let Some(total) = st.total {
+                    if self.tty {
+                        let _ = write!(err, "\r\x1b[2K    {}", bar(*done, total));
+                    } else {
+                        let tenth = (done * 10).checked_div(total).unwrap_or(10);
+                        if tenth > st.tenth {
+                            st.tenth = tenth;
+                            let _ = writeln!(err, "    {}", bar(*done, total));
+                        }
+                    }
+                }
+            }
             ProgressFrame::Done { .. } | ProgressFrame::Error { .. } => {
                 if self.tty {
                     let _ = writeln!(err, "\r\x1b[2K");

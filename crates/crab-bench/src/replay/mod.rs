@@ -52,6 +52,9 @@ use methods::Recovery;
 use report::{Counts, MethodReport, TraceInfo, TrialReport};
 use trace::{Family, Trajectory};
 
+/// Least time between the starts of a trajectory's two reference runs.
+const REFERENCE_GAP: std::time::Duration = std::time::Duration::from_secs(63);
+
 /// Options of [`run`].
 #[derive(Debug, Clone)]
 pub struct ReplayOptions {
@@ -157,6 +160,8 @@ struct Ctx {
     testbeds: HashMap<usize, PathBuf>,
     serial: AtomicUsize,
     run_tag: String,
+    /// When each trajectory's first reference started its first turn.
+    ref_started: Mutex<HashMap<usize, std::time::SystemTime>>,
 }
 
 /// Run the replay benchmark.
@@ -254,12 +259,6 @@ pub async fn run(
             pass: Pass::Reference,
             faults: BTreeSet::new(),
         });
-        jobs.push_back(Job {
-            traj: i,
-            method: Method::None,
-            pass: Pass::Reference2,
-            faults: BTreeSet::new(),
-        });
         for m in methods.iter().copied().filter(|m| *m != Method::None) {
             jobs.push_back(Job { traj: i, method: m, pass: Pass::Fault, faults: faults.clone() });
             if m.checkpoint_kind().is_some() && !faults.is_empty() {
@@ -272,6 +271,17 @@ pub async fn run(
             }
         }
     }
+    // The second references go last, and each starts its first turn at least a minute after the
+    // first reference's: wall-clock output (`ls -la` times, `date`) then differs between the two
+    // and is learned as noise, instead of depending on whether a trial crossed a minute.
+    for i in 0..trajs.len() {
+        jobs.push_back(Job {
+            traj: i,
+            method: Method::None,
+            pass: Pass::Reference2,
+            faults: BTreeSet::new(),
+        });
+    }
     let total = jobs.len();
     let ctx = Arc::new(Ctx {
         client: client.clone(),
@@ -282,6 +292,7 @@ pub async fn run(
         scripts,
         testbeds,
         serial: AtomicUsize::new(0),
+        ref_started: Mutex::default(),
         run_tag: format!("{:x}", std::process::id() ^ (started.elapsed().subsec_nanos())),
     });
 
@@ -523,6 +534,22 @@ async fn run_one(ctx: &Ctx, job: &Job) -> RunResult {
     r
 }
 
+/// Wait until the first reference of `traj` started at least [`REFERENCE_GAP`] ago.
+async fn wait_for_reference_gap(ctx: &Ctx, traj: usize) {
+    loop {
+        let first = ctx.ref_started.lock().ok().and_then(|m| m.get(&traj).copied());
+        let wait = match first {
+            Some(t) => REFERENCE_GAP.saturating_sub(t.elapsed().unwrap_or_default()),
+            // The first reference has not been picked up yet (more workers than jobs ahead).
+            None => std::time::Duration::from_millis(200),
+        };
+        if wait.is_zero() {
+            break;
+        }
+        tokio::time::sleep(wait).await;
+    }
+}
+
 async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(), ApiError> {
     let t = &ctx.trajs[job.traj];
     let client = &ctx.client;
@@ -541,7 +568,15 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64 - 2)
         .unwrap_or(0);
+    if job.pass == Pass::Reference {
+        if let Ok(mut m) = ctx.ref_started.lock() {
+            m.insert(job.traj, std::time::SystemTime::now());
+        }
+    }
     setup(ctx, job.traj, name).await?;
+    if job.pass == Pass::Reference2 {
+        wait_for_reference_gap(ctx, job.traj).await;
+    }
     let t0 = Instant::now();
     let mut conv: Vec<Value> = agent::initial_conversation(&t.id, wd);
     let mut points: Vec<usize> = Vec::new();

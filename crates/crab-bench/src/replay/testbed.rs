@@ -132,7 +132,8 @@ pub fn prepared(cache: &Path, pkg: &str, ver: &str) -> Result<PathBuf, ApiError>
         std::fs::rename(&top, &tb).map_err(|e| ApiError::internal(e.to_string()))?;
         let git = |args: &[&str]| {
             let mut c = Command::new("git");
-            c.arg("-c").arg("safe.directory=*").arg("-C").arg(&tb).args(args);
+            c.args(["-c", "safe.directory=*", "-c", "gc.auto=0", "-c", "maintenance.auto=false"]);
+            c.arg("-C").arg(&tb).args(args);
             for (k, v) in [
                 ("GIT_AUTHOR_NAME", "crab"),
                 ("GIT_AUTHOR_EMAIL", "crab@localhost"),

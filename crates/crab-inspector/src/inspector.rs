@@ -237,7 +237,8 @@ impl Inspector {
     /// tasks is not the sandboxes': while a task is ptrace-controlled by it (a dump's parasite)
     /// nothing is recorded for it, and the restart of the syscall the dump interrupted does not
     /// count as the task running. Without this, every process dump makes the next turn a
-    /// process turn. At most 4 at once.
+    /// process turn. Mute before that process touches the tasks (e.g. the `criu swrk` pid as
+    /// soon as it is spawned, before sending it a request). At most 4 at once.
     pub fn mute_tracer(&self, pid: u32) -> Result<(), InspectorError> {
         let g = self.lock()?;
         for i in 0..MUTED_SLOTS {

@@ -548,17 +548,27 @@ fn criu_dump_is_invisible_when_muted() {
     for muted in [true, false] {
         let _ = std::fs::remove_dir_all(&img);
         std::fs::create_dir_all(&img).unwrap();
-        let mut c = Command::new(&criu)
-            .args(["dump", "-t", &pid.to_string(), "--leave-running", "-o", "dump.log"])
-            .arg("-D")
+        // Start criu through a shell that waits for a line on stdin and then execs it (same
+        // pid), so that it is muted before it touches the task (the daemon knows its CRIU
+        // pid beforehand).
+        let mut c = Command::new("/bin/sh")
+            .arg("-c")
+            .arg("read go; exec \"$0\" dump -t \"$1\" --leave-running -o dump.log -D \"$2\" --network-lock nftables")
+            .arg(&criu)
+            .arg(pid.to_string())
             .arg(&img)
-            .args(["--network-lock", "nftables"])
+            .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
         if muted {
             s.insp.mute_tracer(c.id()).unwrap();
+        }
+        {
+            use std::io::Write as _;
+            let mut stdin = c.stdin.take().unwrap();
+            stdin.write_all(b"go\n").unwrap();
         }
         let st = c.wait().unwrap();
         s.insp.unmute_tracer(c.id());

@@ -12,6 +12,7 @@
 //! several threads are fine.
 
 mod error;
+pub mod observer;
 pub mod rpc;
 mod swrk;
 

@@ -43,6 +43,8 @@ struct Session {
     child: Option<Child>,
     stderr: Option<JoinHandle<String>>,
     timeout: Duration,
+    /// Pid of the `criu swrk` process (for the observer).
+    pid: u32,
 }
 
 /// Directories CRIU reads through our descriptors.
@@ -229,7 +231,18 @@ impl Session {
                 .ok()
         });
         tracing::debug!(op, pid = child.id(), log = %log.display(), "criu swrk started");
-        Ok(Session { op, log: log.to_path_buf(), sock: ours, child: Some(child), stderr, timeout })
+        // Before any request: whoever watches sandboxes must know this process acts on them.
+        crate::observer::notify(child.id(), true);
+        let pid = child.id();
+        Ok(Session {
+            op,
+            log: log.to_path_buf(),
+            sock: ours,
+            child: Some(child),
+            stderr,
+            timeout,
+            pid,
+        })
     }
 
     fn send(&self, req: &rpc::Req) -> Result<()> {
@@ -424,6 +437,7 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         self.kill();
+        crate::observer::notify(self.pid, false);
     }
 }
 

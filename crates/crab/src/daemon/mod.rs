@@ -179,6 +179,20 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             tracing::warn!(error = %e, "the eBPF inspector is unavailable; verdicts will be refused");
             e.to_api()
         });
+    if let Ok(i) = &inspector {
+        // CRIU works inside the processes it dumps; tell the inspector which process it is, so
+        // a dump does not make the next turn look like the sandbox's processes ran.
+        let i = i.clone();
+        crab_criu::observer::set(Box::new(move |pid, started| {
+            if started {
+                if let Err(e) = i.mute_tracer(pid) {
+                    tracing::debug!(pid, error = %e, "could not mute a criu process");
+                }
+            } else {
+                i.unmute_tracer(pid);
+            }
+        }));
+    }
     let runtime = Arc::new(runtime);
     let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), Default::default()));
     let cp = checkpointer.clone();

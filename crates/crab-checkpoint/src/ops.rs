@@ -371,7 +371,7 @@ impl Checkpointer {
         };
         let store = self.store(name)?;
         let Some(_held) = store.try_lock()? else {
-            tracing::info!(sandbox = %name, "restore points in use by another process; not recovering");
+            tracing::info!(sandbox = %name, "restore points in use by another process (or just removed); not recovering");
             return Ok(());
         };
         store.recover_leftovers()?;

@@ -218,13 +218,18 @@ fn syncfs(dir: &Path) -> Result<()> {
 }
 
 impl Store {
-    /// Open (creating its directories) the store at `dir` for `sandbox`.
-    pub fn open(dir: impl Into<PathBuf>, sandbox: &str, fs: Arc<dyn SnapshotFs>) -> Result<Store> {
-        let dir = dir.into();
+    fn create_dirs(dir: &Path) -> Result<()> {
         for sub in ["points", "procs", "fs", "tmp"] {
             let p = dir.join(sub);
             std::fs::create_dir_all(&p).map_err(|e| CheckpointError::io("mkdir", &p, e))?;
         }
+        Ok(())
+    }
+
+    /// Open (creating its directories) the store at `dir` for `sandbox`.
+    pub fn open(dir: impl Into<PathBuf>, sandbox: &str, fs: Arc<dyn SnapshotFs>) -> Result<Store> {
+        let dir = dir.into();
+        Store::create_dirs(&dir)?;
         let store = Store {
             sandbox: sandbox.to_owned(),
             dir,
@@ -268,20 +273,27 @@ impl Store {
         Ok(())
     }
 
-    fn lock_file(&self) -> Result<std::fs::File> {
-        let path = self.dir.join("lock");
+    fn lock_file(&self) -> std::io::Result<std::fs::File> {
         std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
-            .open(&path)
-            .map_err(|e| CheckpointError::io("open", &path, e))
+            .open(self.dir.join("lock"))
     }
 
     /// Take the store's lock, waiting while another process (or another `Store` of this
-    /// sandbox) holds it.
+    /// sandbox) holds it. A store directory that someone else removed meanwhile (all points
+    /// of the sandbox deleted) is created again, empty.
     pub fn lock(&self) -> Result<StoreLock> {
-        let file = self.lock_file()?;
+        let path = self.dir.join("lock");
+        let file = match self.lock_file() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Store::create_dirs(&self.dir)?;
+                self.lock_file()
+            }
+            r => r,
+        }
+        .map_err(|e| CheckpointError::io("open", &path, e))?;
         let t = Instant::now();
         if let Err(e) = flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
             if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
@@ -295,9 +307,14 @@ impl Store {
         Ok(StoreLock { _file: file })
     }
 
-    /// Take the store's lock if nobody holds it; `None` when someone does.
+    /// Take the store's lock if nobody holds it; `None` when someone does, or when the store
+    /// directory is gone (someone removed the sandbox's points meanwhile).
     pub fn try_lock(&self) -> Result<Option<StoreLock>> {
-        let file = self.lock_file()?;
+        let file = match self.lock_file() {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(CheckpointError::io("open", &self.dir.join("lock"), e)),
+        };
         match flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
             Ok(()) => Ok(Some(StoreLock { _file: file })),
             Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(None),

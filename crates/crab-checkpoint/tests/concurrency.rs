@@ -5,9 +5,9 @@
 //! round's full point and a fork of two branches from it, all at once through one
 //! [`Checkpointer`] (as in the daemon). Meanwhile an interferer does what another process on
 //! the same state directory does (a restarted daemon, a second tool, another test binary):
-//! it opens its own [`Runtime`] (which discards sandbox directories that have no record) and
-//! runs startup recovery of these sandboxes through its own [`Checkpointer`] (which discards
-//! staged parts it takes for leftovers). Every operation must succeed and every restored
+//! startup recovery of these sandboxes through a [`Checkpointer`] of its own (which would
+//! discard staged parts it took for leftovers), and what opening a [`Runtime`] does (discard
+//! the sandbox directories that have no record), restricted to this test's sandboxes. Every operation must succeed and every restored
 //! sandbox must hold the files and processes of its point.
 //!
 //! Like `real_flows.rs`, it uses `CRAB_STATE_DIR` (default `/var/lib/crab`, with a `debian`
@@ -168,22 +168,37 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
 
     let stop = AtomicBool::new(false);
     let interfered = AtomicUsize::new(0);
+    let discarded = AtomicUsize::new(0);
     let ops = AtomicUsize::new(0);
     let errors = Mutex::new(Vec::new());
     let started = Instant::now();
     std::thread::scope(|s| {
-        // The other process: a runtime of its own, recovery of our sandboxes.
+        // The other process. Its startup recovery of our sandboxes runs through a
+        // Checkpointer of its own (locks and stores of its own, as in another process), and
+        // what its `Runtime::open` would do to our sandboxes is done here, restricted to them
+        // (opening a real second runtime would also discard sandboxes other tests on this
+        // state directory are creating): a sandbox directory without a record is a
+        // half-created sandbox, whose cgroup, root and directory are discarded.
         s.spawn(|| {
+            let ck2 = Checkpointer::new(rt.clone(), Config::default());
+            let sandboxes = cfg.state.sandboxes();
             while !stop.load(Ordering::Relaxed) {
-                let rt2 = Arc::new(Runtime::open(cfg.clone()).unwrap());
-                let ck2 = Checkpointer::new(rt2.clone(), Config::default());
-                for n in rt2.names().iter().filter(|n| n.starts_with(&prefix)) {
+                for entry in std::fs::read_dir(&sandboxes).unwrap().flatten() {
+                    let n = entry.file_name().to_string_lossy().into_owned();
+                    if n.starts_with(&prefix) && !cfg.state.sandbox_record(&n).exists() {
+                        discarded.fetch_add(1, Ordering::Relaxed);
+                        let _ = rt.cgroup(&n).destroy();
+                        let _ = crab_sandbox::btrfs::remove_tree(&cfg.state.sandbox_rootfs(&n));
+                        let _ = std::fs::remove_dir_all(entry.path());
+                    }
+                }
+                for n in rt.names().iter().filter(|n| n.starts_with(&prefix)) {
                     if let Err(e) = ck2.recover_sandbox(n) {
                         errors.lock().unwrap().push(format!("recovery of {n}: {e}"));
                     }
                 }
                 interfered.fetch_add(1, Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::sleep(Duration::from_millis(20));
             }
         });
         let workers: Vec<_> = names
@@ -203,10 +218,11 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
         stop.store(true, Ordering::Relaxed);
     });
     eprintln!(
-        "{} operations in {:.1} s beside {} runtime openings + recoveries",
+        "{} operations in {:.1} s beside {} recoveries ({} half-created sandboxes discarded)",
         ops.load(Ordering::Relaxed),
         started.elapsed().as_secs_f64(),
-        interfered.load(Ordering::Relaxed)
+        interfered.load(Ordering::Relaxed),
+        discarded.load(Ordering::Relaxed)
     );
     for n in &names {
         let _ = rt.remove(n, true);

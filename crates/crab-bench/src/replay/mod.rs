@@ -145,6 +145,7 @@ struct RunResult {
     restore: Vec<f64>,
     counts: Counts,
     bytes: u64,
+    kinds: Vec<String>,
     state: Option<State>,
     error: Option<String>,
 }
@@ -425,6 +426,9 @@ fn aggregate(
                     fault_turns: if pass == Pass::Fault { fault_turns(ctx, i) } else { vec![] },
                     correct: is_correct,
                     wall_ms: r.wall_ms,
+                    checkpoints: r.counts.clone(),
+                    checkpoint_bytes: r.bytes,
+                    checkpoint_kinds: r.kinds.clone(),
                     diff,
                     error: r.error.clone(),
                 });
@@ -602,6 +606,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
             if r.counts.add(&point.kind) {
                 r.bytes += point.size_bytes;
             }
+            r.kinds.push(format!("{}:{}", point.kind, point.size_bytes));
             points.push(conv.len());
         } else if via_proxy {
             points.push(conv.len());
@@ -647,6 +652,14 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         }
     }
     r.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if via_proxy {
+        for p in sandbox::list_checkpoints(client, name).await? {
+            if r.counts.add(&p.kind) {
+                r.bytes += p.size_bytes;
+            }
+            r.kinds.push(format!("{}:{}", p.kind, p.size_bytes));
+        }
+    }
     r.state =
         Some(compare::capture(name, &ctx.state_dir.sandbox_rootfs(name), fresh_after, conv).await?);
     Ok(())

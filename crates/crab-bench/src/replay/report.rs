@@ -97,6 +97,12 @@ pub struct TrialReport {
     pub correct: Option<bool>,
     /// End-to-end time, ms.
     pub wall_ms: f64,
+    /// Checkpoints of this run, by kind.
+    pub checkpoints: Counts,
+    /// Bytes they wrote.
+    pub checkpoint_bytes: u64,
+    /// `kind:bytes` of each checkpoint, in order (one per turn boundary).
+    pub checkpoint_kinds: Vec<String>,
     /// Differences from the reference (noise excluded).
     pub diff: Option<Diff>,
     /// The error that ended the run, if any.

@@ -303,6 +303,33 @@ mod tests {
     }
 
     #[test]
+    fn discovery_and_provenance() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("mini-swe-agent/run1");
+        std::fs::create_dir_all(&run).unwrap();
+        let line = r#"{"turn": 0, "action": "ls"}"#;
+        std::fs::write(run.join("b.jsonl"), line).unwrap();
+        std::fs::write(run.join("a.jsonl"), line).unwrap();
+        std::fs::write(run.join("notes.txt"), "x").unwrap();
+        std::fs::write(
+            dir.path().join("manifest.json"),
+            r#"{"trajectories": [{"file": "mini-swe-agent/run1/a.jsonl", "source_repo": "github.com/x/y", "commit": "abc"}]}"#,
+        )
+        .unwrap();
+        let found = discover(&[dir.path().join("mini-swe-agent")]).unwrap();
+        let ids: Vec<&str> = found.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, vec!["mini-swe-agent/run1/a", "mini-swe-agent/run1/b"]);
+        let all = load_all(&[dir.path().join("mini-swe-agent")], 1).unwrap();
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0].family, Family::MiniSweAgent);
+        assert_eq!(
+            all[0].source,
+            TraceSource { repo: "github.com/x/y".into(), commit: Some("abc".into()) }
+        );
+        assert_eq!(source_of(&run.join("b.jsonl")).repo, "project");
+    }
+
+    #[test]
     fn families() {
         assert_eq!(Family::of(Path::new("/t/mini-swe-agent/r/a.jsonl")), Family::MiniSweAgent);
         assert_eq!(Family::of(Path::new("/t/terminal-bench/a.jsonl")), Family::TerminalBench);

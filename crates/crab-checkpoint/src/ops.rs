@@ -521,7 +521,17 @@ impl Checkpointer {
                 if let Some(e) = snap_err {
                     return Err(e);
                 }
-                let stats = stats?;
+                let stats = match stats {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // A CRIU that died (killed, timed out) cannot unlock the network it
+                        // locked: do it, or the sandbox stays offline until the next start.
+                        if rec.net != crab_common::api::NetMode::Host {
+                            drop_criu_network_locks(sandbox, rec.init_pid);
+                        }
+                        return Err(e.into());
+                    }
+                };
                 draft.timings.dump_us = Some(dump_us);
                 draft.timings.fs_snapshot_us = snap_us;
                 // Our freeze spans the whole dump; CRIU's own figure otherwise.

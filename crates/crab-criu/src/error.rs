@@ -47,7 +47,7 @@ impl LogTail {
     }
 
     /// Read the last `Error (` lines of the log at `path` (or, when it has none, its last few
-    /// lines), leaving out errors CRIU logs but ignores (see `is_noise`). A missing or
+    /// lines), leaving out lines CRIU logs but ignores (see `is_noise`). A missing or
     /// unreadable log gives an empty tail.
     pub fn read(path: &Path) -> LogTail {
         let Ok(file) = std::fs::File::open(path) else {
@@ -62,6 +62,9 @@ impl LogTail {
                     errors.pop_front();
                 }
                 errors.push_back(line.clone());
+            }
+            if is_noise(&line) {
+                continue;
             }
             if last.len() == 4 {
                 last.pop_front();
@@ -260,10 +263,14 @@ mod tests {
             Some("Error (criu/sk-inet.c:185): inet: In-flight connection (l) for 52875")
         );
         assert_eq!(LogTail::read(&dir.path().join("missing")), LogTail::default());
-        // A log of only noise (CRIU killed early) has no headline of its own.
-        std::fs::write(&log, "Error: ipv6: address already assigned.\n").unwrap();
+        // A log of only noise (CRIU killed early) has neither tail nor headline.
+        std::fs::write(
+            &log,
+            "Error: ipv6: address already assigned.\n     1: Error (criu/util.c:1723): ip6tables-restore -V failed\n",
+        )
+        .unwrap();
         let tail = LogTail::read(&log);
-        assert_eq!(tail.0, vec!["Error: ipv6: address already assigned.".to_owned()]);
+        assert_eq!(tail, LogTail::default());
         assert_eq!(tail.headline(), None);
     }
 }

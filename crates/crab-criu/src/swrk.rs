@@ -9,7 +9,7 @@
 
 use std::fs::File;
 use std::io::{IoSliceMut, Read as _};
-use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd};
+use std::os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -34,6 +34,8 @@ pub(crate) type Hook<'a> = &'a mut dyn FnMut(Notify) -> HookResult;
 const STDERR_KEEP: usize = 2048;
 /// Most descriptors accepted with one message.
 const MAX_FDS: usize = 16;
+/// How often, while waiting for CRIU, we check that `criu swrk` is still alive (ms).
+const CHILD_CHECK_MS: u16 = 100;
 
 /// A running `criu swrk` and our end of its socket.
 struct Session {
@@ -252,8 +254,51 @@ impl Session {
         Ok(())
     }
 
-    /// Receive one message; `None` when CRIU closed its end.
+    /// Wait until a message (or the end) can be read. `false` when `criu swrk` exited without
+    /// anything left to read: the tasks it had forked for a restore may survive it holding its
+    /// end of the socket, so its exit, not the end of the stream, says it is gone.
+    fn wait_readable(&mut self) -> Result<bool> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let ready = {
+                let mut fds = [PollFd::new(self.sock.as_fd(), PollFlags::POLLIN)];
+                match poll(&mut fds, PollTimeout::from(CHILD_CHECK_MS)) {
+                    Ok(n) => n > 0,
+                    Err(nix::errno::Errno::EINTR) => false,
+                    Err(e) => return Err(io_err(self.op, "poll", &self.log, Some(&self.log), e)),
+                }
+            };
+            if ready {
+                return Ok(true);
+            }
+            let exited = match self.child.as_mut() {
+                Some(c) => matches!(c.try_wait(), Ok(Some(_))),
+                None => true,
+            };
+            if exited {
+                // What it sent before exiting is queued already.
+                let mut fds = [PollFd::new(self.sock.as_fd(), PollFlags::POLLIN)];
+                let left = poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0);
+                if !left {
+                    tracing::debug!(
+                        op = self.op,
+                        "criu swrk exited; not waiting for its forked tasks to close the socket"
+                    );
+                }
+                return Ok(left);
+            }
+            if Instant::now() >= deadline {
+                return Err(self.timed_out());
+            }
+        }
+    }
+
+    /// Receive one message; `None` when CRIU closed its end or exited.
     fn recv(&mut self) -> Result<Option<(rpc::Resp, Vec<OwnedFd>)>> {
+        if !self.wait_readable()? {
+            return Ok(None);
+        }
         let fd = self.sock.as_raw_fd();
         let peek = recv(fd, &mut [], MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC);
         let len = match peek {

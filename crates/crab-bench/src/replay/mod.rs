@@ -603,9 +603,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         let answer = answer?;
         if let Some(point) = point {
             let point = point?;
-            if r.counts.add(&point.kind) {
-                r.bytes += point.size_bytes;
-            }
+            r.counts.add(&point.kind);
             r.kinds.push(format!("{}:{}", point.kind, point.size_bytes));
             points.push(conv.len());
         } else if via_proxy {
@@ -654,11 +652,12 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
     r.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     if via_proxy {
         for p in sandbox::list_checkpoints(client, name).await? {
-            if r.counts.add(&p.kind) {
-                r.bytes += p.size_bytes;
-            }
+            r.counts.add(&p.kind);
             r.kinds.push(format!("{}:{}", p.kind, p.size_bytes));
         }
+    }
+    if via_proxy || job.method.checkpoint_kind().is_some() {
+        r.bytes = sandbox::store_traffic(&ctx.state_dir.checkpoints(name))?;
     }
     r.state =
         Some(compare::capture(name, &ctx.state_dir.sandbox_rootfs(name), fresh_after, conv).await?);

@@ -70,7 +70,8 @@ pub struct MethodReport {
     pub overhead_no_fault_ratio: f64,
     /// Checkpoints taken in the trials, by kind.
     pub checkpoints: Counts,
-    /// Bytes the trials' checkpoints wrote.
+    /// Bytes the trials' checkpoints wrote: each distinct process image and filesystem delta
+    /// once.
     pub checkpoint_bytes: u64,
     /// Per turn, time the agent waited beyond the LLM's own time (Crab's exposed latency plus
     /// HTTP overhead), ms.

@@ -189,6 +189,44 @@ pub async fn restore(client: &Client, name: &str) -> Result<Value, ApiError> {
         .await
 }
 
+/// Checkpoint traffic of sandbox `name`: the bytes of its distinct parts, read from the
+/// manifests of its store on the host (`<pool>/checkpoints/<name>/points/*.manifest`, see
+/// `docs/format.md`): each process image's `bytes` plus each filesystem snapshot's
+/// `delta_bytes`, counted once however many points share them. (A point's own `size_bytes`
+/// counts the parts it references, so summing those would count a reused snapshot again at
+/// every skip or process turn.)
+pub fn store_traffic(checkpoints_dir: &Path) -> Result<u64, ApiError> {
+    let dir = checkpoints_dir.join("points");
+    let rd = match std::fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(ApiError::internal(format!("reading {}: {e}", dir.display()))),
+    };
+    let mut procs = std::collections::BTreeMap::new();
+    let mut fs = std::collections::BTreeMap::new();
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "manifest") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&p)
+            .map_err(|e| ApiError::internal(format!("reading {}: {e}", p.display())))?;
+        let lines: Vec<&str> = text.lines().collect();
+        if lines.len() < 3 {
+            continue;
+        }
+        let body = lines[1..lines.len() - 1].join("\n");
+        let Ok(m) = serde_json::from_str::<Value>(&body) else { continue };
+        if let Some(id) = m["procs"]["id"].as_str() {
+            procs.insert(id.to_string(), m["procs"]["bytes"].as_u64().unwrap_or(0));
+        }
+        if let Some(id) = m["fs"]["id"].as_str() {
+            fs.insert(id.to_string(), m["fs"]["delta_bytes"].as_u64().unwrap_or(0));
+        }
+    }
+    Ok(procs.values().sum::<u64>() + fs.values().sum::<u64>())
+}
+
 /// The cgroup2 mount point (from `/proc/self/mountinfo`).
 pub fn cgroup2_root() -> Result<PathBuf, ApiError> {
     let text = std::fs::read_to_string("/proc/self/mountinfo")
@@ -316,5 +354,31 @@ pub async fn kill_and_restart_daemon(client: &Client) -> Result<(), ApiError> {
             ));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traffic_counts_each_part_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let points = dir.path().join("points");
+        std::fs::create_dir_all(&points).unwrap();
+        let m = |id: &str, procs: &str, fs: &str| {
+            format!(
+                "crab-restore-point 1\n{{\"id\": \"{id}\", \"procs\": {procs}, \"fs\": {fs}}}\nsha256 00\n"
+            )
+        };
+        let p1 = r#"{"id": "p000001", "bytes": 1000}"#;
+        let p2 = r#"{"id": "p000002", "bytes": 10}"#;
+        let f1 = r#"{"id": "f000001", "delta_bytes": 500}"#;
+        std::fs::write(points.join("c000001.manifest"), m("c000001", p1, f1)).unwrap();
+        std::fs::write(points.join("c000002.manifest"), m("c000002", p1, f1)).unwrap();
+        std::fs::write(points.join("c000003.manifest"), m("c000003", p2, f1)).unwrap();
+        std::fs::write(points.join("c000004.manifest"), m("c000004", "null", f1)).unwrap();
+        assert_eq!(store_traffic(dir.path()).unwrap(), 1510);
+        assert_eq!(store_traffic(&dir.path().join("none")).unwrap(), 0);
     }
 }

@@ -308,6 +308,15 @@ impl Checkpointer {
         Ok(s)
     }
 
+    /// The store of `sandbox` if it has one, creating nothing.
+    fn existing_store(&self, sandbox: &str) -> Result<Option<Arc<Store>>> {
+        if let Some(s) = self.stores.lock().unwrap_or_else(|p| p.into_inner()).get(sandbox) {
+            return Ok(Some(s.clone()));
+        }
+        let dir = self.rt.state().checkpoints(sandbox);
+        Ok(Store::open_existing(dir, sandbox, self.fs.clone())?.map(Arc::new))
+    }
+
     fn lock(&self, sandbox: &str) -> Arc<Mutex<()>> {
         let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
         locks.entry(sandbox.to_owned()).or_default().clone()
@@ -338,7 +347,7 @@ impl Checkpointer {
                 // source); only their leftovers go.
                 let lock = self.lock(&name);
                 let Ok(_guard) = lock.try_lock() else { continue };
-                let store = self.store(&name)?;
+                let Some(store) = self.existing_store(&name)? else { continue };
                 match store.try_lock()? {
                     Some(_held) => {
                         store.recover_leftovers()?;
@@ -369,12 +378,17 @@ impl Checkpointer {
                 return Ok(());
             }
         };
-        let store = self.store(name)?;
-        let Some(_held) = store.try_lock()? else {
-            tracing::info!(sandbox = %name, "restore points in use by another process (or just removed); not recovering");
-            return Ok(());
-        };
-        store.recover_leftovers()?;
+        // Without a store directory no checkpoint or restore of the sandbox was under way (and
+        // opening the store would create one for a sandbox that may be going away).
+        let mut _held = None;
+        if let Some(store) = self.existing_store(name)? {
+            let Some(held) = store.try_lock()? else {
+                tracing::info!(sandbox = %name, "restore points in use by another process (or just removed); not recovering");
+                return Ok(());
+            };
+            _held = Some(held);
+            store.recover_leftovers()?;
+        }
         let dir = self.rt.state().sandbox_dir(name);
         let rootfs = self.rt.state().sandbox_rootfs(name);
         let old = dir.join("rootfs.old");

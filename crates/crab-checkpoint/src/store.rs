@@ -240,6 +240,27 @@ impl Store {
         Ok(store)
     }
 
+    /// Open the store at `dir` for `sandbox` if it exists, creating nothing (for recovery,
+    /// which must not bring back the store of a sandbox being removed).
+    pub fn open_existing(
+        dir: impl Into<PathBuf>,
+        sandbox: &str,
+        fs: Arc<dyn SnapshotFs>,
+    ) -> Result<Option<Store>> {
+        let dir = dir.into();
+        if !dir.is_dir() {
+            return Ok(None);
+        }
+        let store = Store {
+            sandbox: sandbox.to_owned(),
+            dir,
+            fs,
+            counters: Mutex::new(Counters::default()),
+        };
+        store.rescan()?;
+        Ok(Some(store))
+    }
+
     /// The store of `sandbox` in a state directory.
     pub fn for_sandbox(
         state: &crab_common::paths::StateDir,

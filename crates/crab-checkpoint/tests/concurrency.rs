@@ -228,7 +228,20 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
         let _ = rt.remove(n, true);
         let _ = ck.remove_all(n);
     }
+    // Nothing of ours may stay behind (a recovery must not recreate the store of a branch
+    // being removed).
+    let stores = cfg.state.pool().join("checkpoints");
+    let left: Vec<String> = std::fs::read_dir(&stores)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("{prefix}-")))
+        .collect();
+    for n in &left {
+        let _ = ck.remove_all(n);
+    }
     let errors = errors.into_inner().unwrap();
     assert!(errors.is_empty(), "{} failures:\n{}", errors.len(), errors.join("\n"));
     assert!(interfered.load(Ordering::Relaxed) > 0);
+    assert!(left.is_empty(), "restore points of removed sandboxes left behind: {left:?}");
 }

@@ -4,6 +4,9 @@
 //! `criu swrk <fd>`, one protobuf message per packet in each direction, descriptors passed by
 //! CRIU with `SCM_RIGHTS` (orphan pty masters), a receive timeout after which CRIU is killed,
 //! and the translation of CRIU's answers into [`crate::CriuError`]s carrying the log path.
+//! While waiting for an answer it also watches `criu swrk` itself: the tasks CRIU forked for a
+//! restore inherit its end of the socket and may outlive it, so a CRIU that died (killed with
+//! its cgroup, by the OOM killer) is noticed by its exit, not by the end of the stream.
 //! CRIU opens the images and work directories through `/proc/<caller>/fd/<n>`, so this module
 //! keeps those descriptors open for the duration of the call.
 

@@ -164,7 +164,7 @@ struct DaemonArgs {
     #[arg(long, default_value = "32G", value_parser = parse_size)]
     pool_size: u64,
     /// Where the LLM proxy listens (loopback only unless --proxy-allow-remote).
-    #[arg(long, default_value = crab_coordinator::DEFAULT_LISTEN)]
+    #[arg(long, env = "CRAB_PROXY_LISTEN", default_value = crab_coordinator::DEFAULT_LISTEN)]
     proxy_listen: std::net::SocketAddr,
     /// Let the LLM proxy listen beyond loopback (it carries API keys).
     #[arg(long)]

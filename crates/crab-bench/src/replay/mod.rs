@@ -1,22 +1,27 @@
 //! The replay benchmark: real agent trajectories replayed in real sandboxes through the real
 //! daemon, with faults injected, each recovery method side by side.
 //!
-//! For every trajectory it runs two fault-free references (`none`; the second one only to learn
-//! what legitimately differs between runs), then each method with `faults` faults at seeded
-//! turns, and each checkpointing method once more without a fault (its overhead). A run is: a
-//! fresh sandbox (plus the stand-in `/testbed` for SWE-bench traces and the persistent shell for
-//! `shell_state` traces), then the replay agent ([`agent`]) talking to the replay LLM ([`llm`])
-//! turn by turn. At each turn boundary a checkpointing method asks the daemon for a checkpoint
-//! (`POST /v1/sandboxes/{name}/checkpoints`, kind `auto`/`full`/`fs`) *concurrently* with the LLM
+//! For every trajectory it runs a fault-free reference (`none`), each method with `faults`
+//! faults at seeded turns (the same turns for every method), each checkpointing method once more
+//! without a fault (its overhead), and last a second fault-free reference that starts at least a
+//! minute after the first, only to learn what legitimately differs between runs (see
+//! [`compare`]). A run is: a fresh sandbox (plus the stand-in `/testbed` of [`testbed`] for
+//! SWE-bench traces and the persistent shell for `shell_state` traces), then the replay agent
+//! ([`agent`]) talking to the replay LLM ([`llm`]) turn by turn. At each turn boundary a
+//! checkpointing method asks the daemon for a checkpoint (`POST
+//! /v1/sandboxes/{name}/checkpoints`, kind `auto`/`full`/`fs`) *concurrently* with the LLM
 //! request, and the agent runs the next command only when both are done — the gating Crab's
 //! proxy does — so the time the checkpoint adds beyond the LLM's own time is the exposed
-//! latency. A fault is kill -9 of every process of the sandbox right after a turn's command;
-//! recovery is per [`methods::Recovery`]. At the end the sandbox's state is captured and
-//! compared with the reference ([`compare`]). Runs go `sandboxes` at a time.
+//! latency. A fault is kill -9 of every process of the sandbox (and with `fault_daemon` of the
+//! daemon, which is then started again) right after a turn's command; recovery is per
+//! [`methods::Recovery`]. At the end the sandbox's state is captured and compared with the
+//! reference ([`compare`]). Runs go `sandboxes` at a time.
 //!
-//! With `proxy` set, agents of every method but `none` reach the LLM through Crab's proxy
-//! (`<proxy>/s/<sandbox>/v1`); the daemon must then run with `--upstream-openai` pointing at
-//! `llm_listen`.
+//! With `proxy` set (`http://127.0.0.1:7431`), the `crab` method reaches the LLM through Crab's
+//! proxy (`<proxy>/s/<sandbox>/v1`), which takes the `auto` checkpoint at each request and gates
+//! the answer on it — the transparent path of the design; the daemon must then run with
+//! `--upstream-openai http://<llm_listen>`. The other methods keep calling the LLM directly (the
+//! proxy has no per-sandbox checkpoint policy to make it take `full`/`fs` or nothing).
 
 pub mod agent;
 pub mod compare;

@@ -35,7 +35,7 @@ use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_sta
 use crab_sandbox::{btrfs, Runtime, SandboxRecord};
 
 use crate::error::{CheckpointError, Result};
-use crate::manifest::{self, Kind, Manifest, Origin};
+use crate::manifest::{Kind, Manifest, Origin};
 use crate::snapfs::SnapshotFs;
 use crate::store::{now_ms, Draft, PruneReport, Store};
 
@@ -962,7 +962,7 @@ impl Checkpointer {
             hostname: name.to_owned(),
             limits: src.limits.clone(),
         };
-        claim_sandbox_dir(state, &dir, &rec)?;
+        crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
         match result {
             Ok(pid) => {
@@ -1084,42 +1084,6 @@ impl Checkpointer {
         self.rt.update(rec.clone()).map_err(sandbox_err(name))?;
         Ok(pid)
     }
-}
-
-/// Create `dir` (a sandbox directory) atomically with `rec` as its record: the directory is
-/// prepared under `<pool>/tmp/` and renamed into place without replacing anything, so it never
-/// exists without a record and an existing sandbox (or one being created) keeps its name.
-fn claim_sandbox_dir(
-    state: &crab_common::paths::StateDir,
-    dir: &Path,
-    rec: &SandboxRecord,
-) -> Result<()> {
-    let name = &rec.name;
-    let prep = state.tmp().join(format!("fork-{name}-{:08x}", crab_sandbox::runtime::rand_u32()));
-    std::fs::create_dir(&prep).map_err(|e| CheckpointError::io("mkdir", &prep, e))?;
-    let claimed = serde_json::to_vec_pretty(rec)
-        .map_err(|e| CheckpointError::Invalid(format!("encoding the record of {name}: {e}")))
-        .and_then(|bytes| {
-            crab_sandbox::runtime::write_atomic(&prep.join("sandbox.json"), &bytes)
-                .map_err(sandbox_err(name))
-        })
-        .and_then(|()| {
-            nix::fcntl::renameat2(None, &prep, None, dir, nix::fcntl::RenameFlags::RENAME_NOREPLACE)
-                .map_err(|e| match e {
-                    nix::errno::Errno::EEXIST | nix::errno::Errno::ENOTEMPTY => {
-                        CheckpointError::Invalid(format!("a sandbox named {name:?} already exists"))
-                    }
-                    e => CheckpointError::io("rename", &prep, std::io::Error::from(e)),
-                })
-        });
-    if let Err(e) = claimed {
-        let _ = std::fs::remove_dir_all(&prep);
-        return Err(e);
-    }
-    if let Some(parent) = dir.parent() {
-        manifest::fsync_dir(parent)?;
-    }
-    Ok(())
 }
 
 /// Delete the nftables tables (`inet CRIU-<run id>`) with which a CRIU killed in the middle

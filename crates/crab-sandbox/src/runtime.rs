@@ -281,23 +281,26 @@ impl Runtime {
         net: NetMode,
         limits: &Limits,
     ) -> Result<SandboxRecord> {
-        let dir = self.cfg.state.sandbox_dir(name);
-        fs::create_dir(&dir).map_err(SandboxError::io("create", &dir))?;
-        let rootfs = self.cfg.state.sandbox_rootfs(name);
-        btrfs::snapshot(image_root, &rootfs, false)?;
-        personalize(&rootfs, name)?;
-        let (init_pid, init_start) = self.start_init(name, net, limits)?;
-        let rec = SandboxRecord {
+        let mut rec = SandboxRecord {
             format: RECORD_FORMAT,
             name: name.to_string(),
             image: image.to_string(),
             created_at: now(),
-            init_pid,
-            init_start,
+            init_pid: 0,
+            init_start: 0,
             net,
             hostname: name.to_string(),
             limits: limits.clone(),
         };
+        // The directory appears with a (not yet running) record, so another process opening
+        // this state directory sees a dead sandbox rather than a leftover to discard.
+        claim_dir(&self.cfg.state, &rec)?;
+        let rootfs = self.cfg.state.sandbox_rootfs(name);
+        btrfs::snapshot(image_root, &rootfs, false)?;
+        personalize(&rootfs, name)?;
+        let (init_pid, init_start) = self.start_init(name, net, limits)?;
+        rec.init_pid = init_pid;
+        rec.init_start = init_start;
         self.save(&rec)?;
         tracing::info!(sandbox = name, pid = init_pid, "sandbox created");
         Ok(rec)
@@ -434,6 +437,42 @@ impl Runtime {
     pub fn helper_exe(&self) -> &Path {
         &self.cfg.helper_exe
     }
+}
+
+/// Create sandbox `rec.name`'s directory atomically with `rec` as its record: the directory is
+/// prepared under `<pool>/tmp/` and renamed into place without replacing anything, so it never
+/// exists without a record and an existing sandbox (or one being created) keeps its name.
+pub fn claim_dir(state: &StateDir, rec: &SandboxRecord) -> Result<()> {
+    let name = &rec.name;
+    let dir = state.sandbox_dir(name);
+    let prep = state.tmp().join(format!("claim-{name}-{:08x}", rand_u32()));
+    fs::create_dir(&prep).map_err(SandboxError::io("create", &prep))?;
+    let claimed = serde_json::to_vec_pretty(rec)
+        .map_err(|e| SandboxError::Other(format!("encoding the record of {name}: {e}")))
+        .and_then(|bytes| write_atomic(&prep.join("sandbox.json"), &bytes))
+        .and_then(|()| {
+            nix::fcntl::renameat2(
+                None,
+                &prep,
+                None,
+                &dir,
+                nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+            )
+            .map_err(|e| match e {
+                nix::errno::Errno::EEXIST | nix::errno::Errno::ENOTEMPTY => {
+                    SandboxError::NameTaken { kind: "sandbox", name: name.to_string() }
+                }
+                e => SandboxError::io("rename", &prep)(std::io::Error::from(e)),
+            })
+        });
+    if let Err(e) = claimed {
+        let _ = fs::remove_dir_all(&prep);
+        return Err(e);
+    }
+    if let Ok(d) = fs::File::open(state.sandboxes()) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 /// The cgroup paths a helper joins.

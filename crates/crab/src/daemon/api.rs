@@ -92,6 +92,11 @@ pub fn ok<T: Serialize>(v: &T) -> Response {
 
 /// An error response with the status its code maps to.
 pub fn err(e: ApiError) -> Response {
+    if e.code.http_status() >= 500 {
+        tracing::warn!(code = e.code.as_str(), message = %e.message, "request failed");
+    } else {
+        tracing::info!(code = e.code.as_str(), message = %e.message, "request refused");
+    }
     let status =
         StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = serde_json::to_vec(&e).unwrap_or_default();

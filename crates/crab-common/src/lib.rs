@@ -3,14 +3,16 @@
 //! This crate owns the vocabulary the other crates speak: validated names ([`names`]), the
 //! on-disk layout of the state directory ([`paths`]), the stable error codes of the daemon's API
 //! ([`error`]), the request and response bodies of that API ([`api`]), and the [`progress`] trait
-//! through which long operations report what they are doing (only the CLI draws it). It has no
-//! I/O of its own beyond path arithmetic.
+//! through which long operations report what they are doing (only the CLI draws it), and the
+//! percentile [`stats`] every benchmark reports with. It has no I/O of its own beyond path
+//! arithmetic.
 
 pub mod api;
 pub mod error;
 pub mod names;
 pub mod paths;
 pub mod progress;
+pub mod stats;
 
 pub use error::{ApiError, ErrorCode};
 pub use progress::{NoProgress, Progress};

@@ -42,49 +42,8 @@ impl Default for ProxyBenchOptions {
     }
 }
 
-/// Latency summary in milliseconds.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LatencySummary {
-    /// Samples.
-    pub n: usize,
-    /// Median.
-    pub p50: f64,
-    /// 95th percentile.
-    pub p95: f64,
-    /// 99th percentile.
-    pub p99: f64,
-    /// Mean.
-    pub mean: f64,
-    /// Smallest.
-    pub min: f64,
-    /// Largest.
-    pub max: f64,
-}
-
-impl LatencySummary {
-    /// Summarize samples (any order).
-    pub fn of(samples: &[f64]) -> LatencySummary {
-        let mut s = samples.to_vec();
-        s.sort_by(|a, b| a.total_cmp(b));
-        let pct = |q: f64| {
-            if s.is_empty() {
-                return f64::NAN;
-            }
-            let rank = (q * s.len() as f64).ceil() as usize;
-            s[rank.clamp(1, s.len()) - 1]
-        };
-        let n = s.len();
-        LatencySummary {
-            n,
-            p50: pct(0.5),
-            p95: pct(0.95),
-            p99: pct(0.99),
-            mean: if n == 0 { f64::NAN } else { s.iter().sum::<f64>() / n as f64 },
-            min: s.first().copied().unwrap_or(f64::NAN),
-            max: s.last().copied().unwrap_or(f64::NAN),
-        }
-    }
-}
+/// Latency summary in milliseconds (the shared nearest-rank summary).
+pub type LatencySummary = crab_common::stats::Summary;
 
 /// Result of the proxy benchmark.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -309,6 +309,9 @@ struct ReplayArgs {
     /// Do not build the stand-in /testbed for SWE-bench trajectories.
     #[arg(long)]
     no_testbed: bool,
+    /// Where the replay LLM listens.
+    #[arg(long, default_value = "127.0.0.1:7439")]
+    llm_listen: std::net::SocketAddr,
     /// Write the JSON report here.
     #[arg(long = "json-out", value_name = "FILE")]
     json_out: Option<std::path::PathBuf>,
@@ -711,6 +714,7 @@ async fn bench_cmd(
                 image: a.image,
                 proxy: a.proxy,
                 testbed: !a.no_testbed,
+                llm_listen: a.llm_listen,
                 ..d
             };
             let drawer = ProgressDrawer::new();

@@ -2,6 +2,7 @@
 #   make demo   build, set up, and run the demo
 #   make test   every test, privileged ones included (what CI runs)
 # Both install whatever is missing first (scripts/setup.sh) and are idempotent.
+#   make bench  every benchmark (docs/performance.md says what each measures)
 
 SHELL := /bin/bash
 export CRAB_STATE_DIR ?= /var/lib/crab
@@ -42,3 +43,8 @@ bench: build-release
 	@scripts/daemon.sh restart target/release/crab
 	@$(MAKE) --no-print-directory image-release
 	target/release/crab bench foundation
+	target/release/crab bench proxy
+	target/release/crab bench turns --time-scale 0.1
+	$(CARGO) run --release -p crab-inspector --bin crab-inspector-bench -- --rounds 5
+	$(CARGO) test --release -p crab-checkpoint --test real_flows -- --ignored --nocapture --test-threads=1 bench
+	target/release/crab bench replay --traces examples/traces --llm-latency scale:0.2 --json-out target/bench-replay.json --svg target/bench-replay.svg

@@ -79,12 +79,7 @@ impl Client {
             .map_err(|e| ApiError::internal(format!("the daemon dropped the request: {e}")))?;
         if !resp.status().is_success() {
             let status = resp.status();
-            let bytes = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| ApiError::internal(format!("reading the daemon's answer: {e}")))?
-                .to_bytes();
+            let bytes = body_bytes(resp).await?;
             return Err(serde_json::from_slice::<ApiError>(&bytes).unwrap_or_else(|_| {
                 ApiError::internal(format!(
                     "daemon answered {status}: {}",
@@ -106,13 +101,7 @@ impl Client {
             .map(serde_json::to_vec)
             .transpose()
             .map_err(|e| ApiError::internal(format!("encoding request: {e}")))?;
-        let resp = self.send(method, path, body).await?;
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| ApiError::internal(format!("reading the daemon's answer: {e}")))?
-            .to_bytes();
+        let bytes = body_bytes(self.send(method, path, body).await?).await?;
         serde_json::from_slice(&bytes)
             .map_err(|e| ApiError::internal(format!("undecodable answer from the daemon: {e}")))
     }
@@ -144,4 +133,14 @@ impl Client {
         }
         Ok(())
     }
+}
+
+/// The whole body of a response.
+async fn body_bytes(resp: hyper::Response<hyper::body::Incoming>) -> Result<Bytes, ApiError> {
+    Ok(resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| ApiError::internal(format!("reading the daemon's answer: {e}")))?
+        .to_bytes())
 }

@@ -746,22 +746,13 @@ async fn bench_cmd(
             if json {
                 print_json(&r);
             } else {
-                let row = |n: &str, s: &crab_coordinator::bench::LatencySummary| {
-                    vec![
-                        n.to_string(),
-                        s.n.to_string(),
-                        format!("{:.3}", s.p50),
-                        format!("{:.3}", s.p95),
-                        format!("{:.3}", s.p99),
-                    ]
-                };
-                table(
-                    &["MEASURE (ms)", "N", "P50", "P95", "P99"],
+                latency_table(
                     &[
-                        row("direct", &r.direct),
-                        row("proxied (fsync)", &r.proxied),
-                        row("proxied (no fsync)", &r.proxied_no_fsync),
+                        ("direct", &r.direct),
+                        ("proxied (fsync)", &r.proxied),
+                        ("proxied (no fsync)", &r.proxied_no_fsync),
                     ],
+                    3,
                 );
                 println!(
                     "proxy overhead p50: {:.3} ms (no fsync {:.3} ms); budget {} ms: {}",
@@ -801,22 +792,13 @@ async fn bench_cmd(
             if json {
                 print_json(&r);
             } else {
-                let row = |name: &str, s: &crab_bench::Summary| {
-                    vec![
-                        name.to_string(),
-                        s.n.to_string(),
-                        format!("{:.2}", s.p50),
-                        format!("{:.2}", s.p95),
-                        format!("{:.2}", s.p99),
-                    ]
-                };
-                table(
-                    &["MEASURE (ms)", "N", "P50", "P95", "P99"],
+                latency_table(
                     &[
-                        row("sandbox create", &r.create_ms),
-                        row("crab exec true", &r.exec_true_ms),
-                        row("host true", &r.host_true_ms),
+                        ("sandbox create", &r.create_ms),
+                        ("crab exec true", &r.exec_true_ms),
+                        ("host true", &r.host_true_ms),
                     ],
+                    2,
                 );
                 println!("exec overhead over host (p50): {:.2} ms", r.exec_overhead_p50_ms);
             }
@@ -1142,4 +1124,16 @@ impl crab_common::Progress for DrawProgress<'_> {
     fn message(&self, line: &str) {
         self.0.draw(&ProgressFrame::Message { line: line.to_string() });
     }
+}
+
+/// A table of latency summaries (ms) with `decimals` digits.
+fn latency_table(rows: &[(&str, &crab_common::stats::Summary)], decimals: usize) {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|(name, s)| {
+            let f = |v: f64| format!("{v:.decimals$}");
+            vec![name.to_string(), s.n.to_string(), f(s.p50), f(s.p95), f(s.p99)]
+        })
+        .collect();
+    table(&["MEASURE (ms)", "N", "P50", "P95", "P99"], &rows);
 }

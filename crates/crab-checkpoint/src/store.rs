@@ -524,23 +524,27 @@ impl Store {
             tracing::warn!(sandbox = %self.sandbox, "unreadable manifests present; keeping unreferenced parts");
         } else {
             let manifests: Vec<Manifest> = all.into_iter().filter_map(|(_, m)| m.ok()).collect();
-            let (procs, fs) = self.unreferenced(&manifests)?;
-            for id in procs {
-                let p = self.proc_dir(id);
-                self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
-                report.removed.push(p);
-            }
-            for id in fs {
-                let p = self.fs_path(id);
-                self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
-                report.removed.push(p);
-            }
+            let (procs, fs) = self.delete_unreferenced(&manifests)?;
+            report.removed.extend(procs.into_iter().map(|id| self.proc_dir(id)));
+            report.removed.extend(fs.into_iter().map(|id| self.fs_path(id)));
         }
         if !report.removed.is_empty() {
             tracing::info!(sandbox = %self.sandbox, removed = report.removed.len(), "discarded checkpoint leftovers");
         }
         self.rescan()?;
         Ok(report)
+    }
+
+    /// Delete the process images and filesystem snapshots no manifest in `kept` references;
+    /// returns their ids (used by pruning and by start-up recovery).
+    fn delete_unreferenced(&self, kept: &[Manifest]) -> Result<(Vec<ProcId>, Vec<FsId>)> {
+        let (procs, fs) = self.unreferenced(kept)?;
+        for p in
+            procs.iter().map(|id| self.proc_dir(*id)).chain(fs.iter().map(|id| self.fs_path(*id)))
+        {
+            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+        }
+        Ok((procs, fs))
     }
 
     /// Parts on disk that none of `kept` references.
@@ -588,17 +592,9 @@ impl Store {
         }
         let kept: Vec<Manifest> =
             kept.iter().filter_map(|(_, m)| m.as_ref().ok().cloned()).collect();
-        let (procs, fs) = self.unreferenced(&kept)?;
-        for id in procs {
-            let p = self.proc_dir(id);
-            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
-            report.procs.push(id);
-        }
-        for id in fs {
-            let p = self.fs_path(id);
-            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
-            report.fs.push(id);
-        }
+        let (procs, fs) = self.delete_unreferenced(&kept)?;
+        report.procs.extend(procs);
+        report.fs.extend(fs);
         Ok(report)
     }
 

@@ -381,6 +381,12 @@ impl Session {
         }
     }
 
+    /// A notify hook refused a phase: wait for CRIU to give up and name the hook's reason.
+    fn hook_failed(&mut self, phase: String, reason: String) -> CriuError {
+        self.finish();
+        CriuError::Hook { op: self.op, phase, reason, log: self.log.clone() }
+    }
+
     fn stderr(&mut self) -> String {
         self.stderr.take().and_then(|h| h.join().ok()).unwrap_or_default()
     }
@@ -424,13 +430,7 @@ impl Session {
         loop {
             let Some((resp, fds)) = self.recv()? else {
                 if let Some((phase, reason)) = hook_error {
-                    self.finish();
-                    return Err(CriuError::Hook {
-                        op: self.op,
-                        phase,
-                        reason,
-                        log: self.log.clone(),
-                    });
+                    return Err(self.hook_failed(phase, reason));
                 }
                 return Err(self.failed(
                     None,
@@ -464,13 +464,7 @@ impl Session {
             }
             if !resp.success {
                 if let Some((phase, reason)) = hook_error {
-                    self.finish();
-                    return Err(CriuError::Hook {
-                        op: self.op,
-                        phase,
-                        reason,
-                        log: self.log.clone(),
-                    });
+                    return Err(self.hook_failed(phase, reason));
                 }
                 return Err(self.failed(resp.cr_errno, resp.cr_errmsg.clone()));
             }

@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -27,7 +26,11 @@ use crab_common::paths::StateDir;
 use crate::btrfs;
 use crate::cgroup::{Hierarchy, SandboxCgroup};
 use crate::error::{Result, SandboxError};
+use crate::inroot::InRoot;
 use crate::spawn::{CgroupPaths, ExecSpec, StartSpec, INIT_PATH};
+
+/// The daemon's directory in every root (`/.crab`).
+const INIT_DIR: &str = ".crab";
 use crate::{image, pool, quota};
 
 /// The static init binary, embedded at build time.
@@ -57,6 +60,10 @@ pub struct SandboxRecord {
     pub hostname: String,
     /// Limits.
     pub limits: Limits,
+    /// Its cgroup, relative to each hierarchy's root (`crab-<instance>/<name>`). Absent in
+    /// records written before per-daemon cgroups: those sandboxes live in `crab/<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
 }
 
 /// Options of the runtime.
@@ -106,6 +113,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+impl SandboxRecord {
+    /// Its cgroup relative to a hierarchy root (`crab/<name>` for records that predate
+    /// per-daemon cgroups).
+    pub fn cgroup_rel(&self) -> String {
+        self.cgroup.clone().unwrap_or_else(|| format!("crab/{}", self.name))
+    }
 }
 
 impl Runtime {
@@ -172,9 +187,23 @@ impl Runtime {
         process_start_time(rec.init_pid) == Some(rec.init_start)
     }
 
+    /// The cgroup path (relative to a hierarchy root) of sandbox `name`: the one its record
+    /// names, else this daemon's `crab-<instance>/<name>`.
+    pub fn cgroup_rel(&self, name: &str) -> String {
+        match self.lock().get(name) {
+            Some(rec) => rec.cgroup_rel(),
+            None => self.new_cgroup_rel(name),
+        }
+    }
+
+    /// Where this daemon puts the cgroup of a new sandbox `name`.
+    pub fn new_cgroup_rel(&self, name: &str) -> String {
+        format!("{}/{name}", self.cfg.state.cgroup_parent())
+    }
+
     /// The cgroup of sandbox `name`.
     pub fn cgroup(&self, name: &str) -> SandboxCgroup {
-        self.hier.sandbox(name)
+        self.hier.sandbox(&self.cgroup_rel(name))
     }
 
     /// The record of sandbox `name`.
@@ -291,6 +320,7 @@ impl Runtime {
             net,
             hostname: name.to_string(),
             limits: limits.clone(),
+            cgroup: Some(self.new_cgroup_rel(name)),
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -481,37 +511,32 @@ pub fn cgroup_paths(cg: &SandboxCgroup) -> CgroupPaths {
 }
 
 /// Per-sandbox files: the init binary, hostname and a fresh machine-id.
+///
+/// Every write resolves inside `rootfs` ([`InRoot`]): a sandbox or image that made
+/// `/etc/hostname`, `/etc/machine-id`, `/tmp` or `/.crab` a symlink cannot make the daemon write
+/// or chmod a host file.
 pub fn personalize(rootfs: &Path, name: &str) -> Result<()> {
-    install_init(rootfs)?;
-    let etc = rootfs.join("etc");
-    fs::create_dir_all(&etc).map_err(SandboxError::io("create", &etc))?;
-    fs::write(etc.join("hostname"), format!("{name}\n"))
-        .map_err(SandboxError::io("write", etc.join("hostname")))?;
+    let root = InRoot::open(rootfs)?;
+    install_init_in(&root)?;
+    root.write(Path::new("etc/hostname"), format!("{name}\n").as_bytes(), 0o644)?;
     let id = format!("{:08x}{:08x}{:08x}{:08x}\n", rand_u32(), rand_u32(), rand_u32(), rand_u32());
-    fs::write(etc.join("machine-id"), id)
-        .map_err(SandboxError::io("write", etc.join("machine-id")))?;
-    let tmp = rootfs.join("tmp");
-    fs::create_dir_all(&tmp).map_err(SandboxError::io("create", &tmp))?;
-    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777))
-        .map_err(SandboxError::io("chmod", &tmp))?;
+    root.write(Path::new("etc/machine-id"), id.as_bytes(), 0o444)?;
+    root.mkdir_mode(Path::new("tmp"), 0o1777)?;
     Ok(())
 }
 
-/// Put `crab-init` at `/.crab/init` of `rootfs` unless an identical copy is there.
+/// Put `crab-init` at `/.crab/init` of `rootfs` unless an identical copy is there. `/.crab` is
+/// the daemon's: anything but a real directory of that name is replaced.
 pub fn install_init(rootfs: &Path) -> Result<()> {
-    let path = rootfs.join(INIT_PATH);
-    if fs::read(&path).map(|b| b == INIT_BINARY).unwrap_or(false) {
+    install_init_in(&InRoot::open(rootfs)?)
+}
+
+fn install_init_in(root: &InRoot) -> Result<()> {
+    root.own_dir(INIT_DIR, 0o755)?;
+    if root.read(Path::new(INIT_PATH)).is_some_and(|b| b == INIT_BINARY) {
         return Ok(());
     }
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir).map_err(SandboxError::io("create", dir))?;
-    }
-    let tmp = path.with_extension("new");
-    fs::write(&tmp, INIT_BINARY).map_err(SandboxError::io("write", &tmp))?;
-    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))
-        .map_err(SandboxError::io("chmod", &tmp))?;
-    fs::rename(&tmp, &path).map_err(SandboxError::io("rename", &tmp))?;
-    Ok(())
+    root.write(Path::new(INIT_PATH), INIT_BINARY, 0o755)
 }
 
 /// A random `u32` from the kernel.

@@ -333,7 +333,7 @@ impl Checkpointer {
     }
 
     fn alive(rec: &SandboxRecord) -> bool {
-        process_start_time(rec.init_pid) == Some(rec.init_start)
+        crab_sandbox::runtime::init_alive(rec.init_pid, rec.init_start)
     }
 
     /// Startup recovery: discard staged leftovers of every sandbox's checkpoints, finish or

@@ -100,6 +100,20 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
+/// Whether process `pid` with start time `start` exists and has not exited: a dead init stays
+/// a zombie until whoever it was re-parented to reaps it, and a zombie sandbox is dead (its
+/// namespaces are gone), so the record says so at once rather than a second later.
+pub fn init_alive(pid: u32, start: u64) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let Some(close) = stat.rfind(')') else { return false };
+    let mut rest = stat[close + 2..].split(' ');
+    let state = rest.next().unwrap_or("");
+    if matches!(state, "Z" | "X" | "x") {
+        return false;
+    }
+    rest.nth(18).and_then(|s| s.parse::<u64>().ok()) == Some(start)
+}
+
 /// Write `bytes` to `path` atomically: temp file, fsync, rename, fsync of the directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
@@ -184,7 +198,7 @@ impl Runtime {
     }
 
     fn is_alive(&self, rec: &SandboxRecord) -> bool {
-        process_start_time(rec.init_pid) == Some(rec.init_start)
+        init_alive(rec.init_pid, rec.init_start)
     }
 
     /// The cgroup path (relative to a hierarchy root) of sandbox `name`: the one its record
@@ -289,6 +303,7 @@ impl Runtime {
             }
             None => self.generate_name(),
         };
+        validate_limits(&req.limits)?;
         let image_root = image::rootfs_of(&self.cfg.state, &req.image)?;
         self.reserve(&name)?;
         let result = self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits);
@@ -439,6 +454,13 @@ impl Runtime {
         if req.cmd.is_empty() {
             return Err(SandboxError::Invalid("exec needs a command".into()));
         }
+        if let Some(t) = req.timeout_s {
+            if !t.is_finite() || t <= 0.0 || t > MAX_EXEC_TIMEOUT_S {
+                return Err(SandboxError::Invalid(format!(
+                    "timeout_s is {t}; it must be a number of seconds in (0, {MAX_EXEC_TIMEOUT_S}] (leave it out for no timeout)"
+                )));
+            }
+        }
         let mut env: Vec<String> = vec![
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
             format!("HOSTNAME={}", rec.hostname),
@@ -467,6 +489,45 @@ impl Runtime {
     pub fn helper_exe(&self) -> &Path {
         &self.cfg.helper_exe
     }
+}
+
+/// Smallest memory limit a sandbox can start with (its init and one command need a few MiB).
+pub const MIN_MEMORY_BYTES: u64 = 8 << 20;
+/// Smallest pids limit: the init and one command.
+pub const MIN_PIDS: u64 = 2;
+/// Smallest CPU quota (milli-CPUs; the kernel's minimum quota is 1 ms per 100 ms period).
+pub const MIN_CPU_MILLIS: u64 = 10;
+/// Largest CPU quota accepted (milli-CPUs): 1024 cores.
+pub const MAX_CPU_MILLIS: u64 = 1_024_000;
+/// Longest exec timeout accepted, in seconds (30 days).
+pub const MAX_EXEC_TIMEOUT_S: f64 = 30.0 * 86400.0;
+
+/// Refuse limits the kernel would refuse or that could not run a sandbox, naming the field and
+/// the allowed range (an `invalid_request`, not an internal error after half a create).
+pub fn validate_limits(l: &Limits) -> Result<()> {
+    let bad = |field: &str, v: u64, range: String| {
+        Err(SandboxError::Invalid(format!("limits.{field} is {v}; allowed: {range}")))
+    };
+    if let Some(m) = l.memory_bytes {
+        if m < MIN_MEMORY_BYTES || m > i64::MAX as u64 {
+            return bad("memory_bytes", m, format!("{MIN_MEMORY_BYTES} (8 MiB) to {}", i64::MAX));
+        }
+    }
+    if let Some(p) = l.pids_max {
+        if p < MIN_PIDS || p > i32::MAX as u64 {
+            return bad("pids_max", p, format!("{MIN_PIDS} to {}", i32::MAX));
+        }
+    }
+    if let Some(c) = l.cpu_millis {
+        if !(MIN_CPU_MILLIS..=MAX_CPU_MILLIS).contains(&c) {
+            return bad(
+                "cpu_millis",
+                c,
+                format!("{MIN_CPU_MILLIS} to {MAX_CPU_MILLIS} (1000 = one core)"),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Create sandbox `rec.name`'s directory atomically with `rec` as its record: the directory is

@@ -117,7 +117,8 @@ impl OtherDaemon {
         let state = PathBuf::from("/var/lib").join(unique("crab-hostile"));
         std::fs::create_dir_all(state.join("logs")).unwrap();
         let log = std::fs::File::create(state.join("logs/daemon.log")).unwrap();
-        let port = 20000 + (std::process::id() % 20000);
+        // A port of its own (tests run in parallel; 0 is refused by the proxy's loopback check).
+        let port = 20000 + u32::from_str_radix(&unique("p")[2..], 16).unwrap() % 20000;
         let status = Command::new("setsid")
             .arg("-f")
             .arg(common::bin())
@@ -241,4 +242,37 @@ fn restore_with_a_full_pool_leaves_the_sandbox_running() {
     // With room again, the same restore works.
     other.crab_ok(&["restore", &name]);
     assert_eq!(other.info(&name)["state"], "running");
+}
+
+#[test]
+fn limits_and_timeouts_out_of_range_are_refused_naming_the_field() {
+    common::ensure_daemon();
+    for (flag, value, field) in [
+        ("--memory", "1", "memory_bytes"),
+        ("--pids", "0", "pids_max"),
+        ("--cpus", "0", "cpu_millis"),
+    ] {
+        let name = unique("t-hostile-limit");
+        let o = crab(&["sandbox", "create", "debian", "--name", &name, flag, value]);
+        let _cleanup = Sandbox { name: name.clone() };
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{flag} {value} was accepted");
+        assert!(err.contains(field) && err.contains("allowed"), "{flag} {value}: {err}");
+        assert!(!err.contains("internal"), "{flag} {value} is an internal error: {err}");
+    }
+    let sb = Sandbox::new("t-hostile-timeout");
+    let o = crab(&["exec", "--timeout=-1", &sb.name, "--", "true"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a negative timeout ran the command");
+    assert!(err.contains("timeout"), "{err}");
+}
+
+#[test]
+fn init_death_shows_at_once() {
+    let sb = Sandbox::new("t-hostile-initdeath");
+    let pid = sb.info()["init_pid"].as_u64().unwrap();
+    Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    // No grace period: the next look says dead.
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(sb.info()["state"], "dead");
 }

@@ -121,6 +121,9 @@ pub struct PointSummary {
     pub took_ms: Option<f64>,
     /// Why the point is unusable, when it is.
     pub error: Option<String>,
+    /// Why processes asked for are missing from the point (it holds the filesystem only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procs_missing: Option<String>,
 }
 
 impl PointSummary {
@@ -141,6 +144,7 @@ impl PointSummary {
             created_at_ms: m.created_at_ms,
             took_ms: m.timings.total_us.map(|u| u as f64 / 1000.0),
             error: None,
+            procs_missing: m.procs_missing.clone(),
         }
     }
 }
@@ -514,6 +518,7 @@ impl Checkpointer {
                 let fs_path = if full { Some(staging.fs_path()) } else { None };
                 let mut snap_us = None;
                 let mut snap_err = None;
+                let mut staging_fallback = false;
                 let fs = self.fs.clone();
                 // Freeze the cgroup ourselves: CRIU then finds it frozen and skips its own
                 // freeze loop (which polls every 100 ms), and leaves it frozen for us to thaw.
@@ -547,19 +552,52 @@ impl Checkpointer {
                         if rec.net != crab_common::api::NetMode::Host {
                             drop_criu_network_locks(sandbox, rec.init_pid);
                         }
-                        return Err(e.into());
+                        // The sandbox's processes cannot be dumped (a mount CRIU refuses,
+                        // say): publish its files at least, saying why processes are missing.
+                        let reason = format!("CRIU could not dump the processes: {e}");
+                        tracing::warn!(sandbox, error = %e, "dump failed; publishing the filesystem only");
+                        staging.discard_proc()?;
+                        if let Some(p) = &fs_path {
+                            if self.fs.is_snapshot(p) {
+                                self.fs
+                                    .delete(p)
+                                    .map_err(|e| CheckpointError::io("delete", p, e))?;
+                            }
+                        }
+                        let frozen = if self.cfg.freeze_fs_snapshots {
+                            Some(Freeze::new(&cg, sandbox)?)
+                        } else {
+                            None
+                        };
+                        let t1 = Instant::now();
+                        let snap = staging.snapshot_fs(&rootfs);
+                        draft.timings.fs_snapshot_us = Some(us(t1.elapsed()));
+                        if let Some(f) = frozen {
+                            f.thaw()?;
+                        }
+                        snap?;
+                        draft.kind = Kind::Fs;
+                        draft.no_procs = true;
+                        draft.procs_missing = Some(reason);
+                        staging_fallback = true;
+                        crab_criu::DumpStats::default()
                     }
                 };
                 draft.timings.dump_us = Some(dump_us);
-                draft.timings.fs_snapshot_us = snap_us;
-                // Our freeze spans the whole dump; CRIU's own figure otherwise.
-                draft.timings.frozen_us =
-                    if use_freezer { Some(us(t0.elapsed())) } else { stats.frozen_time.map(us) };
-                draft.root_pid = opts.pid;
-                draft.criu_version = self.criu_version(&criu);
+                if !staging_fallback {
+                    draft.timings.fs_snapshot_us = snap_us;
+                    // Our freeze spans the whole dump; CRIU's own figure otherwise.
+                    draft.timings.frozen_us = if use_freezer {
+                        Some(us(t0.elapsed()))
+                    } else {
+                        stats.frozen_time.map(us)
+                    };
+                    draft.root_pid = opts.pid;
+                    draft.criu_version = self.criu_version(&criu);
+                }
             }
         }
-        if staging_has_fs(req.kind) {
+        if staging_has_fs(draft.kind) {
             // Simple quotas charge every extent to the subvolume that allocated it: the growth
             // of the live root's count since the previous snapshot is what this turn wrote.
             let written = crab_sandbox::quota::exclusive_bytes(&rootfs);
@@ -603,6 +641,7 @@ impl Checkpointer {
                     created_at_ms: 0,
                     took_ms: None,
                     error: Some(e.to_string()),
+                    procs_missing: None,
                 },
             })
             .collect())

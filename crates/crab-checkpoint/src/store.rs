@@ -94,6 +94,8 @@ pub struct Draft {
     /// Leave the process image out instead of inheriting the parent's (the sandbox has no
     /// process worth restoring; restore starts it fresh).
     pub no_procs: bool,
+    /// Why processes asked for are not in the point ([`Manifest::procs_missing`]).
+    pub procs_missing: Option<String>,
     /// Where a forked sandbox came from.
     pub origin: Option<Origin>,
     /// Timings measured by the caller (`hash_us` and `total_us` are filled in by publish).
@@ -122,6 +124,7 @@ impl Draft {
             fs_generation: None,
             fs_written_bytes: None,
             no_procs: false,
+            procs_missing: None,
             origin: None,
             timings: Timings::default(),
             started: None,
@@ -652,6 +655,19 @@ impl Staging<'_> {
         Ok(p)
     }
 
+    /// Drop the staged process image (a dump that failed half-way), so that the checkpoint can
+    /// still publish its filesystem part.
+    pub fn discard_proc(&mut self) -> Result<()> {
+        if let Some((_, p)) = self.proc.take() {
+            match std::fs::remove_dir_all(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(CheckpointError::io("remove", &p, e)),
+            }
+        }
+        Ok(())
+    }
+
     /// The path (not yet existing) at which to take the staged filesystem snapshot. It is
     /// its final place, `fs/<id>`: btrfs cannot move a read-only subvolume to another
     /// directory. Until the manifest is published it is merely unreferenced, which
@@ -819,6 +835,7 @@ impl Staging<'_> {
             procs,
             timings,
             sandbox_meta: draft.sandbox_meta.clone(),
+            procs_missing: draft.procs_missing.clone(),
         };
         m.timings.total_us = draft.started.map(|s| us(s.elapsed()));
         manifest::write_atomic(&store.manifest_path(id), &manifest::encode(&m))?;

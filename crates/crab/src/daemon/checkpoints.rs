@@ -87,6 +87,10 @@ pub async fn create(
     match handle.wait().await {
         Ok(f) => match serde_json::from_value::<PointSummary>(f.outcome.detail) {
             Ok(point) => {
+                let mut reasons = reasons;
+                if let Some(why) = &point.procs_missing {
+                    reasons.push(format!("filesystem only, processes missing: {why}"));
+                }
                 ok(&Taken { point, verdict, reasons, queue_ms: f.queue_wait.as_secs_f64() * 1e3 })
             }
             Err(e) => err(ApiError::internal(format!("undecodable checkpoint summary: {e}"))),

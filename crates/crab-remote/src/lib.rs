@@ -14,6 +14,7 @@ pub mod error;
 pub mod format;
 pub mod host;
 pub mod id;
+pub mod local;
 pub mod maint;
 pub mod point;
 pub mod repo;

@@ -42,6 +42,7 @@ struct Sandbox {
     dir: PathBuf,
     tmp: tempfile::TempDir,
     insp: &'static Inspector,
+    key: u32,
 }
 
 impl Sandbox {
@@ -50,10 +51,10 @@ impl Sandbox {
         let dir = cgroup2_root().join(&name);
         std::fs::create_dir(&dir).unwrap();
         let tmp = tempfile::Builder::new().prefix("crab-insp-").tempdir().unwrap();
-        insp.attach(&name, &dir).unwrap();
+        let key = insp.attach(&name, &dir).unwrap().key;
         // start from a clean turn
         insp.take(&name).unwrap();
-        Sandbox { name, dir, tmp, insp }
+        Sandbox { name, dir, tmp, insp, key }
     }
 
     fn path(&self) -> &Path {
@@ -593,4 +594,31 @@ fn criu_dump_is_invisible_when_muted() {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// A detached sandbox's key and maps go back to the pool and serve the next attach: the new
+/// sandbox must see none of the old one's records, and its own first change.
+#[test]
+fn reused_key_starts_clean_and_records_at_once() {
+    let Some(i) = inspector() else { return };
+    let old = Sandbox::new(i, "reuse-old");
+    old.run("echo x > left-behind; sleep 30 >/dev/null 2>&1 &");
+    let st = i.stats(&old.name).unwrap();
+    assert_ne!(st.fs_records, 0, "{st:?}");
+    let old_key = old.key;
+    drop(old);
+    let mut reused = false;
+    let mut keys = Vec::new();
+    for n in 0..3 {
+        let s = Sandbox::new(i, &format!("reuse-new{n}"));
+        reused |= s.key == old_key;
+        let v = s.take();
+        assert_eq!(v.kind, VerdictKind::Skip, "stale records after key reuse: {v:?}");
+        s.run("echo y > first");
+        let v = s.take();
+        assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+        assert!(has(&v, "/first", |o| *o == ChangeOp::Create), "{v:?}");
+        keys.push(s);
+    }
+    assert!(reused, "the detached key {old_key} was not reused by the next attaches");
 }

@@ -205,12 +205,6 @@ impl KeyPool {
             }
         }
     }
-
-    /// Number of ready keys (for tests and logs).
-    #[cfg(test)]
-    pub fn ready(&self) -> usize {
-        self.lock().ready.len()
-    }
 }
 
 impl Drop for KeyPool {
@@ -223,30 +217,41 @@ impl Drop for KeyPool {
     }
 }
 
+/// Keys the refiller installs at once (their outer-map updates share grace periods).
+const REFILL_BATCH: usize = 4;
+
 fn refill(shared: &Shared, outer: &Outer) {
     loop {
-        let key = {
+        let keys: Vec<u32> = {
             let mut st = shared.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             loop {
                 if st.stop {
                     return;
                 }
-                if !st.failed && st.ready.len() < READY_TARGET {
-                    if let Some(k) = st.free.pop() {
-                        break k;
-                    }
+                let want = READY_TARGET.saturating_sub(st.ready.len()).min(REFILL_BATCH);
+                if !st.failed && want > 0 && !st.free.is_empty() {
+                    let n = want.min(st.free.len());
+                    let at = st.free.len() - n;
+                    break st.free.split_off(at);
                 }
                 st = shared.cv.wait(st).unwrap_or_else(std::sync::PoisonError::into_inner);
             }
         };
-        let r = outer.install(key);
+        let results: Vec<(u32, Result<SandboxMaps, InspectorError>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = keys.iter().map(|&k| (k, s.spawn(move || outer.install(k)))).collect();
+            hs.into_iter()
+                .map(|(k, h)| (k, h.join().unwrap_or_else(|_| Err(InspectorError::Poisoned))))
+                .collect()
+        });
         let mut st = shared.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match r {
-            Ok(sm) => st.ready.push((key, sm)),
-            Err(e) => {
-                tracing::warn!(key, error = %e, "inspector pool refill failed");
-                st.free.push(key);
-                st.failed = true;
+        for (key, r) in results {
+            match r {
+                Ok(sm) => st.ready.push((key, sm)),
+                Err(e) => {
+                    tracing::warn!(key, error = %e, "inspector pool refill failed");
+                    st.free.push(key);
+                    st.failed = true;
+                }
             }
         }
     }

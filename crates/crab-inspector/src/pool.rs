@@ -20,8 +20,23 @@ use crate::abi::{CHANGE_SIZE, CKEY_SIZE, MAX_CHANGES, MAX_PROCS, PREC_SIZE, PROC
 use crate::error::InspectorError;
 use crate::maps;
 
-/// Keys kept ready (installed, empty) by the background refiller.
+/// Keys kept ready (installed, empty) by the background refiller, unless [`POOL_ENV`] says
+/// otherwise.
 pub(crate) const READY_TARGET: usize = 16;
+
+/// Environment variable overriding [`READY_TARGET`] (`0` turns the pool off: every attach
+/// installs its own maps, as before the pool; for A/B measurements and small hosts).
+pub(crate) const POOL_ENV: &str = "CRAB_INSPECTOR_POOL";
+
+fn ready_target() -> usize {
+    match std::env::var(POOL_ENV) {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(value = %v, "{POOL_ENV} is not a number; using {READY_TARGET}");
+            READY_TARGET
+        }),
+        Err(_) => READY_TARGET,
+    }
+}
 
 /// One key's inner maps: changes and path records per turn slot, and its processes.
 #[derive(Debug)]
@@ -122,6 +137,8 @@ struct State {
     /// The refiller failed: it waits for the next take before trying again.
     failed: bool,
     stop: bool,
+    /// Keys to keep ready.
+    target: usize,
 }
 
 #[derive(Debug)]
@@ -147,6 +164,7 @@ impl KeyPool {
                 ready: Vec::new(),
                 failed: false,
                 stop: false,
+                target: ready_target(),
             }),
             cv: Condvar::new(),
         });
@@ -228,7 +246,7 @@ fn refill(shared: &Shared, outer: &Outer) {
                 if st.stop {
                     return;
                 }
-                let want = READY_TARGET.saturating_sub(st.ready.len()).min(REFILL_BATCH);
+                let want = st.target.saturating_sub(st.ready.len()).min(REFILL_BATCH);
                 if !st.failed && want > 0 && !st.free.is_empty() {
                     let n = want.min(st.free.len());
                     let at = st.free.len() - n;

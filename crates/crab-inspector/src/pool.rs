@@ -118,7 +118,7 @@ impl Outer {
                 })
                 .collect();
             hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(InspectorError::Poisoned)))
+                .map(|h| h.join().unwrap_or(Err(InspectorError::Poisoned)))
                 .collect()
         });
         for r in results {
@@ -258,7 +258,7 @@ fn refill(shared: &Shared, outer: &Outer) {
         let results: Vec<(u32, Result<SandboxMaps, InspectorError>)> = std::thread::scope(|s| {
             let hs: Vec<_> = keys.iter().map(|&k| (k, s.spawn(move || outer.install(k)))).collect();
             hs.into_iter()
-                .map(|(k, h)| (k, h.join().unwrap_or_else(|_| Err(InspectorError::Poisoned))))
+                .map(|(k, h)| (k, h.join().unwrap_or(Err(InspectorError::Poisoned))))
                 .collect()
         });
         let mut st = shared.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

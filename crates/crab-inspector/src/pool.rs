@@ -117,9 +117,7 @@ impl Outer {
                     s.spawn(move || maps::set_inner(outer, name, idx, inner))
                 })
                 .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or(Err(InspectorError::Poisoned)))
-                .collect()
+            hs.into_iter().map(|h| h.join().unwrap_or(Err(InspectorError::Poisoned))).collect()
         });
         for r in results {
             r?;

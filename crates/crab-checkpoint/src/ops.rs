@@ -744,7 +744,7 @@ impl Checkpointer {
         let cg = self.rt.cgroup(sandbox);
         let (pid, restored) = match (&m.procs, criu) {
             (Some(p), Some(criu)) => {
-                cg.create(&rec.limits).map_err(cg_err(sandbox))?;
+                cg.create_for(&rec.limits, &rec.profile).map_err(cg_err(sandbox))?;
                 // criu swrk joins this cgroup: frozen, it would hang there.
                 ensure_thawed(&cg, sandbox)?;
                 let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
@@ -766,7 +766,7 @@ impl Checkpointer {
             _ => {
                 let (pid, _) = self
                     .rt
-                    .start_init(sandbox, rec.net, &rec.limits)
+                    .start_init(sandbox, rec.net, &rec.limits, rec.profile)
                     .map_err(sandbox_err(sandbox))?;
                 (pid, false)
             }
@@ -961,6 +961,7 @@ impl Checkpointer {
             net: src.net,
             hostname: name.to_owned(),
             limits: src.limits.clone(),
+            profile: src.profile,
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
@@ -1053,7 +1054,7 @@ impl Checkpointer {
         meta.hostname = name.to_owned();
         let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
         let cg = self.rt.cgroup(name);
-        cg.create(&src.limits).map_err(cg_err(name))?;
+        cg.create_for(&src.limits, &src.profile).map_err(cg_err(name))?;
         let pid = match (&first.procs, criu) {
             (Some(p), Some(criu)) => {
                 let log =
@@ -1073,7 +1074,7 @@ impl Checkpointer {
                 })?;
                 u32::try_from(r.pid).unwrap_or(0)
             }
-            _ => self.rt.start_init(name, src.net, &src.limits).map_err(sandbox_err(name))?.0,
+            _ => self.rt.start_init(name, src.net, &src.limits, src.profile).map_err(sandbox_err(name))?.0,
         };
         rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
             sandbox: name.to_owned(),

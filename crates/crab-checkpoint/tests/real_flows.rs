@@ -115,6 +115,7 @@ impl Sb {
             name: Some(name.clone()),
             net,
             limits: Limits::default(),
+            privileged: false,
         };
         rt.create(&req).unwrap();
         Sb { rt, ck, name, extra: Vec::new(), _guard: guard }

@@ -155,6 +155,10 @@ enum BenchCmd {
         /// Number of exec/host pairs.
         #[arg(long, default_value_t = 200)]
         execs: usize,
+        /// Also create and exec in `--privileged` sandboxes, interleaved, to measure the
+        /// default security profile's cost side by side.
+        #[arg(long)]
+        privileged: bool,
     },
 }
 
@@ -233,6 +237,11 @@ enum SandboxCmd {
         /// CPU limit in cores, e.g. 0.5.
         #[arg(long)]
         cpus: Option<f64>,
+        /// UNSAFE: run without the default security profile (all capabilities, no seccomp,
+        /// no masked paths, no cgroup namespace, every device). Code in the sandbox can then
+        /// take over the host. For trusted workloads and benchmarks only.
+        #[arg(long)]
+        privileged: bool,
     },
     /// List sandboxes.
     Ls,
@@ -554,7 +563,7 @@ const SANDBOX_HEADER: [&str; 6] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WR
 
 async fn sandbox_cmd(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitCode, ApiError> {
     match c {
-        SandboxCmd::Create { image, name, net, memory, pids, cpus } => {
+        SandboxCmd::Create { image, name, net, memory, pids, cpus, privileged } => {
             let req = SandboxCreateRequest {
                 image,
                 name,
@@ -564,6 +573,7 @@ async fn sandbox_cmd(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitC
                     pids_max: pids,
                     cpu_millis: cpus.map(|c| (c * 1000.0) as u64),
                 },
+                privileged,
             };
             let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
             if json {
@@ -785,10 +795,18 @@ async fn bench_cmd(
                 );
             }
         }
-        BenchCmd::Foundation { image, creates, execs } => {
+        BenchCmd::Foundation { image, creates, execs, privileged } => {
             eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
-            let r = crab_bench::foundation::run(client, &exe, state.root(), &image, creates, execs)
-                .await?;
+            let r = crab_bench::foundation::run(
+                client,
+                &exe,
+                state.root(),
+                &image,
+                creates,
+                execs,
+                privileged,
+            )
+            .await?;
             if json {
                 print_json(&r);
             } else {
@@ -801,6 +819,19 @@ async fn bench_cmd(
                     2,
                 );
                 println!("exec overhead over host (p50): {:.2} ms", r.exec_overhead_p50_ms);
+                if let Some(p) = &r.privileged {
+                    latency_table(
+                        &[
+                            ("create --privileged", &p.create_ms),
+                            ("exec true --privileged", &p.exec_true_ms),
+                        ],
+                        2,
+                    );
+                    println!(
+                        "default profile vs --privileged (p50): create {:.3}x, exec {:+.2} ms",
+                        p.create_ratio_p50, p.exec_delta_p50_ms
+                    );
+                }
             }
         }
     }

@@ -74,8 +74,7 @@ pub async fn run(
                     privileged,
                 };
                 let t = Instant::now();
-                let s: SandboxInfo =
-                    client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
+                let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
                 if privileged {
                     create_priv.push(ms(t));
                     made_priv.push(s.name);

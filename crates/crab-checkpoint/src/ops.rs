@@ -649,6 +649,7 @@ impl Checkpointer {
         log: PathBuf,
         root: &Path,
         cgroups: Vec<PathBuf>,
+        profile: &crab_sandbox::profile::SecurityProfile,
     ) -> RestoreOpts {
         let mut o = RestoreOpts::new(images, log);
         o.log_level = self.cfg.criu_log_level;
@@ -662,6 +663,9 @@ impl Checkpointer {
         o.network_lock = Some(NetworkLockMethod::Nftables);
         o.manage_cgroups = Some(CgroupMode::Ignore);
         o.join_cgroups = cgroups;
+        // The default profile gives every sandbox its own cgroup namespace; CRIU does not
+        // restore it with unmanaged cgroups, so criu swrk makes one after joining the groups.
+        o.cgroup_ns = !profile.privileged;
         o
     }
 
@@ -750,7 +754,8 @@ impl Checkpointer {
                 let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
-                let opts = self.restore_opts(&store.proc_dir(p.id), log, &rootfs, cgroups);
+                let opts =
+                    self.restore_opts(&store.proc_dir(p.id), log, &rootfs, cgroups, &rec.profile);
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
                     // A branch restored to its origin point carries its source's UTS name.
@@ -1063,7 +1068,8 @@ impl Checkpointer {
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
                 // The branch's own hard links: a prune of the source cannot pull the image
                 // away in the middle of the restore.
-                let opts = self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups);
+                let opts =
+                    self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups, &src.profile);
                 let r = criu.restore_with(&opts, |n| {
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -1074,7 +1080,12 @@ impl Checkpointer {
                 })?;
                 u32::try_from(r.pid).unwrap_or(0)
             }
-            _ => self.rt.start_init(name, src.net, &src.limits, src.profile).map_err(sandbox_err(name))?.0,
+            _ => {
+                self.rt
+                    .start_init(name, src.net, &src.limits, src.profile)
+                    .map_err(sandbox_err(name))?
+                    .0
+            }
         };
         rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
             sandbox: name.to_owned(),

@@ -19,7 +19,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    ExecRequest, Limits, NetMode, SecurityProfile, SandboxCreateRequest, SandboxInfo, SandboxState,
+    ExecRequest, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState, SecurityProfile,
 };
 use crab_common::names;
 use crab_common::paths::StateDir;

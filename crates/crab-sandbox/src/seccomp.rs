@@ -122,11 +122,37 @@ mod tests {
                 || ["socket", "personality", "clone", "clone3"].contains(&n);
             assert!(known, "{n} from docker-default.json is missing from table.rs");
         }
-        for denied in ["bpf", "mount", "umount2", "unshare", "setns", "keyctl", "add_key",
-            "request_key", "kexec_load", "init_module", "finit_module", "delete_module",
-            "perf_event_open", "reboot", "swapon", "swapoff", "settimeofday", "clock_settime",
-            "open_by_handle_at", "userfaultfd", "pivot_root", "move_mount", "fsopen",
-            "open_tree", "iopl", "ioperm", "acct", "syslog", "quotactl"] {
+        for denied in [
+            "bpf",
+            "mount",
+            "umount2",
+            "unshare",
+            "setns",
+            "keyctl",
+            "add_key",
+            "request_key",
+            "kexec_load",
+            "init_module",
+            "finit_module",
+            "delete_module",
+            "perf_event_open",
+            "reboot",
+            "swapon",
+            "swapoff",
+            "settimeofday",
+            "clock_settime",
+            "open_by_handle_at",
+            "userfaultfd",
+            "pivot_root",
+            "move_mount",
+            "fsopen",
+            "open_tree",
+            "iopl",
+            "ioperm",
+            "acct",
+            "syslog",
+            "quotactl",
+        ] {
             assert!(!table::ALLOW_X86_64.iter().any(|(t, _)| *t == denied), "{denied} allowed");
         }
         assert!(table::ALLOW_X86_64.iter().any(|(t, _)| *t == "chroot"));

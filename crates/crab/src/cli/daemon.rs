@@ -1,0 +1,61 @@
+//! `crab daemon`: the daemon's flags and its start.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use crab_common::paths::StateDir;
+
+use super::parse_size;
+use crate::daemon::{self, DaemonOptions};
+
+#[derive(Debug, Args)]
+pub(super) struct DaemonArgs {
+    /// Size of the sparse btrfs pool file created when the state dir is not on btrfs.
+    #[arg(long, default_value = "32G", value_parser = parse_size)]
+    pool_size: u64,
+    /// Where the LLM proxy listens (loopback only unless --proxy-allow-remote).
+    #[arg(long, env = "CRAB_PROXY_LISTEN", default_value = crab_coordinator::DEFAULT_LISTEN)]
+    proxy_listen: std::net::SocketAddr,
+    /// Let the LLM proxy listen beyond loopback (it carries API keys).
+    #[arg(long)]
+    proxy_allow_remote: bool,
+    /// OpenAI-style upstream base URL, without /v1.
+    #[arg(long, env = "CRAB_UPSTREAM_OPENAI", default_value = "https://api.openai.com")]
+    upstream_openai: String,
+    /// Anthropic-style upstream base URL, without /v1.
+    #[arg(long, env = "CRAB_UPSTREAM_ANTHROPIC", default_value = "https://api.anthropic.com")]
+    upstream_anthropic: String,
+    /// Process dumps (CRIU) running at once, host-wide.
+    #[arg(long, default_value_t = 1)]
+    max_concurrent_dumps: usize,
+    /// Checkpoint disk bandwidth budget, bytes per second (e.g. 200M); unlimited by default.
+    #[arg(long, value_parser = parse_size)]
+    disk_bandwidth: Option<u64>,
+}
+
+/// Runs the daemon in the foreground until it is told to stop.
+pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
+    let proxy = crab_coordinator::ProxyConfig {
+        listen: a.proxy_listen,
+        allow_remote: a.proxy_allow_remote,
+        upstream_openai: a.upstream_openai,
+        upstream_anthropic: a.upstream_anthropic,
+        ..Default::default()
+    };
+    let engine = crab_engine::EngineConfig {
+        max_concurrent_dumps: a.max_concurrent_dumps.max(1),
+        disk_bytes_per_sec: a.disk_bandwidth,
+        ..Default::default()
+    };
+    let opts = DaemonOptions { state, pool_size: a.pool_size, proxy, engine };
+    match daemon::run(opts).await {
+        // Exit at once: nothing is left to flush, and waiting for idle blocking threads or
+        // the kernel's teardown of BPF links would only delay a restart.
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

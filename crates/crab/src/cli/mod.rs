@@ -1,0 +1,189 @@
+//! The command-line interface: argument parsing and one thin API call per command.
+//!
+//! Every command accepts `--json` (machine-readable output on stdout) and `--state-dir`
+//! (`CRAB_STATE_DIR`). Errors print as `error: …` and `hint: …` and exit 1; `crab exec` exits
+//! with the command's own code (125 when Crab itself failed, like `docker exec`).
+
+mod bench;
+mod checkpoint;
+mod conversation;
+mod daemon;
+mod exec;
+mod image;
+mod sandbox;
+mod top;
+mod turn;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use crab_client::{Client, Method};
+use serde::Serialize;
+
+use crab_common::api::{ProgressFrame, VersionInfo};
+use crab_common::paths::{StateDir, DEFAULT_STATE_DIR};
+use crab_common::ApiError;
+
+use crate::output::{print_error, ProgressDrawer};
+
+#[derive(Debug, Parser)]
+#[command(name = "crab", version, about = "Checkpoint/restore runtime for AI-agent sandboxes")]
+struct Cli {
+    /// State directory of the daemon.
+    #[arg(long, global = true, env = "CRAB_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    state_dir: String,
+    /// Print machine-readable JSON on stdout.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run the daemon (as root) in the foreground.
+    Daemon(daemon::DaemonArgs),
+    /// Manage images.
+    #[command(subcommand)]
+    Image(image::ImageCmd),
+    /// Manage sandboxes.
+    #[command(subcommand)]
+    Sandbox(sandbox::SandboxCmd),
+    /// Run a command in a sandbox (flags as `docker exec`).
+    Exec(exec::ExecArgs),
+    /// Take a checkpoint of a sandbox (publishes a new restore point).
+    Checkpoint(checkpoint::CheckpointArgs),
+    /// List a sandbox's restore points, or prune them.
+    Checkpoints(checkpoint::CheckpointsArgs),
+    /// Restore a sandbox in place to a restore point (the newest by default).
+    Restore(checkpoint::RestoreArgs),
+    /// Create new sandboxes from a restore point of a sandbox.
+    Fork(checkpoint::ForkArgs),
+    /// Print a sandbox's conversation (as recorded by the LLM proxy), up to a restore point.
+    Conversation(conversation::ConversationArgs),
+    /// Mark a turn boundary explicitly (for frameworks that do not go through the LLM proxy);
+    /// returns once the turn's restore point is published.
+    Turn(turn::TurnArgs),
+    /// Live per-sandbox view: turns, verdict mix, held time, queue.
+    Top(top::TopArgs),
+    /// Show the current turn's OS effects in a sandbox, as the eBPF inspector sees them.
+    Inspect(turn::InspectArgs),
+    /// Show the daemon's version and state directory.
+    Version,
+    /// Run a benchmark against the running daemon.
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+pub(super) fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        Some('T' | 't') => (&s[..s.len() - 1], 1 << 40),
+        _ => (s, 1),
+    };
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size like 512M or 32G"))?;
+    Ok((n * mult as f64) as u64)
+}
+
+/// Entry point of the CLI (after helper dispatch).
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(run(cli))
+}
+
+pub(super) fn print_json<T: Serialize>(v: &T) {
+    if let Ok(s) = serde_json::to_string_pretty(v) {
+        println!("{s}");
+    }
+}
+
+async fn run(cli: Cli) -> ExitCode {
+    let state = StateDir::new(&cli.state_dir);
+    if let Cmd::Daemon(a) = cli.cmd {
+        init_tracing();
+        return daemon::run(a, state).await;
+    }
+    let client = Client::new(state.socket());
+    let json = cli.json;
+    let res = match cli.cmd {
+        Cmd::Daemon(_) => Ok(ExitCode::SUCCESS),
+        Cmd::Version => {
+            client.call::<(), VersionInfo>(Method::GET, "/v1/version", None).await.map(|v| {
+                if json {
+                    print_json(&v);
+                } else {
+                    println!(
+                        "crab {} (API {}), daemon pid {}, state {}",
+                        v.version, v.api, v.pid, v.state_dir
+                    );
+                }
+                ExitCode::SUCCESS
+            })
+        }
+        Cmd::Image(c) => image::run(&client, c, json).await,
+        Cmd::Sandbox(c) => sandbox::run(&client, c, json).await,
+        Cmd::Exec(a) => return exec::run(&client, a, json).await,
+        Cmd::Bench(b) => bench::run(&client, &state, b, json).await,
+        Cmd::Inspect(a) => turn::inspect(&client, a, json).await,
+        Cmd::Checkpoint(a) => checkpoint::checkpoint(&client, a, json).await,
+        Cmd::Checkpoints(a) => checkpoint::checkpoints(&client, a, json).await,
+        Cmd::Conversation(a) => conversation::run(&client, a, json).await,
+        Cmd::Turn(a) => turn::turn(&client, a, json).await,
+        Cmd::Top(a) => top::run(&client, a, json).await,
+        Cmd::Restore(a) => checkpoint::restore(&client, a, json).await,
+        Cmd::Fork(a) => checkpoint::fork(&client, a, json).await,
+    };
+    match res {
+        Ok(code) => code,
+        Err(e) => {
+            if json {
+                print_json(&e);
+            }
+            print_error(&e);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CRAB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Run a streamed long operation, drawing progress, and return its result document.
+pub(super) async fn long_op<B: Serialize>(
+    client: &Client,
+    path: &str,
+    body: &B,
+    json: bool,
+) -> Result<serde_json::Value, ApiError> {
+    let drawer = ProgressDrawer::new();
+    let mut result: Option<Result<serde_json::Value, ApiError>> = None;
+    client
+        .stream(path, body, |f: ProgressFrame| {
+            if !json {
+                drawer.draw(&f);
+            }
+            match f {
+                ProgressFrame::Done { result: r } => result = Some(Ok(r)),
+                ProgressFrame::Error { error } => result = Some(Err(error)),
+                _ => {}
+            }
+        })
+        .await?;
+    result.unwrap_or_else(|| {
+        Err(ApiError::internal("the daemon ended the operation without a result"))
+    })
+}

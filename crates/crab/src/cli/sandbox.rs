@@ -1,0 +1,128 @@
+//! `crab sandbox …`: create, list, inspect and remove sandboxes.
+
+use std::process::ExitCode;
+
+use clap::Subcommand;
+use crab_client::{Client, Method};
+use crab_common::api::{Limits, NetMode, SandboxCreateRequest, SandboxInfo};
+use crab_common::ApiError;
+
+use super::{parse_size, print_json};
+use crate::output::{age, human_bytes, table};
+
+#[derive(Debug, Subcommand)]
+pub(super) enum SandboxCmd {
+    /// Create and start a sandbox from an image.
+    Create {
+        /// Image.
+        image: String,
+        /// Sandbox name (generated when absent).
+        #[arg(long)]
+        name: Option<String>,
+        /// Network: private (own namespace, lo up), host, or none.
+        #[arg(long, default_value = "private")]
+        net: NetMode,
+        /// Memory limit, e.g. 512M.
+        #[arg(long, value_parser = parse_size)]
+        memory: Option<u64>,
+        /// Maximum number of tasks.
+        #[arg(long)]
+        pids: Option<u64>,
+        /// CPU limit in cores, e.g. 0.5.
+        #[arg(long)]
+        cpus: Option<f64>,
+        /// UNSAFE: run without the default security profile (all capabilities, no seccomp,
+        /// no masked paths, no cgroup namespace, every device). Code in the sandbox can then
+        /// take over the host. For trusted workloads and benchmarks only.
+        #[arg(long)]
+        privileged: bool,
+    },
+    /// List sandboxes.
+    Ls,
+    /// Show one sandbox.
+    Inspect {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Remove a sandbox.
+    Rm {
+        /// Sandbox names.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Kill whatever runs in it.
+        #[arg(short, long)]
+        force: bool,
+    },
+}
+
+fn sandbox_rows(v: &[SandboxInfo]) -> Vec<Vec<String>> {
+    v.iter()
+        .map(|s| {
+            vec![
+                s.name.clone(),
+                s.image.clone(),
+                format!("{:?}", s.state).to_lowercase(),
+                age(s.created_at),
+                s.processes.to_string(),
+                s.bytes_written.map(human_bytes).unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect()
+}
+
+const SANDBOX_HEADER: [&str; 6] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WRITTEN"];
+
+pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitCode, ApiError> {
+    match c {
+        SandboxCmd::Create { image, name, net, memory, pids, cpus, privileged } => {
+            let req = SandboxCreateRequest {
+                image,
+                name,
+                net,
+                limits: Limits {
+                    memory_bytes: memory,
+                    pids_max: pids,
+                    cpu_millis: cpus.map(|c| (c * 1000.0) as u64),
+                },
+                privileged,
+            };
+            let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
+            if json {
+                print_json(&s);
+            } else {
+                println!("{}", s.name);
+            }
+        }
+        SandboxCmd::Ls => {
+            let v: Vec<SandboxInfo> =
+                client.call::<(), _>(Method::GET, "/v1/sandboxes", None).await?;
+            if json {
+                print_json(&v);
+            } else {
+                table(&SANDBOX_HEADER, &sandbox_rows(&v));
+            }
+        }
+        SandboxCmd::Inspect { name } => {
+            let s: SandboxInfo =
+                client.call::<(), _>(Method::GET, &format!("/v1/sandboxes/{name}"), None).await?;
+            print_json(&s);
+        }
+        SandboxCmd::Rm { names, force } => {
+            for name in names {
+                let _: serde_json::Value = client
+                    .call::<(), _>(
+                        Method::DELETE,
+                        &format!("/v1/sandboxes/{name}?force={force}"),
+                        None,
+                    )
+                    .await?;
+                if json {
+                    print_json(&serde_json::json!({"removed": name}));
+                } else {
+                    println!("{name}");
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,90 @@
+//! `crab top`: live per-sandbox view of turns, verdicts, held time and the engine queue.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use crab_client::{Client, Method};
+use crab_common::ApiError;
+
+use super::print_json;
+use crate::output::table;
+
+#[derive(Debug, Args)]
+pub(super) struct TopArgs {
+    /// Refresh interval in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    interval: f64,
+    /// Print one snapshot and exit.
+    #[arg(long)]
+    once: bool,
+}
+
+pub(super) async fn run(client: &Client, a: TopArgs, json: bool) -> Result<ExitCode, ApiError> {
+    let TopArgs { interval, once } = a;
+    loop {
+        let v: serde_json::Value = client.call::<(), _>(Method::GET, "/v1/top", None).await?;
+        if json {
+            print_json(&v);
+        } else {
+            if !once {
+                print!("\x1b[2J\x1b[H");
+            }
+            let e = &v["engine"];
+            println!(
+                "engine: {} urgent, {} normal queued; {} running ({} dumps)",
+                e["queued_urgent"], e["queued_normal"], e["running"], e["running_dumps"]
+            );
+            let mut rows = Vec::new();
+            let empty = Vec::new();
+            for p in v["proxy"].as_array().unwrap_or(&empty) {
+                let name = p["sandbox"].as_str().unwrap_or("");
+                let view =
+                    e["sandboxes"].as_array().and_then(|a| a.iter().find(|s| s["sandbox"] == name));
+                let mix = view
+                    .map(|s| {
+                        let sub = &s["stats"]["submitted"];
+                        ["skip", "fs", "process", "full"]
+                            .iter()
+                            .map(|k| sub[k].as_u64().unwrap_or(0).to_string())
+                            .collect::<Vec<_>>()
+                            .join("/")
+                    })
+                    .unwrap_or_else(|| "-".into());
+                let queue = view
+                    .map(|s| {
+                        let q = s["queued"].as_str().unwrap_or("-");
+                        let r = s["running"].as_str().unwrap_or("-");
+                        format!("{q}/{r}")
+                    })
+                    .unwrap_or_else(|| "-/-".into());
+                rows.push(vec![
+                    name.to_string(),
+                    p["turns"].to_string(),
+                    mix,
+                    format!("{}", p["held"]),
+                    format!("{:.1}", p["held_ms_total"].as_f64().unwrap_or(0.0)),
+                    format!("{:.1}", p["held_ms_max"].as_f64().unwrap_or(0.0)),
+                    queue,
+                    p["checkpoint_failures"].to_string(),
+                ]);
+            }
+            table(
+                &[
+                    "SANDBOX",
+                    "TURNS",
+                    "SKIP/FS/PROC/FULL",
+                    "HELD",
+                    "HELD MS",
+                    "MAX MS",
+                    "QUEUED/RUNNING",
+                    "FAILED",
+                ],
+                &rows,
+            );
+        }
+        if once {
+            return Ok(ExitCode::SUCCESS);
+        }
+        tokio::time::sleep(std::time::Duration::from_secs_f64(interval.max(0.1))).await;
+    }
+}

@@ -20,7 +20,7 @@ pub(super) enum SandboxCmd {
         #[arg(long)]
         name: Option<String>,
         /// Network: private (own namespace, lo up), host, or none.
-        #[arg(long, default_value = "private")]
+        #[arg(long, visible_alias = "network", default_value = "private")]
         net: NetMode,
         /// Memory limit, e.g. 512M.
         #[arg(long, value_parser = parse_size)]

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use tokio_stream::StreamExt;
 
-use crab_common::api::{ProgressFrame, VersionInfo, API_VERSION};
+use crab_common::api::{FeatureStatus, Features, ProgressFrame, VersionInfo, API_VERSION};
 use crab_common::{ApiError, Progress};
 
 use super::{checkpoints, images, inspect, sandboxes, Daemon};
@@ -51,6 +51,12 @@ async fn version(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> 
         api: API_VERSION,
         state_dir: d.runtime.state().root().display().to_string(),
         pid: std::process::id(),
+        features: Features {
+            soft_dirty: Some(FeatureStatus {
+                available: d.soft_dirty.available,
+                reason: d.soft_dirty.reason.clone(),
+            }),
+        },
     })
 }
 

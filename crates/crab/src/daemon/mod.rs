@@ -68,6 +68,8 @@ pub struct Daemon {
     pub coordinator: Arc<Coordinator>,
     /// Proxy endpoints inside sandboxes' network namespaces.
     sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
+    /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
+    pub soft_dirty: crab_criu::soft_dirty::SoftDirty,
 }
 
 impl Daemon {
@@ -193,6 +195,12 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             }
         }));
     }
+    let soft_dirty = crab_criu::soft_dirty::probe();
+    tracing::info!(
+        available = soft_dirty.available,
+        reason = %soft_dirty.reason,
+        "soft-dirty page tracking"
+    );
     let runtime = Arc::new(runtime);
     let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), Default::default()));
     let cp = checkpointer.clone();
@@ -218,6 +226,7 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         engine,
         coordinator,
         sandbox_proxies: Mutex::new(HashMap::new()),
+        soft_dirty,
     });
     let _ = hooks.0.set(Arc::downgrade(&daemon));
     let proxy = daemon

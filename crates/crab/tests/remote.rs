@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 struct Host {
     state: PathBuf,
-    port: u16,
     env: Vec<(String, String)>,
 }
 
@@ -56,7 +55,7 @@ impl Host {
             .status()
             .unwrap();
         assert!(st.success());
-        let h = Host { state: state.to_path_buf(), port, env: env.to_vec() };
+        let h = Host { state: state.to_path_buf(), env: env.to_vec() };
         let t0 = Instant::now();
         while !h.crab(&["version"]).status.success() {
             assert!(

@@ -56,12 +56,15 @@ pub enum PointState {
     },
 }
 
+/// (sandbox, point).
+type PointKey = (String, String);
+
 /// The daemon's remote tier.
 #[derive(Debug)]
 pub struct RemoteTier {
     /// The repository.
     pub repo: Arc<Repo>,
-    states: Mutex<HashMap<(String, String), (PointState, Option<Instant>)>>,
+    states: Mutex<HashMap<PointKey, (PointState, Option<Instant>)>>,
     wake: tokio::sync::Notify,
     changed: tokio::sync::watch::Sender<u64>,
 }

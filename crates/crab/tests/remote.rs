@@ -157,7 +157,7 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
     b.ok(&["remote", "check"]);
     let _ = b.crab(&["sandbox", "rm", "--force", &copy]);
     b.destroy();
-    // SAFETY-free: plain signal to the server this test started.
-    let _ = Command::new("kill").arg(format!("-{weed_pid}")).status();
-    let _ = Command::new("kill").arg(weed_pid.to_string()).status();
+    // The server this test started (its own process group).
+    let _ = Command::new("kill").args(["-9", "--", &format!("-{weed_pid}")]).status();
+    let _ = Command::new("kill").args(["-9", &weed_pid.to_string()]).status();
 }

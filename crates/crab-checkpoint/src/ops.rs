@@ -907,7 +907,9 @@ impl Checkpointer {
                 }
             }
             ensure_thawed(&self.rt.cgroup(sandbox), sandbox)?;
-            self.rt.start_init(sandbox, rec.net, &rec.limits, rec.profile).map_err(sandbox_err(sandbox))
+            self.rt
+                .start_init(sandbox, rec.net, &rec.limits, rec.profile)
+                .map_err(sandbox_err(sandbox))
         })();
         let message = match put_back {
             Ok((pid, start)) => {
@@ -1217,7 +1219,12 @@ impl Checkpointer {
                 })?;
                 u32::try_from(r.pid).unwrap_or(0)
             }
-            _ => self.rt.start_init(name, src.net, &src.limits, src.profile).map_err(sandbox_err(name))?.0,
+            _ => {
+                self.rt
+                    .start_init(name, src.net, &src.limits, src.profile)
+                    .map_err(sandbox_err(name))?
+                    .0
+            }
         };
         rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
             sandbox: name.to_owned(),

@@ -620,8 +620,14 @@ fn bench_profile_vs_privileged() {
     let (f0, f1) = (pct(&mut full[0], 0.5), pct(&mut full[1], 0.5));
     let (r0, r1) = (pct(&mut restore[0], 0.5), pct(&mut restore[1], 0.5));
     eprintln!("BENCH n={n} (interleaved)");
-    eprintln!("BENCH full checkpoint p50: profile {f0:7.1} ms  privileged {f1:7.1} ms  ratio {:.3}", f0 / f1);
-    eprintln!("BENCH restore         p50: profile {r0:7.1} ms  privileged {r1:7.1} ms  ratio {:.3}", r0 / r1);
+    eprintln!(
+        "BENCH full checkpoint p50: profile {f0:7.1} ms  privileged {f1:7.1} ms  ratio {:.3}",
+        f0 / f1
+    );
+    eprintln!(
+        "BENCH restore         p50: profile {r0:7.1} ms  privileged {r1:7.1} ms  ratio {:.3}",
+        r0 / r1
+    );
 }
 
 /// A sandbox with a 1 GiB process: how dump and restore grow with memory.

@@ -12,10 +12,18 @@ use crate::output::{age, human_bytes, table};
 
 #[derive(Debug, Subcommand)]
 pub(super) enum SandboxCmd {
-    /// Create and start a sandbox from an image.
+    /// Create and start a sandbox from an image, or from a remote restore point.
     Create {
         /// Image.
-        image: String,
+        #[arg(required_unless_present = "from_remote", conflicts_with = "from_remote")]
+        image: Option<String>,
+        /// Build it from a point in the daemon's --remote store: SB or SB@POINT (the newest
+        /// when no point), with its files, processes and conversation.
+        #[arg(long, value_name = "SB[@POINT]")]
+        from_remote: Option<String>,
+        /// With --from-remote: files and conversation only (a fresh init, no processes).
+        #[arg(long, requires = "from_remote")]
+        fs_only: bool,
         /// Sandbox name (generated when absent).
         #[arg(long)]
         name: Option<String>,
@@ -74,9 +82,23 @@ const SANDBOX_HEADER: [&str; 6] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WR
 
 pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitCode, ApiError> {
     match c {
-        SandboxCmd::Create { image, name, net, memory, pids, cpus, privileged } => {
+        SandboxCmd::Create {
+            image,
+            from_remote,
+            fs_only,
+            name,
+            net,
+            memory,
+            pids,
+            cpus,
+            privileged,
+        } => {
+            if let Some(src) = from_remote {
+                let names = name.into_iter().collect();
+                return super::remote::from_remote(client, src, names, 1, fs_only, json).await;
+            }
             let req = SandboxCreateRequest {
-                image,
+                image: image.unwrap_or_default(),
                 name,
                 net,
                 limits: Limits {

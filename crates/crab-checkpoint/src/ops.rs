@@ -692,6 +692,7 @@ impl Checkpointer {
         log: PathBuf,
         root: &Path,
         cgroups: Vec<PathBuf>,
+        profile: &crab_sandbox::profile::SecurityProfile,
     ) -> RestoreOpts {
         let mut o = RestoreOpts::new(images, log);
         o.log_level = self.cfg.criu_log_level;
@@ -705,6 +706,9 @@ impl Checkpointer {
         o.network_lock = Some(NetworkLockMethod::Nftables);
         o.manage_cgroups = Some(CgroupMode::Ignore);
         o.join_cgroups = cgroups;
+        // The default profile gives every sandbox its own cgroup namespace; CRIU does not
+        // restore it with unmanaged cgroups, so criu swrk makes one after joining the groups.
+        o.cgroup_ns = !profile.privileged;
         o
     }
 
@@ -873,13 +877,14 @@ impl Checkpointer {
         let cg = self.rt.cgroup(sandbox);
         let (pid, restored) = match (&m.procs, criu) {
             (Some(p), Some(criu)) => {
-                cg.create(&rec.limits).map_err(cg_err(sandbox))?;
+                cg.create_for(&rec.limits, &rec.profile).map_err(cg_err(sandbox))?;
                 // criu swrk joins this cgroup: frozen, it would hang there.
                 ensure_thawed(&cg, sandbox)?;
                 let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
-                let opts = self.restore_opts(&store.proc_dir(p.id), log, rootfs, cgroups);
+                let opts =
+                    self.restore_opts(&store.proc_dir(p.id), log, rootfs, cgroups, &rec.profile);
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
                     // A branch restored to its origin point carries its source's UTS name.
@@ -895,7 +900,7 @@ impl Checkpointer {
             _ => {
                 let (pid, _) = self
                     .rt
-                    .start_init(sandbox, rec.net, &rec.limits)
+                    .start_init(sandbox, rec.net, &rec.limits, rec.profile)
                     .map_err(sandbox_err(sandbox))?;
                 (pid, false)
             }
@@ -941,7 +946,9 @@ impl Checkpointer {
                 }
             }
             ensure_thawed(&self.rt.cgroup(sandbox), sandbox)?;
-            self.rt.start_init(sandbox, rec.net, &rec.limits).map_err(sandbox_err(sandbox))
+            self.rt
+                .start_init(sandbox, rec.net, &rec.limits, rec.profile)
+                .map_err(sandbox_err(sandbox))
         })();
         let message = match put_back {
             Ok((pid, start)) => {
@@ -1136,6 +1143,7 @@ impl Checkpointer {
             hostname: name.to_owned(),
             limits: src.limits.clone(),
             cgroup: Some(self.rt.new_cgroup_rel(name)),
+            profile: src.profile,
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
@@ -1229,7 +1237,7 @@ impl Checkpointer {
         meta.cgroup = rec.cgroup.clone();
         let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
         let cg = self.rt.cgroup(name);
-        cg.create(&src.limits).map_err(cg_err(name))?;
+        cg.create_for(&src.limits, &src.profile).map_err(cg_err(name))?;
         let pid = match (&first.procs, criu) {
             (Some(p), Some(criu)) => {
                 let log =
@@ -1238,7 +1246,8 @@ impl Checkpointer {
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
                 // The branch's own hard links: a prune of the source cannot pull the image
                 // away in the middle of the restore.
-                let opts = self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups);
+                let opts =
+                    self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups, &src.profile);
                 let r = criu.restore_with(&opts, |n| {
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -1249,7 +1258,12 @@ impl Checkpointer {
                 })?;
                 u32::try_from(r.pid).unwrap_or(0)
             }
-            _ => self.rt.start_init(name, src.net, &src.limits).map_err(sandbox_err(name))?.0,
+            _ => {
+                self.rt
+                    .start_init(name, src.net, &src.limits, src.profile)
+                    .map_err(sandbox_err(name))?
+                    .0
+            }
         };
         rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
             sandbox: name.to_owned(),

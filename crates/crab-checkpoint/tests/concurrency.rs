@@ -160,6 +160,7 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
             name: Some(n.clone()),
             net: NetMode::Private,
             limits: Limits::default(),
+            privileged: false,
         })
         .unwrap();
         let (code, out) = sh(&rt, n, TICKER);

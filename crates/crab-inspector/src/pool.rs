@@ -11,6 +11,7 @@
 //! is in `cgmap`, which attach writes only after it has taken an installed, empty set of maps,
 //! so a sandbox's first syscall after attach already lands in the maps attach reads.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -130,8 +131,9 @@ impl Outer {
 struct State {
     /// Keys with no maps of their own installed (their outer slots are empty or stale).
     free: Vec<u32>,
-    /// Keys whose maps are installed and empty, ready to attach.
-    ready: Vec<(u32, SandboxMaps)>,
+    /// Keys whose maps are installed and empty, ready to attach: taken from the back, where
+    /// detached keys go (reused first); the refiller adds at the front.
+    ready: VecDeque<(u32, SandboxMaps)>,
     /// The refiller failed: it waits for the next take before trying again.
     failed: bool,
     stop: bool,
@@ -159,7 +161,7 @@ impl KeyPool {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 free: (0..n).rev().collect(),
-                ready: Vec::new(),
+                ready: VecDeque::new(),
                 failed: false,
                 stop: false,
                 target: ready_target(),
@@ -189,7 +191,7 @@ impl KeyPool {
         let mut st = self.lock();
         st.failed = false;
         self.shared.cv.notify_all();
-        if let Some((key, sm)) = st.ready.pop() {
+        if let Some((key, sm)) = st.ready.pop_back() {
             drop(st);
             if let Err(e) = sm.clear() {
                 self.put_ready(key, sm);
@@ -214,7 +216,7 @@ impl KeyPool {
     /// re-installed with fresh maps when next needed.
     pub fn put_ready(&self, key: u32, sm: SandboxMaps) {
         match sm.clear() {
-            Ok(()) => self.lock().ready.push((key, sm)),
+            Ok(()) => self.lock().ready.push_back((key, sm)),
             Err(e) => {
                 tracing::warn!(key, error = %e, "could not empty a key's maps: re-installing later");
                 self.lock().free.push(key);
@@ -262,7 +264,7 @@ fn refill(shared: &Shared, outer: &Outer) {
         let mut st = shared.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for (key, r) in results {
             match r {
-                Ok(sm) => st.ready.push((key, sm)),
+                Ok(sm) => st.ready.push_front((key, sm)),
                 Err(e) => {
                     tracing::warn!(key, error = %e, "inspector pool refill failed");
                     st.free.push(key);

@@ -18,7 +18,7 @@ use tokio_stream::StreamExt;
 use crab_common::api::{FeatureStatus, Features, ProgressFrame, VersionInfo, API_VERSION};
 use crab_common::{ApiError, Progress};
 
-use super::{checkpoints, images, inspect, sandboxes, Daemon};
+use super::{checkpoints, images, inspect, remote, sandboxes, Daemon};
 
 /// The daemon's routes.
 pub fn router(d: Arc<Daemon>) -> Router {
@@ -38,6 +38,11 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/sandboxes/{name}/fork", post(checkpoints::fork))
         .route("/v1/sandboxes/{name}/conversation", get(checkpoints::conversation))
         .route("/v1/sandboxes/{name}/turns", post(checkpoints::turn))
+        .route("/v1/remote/points", get(remote::ls))
+        .route("/v1/remote/check", post(remote::check))
+        .route("/v1/remote/prune", post(remote::prune))
+        .route("/v1/remote/wait", get(remote::wait))
+        .route("/v1/remote/restore", post(remote::restore))
         .route("/v1/metrics", get(metrics))
         .route("/metrics", get(metrics))
         .route("/v1/top", get(top))

@@ -91,6 +91,9 @@ pub async fn create(
                 if let Some(why) = &point.procs_missing {
                     reasons.push(format!("filesystem only, processes missing: {why}"));
                 }
+                if let Some(t) = &d.remote {
+                    t.kick();
+                }
                 ok(&Taken { point, verdict, reasons, queue_ms: f.queue_wait.as_secs_f64() * 1e3 })
             }
             Err(e) => err(ApiError::internal(format!("undecodable checkpoint summary: {e}"))),
@@ -109,7 +112,22 @@ pub async fn create(
 pub async fn list(State(d): State<Arc<Daemon>>, Path(name): Path<String>) -> Response {
     match blocking(move || {
         d.runtime.record(&name).map_err(ApiError::from)?;
-        d.checkpointer.list(&name).map_err(|e| e.to_api())
+        let points = d.checkpointer.list(&name).map_err(|e| e.to_api())?;
+        // With --remote, each point also says whether it is local, exporting or durable.
+        let mut out = Vec::with_capacity(points.len());
+        for p in points {
+            let mut v = serde_json::to_value(&p).map_err(|e| ApiError::internal(e.to_string()))?;
+            if let (Some(t), Some(obj)) = (&d.remote, v.as_object_mut()) {
+                let st = t.state(&name, &p.id);
+                let st = match st {
+                    Some(s) => serde_json::to_value(s).unwrap_or_default(),
+                    None => serde_json::json!({"state": "local"}),
+                };
+                obj.insert("remote".into(), st);
+            }
+            out.push(v);
+        }
+        Ok(out)
     })
     .await
     {

@@ -13,6 +13,7 @@ mod api;
 mod checkpoints;
 mod images;
 mod inspect;
+pub mod remote;
 mod sandboxes;
 mod turns;
 
@@ -46,6 +47,8 @@ pub struct DaemonOptions {
     pub proxy: ProxyConfig,
     /// Engine tunables.
     pub engine: EngineConfig,
+    /// The durable tier (`--remote`), if any.
+    pub remote: Option<remote::RemoteOptions>,
 }
 
 /// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
@@ -70,6 +73,8 @@ pub struct Daemon {
     sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
     /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
     pub soft_dirty: crab_criu::soft_dirty::SoftDirty,
+    /// The durable tier and its exporter (`--remote`).
+    pub remote: Option<Arc<remote::RemoteTier>>,
 }
 
 impl Daemon {
@@ -218,6 +223,14 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         hooks.clone(),
     )
     .map_err(|e| anyhow::anyhow!("configuring the LLM proxy: {e}"))?;
+    let remote = match &opts.remote {
+        Some(o) => Some(Arc::new(
+            remote::RemoteTier::open(&state, o)
+                .await
+                .map_err(|e| anyhow::anyhow!("opening the remote store {}: {e}", o.url))?,
+        )),
+        None => None,
+    };
     let daemon = Arc::new(Daemon {
         runtime,
         inspector,
@@ -227,7 +240,12 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         coordinator,
         sandbox_proxies: Mutex::new(HashMap::new()),
         soft_dirty,
+        remote,
     });
+    if let Some(t) = &daemon.remote {
+        tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
+        tokio::spawn(t.clone().run(Arc::downgrade(&daemon)));
+    }
     let _ = hooks.0.set(Arc::downgrade(&daemon));
     let proxy = daemon
         .coordinator

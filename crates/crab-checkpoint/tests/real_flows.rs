@@ -26,6 +26,9 @@ fn is_root() -> bool {
 macro_rules! require_root {
     () => {
         if !is_root() {
+            if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
+                panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: needs root");
+            }
             eprintln!("skipped: needs root");
             return;
         }

@@ -38,6 +38,9 @@ use crate::manifest::{
 };
 use crate::snapfs::SnapshotFs;
 
+/// How long start-up recovery waits for an orphaned writer to leave a staged leftover.
+const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Milliseconds since the epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -512,7 +515,7 @@ impl Store {
         let tmp = self.tmp_dir();
         for name in list_names(&tmp)? {
             let p = tmp.join(&name);
-            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+            self.delete_settled(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
             report.removed.push(p);
         }
         for name in list_names(&self.points_dir())? {
@@ -536,6 +539,25 @@ impl Store {
         }
         self.rescan()?;
         Ok(report)
+    }
+
+    /// Delete a staged leftover. A CRIU orphaned by a killed daemon may still be writing into
+    /// it for a moment (it gives up once it notices its peer is gone), so "directory not
+    /// empty" is retried for up to [`SETTLE_TIMEOUT`] before it is an error.
+    fn delete_settled(&self, p: &Path) -> std::io::Result<()> {
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            match self.fs.delete(p) {
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::DirectoryNotEmpty
+                        && Instant::now() < deadline =>
+                {
+                    tracing::debug!(path = %p.display(), "leftover still being written; retrying its removal");
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Delete the process images and filesystem snapshots no manifest in `kept` references;

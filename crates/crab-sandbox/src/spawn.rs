@@ -244,17 +244,16 @@ fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String
     mount_fs("proc", &root.join("proc"), "proc", nosuid, "")?;
     let dev = root.join("dev");
     mount_fs("tmpfs", &dev, "tmpfs", MsFlags::MS_NOSUID, "mode=755,size=65536k")?;
-    for (name, major, minor) in [
-        ("null", 1, 3),
-        ("zero", 1, 5),
-        ("full", 1, 7),
-        ("random", 1, 8),
-        ("urandom", 1, 9),
-        ("tty", 5, 0),
-    ] {
+    // ptmx comes from the devpts instance mounted below (a symlink to pts/ptmx).
+    for &(name, major, minor) in profile::ALLOWED_DEVICES.iter().filter(|d| d.0 != "ptmx") {
         let p = dev.join(name);
-        mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor))
-            .map_err(err(format!("mknod {}", p.display())))?;
+        mknod(
+            &p,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(major.into(), minor.into()),
+        )
+        .map_err(err(format!("mknod {}", p.display())))?;
         // mknod honours the umask; make the mode exact.
         nix::sys::stat::fchmodat(
             None,

@@ -51,6 +51,8 @@ pub fn router(d: Arc<Daemon>) -> Router {
 }
 
 async fn version(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> Response {
+    // Runs `criu swrk` once: off the async threads.
+    let criu = blocking(|| Ok(criu_status().clone())).await.ok();
     ok(&VersionInfo {
         version: env!("CARGO_PKG_VERSION").to_string(),
         api: API_VERSION,
@@ -61,7 +63,30 @@ async fn version(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> 
                 available: d.soft_dirty.available,
                 reason: d.soft_dirty.reason.clone(),
             }),
+            criu,
+            remote: Some(match &d.remote {
+                Some(t) => FeatureStatus { available: true, reason: t.repo.url().to_string() },
+                None => FeatureStatus {
+                    available: false,
+                    reason: "no --remote store configured".into(),
+                },
+            }),
         },
+        proxy_listen: Some(d.coordinator.config().listen.to_string()),
+    })
+}
+
+/// Whether CRIU is installed and answers (asked once, on the first `GET /v1/version`).
+fn criu_status() -> &'static FeatureStatus {
+    static STATUS: std::sync::OnceLock<FeatureStatus> = std::sync::OnceLock::new();
+    STATUS.get_or_init(|| {
+        match crab_criu::Criu::locate().and_then(|c| c.version().map(|v| (c, v))) {
+            Ok((c, v)) => FeatureStatus {
+                available: true,
+                reason: format!("criu {v} at {}", c.path().display()),
+            },
+            Err(e) => FeatureStatus { available: false, reason: e.to_string() },
+        }
     })
 }
 

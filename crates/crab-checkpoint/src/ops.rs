@@ -187,6 +187,10 @@ fn us(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// Free bytes the pool must have before a restore stops a sandbox or a fork starts: room for
+/// the root swap, the new records and cgroups, and CRIU's writes.
+pub const MIN_FREE_BYTES: u64 = 64 << 20;
+
 fn sandbox_err(sandbox: &str) -> impl FnOnce(crab_sandbox::SandboxError) -> CheckpointError + '_ {
     move |e| match e {
         crab_sandbox::SandboxError::NoSandbox(n) => CheckpointError::SandboxNotFound(n),
@@ -327,7 +331,7 @@ impl Checkpointer {
     }
 
     fn alive(rec: &SandboxRecord) -> bool {
-        process_start_time(rec.init_pid) == Some(rec.init_start)
+        crab_sandbox::runtime::init_alive(rec.init_pid, rec.init_start)
     }
 
     /// Startup recovery: discard staged leftovers of every sandbox's checkpoints, finish or
@@ -726,55 +730,50 @@ impl Checkpointer {
             }
         };
         snap.map_err(|e| CheckpointError::io("snapshot", &staged, e))?;
+        // Every precondition is checked while the sandbox still runs: the init goes into the
+        // staged root (a write that needs space), and the pool must keep room for the swap,
+        // the cgroup and CRIU's work. A failure here leaves the sandbox untouched.
+        let pre = install_init(&staged)
+            .map_err(sandbox_err(sandbox))
+            .and_then(|()| self.check_room(sandbox, "restore"));
+        if let Err(e) = pre {
+            if let Err(d) = self.fs.delete(&staged) {
+                tracing::warn!(path = %staged.display(), error = %d, "cannot discard the staged root");
+            }
+            return Err(e);
+        }
         progress.stage("filesystem", None);
-        // Point of no return: stop what runs, swap the roots.
-        self.rt.stop(sandbox).map_err(sandbox_err(sandbox))?;
-        std::fs::rename(&rootfs, &old).map_err(|e| CheckpointError::io("rename", &rootfs, e))?;
-        std::fs::rename(&staged, &rootfs).map_err(|e| CheckpointError::io("rename", &staged, e))?;
+        // Point of no return for the processes: stop what runs, swap the roots. The replaced
+        // root is kept until the new processes run, so a failure can put the files back.
+        let swapped = self
+            .rt
+            .stop(sandbox)
+            .map_err(sandbox_err(sandbox))
+            .and_then(|()| {
+                std::fs::rename(&rootfs, &old)
+                    .map_err(|e| CheckpointError::io("rename", &rootfs, e))
+            })
+            .and_then(|()| {
+                std::fs::rename(&staged, &rootfs)
+                    .map_err(|e| CheckpointError::io("rename", &staged, e))
+            });
+        let fs_ms = ms(t_fs.elapsed());
+        progress.stage("processes", None);
+        let t_p = Instant::now();
+        let started_procs = swapped
+            .and_then(|()| self.restore_procs(sandbox, &m, criu.as_ref(), &store, &rootfs, &rec));
+        let (pid, restored) = match started_procs {
+            Ok(v) => v,
+            Err(e) => return Err(self.roll_back_restore(sandbox, &m, &mut rec, e)),
+        };
+        rec.init_pid = pid;
+        rec.init_start = process_start_time(pid).unwrap_or(0);
+        if let Err(e) = self.rt.update(rec.clone()).map_err(sandbox_err(sandbox)) {
+            return Err(self.roll_back_restore(sandbox, &m, &mut rec, e));
+        }
         if let Err(e) = self.fs.delete(&old) {
             tracing::warn!(path = %old.display(), error = %e, "cannot delete the replaced root");
         }
-        install_init(&rootfs).map_err(sandbox_err(sandbox))?;
-        let fs_ms = ms(t_fs.elapsed());
-
-        progress.stage("processes", None);
-        let t_p = Instant::now();
-        let cg = self.rt.cgroup(sandbox);
-        let (pid, restored) = match (&m.procs, criu) {
-            (Some(p), Some(criu)) => {
-                cg.create(&rec.limits).map_err(cg_err(sandbox))?;
-                // criu swrk joins this cgroup: frozen, it would hang there.
-                ensure_thawed(&cg, sandbox)?;
-                let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
-                let paths = cgroup_paths(&cg);
-                let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
-                let opts = self.restore_opts(&store.proc_dir(p.id), log, &rootfs, cgroups);
-                let hostname = rec.hostname.clone();
-                let r = criu.restore_with(&opts, |n| {
-                    // A branch restored to its origin point carries its source's UTS name.
-                    if n.phase == phase::POST_RESTORE {
-                        if let Some(pid) = n.pid {
-                            set_hostname_of(pid, &hostname)?;
-                        }
-                    }
-                    Ok(())
-                })?;
-                (u32::try_from(r.pid).unwrap_or(0), true)
-            }
-            _ => {
-                let (pid, _) = self
-                    .rt
-                    .start_init(sandbox, rec.net, &rec.limits)
-                    .map_err(sandbox_err(sandbox))?;
-                (pid, false)
-            }
-        };
-        rec.init_pid = pid;
-        rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
-            sandbox: sandbox.to_owned(),
-            message: format!("the restored init {pid} died right after the restore"),
-        })?;
-        self.rt.update(rec).map_err(sandbox_err(sandbox))?;
         // The live sandbox is now point m: say so with a new newest point referencing m's
         // parts, so that the next checkpoint builds on m and a crash-restore of "the newest"
         // does not resurrect the abandoned future.
@@ -797,6 +796,141 @@ impl Checkpointer {
         };
         tracing::info!(sandbox, point = %m.id, ms = report.total_ms, "sandbox restored");
         Ok(report)
+    }
+
+    /// Refuse `what` unless the pool has room for it: [`MIN_FREE_BYTES`] free.
+    fn check_room(&self, sandbox: &str, what: &str) -> Result<()> {
+        let free = crab_sandbox::pool::free_bytes(self.rt.state()).map_err(sandbox_err(sandbox))?;
+        if free < MIN_FREE_BYTES {
+            return Err(CheckpointError::Io {
+                op: "check free space for",
+                path: self.rt.state().pool(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::StorageFull,
+                    format!(
+                        "{what} of {sandbox} needs {} MiB free in the pool, {} MiB are; nothing was changed",
+                        MIN_FREE_BYTES >> 20,
+                        free >> 20
+                    ),
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The processes of a restore whose root is in place: CRIU's images of `m`, or a fresh
+    /// init when `m` has none. Returns the init's pid and whether processes were restored.
+    fn restore_procs(
+        &self,
+        sandbox: &str,
+        m: &Manifest,
+        criu: Option<&Criu>,
+        store: &Store,
+        rootfs: &Path,
+        rec: &SandboxRecord,
+    ) -> Result<(u32, bool)> {
+        let cg = self.rt.cgroup(sandbox);
+        let (pid, restored) = match (&m.procs, criu) {
+            (Some(p), Some(criu)) => {
+                cg.create(&rec.limits).map_err(cg_err(sandbox))?;
+                // criu swrk joins this cgroup: frozen, it would hang there.
+                ensure_thawed(&cg, sandbox)?;
+                let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
+                let paths = cgroup_paths(&cg);
+                let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
+                let opts = self.restore_opts(&store.proc_dir(p.id), log, rootfs, cgroups);
+                let hostname = rec.hostname.clone();
+                let r = criu.restore_with(&opts, |n| {
+                    // A branch restored to its origin point carries its source's UTS name.
+                    if n.phase == phase::POST_RESTORE {
+                        if let Some(pid) = n.pid {
+                            set_hostname_of(pid, &hostname)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                (u32::try_from(r.pid).unwrap_or(0), true)
+            }
+            _ => {
+                let (pid, _) = self
+                    .rt
+                    .start_init(sandbox, rec.net, &rec.limits)
+                    .map_err(sandbox_err(sandbox))?;
+                (pid, false)
+            }
+        };
+        if process_start_time(pid).is_none() {
+            return Err(CheckpointError::Sandbox {
+                sandbox: sandbox.to_owned(),
+                message: format!("the restored init {pid} died right after the restore"),
+            });
+        }
+        Ok((pid, restored))
+    }
+
+    /// A restore failed after the sandbox's processes were stopped: kill what the attempt
+    /// left, put the previous root back, start a fresh init on it and record that. The error
+    /// returned says what failed, what state the sandbox is in and what to run.
+    fn roll_back_restore(
+        &self,
+        sandbox: &str,
+        m: &Manifest,
+        rec: &mut SandboxRecord,
+        cause: CheckpointError,
+    ) -> CheckpointError {
+        tracing::warn!(sandbox, point = %m.id, error = %cause, "restore failed after stopping the sandbox; rolling back");
+        let dir = self.rt.state().sandbox_dir(sandbox);
+        let rootfs = self.rt.state().sandbox_rootfs(sandbox);
+        let old = dir.join("rootfs.old");
+        let staged = dir.join("rootfs.restoring");
+        let put_back = (|| -> Result<(u32, u64)> {
+            self.rt.stop(sandbox).map_err(sandbox_err(sandbox))?;
+            if old.exists() {
+                if rootfs.exists() {
+                    self.fs
+                        .delete(&rootfs)
+                        .map_err(|e| CheckpointError::io("delete", &rootfs, e))?;
+                }
+                std::fs::rename(&old, &rootfs)
+                    .map_err(|e| CheckpointError::io("rename", &old, e))?;
+            }
+            if staged.exists() {
+                if let Err(e) = self.fs.delete(&staged) {
+                    tracing::warn!(path = %staged.display(), error = %e, "cannot discard the staged root");
+                }
+            }
+            ensure_thawed(&self.rt.cgroup(sandbox), sandbox)?;
+            self.rt.start_init(sandbox, rec.net, &rec.limits).map_err(sandbox_err(sandbox))
+        })();
+        let message = match put_back {
+            Ok((pid, start)) => {
+                rec.init_pid = pid;
+                rec.init_start = start;
+                match self.rt.update(rec.clone()) {
+                    Ok(()) => format!(
+                        "restore to point {} failed after the sandbox's processes were stopped: {cause}. \
+                         The sandbox runs again on its files as they were before the restore, with a \
+                         fresh init (the processes it had are gone); fix the cause and run \
+                         `crab restore {sandbox} {}` again",
+                        m.id, m.id
+                    ),
+                    Err(e) => format!(
+                        "restore to point {} failed after the sandbox's processes were stopped: {cause}; \
+                         its previous files are back and a fresh init {pid} runs, but its record could \
+                         not be written ({e}): run `crab restore {sandbox} {}` again",
+                        m.id, m.id
+                    ),
+                }
+            }
+            Err(e) => format!(
+                "restore to point {} failed after the sandbox's processes were stopped: {cause}; \
+                 putting it back also failed ({e}). It is stopped, its record kept: run \
+                 `crab restore {sandbox} {}` to retry, or `crab sandbox rm --force {sandbox}`",
+                m.id, m.id
+            ),
+        };
+        tracing::error!(sandbox, "{message}");
+        CheckpointError::Sandbox { sandbox: sandbox.to_owned(), message }
     }
 
     /// Create `count` new sandboxes from a restore point of `sandbox` (newest when `None`),
@@ -862,6 +996,7 @@ impl Checkpointer {
                 .map_err(|e| CheckpointError::Invalid(e.message))?;
         }
         let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
+        self.check_room(sandbox, "fork")?;
         let origin = Origin { sandbox: sandbox.to_owned(), point: m.id };
         progress.stage("branches", Some(count as u64));
         let done = std::sync::atomic::AtomicU64::new(0);
@@ -959,6 +1094,7 @@ impl Checkpointer {
             net: src.net,
             hostname: name.to_owned(),
             limits: src.limits.clone(),
+            cgroup: Some(self.rt.new_cgroup_rel(name)),
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
@@ -1049,6 +1185,7 @@ impl Checkpointer {
         let mut meta = src.clone();
         meta.name = name.to_owned();
         meta.hostname = name.to_owned();
+        meta.cgroup = rec.cgroup.clone();
         let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
         let cg = self.rt.cgroup(name);
         cg.create(&src.limits).map_err(cg_err(name))?;

@@ -15,6 +15,10 @@
 //!     checkpoints/<name>/  restore points of a sandbox (see docs/format.md)
 //!     tmp/                 staging area; anything here at daemon start is a leftover
 //! ```
+//!
+//! Host-wide objects a daemon creates (cgroups today; nftables tables and the like for anyone
+//! who adds them) carry the state directory's [`StateDir::instance`] name, so two daemons on one
+//! host never touch each other's sandboxes even when their sandbox names are equal.
 
 use std::path::{Path, PathBuf};
 
@@ -95,8 +99,63 @@ impl StateDir {
     }
 }
 
+impl StateDir {
+    /// The name of the daemon instance that owns this state directory: its last path component
+    /// (lower-cased, other characters than `[a-z0-9-]` dropped, at most 24 characters) and 8 hex
+    /// digits of an FNV-1a hash of the absolute path, e.g. `crab-harden-1f3a9c0e` for
+    /// `/var/lib/crab-harden`. Stable across restarts; distinct for distinct directories.
+    pub fn instance(&self) -> String {
+        let abs = std::fs::canonicalize(&self.root).unwrap_or_else(|_| {
+            if self.root.is_absolute() {
+                self.root.clone()
+            } else {
+                std::env::current_dir().map(|d| d.join(&self.root)).unwrap_or(self.root.clone())
+            }
+        });
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in abs.as_os_str().as_encoded_bytes() {
+            hash ^= u64::from(*b);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        let base: String = abs
+            .file_name()
+            .map(|n| n.to_string_lossy().to_lowercase())
+            .unwrap_or_default()
+            .chars()
+            .filter(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-')
+            .take(24)
+            .collect();
+        let base = if base.is_empty() { "root".to_string() } else { base };
+        format!("{base}-{:08x}", (hash ^ (hash >> 32)) as u32)
+    }
+
+    /// The cgroup (relative to each hierarchy's root) under which this daemon's sandboxes live:
+    /// `crab-<instance>`.
+    pub fn cgroup_parent(&self) -> String {
+        format!("crab-{}", self.instance())
+    }
+}
+
 impl Default for StateDir {
     fn default() -> Self {
         StateDir::new(DEFAULT_STATE_DIR)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instances_differ_per_directory_and_are_stable() {
+        let a = StateDir::new("/var/lib/crab-a").instance();
+        let b = StateDir::new("/var/lib/crab-b").instance();
+        assert_ne!(a, b);
+        assert!(a.starts_with("crab-a-"), "{a}");
+        assert_eq!(a, StateDir::new("/var/lib/crab-a").instance());
+        assert_eq!(
+            StateDir::new("/x/Weird Name!").cgroup_parent().len(),
+            "crab-weirdname-".len() + 8
+        );
     }
 }

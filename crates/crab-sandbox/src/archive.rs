@@ -2,8 +2,10 @@
 //!
 //! An imported root filesystem may not reach outside itself: no absolute entry paths, no `..`
 //! components, no hard link to a path outside the archive, and no relative symlink whose target
-//! climbs above the root. Absolute symlink targets are fine: inside a sandbox they resolve
-//! against the sandbox's own root. Every refusal names the offending entry.
+//! climbs above the root, and no entry at or under a path an earlier entry made a symlink.
+//! Absolute symlink targets are fine: inside a sandbox they resolve against the sandbox's own
+//! root, and the daemon's own writes into a root never follow them ([`crate::inroot`]). Every
+//! refusal names the offending entry.
 
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -115,11 +117,27 @@ pub fn check_tar(path: &Path) -> Result<u64> {
     let bad = |e: std::io::Error| {
         SandboxError::Invalid(format!("{} is not a readable tar archive: {e}", path.display()))
     };
+    // Symlinks seen so far: a later entry at or under one would be written through it.
+    let mut links: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
     for entry in ar.entries().map_err(bad)? {
         let entry = entry.map_err(bad)?;
         let p = entry.path().map_err(bad)?.into_owned();
         check_entry_path(path, &p)?;
+        let norm: PathBuf = p.components().filter(|c| matches!(c, Component::Normal(_))).collect();
+        if let Some(l) = norm.ancestors().find(|a| links.contains(*a)) {
+            return Err(unsafe_entry(
+                path,
+                &p.display().to_string(),
+                &format!(
+                    "would be written through the symlink {} earlier in the archive",
+                    l.display()
+                ),
+            ));
+        }
         let kind = entry.header().entry_type();
+        if kind.is_symlink() {
+            links.insert(norm);
+        }
         if let Some(target) = entry.link_name().map_err(bad)? {
             let shown = p.display().to_string();
             if kind.is_hard_link() {

@@ -1,6 +1,9 @@
 //! Cgroups of sandboxes on hybrid (v1 controllers + cgroup2) and pure cgroup2 hosts.
 //!
-//! Every sandbox gets a cgroup2 group `<v2>/crab/<name>`: it gives the BPF cgroup id the
+//! Every sandbox gets a cgroup2 group `<v2>/crab-<instance>/<name>`, where the instance is named
+//! after the daemon's state directory (`StateDir::cgroup_parent`), so two daemons with a sandbox
+//! of the same name never kill, freeze or limit each other's (sandboxes recorded by an older
+//! daemon keep their `crab/<name>`; see `SandboxRecord::cgroup`). It gives the BPF cgroup id the
 //! inspector filters on, `cgroup.freeze` for consistent checkpoints and `cgroup.kill` for
 //! teardown. Resource limits go through whatever controllers the host offers: the v2 group's own
 //! controllers on a pure-v2 host, the v1 hierarchies (`memory`, `pids`, `cpu`) on a hybrid one,
@@ -86,11 +89,11 @@ impl Hierarchy {
         Ok(Hierarchy { v2: v2.ok_or(CgroupError::NoCgroup2)?, v1 })
     }
 
-    /// The cgroup of sandbox `name`.
-    pub fn sandbox(&self, name: &str) -> SandboxCgroup {
+    /// The cgroup at `rel` (e.g. `crab-<instance>/<name>`) in every hierarchy.
+    pub fn sandbox(&self, rel: &str) -> SandboxCgroup {
         SandboxCgroup {
-            v2: self.v2.join("crab").join(name),
-            v1: self.v1.iter().map(|(c, m)| (c.clone(), m.join("crab").join(name))).collect(),
+            v2: self.v2.join(rel),
+            v1: self.v1.iter().map(|(c, m)| (c.clone(), m.join(rel))).collect(),
         }
     }
 }

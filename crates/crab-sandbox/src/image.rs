@@ -255,6 +255,10 @@ pub fn build_debian(
     let log_path = state.logs().join(format!("image-build-{name}.log"));
     let mut pkgs: Vec<String> = DEBIAN_PACKAGES.iter().map(|s| s.to_string()).collect();
     pkgs.extend(include.iter().cloned());
+    // The pool is mounted nodev,nosuid; debootstrap refuses such a target (it makes device
+    // nodes and runs set-uid maintainer scripts), so it gets a bind mount of the staging
+    // subvolume without those flags, unmounted when the build ends.
+    let bind = DevBind::new(&staging.path)?;
     progress.stage("debootstrap", None);
     let mut child = Command::new(debootstrap)
         .arg("--variant=minbase")
@@ -282,6 +286,7 @@ pub fn build_debian(
         }
     }
     let status = child.wait().map_err(SandboxError::io("wait", "debootstrap"))?;
+    drop(bind);
     let _ = fs::write(&log_path, &log);
     if !status.success() {
         let tail: Vec<&str> = log.lines().rev().take(5).collect();
@@ -308,6 +313,40 @@ pub fn build_debian(
         }
     }
     staging.commit(state, name, recipe)
+}
+
+/// A bind mount of a directory onto itself with `dev,suid`, detached on drop.
+struct DevBind {
+    path: PathBuf,
+}
+
+impl DevBind {
+    fn new(path: &Path) -> Result<Self> {
+        use nix::mount::{mount, MsFlags};
+        let err = |what: &'static str| {
+            move |e: nix::errno::Errno| SandboxError::io(what, path)(std::io::Error::from(e))
+        };
+        mount(Some(path), path, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .map_err(err("bind mount"))?;
+        let bind = DevBind { path: path.to_path_buf() };
+        mount(
+            None::<&str>,
+            path,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOATIME,
+            None::<&str>,
+        )
+        .map_err(err("remount dev,suid"))?;
+        Ok(bind)
+    }
+}
+
+impl Drop for DevBind {
+    fn drop(&mut self) {
+        if let Err(e) = nix::mount::umount2(&self.path, nix::mount::MntFlags::MNT_DETACH) {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot unmount the build's bind mount");
+        }
+    }
 }
 
 /// Make `bash -l` print nothing: drop `mesg n` (which complains without a tty) from profiles.

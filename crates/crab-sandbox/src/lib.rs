@@ -1,7 +1,7 @@
 //! The native sandbox runtime.
 //!
 //! This crate owns everything a sandbox is made of on the host: the btrfs storage pool
-//! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`]), cgroups ([`cgroup`]), the
+//! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`]), host-side writes inside a root that never leave it ([`inroot`]), cgroups ([`cgroup`]), the
 //! single-threaded namespace helpers ([`spawn`]), the registry of sandboxes with create, remove
 //! and adoption ([`runtime`]), and running commands inside a sandbox ([`exec`]).
 
@@ -11,6 +11,7 @@ pub mod cgroup;
 pub mod error;
 pub mod exec;
 pub mod image;
+pub mod inroot;
 pub mod pool;
 pub mod quota;
 pub mod runtime;

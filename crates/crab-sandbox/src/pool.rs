@@ -3,7 +3,7 @@
 //! When the state directory is already on btrfs, the pool is the plain directory
 //! `<state>/pool`. Otherwise Crab keeps a sparse file `<state>/pool.img`, formats it btrfs once
 //! and loop-mounts it at `<state>/pool`; after a reboot the same call mounts the existing file
-//! again, so nothing is lost. Everything Crab stores (images, sandboxes, checkpoints) lives in the
+//! again, so nothing is lost. The loop mount is `nosuid,nodev`. Everything Crab stores (images, sandboxes, checkpoints) lives in the
 //! pool as subvolumes and small JSON records.
 
 use std::fs;
@@ -42,6 +42,8 @@ pub fn ensure(state: &StateDir, size: u64) -> Result<PoolKind> {
     } else {
         if !is_btrfs(&pool)? {
             mount_loop(state, size)?;
+        } else {
+            harden_mount(&pool);
         }
         PoolKind::LoopFile
     };
@@ -92,6 +94,27 @@ fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// Options of the pool's loop mount. `nosuid,nodev`: a set-uid binary or a device node that a
+/// sandbox or an imported image leaves in the pool grants nothing on the host (sandboxes run as
+/// root and get their `/dev` from a fresh tmpfs, so they need neither).
+const MOUNT_OPTS: &str = "loop,noatime,nosuid,nodev";
+
+/// Add `nosuid,nodev` to a pool mounted by an older daemon (best effort: logged, not fatal).
+fn harden_mount(pool: &Path) {
+    let Ok(st) = nix::sys::statvfs::statvfs(pool) else { return };
+    let flags = st.flags();
+    use nix::sys::statvfs::FsFlags;
+    if flags.contains(FsFlags::ST_NOSUID) && flags.contains(FsFlags::ST_NODEV) {
+        return;
+    }
+    match run(Command::new("mount").args(["-o", "remount,nosuid,nodev"]).arg(pool)) {
+        Ok(()) => tracing::info!(pool = %pool.display(), "remounted the pool nosuid,nodev"),
+        Err(e) => {
+            tracing::warn!(pool = %pool.display(), error = %e, "could not remount the pool nosuid,nodev")
+        }
+    }
+}
+
 fn mount_loop(state: &StateDir, size: u64) -> Result<()> {
     if !btrfs_supported() {
         return Err(SandboxError::Host {
@@ -116,10 +139,7 @@ fn mount_loop(state: &StateDir, size: u64) -> Result<()> {
         fs::rename(&tmp, &img).map_err(SandboxError::io("rename", &tmp))?;
         tracing::info!(path = %img.display(), size, "created btrfs pool image");
     }
-    run(Command::new("mount")
-        .args(["-t", "btrfs", "-o", "loop,noatime"])
-        .arg(&img)
-        .arg(state.pool()))?;
+    run(Command::new("mount").args(["-t", "btrfs", "-o", MOUNT_OPTS]).arg(&img).arg(state.pool()))?;
     tracing::info!(pool = %state.pool().display(), "mounted btrfs pool");
     Ok(())
 }

@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -27,7 +26,11 @@ use crab_common::paths::StateDir;
 use crate::btrfs;
 use crate::cgroup::{Hierarchy, SandboxCgroup};
 use crate::error::{Result, SandboxError};
+use crate::inroot::InRoot;
 use crate::spawn::{CgroupPaths, ExecSpec, StartSpec, INIT_PATH};
+
+/// The daemon's directory in every root (`/.crab`).
+const INIT_DIR: &str = ".crab";
 use crate::{image, pool, quota};
 
 /// The static init binary, embedded at build time.
@@ -57,6 +60,10 @@ pub struct SandboxRecord {
     pub hostname: String,
     /// Limits.
     pub limits: Limits,
+    /// Its cgroup, relative to each hierarchy's root (`crab-<instance>/<name>`). Absent in
+    /// records written before per-daemon cgroups: those sandboxes live in `crab/<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
 }
 
 /// Options of the runtime.
@@ -93,6 +100,20 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
+/// Whether process `pid` with start time `start` exists and has not exited: a dead init stays
+/// a zombie until whoever it was re-parented to reaps it, and a zombie sandbox is dead (its
+/// namespaces are gone), so the record says so at once rather than a second later.
+pub fn init_alive(pid: u32, start: u64) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let Some(close) = stat.rfind(')') else { return false };
+    let mut rest = stat[close + 2..].split(' ');
+    let state = rest.next().unwrap_or("");
+    if matches!(state, "Z" | "X" | "x") {
+        return false;
+    }
+    rest.nth(18).and_then(|s| s.parse::<u64>().ok()) == Some(start)
+}
+
 /// Write `bytes` to `path` atomically: temp file, fsync, rename, fsync of the directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
@@ -106,6 +127,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+impl SandboxRecord {
+    /// Its cgroup relative to a hierarchy root (`crab/<name>` for records that predate
+    /// per-daemon cgroups).
+    pub fn cgroup_rel(&self) -> String {
+        self.cgroup.clone().unwrap_or_else(|| format!("crab/{}", self.name))
+    }
 }
 
 impl Runtime {
@@ -169,12 +198,26 @@ impl Runtime {
     }
 
     fn is_alive(&self, rec: &SandboxRecord) -> bool {
-        process_start_time(rec.init_pid) == Some(rec.init_start)
+        init_alive(rec.init_pid, rec.init_start)
+    }
+
+    /// The cgroup path (relative to a hierarchy root) of sandbox `name`: the one its record
+    /// names, else this daemon's `crab-<instance>/<name>`.
+    pub fn cgroup_rel(&self, name: &str) -> String {
+        match self.lock().get(name) {
+            Some(rec) => rec.cgroup_rel(),
+            None => self.new_cgroup_rel(name),
+        }
+    }
+
+    /// Where this daemon puts the cgroup of a new sandbox `name`.
+    pub fn new_cgroup_rel(&self, name: &str) -> String {
+        format!("{}/{name}", self.cfg.state.cgroup_parent())
     }
 
     /// The cgroup of sandbox `name`.
     pub fn cgroup(&self, name: &str) -> SandboxCgroup {
-        self.hier.sandbox(name)
+        self.hier.sandbox(&self.cgroup_rel(name))
     }
 
     /// The record of sandbox `name`.
@@ -260,6 +303,7 @@ impl Runtime {
             }
             None => self.generate_name(),
         };
+        validate_limits(&req.limits)?;
         let image_root = image::rootfs_of(&self.cfg.state, &req.image)?;
         self.reserve(&name)?;
         let result = self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits);
@@ -291,6 +335,7 @@ impl Runtime {
             net,
             hostname: name.to_string(),
             limits: limits.clone(),
+            cgroup: Some(self.new_cgroup_rel(name)),
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -409,6 +454,13 @@ impl Runtime {
         if req.cmd.is_empty() {
             return Err(SandboxError::Invalid("exec needs a command".into()));
         }
+        if let Some(t) = req.timeout_s {
+            if !t.is_finite() || t <= 0.0 || t > MAX_EXEC_TIMEOUT_S {
+                return Err(SandboxError::Invalid(format!(
+                    "timeout_s is {t}; it must be a number of seconds in (0, {MAX_EXEC_TIMEOUT_S}] (leave it out for no timeout)"
+                )));
+            }
+        }
         let mut env: Vec<String> = vec![
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
             format!("HOSTNAME={}", rec.hostname),
@@ -437,6 +489,45 @@ impl Runtime {
     pub fn helper_exe(&self) -> &Path {
         &self.cfg.helper_exe
     }
+}
+
+/// Smallest memory limit a sandbox can start with (its init and one command need a few MiB).
+pub const MIN_MEMORY_BYTES: u64 = 8 << 20;
+/// Smallest pids limit: the init and one command.
+pub const MIN_PIDS: u64 = 2;
+/// Smallest CPU quota (milli-CPUs; the kernel's minimum quota is 1 ms per 100 ms period).
+pub const MIN_CPU_MILLIS: u64 = 10;
+/// Largest CPU quota accepted (milli-CPUs): 1024 cores.
+pub const MAX_CPU_MILLIS: u64 = 1_024_000;
+/// Longest exec timeout accepted, in seconds (30 days).
+pub const MAX_EXEC_TIMEOUT_S: f64 = 30.0 * 86400.0;
+
+/// Refuse limits the kernel would refuse or that could not run a sandbox, naming the field and
+/// the allowed range (an `invalid_request`, not an internal error after half a create).
+pub fn validate_limits(l: &Limits) -> Result<()> {
+    let bad = |field: &str, v: u64, range: String| {
+        Err(SandboxError::Invalid(format!("limits.{field} is {v}; allowed: {range}")))
+    };
+    if let Some(m) = l.memory_bytes {
+        if m < MIN_MEMORY_BYTES || m > i64::MAX as u64 {
+            return bad("memory_bytes", m, format!("{MIN_MEMORY_BYTES} (8 MiB) to {}", i64::MAX));
+        }
+    }
+    if let Some(p) = l.pids_max {
+        if p < MIN_PIDS || p > i32::MAX as u64 {
+            return bad("pids_max", p, format!("{MIN_PIDS} to {}", i32::MAX));
+        }
+    }
+    if let Some(c) = l.cpu_millis {
+        if !(MIN_CPU_MILLIS..=MAX_CPU_MILLIS).contains(&c) {
+            return bad(
+                "cpu_millis",
+                c,
+                format!("{MIN_CPU_MILLIS} to {MAX_CPU_MILLIS} (1000 = one core)"),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Create sandbox `rec.name`'s directory atomically with `rec` as its record: the directory is
@@ -481,37 +572,32 @@ pub fn cgroup_paths(cg: &SandboxCgroup) -> CgroupPaths {
 }
 
 /// Per-sandbox files: the init binary, hostname and a fresh machine-id.
+///
+/// Every write resolves inside `rootfs` ([`InRoot`]): a sandbox or image that made
+/// `/etc/hostname`, `/etc/machine-id`, `/tmp` or `/.crab` a symlink cannot make the daemon write
+/// or chmod a host file.
 pub fn personalize(rootfs: &Path, name: &str) -> Result<()> {
-    install_init(rootfs)?;
-    let etc = rootfs.join("etc");
-    fs::create_dir_all(&etc).map_err(SandboxError::io("create", &etc))?;
-    fs::write(etc.join("hostname"), format!("{name}\n"))
-        .map_err(SandboxError::io("write", etc.join("hostname")))?;
+    let root = InRoot::open(rootfs)?;
+    install_init_in(&root)?;
+    root.write(Path::new("etc/hostname"), format!("{name}\n").as_bytes(), 0o644)?;
     let id = format!("{:08x}{:08x}{:08x}{:08x}\n", rand_u32(), rand_u32(), rand_u32(), rand_u32());
-    fs::write(etc.join("machine-id"), id)
-        .map_err(SandboxError::io("write", etc.join("machine-id")))?;
-    let tmp = rootfs.join("tmp");
-    fs::create_dir_all(&tmp).map_err(SandboxError::io("create", &tmp))?;
-    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777))
-        .map_err(SandboxError::io("chmod", &tmp))?;
+    root.write(Path::new("etc/machine-id"), id.as_bytes(), 0o444)?;
+    root.mkdir_mode(Path::new("tmp"), 0o1777)?;
     Ok(())
 }
 
-/// Put `crab-init` at `/.crab/init` of `rootfs` unless an identical copy is there.
+/// Put `crab-init` at `/.crab/init` of `rootfs` unless an identical copy is there. `/.crab` is
+/// the daemon's: anything but a real directory of that name is replaced.
 pub fn install_init(rootfs: &Path) -> Result<()> {
-    let path = rootfs.join(INIT_PATH);
-    if fs::read(&path).map(|b| b == INIT_BINARY).unwrap_or(false) {
+    install_init_in(&InRoot::open(rootfs)?)
+}
+
+fn install_init_in(root: &InRoot) -> Result<()> {
+    root.own_dir(INIT_DIR, 0o755)?;
+    if root.read(Path::new(INIT_PATH)).is_some_and(|b| b == INIT_BINARY) {
         return Ok(());
     }
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir).map_err(SandboxError::io("create", dir))?;
-    }
-    let tmp = path.with_extension("new");
-    fs::write(&tmp, INIT_BINARY).map_err(SandboxError::io("write", &tmp))?;
-    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))
-        .map_err(SandboxError::io("chmod", &tmp))?;
-    fs::rename(&tmp, &path).map_err(SandboxError::io("rename", &tmp))?;
-    Ok(())
+    root.write(Path::new(INIT_PATH), INIT_BINARY, 0o755)
 }
 
 /// A random `u32` from the kernel.

@@ -215,8 +215,15 @@ fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String
         .map_err(err("make / private"))?;
     mount(Some(root), root, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
         .map_err(err(format!("bind {}", root.display())))?;
-    for d in ["proc", "dev", "tmp"] {
-        mkdirs(&root.join(d))?;
+    // `/proc` and `/dev` become mount points and `/tmp` must exist; the sandbox owns these
+    // names, so they are made inside its root (a symlink at `proc` or `dev` is replaced by a
+    // directory) and never resolved on the host (see `crate::inroot`).
+    let in_root = crate::inroot::InRoot::open(root).map_err(|e| e.to_string())?;
+    for d in ["proc", "dev"] {
+        in_root.own_dir(d, 0o755).map_err(|e| e.to_string())?;
+    }
+    if let Err(e) = in_root.dir(Path::new("tmp"), true, false) {
+        tracing::debug!(error = %e, "no /tmp in the sandbox");
     }
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     mount_fs("proc", &root.join("proc"), "proc", nosuid, "")?;

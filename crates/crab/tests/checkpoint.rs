@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{crab, crab_ok, wait_until, Sandbox};
+use common::{cgroup_parent, crab, crab_ok, wait_until, Sandbox};
 
 const COUNTER: &str = r#"
 import http.server, socketserver
@@ -45,9 +45,12 @@ fn counter_survives_checkpoint_kill_restore() {
     assert_eq!(p["kind"], "full");
     assert_eq!(hit(&sb), "3");
     // kill -9 every process of the sandbox (its init too, through the cgroup).
-    let pids =
-        std::fs::read_to_string(format!("/sys/fs/cgroup/unified/crab/{}/cgroup.procs", sb.name))
-            .unwrap();
+    let pids = std::fs::read_to_string(format!(
+        "/sys/fs/cgroup/unified/{}/{}/cgroup.procs",
+        cgroup_parent(),
+        sb.name
+    ))
+    .unwrap();
     for pid in pids.lines() {
         let _ = std::process::Command::new("kill").args(["-9", pid]).status();
     }

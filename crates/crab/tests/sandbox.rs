@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{crab, crab_ok, state_dir, unique, wait_until, Sandbox};
+use common::{cgroup_parent, crab, crab_ok, state_dir, unique, wait_until, Sandbox};
 
 #[test]
 fn exec_returns_output_and_exit_codes() {
@@ -126,10 +126,10 @@ fn rm_leaves_nothing_behind() {
     crab_ok(&["sandbox", "rm", "--force", &name]);
     std::mem::forget(sb);
     assert!(!state_dir().join("pool/sandboxes").join(&name).exists());
-    assert!(!Path::new("/sys/fs/cgroup/unified/crab").join(&name).exists());
+    assert!(!Path::new("/sys/fs/cgroup/unified").join(cgroup_parent()).join(&name).exists());
     for c in ["memory", "pids", "cpu"] {
         assert!(
-            !Path::new("/sys/fs/cgroup").join(c).join("crab").join(&name).exists(),
+            !Path::new("/sys/fs/cgroup").join(c).join(cgroup_parent()).join(&name).exists(),
             "{c} cgroup left"
         );
     }
@@ -246,7 +246,7 @@ fn failed_create_leaves_nothing_behind() {
     assert!(!o.status.success(), "create with pids=0 succeeded");
     assert!(String::from_utf8_lossy(&o.stderr).contains("error:"));
     assert!(!state_dir().join("pool/sandboxes").join(&name).exists());
-    assert!(!Path::new("/sys/fs/cgroup/unified/crab").join(&name).exists());
+    assert!(!Path::new("/sys/fs/cgroup/unified").join(cgroup_parent()).join(&name).exists());
     assert!(!Path::new("/sys/fs/cgroup/pids/crab").join(&name).exists());
     assert!(!crab_ok(&["sandbox", "ls"]).contains(&name));
     // The name is free again.

@@ -56,7 +56,9 @@ pub async fn info(client: &Client, name: &str) -> Result<SandboxInfo, ApiError> 
 
 /// The daemon's version record (its pid and state directory).
 pub async fn version(client: &Client) -> Result<VersionInfo, ApiError> {
-    client.call::<(), _>(Method::GET, "/v1/version", None).await
+    let v: VersionInfo = client.call::<(), _>(Method::GET, "/v1/version", None).await?;
+    let _ = DAEMON_STATE.set(crab_common::paths::StateDir::new(&v.state_dir));
+    Ok(v)
 }
 
 /// Run `cmd` in sandbox `name`.
@@ -246,9 +248,18 @@ pub fn cgroup2_root() -> Result<PathBuf, ApiError> {
     ))
 }
 
-/// The cgroup2 directory of sandbox `name`.
+/// The state directory of the daemon the benchmark drives (set by [`version`]).
+static DAEMON_STATE: std::sync::OnceLock<crab_common::paths::StateDir> = std::sync::OnceLock::new();
+
+/// The cgroup2 directory of sandbox `name`: `crab-<instance>/<name>` of the daemon that
+/// [`version`] answered for (else of `$CRAB_STATE_DIR` or the default state directory).
 pub fn cgroup_dir(name: &str) -> Result<PathBuf, ApiError> {
-    Ok(cgroup2_root()?.join("crab").join(name))
+    let state = DAEMON_STATE.get().cloned().unwrap_or_else(|| {
+        std::env::var_os("CRAB_STATE_DIR")
+            .map(crab_common::paths::StateDir::new)
+            .unwrap_or_default()
+    });
+    Ok(cgroup2_root()?.join(state.cgroup_parent()).join(name))
 }
 
 /// Every pid in the cgroup `dir` and its descendants.

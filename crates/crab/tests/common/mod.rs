@@ -10,6 +10,11 @@ pub fn state_dir() -> PathBuf {
     PathBuf::from(std::env::var("CRAB_STATE_DIR").unwrap_or_else(|_| "/var/lib/crab".into()))
 }
 
+/// The cgroup (relative to a hierarchy root) that holds the test daemon's sandboxes.
+pub fn cgroup_parent() -> String {
+    crab_common::paths::StateDir::new(state_dir()).cgroup_parent()
+}
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_crab")
 }

@@ -119,7 +119,10 @@ impl CheckpointError {
             CheckpointError::SandboxNotFound(_) => {
                 ApiError::new(ErrorCode::SandboxNotFound, msg, "list them with `crab sandbox ls`")
             }
-            CheckpointError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
+            CheckpointError::Io { source, .. }
+                if source.raw_os_error() == Some(libc::ENOSPC)
+                    || source.kind() == std::io::ErrorKind::StorageFull =>
+            {
                 ApiError::new(
                     ErrorCode::PoolFull,
                     msg,

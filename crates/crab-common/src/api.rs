@@ -23,6 +23,26 @@ pub struct VersionInfo {
     pub state_dir: String,
     /// Pid of the daemon.
     pub pid: u32,
+    /// Kernel features the daemon probed at start-up (absent from older daemons).
+    #[serde(default)]
+    pub features: Features,
+}
+
+/// Kernel features probed by the daemon at start-up.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Features {
+    /// Soft-dirty page tracking (`clear_refs` 4 + the pagemap bit): incremental process dumps
+    /// and "ran but dirtied no page" need it.
+    pub soft_dirty: Option<FeatureStatus>,
+}
+
+/// Whether one kernel feature works here, and what the probe saw.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FeatureStatus {
+    /// The feature works.
+    pub available: bool,
+    /// What the probe saw (why not, when unavailable).
+    pub reason: String,
 }
 
 /// An image as listed by `GET /v1/images`.

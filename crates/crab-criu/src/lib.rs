@@ -14,6 +14,7 @@
 mod error;
 pub mod observer;
 pub mod rpc;
+pub mod soft_dirty;
 mod swrk;
 
 use std::os::fd::{OwnedFd, RawFd};

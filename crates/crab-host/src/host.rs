@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use crab_checkpoint::{Checkpointer, PointSummary};
-use crab_common::api::{NetMode, SandboxState, VersionInfo, API_VERSION};
+use crab_common::api::{FeatureStatus, Features, NetMode, SandboxState, VersionInfo, API_VERSION};
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
 use crab_coordinator::{
@@ -61,6 +61,8 @@ pub struct Host {
     coordinator: Arc<Coordinator>,
     proxy: Mutex<Option<ProxyServer>>,
     sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
+    /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
+    soft_dirty: crab_criu::soft_dirty::SoftDirty,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -109,6 +111,12 @@ impl Host {
                 }
             }));
         }
+        let soft_dirty = crab_criu::soft_dirty::probe();
+        tracing::info!(
+            available = soft_dirty.available,
+            reason = %soft_dirty.reason,
+            "soft-dirty page tracking"
+        );
         let runtime = Arc::new(runtime);
         let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), Default::default()));
         let cp = checkpointer.clone();
@@ -142,6 +150,7 @@ impl Host {
             coordinator,
             proxy: Mutex::new(None),
             sandbox_proxies: Mutex::new(HashMap::new()),
+            soft_dirty,
         });
         let _ = hooks.0.set(Arc::downgrade(&host));
         let proxy = host.coordinator.bind().await.map_err(|e| {
@@ -194,6 +203,12 @@ impl Host {
                 api: API_VERSION,
                 state_dir: self.state().root().display().to_string(),
                 pid: std::process::id(),
+                features: Features {
+                    soft_dirty: Some(FeatureStatus {
+                        available: self.soft_dirty.available,
+                        reason: self.soft_dirty.reason.clone(),
+                    }),
+                },
             })),
             Action::ListImages => {
                 let state = self.state().clone();

@@ -15,13 +15,14 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 use serde::Serialize;
 
 use crate::abi::{
-    kdev_split, CKey, Change, PathRec, ProcRec, CHANGE_SIZE, CKEY_SIZE, MAX_CHANGES, MAX_PROCS,
-    MAX_SBX, MUTED_SLOTS, PREC_SIZE, PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS,
-    SS_INFLIGHT, SS_NS_INFLIGHT, S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW,
-    S_PATH_FAULT, S_PENDING_LOST, S_PROC_OVERFLOW, S_PROC_STATE, S_SHM, S_UNTRACKABLE,
+    kdev_split, CKey, Change, PathRec, ProcRec, CHANGE_SIZE, CKEY_SIZE, MAX_SBX, MUTED_SLOTS,
+    PREC_SIZE, PROC_SIZE, PR_DEAD, SS_EPOCH, SS_EVENTS, SS_FLAGS, SS_INFLIGHT, SS_NS_INFLIGHT,
+    S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT, S_PENDING_LOST,
+    S_PROC_OVERFLOW, S_PROC_STATE, S_SHM, S_UNTRACKABLE,
 };
 use crate::error::InspectorError;
 use crate::maps::{self, Bss};
+use crate::pool::{KeyPool, Outer, SandboxMaps};
 use crate::procfs;
 use crate::skel::{InspectorSkel, InspectorSkelBuilder};
 use crate::verdict::{build_changeset, decide, ChangeOp, TurnFacts, Verdict};
@@ -76,22 +77,6 @@ struct Reg {
     maps: SandboxMaps,
 }
 
-/// The sandbox's inner maps: changes and path records per turn slot, and its processes.
-#[derive(Debug)]
-struct SandboxMaps {
-    changes: [MapHandle; 2],
-    paths: [MapHandle; 2],
-    procs: MapHandle,
-}
-
-fn new_changes() -> Result<MapHandle, InspectorError> {
-    maps::create_inner("crab_changes", CKEY_SIZE, CHANGE_SIZE, MAX_CHANGES, true)
-}
-
-fn new_paths() -> Result<MapHandle, InspectorError> {
-    maps::create_inner("crab_paths", CKEY_SIZE, PREC_SIZE, MAX_CHANGES, true)
-}
-
 struct Loaded {
     _skel: InspectorSkel<'static>,
     _links: Vec<Link>,
@@ -106,11 +91,8 @@ unsafe impl Send for Loaded {}
 struct Inner {
     bss: Bss,
     cgmap: MapHandle,
-    changes_of: MapHandle,
-    paths_of: MapHandle,
-    procs_of: MapHandle,
     sandboxes: HashMap<String, Reg>,
-    free: Vec<u32>,
+    keys: KeyPool,
     level_refs: [u32; 32],
     // Dropped last: the bss mapping belongs to it.
     loaded: Loaded,
@@ -189,11 +171,8 @@ impl Inspector {
             inner: Mutex::new(Inner {
                 bss,
                 cgmap,
-                changes_of,
-                paths_of,
-                procs_of,
                 sandboxes: HashMap::new(),
-                free: (0..MAX_SBX as u32).rev().collect(),
+                keys: KeyPool::new(MAX_SBX as u32, Outer { changes_of, paths_of, procs_of })?,
                 level_refs: [0; 32],
                 loaded: Loaded { _skel: skel, _links: links, progs },
             }),
@@ -293,25 +272,17 @@ impl Inspector {
         if g.sandboxes.contains_key(sandbox) {
             return Err(InspectorError::AlreadyAttached(sandbox.to_string()));
         }
-        let key = g.free.pop().ok_or(InspectorError::TooManySandboxes { max: MAX_SBX })?;
-        let r = g.attach_key(sandbox, key, cgroup_id, level, cgroup_dir);
-        match r {
-            Ok(h) => Ok(h),
-            Err(e) => {
-                g.free.push(key);
-                Err(e)
-            }
-        }
+        let (key, sm) = g.keys.take()?.ok_or(InspectorError::TooManySandboxes { max: MAX_SBX })?;
+        g.attach_key(sandbox, key, sm, cgroup_id, level, cgroup_dir)
     }
 
     /// Stops tracking a sandbox and drops its state. Unknown names are ignored.
     pub fn detach(&self, sandbox: &str) {
         let Ok(mut g) = self.lock() else { return };
         if let Some(reg) = g.sandboxes.remove(sandbox) {
-            if let Err(e) = g.detach_key(&reg.handle) {
-                tracing::warn!(sandbox, error = %e, "detach left stale inspector records");
-            }
-            g.free.push(reg.handle.key);
+            g.detach_key(&reg.handle);
+            // The maps stay installed in the outer maps: emptied, they serve the next attach.
+            g.keys.put_ready(reg.handle.key, reg.maps);
         }
     }
 
@@ -454,6 +425,7 @@ impl Inner {
         &mut self,
         sandbox: &str,
         key: u32,
+        sm: SandboxMaps,
         cgroup_id: u64,
         level: u32,
         dir: &Path,
@@ -466,26 +438,19 @@ impl Inner {
             s.sstate(key, SS_EVENTS + 8 * slot).store(0, Ordering::SeqCst);
         }
         s.sstate(key, SS_NS_INFLIGHT).store(0, Ordering::SeqCst);
-        let sm = SandboxMaps {
-            changes: [new_changes()?, new_changes()?],
-            paths: [new_paths()?, new_paths()?],
-            procs: maps::create_inner("crab_procs", 4, PROC_SIZE, MAX_PROCS, true)?,
-        };
-        for slot in 0..2u32 {
-            let i = key * 2 + slot;
-            maps::set_inner(&self.changes_of, "changes_of", i, &sm.changes[slot as usize])?;
-            maps::set_inner(&self.paths_of, "paths_of", i, &sm.paths[slot as usize])?;
-        }
-        maps::set_inner(&self.procs_of, "procs_of", key, &sm.procs)?;
-        // Baseline: the processes there now; BPF starts attributing once the cgroup id is in
-        // cgmap (and keeps what it added: NO_EXIST).
-        maps::update(
+        // `sm` is installed in the outer maps and empty (see `pool`). Baseline: the processes
+        // there now; BPF starts attributing once the cgroup id is in cgmap (and keeps what it
+        // added: NO_EXIST).
+        if let Err(e) = maps::update(
             &self.cgmap,
             "cgmap",
             &cgroup_id.to_ne_bytes(),
             &key.to_ne_bytes(),
             MapFlags::ANY,
-        )?;
+        ) {
+            self.keys.put_ready(key, sm);
+            return Err(e);
+        }
         if level >= 8 {
             tracing::warn!(
                 sandbox,
@@ -497,7 +462,22 @@ impl Inner {
             *r += 1;
         }
         self.set_level_mask();
-        let pids = procfs::cgroup_tree_pids(dir)?;
+        let handle = SandboxHandle {
+            sandbox: sandbox.to_string(),
+            key,
+            cgroup_id,
+            level,
+            initial_processes: 0,
+        };
+        let pids = match procfs::cgroup_tree_pids(dir) {
+            Ok(p) => p,
+            Err(e) => {
+                self.detach_key(&handle);
+                self.keys.put_ready(key, sm);
+                return Err(e);
+            }
+        };
+        let handle = SandboxHandle { initial_processes: pids.len(), ..handle };
         let rec = ProcRec {
             sbx: key,
             flags: 0,
@@ -513,13 +493,6 @@ impl Inner {
                 }
             }
         }
-        let handle = SandboxHandle {
-            sandbox: sandbox.to_string(),
-            key,
-            cgroup_id,
-            level,
-            initial_processes: pids.len(),
-        };
         self.sandboxes.insert(
             sandbox.to_string(),
             Reg { handle: handle.clone(), carry: Vec::new(), maps: sm, first_epoch: epoch },
@@ -528,7 +501,7 @@ impl Inner {
         Ok(handle)
     }
 
-    fn detach_key(&mut self, h: &SandboxHandle) -> Result<(), InspectorError> {
+    fn detach_key(&mut self, h: &SandboxHandle) {
         if let Err(e) = self.cgmap.delete(&h.cgroup_id.to_ne_bytes()) {
             tracing::warn!(sandbox = %h.sandbox, error = %e, "cgroup id was not registered");
         }
@@ -536,14 +509,6 @@ impl Inner {
             *r = r.saturating_sub(1);
         }
         self.set_level_mask();
-        let key = h.key;
-        for slot in 0..2u32 {
-            let i = (key * 2 + slot).to_ne_bytes();
-            let _ = self.changes_of.delete(&i);
-            let _ = self.paths_of.delete(&i);
-        }
-        let _ = self.procs_of.delete(&key.to_ne_bytes());
-        Ok(())
     }
 
     fn verdict(&mut self, sandbox: &str, close: bool) -> Result<Verdict, InspectorError> {

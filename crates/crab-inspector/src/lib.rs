@@ -10,6 +10,7 @@ mod abi;
 mod error;
 mod inspector;
 mod maps;
+mod pool;
 mod procfs;
 mod verdict;
 

@@ -42,6 +42,7 @@ struct Sandbox {
     dir: PathBuf,
     tmp: tempfile::TempDir,
     insp: &'static Inspector,
+    key: u32,
 }
 
 impl Sandbox {
@@ -50,10 +51,10 @@ impl Sandbox {
         let dir = cgroup2_root().join(&name);
         std::fs::create_dir(&dir).unwrap();
         let tmp = tempfile::Builder::new().prefix("crab-insp-").tempdir().unwrap();
-        insp.attach(&name, &dir).unwrap();
+        let key = insp.attach(&name, &dir).unwrap().key;
         // start from a clean turn
         insp.take(&name).unwrap();
-        Sandbox { name, dir, tmp, insp }
+        Sandbox { name, dir, tmp, insp, key }
     }
 
     fn path(&self) -> &Path {
@@ -593,4 +594,83 @@ fn criu_dump_is_invisible_when_muted() {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// A detached sandbox's key and maps go back to the pool and serve the next attach: the new
+/// sandbox must see none of the old one's records, and its own first change.
+#[test]
+fn reused_key_starts_clean_and_records_at_once() {
+    let Some(i) = inspector() else { return };
+    let old = Sandbox::new(i, "reuse-old");
+    old.run("echo x > left-behind; sleep 30 >/dev/null 2>&1 &");
+    let st = i.stats(&old.name).unwrap();
+    assert_ne!(st.fs_records, 0, "{st:?}");
+    let old_key = old.key;
+    drop(old);
+    let mut reused = false;
+    let mut keys = Vec::new();
+    // Detached keys are taken first; other tests' detaches may come in between, so keep
+    // attaching (holding every sandbox) until the old key comes back.
+    for n in 0..24 {
+        if reused && n >= 3 {
+            break;
+        }
+        let s = Sandbox::new(i, &format!("reuse-new{n}"));
+        reused |= s.key == old_key;
+        let v = s.take();
+        assert_eq!(v.kind, VerdictKind::Skip, "stale records after key reuse: {v:?}");
+        s.run("echo y > first");
+        let v = s.take();
+        assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+        assert!(has(&v, "/first", |o| *o == ChangeOp::Create), "{v:?}");
+        keys.push(s);
+    }
+    assert!(reused, "the detached key {old_key} was not reused by the next attaches");
+}
+
+/// A temp file written, renamed (mv: renameat2 with RENAME_NOREPLACE) and deleted in one turn
+/// leaves nothing behind.
+#[test]
+fn temp_file_renamed_then_deleted_is_skip() {
+    let s = setup!("tmpren");
+    s.run("echo x > t.tmp; echo y >> t.tmp; mv t.tmp t.final; rm t.final");
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    s.run("mkdir dtmp; mv dtmp dfinal; rmdir dfinal");
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+}
+
+/// A temp file renamed over a name that existed at the checkpoint, then deleted: the old file
+/// is gone, whichever rename call did it (mv falls back to rename(2) when the target exists).
+#[test]
+fn temp_file_renamed_over_existing_then_deleted_is_fs() {
+    let s = setup!("tmpover");
+    std::fs::write(s.path().join("victim"), "old").unwrap();
+    std::fs::write(s.path().join("victim2"), "old").unwrap();
+    s.run("echo x > t.tmp; mv t.tmp victim; rm victim");
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert!(has(&v, "/victim", |o| *o == ChangeOp::Delete), "{v:?}");
+    s.run("python3 -c 'import os; open(\"u.tmp\", \"w\").write(\"z\"); os.rename(\"u.tmp\", \"victim2\"); os.unlink(\"victim2\")'");
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert!(has(&v, "/victim2", |o| *o == ChangeOp::Delete), "{v:?}");
+    // removed by one spelling, the name re-used by a fresh rename, removed again
+    std::fs::write(s.path().join("victim3"), "old").unwrap();
+    s.take();
+    let abs = s.path().join("victim3");
+    s.run(&format!("rm {a}; echo n > t3; mv t3 victim3; rm victim3", a = abs.display()));
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert!(has(&v, "/victim3", |o| *o == ChangeOp::Delete), "{v:?}");
+}
+
+/// A tree created and removed in one turn leaves nothing behind.
+#[test]
+fn tree_created_then_removed_is_skip() {
+    let s = setup!("treerm");
+    s.run("mkdir -p a/b; touch a/b/f; rm -rf a");
+    let v = s.take();
+    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
 }

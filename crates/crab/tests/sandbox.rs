@@ -270,3 +270,14 @@ fn network_modes() {
         std::process::Command::new("sh").args(["-c", "ip -o link | wc -l"]).output().unwrap();
     assert_eq!(host_links.trim(), String::from_utf8_lossy(&real.stdout).trim());
 }
+
+/// `crab version --json` reports the start-up soft-dirty probe, agreeing with a probe here.
+#[test]
+fn version_reports_soft_dirty() {
+    common::ensure_daemon();
+    let v: serde_json::Value = serde_json::from_str(&crab_ok(&["version", "--json"])).unwrap();
+    let sd = &v["features"]["soft_dirty"];
+    let here = crab_criu::soft_dirty::probe();
+    assert_eq!(sd["available"].as_bool(), Some(here.available), "{v}");
+    assert!(!sd["reason"].as_str().unwrap_or("").is_empty(), "{v}");
+}

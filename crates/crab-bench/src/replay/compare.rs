@@ -6,8 +6,19 @@
 //! its listening TCP sockets (from `/proc/<pid>/net/tcp{,6}` of its processes), and the agent's
 //! conversation. A recovered run is compared with the fault-free reference. What legitimately
 //! differs between *two* fault-free runs of the same trajectory (timestamps, random names, pids
-//! printed in output) is learned from a second reference run and excluded: those paths, and
-//! those conversation messages. Nothing else is excluded.
+//! printed in output) is learned from a second reference run and excluded — as *patterns*, so a
+//! recovered run's own random names are recognised too:
+//!
+//! - a path present in one reference only, whose generalised form (digit runs → `<n>`,
+//!   random-looking tokens such as the `ab12cd34` of `/tmp/tmpab12cd34` → `<r>`) equals that of
+//!   a path present in the other reference only, becomes that pattern;
+//! - a path under a `__pycache__` directory makes that directory a subtree pattern;
+//! - any other differing path is excluded exactly (as before);
+//! - a conversation message that differs between the references is compared in its generalised
+//!   form when the two references agree in that form, and excluded only when they do not.
+//!
+//! Every comparison reports how many paths each pattern excluded. Nothing else is excluded: a
+//! lost or extra file, a changed byte, a lost process or socket is a difference.
 //!
 //! Content hashes of files a sandbox inherits unchanged from its image are cached by (inode,
 //! size, mtime, ctime), which such files share with the image. A file whose ctime is not older
@@ -224,10 +235,16 @@ pub async fn capture(
 /// What is excluded from comparisons of one trajectory: learned from two fault-free runs.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Noise {
-    /// Paths that differ between the two reference runs.
+    /// Paths that differ between the two reference runs and fit no pattern (excluded exactly).
     pub paths: BTreeSet<String>,
-    /// Conversation message indices that differ between them.
+    /// Path patterns (see [`generalize`]; a trailing `/**` is a subtree).
+    pub patterns: BTreeSet<String>,
+    /// Conversation messages that differ between the references even when generalised
+    /// (excluded).
     pub messages: BTreeSet<usize>,
+    /// Conversation messages that differ between the references but agree generalised
+    /// (compared generalised).
+    pub fuzzy_messages: BTreeSet<usize>,
 }
 
 fn differing_paths(a: &BTreeMap<String, Entry>, b: &BTreeMap<String, Entry>) -> BTreeSet<String> {
@@ -245,22 +262,130 @@ fn differing_paths(a: &BTreeMap<String, Entry>, b: &BTreeMap<String, Entry>) -> 
     out
 }
 
+/// Whether an alphanumeric token looks generated: at least 5 characters mixing letters and
+/// digits (`ab12cd34`, `x7k2q`), or at least 8 letters in mixed case (`KqZbWtRe`).
+fn random_token(t: &str) -> bool {
+    let n = t.chars().count();
+    let digits = t.chars().filter(char::is_ascii_digit).count();
+    let upper = t.chars().filter(char::is_ascii_uppercase).count();
+    let lower = t.chars().filter(char::is_ascii_lowercase).count();
+    (n >= 5 && digits > 0 && digits < n) || (n >= 8 && upper > 0 && lower > 0 && upper + 1 < n)
+}
+
+/// The generalised form of a text: every maximal run of digits becomes `<n>` and every
+/// random-looking alphanumeric token (see [`random_token`]) `<r>`; the rest is kept.
+/// `/tmp/tmpab12cd34/log-20260101.txt` → `/tmp/tmp<r>/log-<n>.txt`. A token is split off a
+/// known prefix first (`tmp`, `tmp.`, `pytest-`), so `tmpab12cd34` keeps its `tmp`.
+pub fn generalize(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let chars: Vec<char> = text.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        if !chars[i].is_ascii_alphanumeric() {
+            out.push(chars[i]);
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < chars.len() && chars[i].is_ascii_alphanumeric() {
+            i += 1;
+        }
+        let tok: String = chars[start..i].iter().collect();
+        let (prefix, rest) = match tok.strip_prefix("tmp") {
+            Some(r) if !r.is_empty() => ("tmp", r),
+            _ => ("", tok.as_str()),
+        };
+        if rest.chars().all(|c| c.is_ascii_digit()) {
+            out.push_str(prefix);
+            out.push_str("<n>");
+        } else if random_token(rest) {
+            out.push_str(prefix);
+            out.push_str("<r>");
+        } else {
+            out.push_str(&tok);
+        }
+    }
+    out
+}
+
+/// Whether `path` falls under pattern `pat` (a generalised path, or `dir/**`).
+fn matches(pat: &str, path: &str) -> bool {
+    if let Some(dir) = pat.strip_suffix("/**") {
+        let g = generalize(path);
+        return g.strip_prefix(dir).is_some_and(|r| r.is_empty() || r.starts_with('/'))
+            || path.strip_prefix(dir).is_some_and(|r| r.is_empty() || r.starts_with('/'));
+    }
+    generalize(path) == pat
+}
+
+/// The `__pycache__` directory a path is in or is, if any.
+fn pycache_dir(path: &str) -> Option<&str> {
+    let i = path.find("/__pycache__")?;
+    let end = i + "/__pycache__".len();
+    let rest = &path[end..];
+    (rest.is_empty() || rest.starts_with('/')).then_some(&path[..end])
+}
+
 /// Learn the noise from two fault-free runs.
 pub fn learn(a: &State, b: &State) -> Noise {
-    let messages = (0..a.conversation.len().max(b.conversation.len()))
-        .filter(|i| a.conversation.get(*i) != b.conversation.get(*i))
-        .collect();
-    Noise { paths: differing_paths(&a.files, &b.files), messages }
+    let mut noise = Noise::default();
+    for i in 0..a.conversation.len().max(b.conversation.len()) {
+        let (x, y) = (a.conversation.get(i), b.conversation.get(i));
+        if x == y {
+            continue;
+        }
+        let gen = |m: Option<&Value>| m.map(|m| generalize(&m.to_string()));
+        if x.is_some() && gen(x) == gen(y) {
+            noise.fuzzy_messages.insert(i);
+        } else {
+            noise.messages.insert(i);
+        }
+    }
+    let only_a: BTreeSet<String> =
+        a.files.keys().filter(|k| !b.files.contains_key(*k)).map(|k| generalize(k)).collect();
+    let only_b: BTreeSet<String> =
+        b.files.keys().filter(|k| !a.files.contains_key(*k)).map(|k| generalize(k)).collect();
+    for p in differing_paths(&a.files, &b.files) {
+        if let Some(d) = pycache_dir(&p) {
+            noise.patterns.insert(format!("{d}/**"));
+            continue;
+        }
+        let g = generalize(&p);
+        let one_sided = a.files.contains_key(&p) != b.files.contains_key(&p);
+        if one_sided && g != p && only_a.contains(&g) && only_b.contains(&g) {
+            noise.patterns.insert(g);
+        } else {
+            noise.paths.insert(p);
+        }
+    }
+    // exact paths a pattern already covers are listed once, under the pattern
+    let pats: Vec<String> = noise.patterns.iter().cloned().collect();
+    noise.paths.retain(|p| !pats.iter().any(|pat| matches(pat, p)));
+    noise
+}
+
+impl Noise {
+    /// The pattern or exact path that excludes `path`, if any.
+    pub fn excludes(&self, path: &str) -> Option<&str> {
+        if let Some(p) = self.paths.get(path) {
+            return Some(p.as_str());
+        }
+        self.patterns.iter().find(|pat| matches(pat, path)).map(String::as_str)
+    }
 }
 
 /// Differences between a run and the reference, noise excluded (at most `max` listed, plus a
-/// count).
+/// count), and what the noise excluded.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Diff {
     /// Number of differences.
     pub count: usize,
     /// The first few, human-readable.
     pub examples: Vec<String>,
+    /// Differing paths excluded, by the pattern (or exact path) that excluded them.
+    pub excluded: BTreeMap<String, usize>,
+    /// Conversation messages excluded (differing in the references even generalised).
+    pub excluded_messages: usize,
 }
 
 impl Diff {
@@ -281,7 +406,8 @@ impl Diff {
 pub fn compare(reference: &State, run: &State, noise: &Noise) -> Diff {
     let mut d = Diff::default();
     for p in differing_paths(&reference.files, &run.files) {
-        if noise.paths.contains(&p) {
+        if let Some(by) = noise.excludes(&p) {
+            *d.excluded.entry(by.to_string()).or_default() += 1;
             continue;
         }
         let what = match (reference.files.get(&p), run.files.get(&p)) {
@@ -305,11 +431,21 @@ pub fn compare(reference: &State, run: &State, noise: &Noise) -> Diff {
         ));
     } else {
         for (i, (a, b)) in reference.conversation.iter().zip(&run.conversation).enumerate() {
-            if a != b && !noise.messages.contains(&i) {
-                let s = b["content"].as_str().unwrap_or("");
-                let s: String = s.chars().take(120).collect();
-                d.add(format!("conversation message {i} differs: {s:?}"));
+            if a == b {
+                continue;
             }
+            if noise.messages.contains(&i) {
+                d.excluded_messages += 1;
+                continue;
+            }
+            if noise.fuzzy_messages.contains(&i)
+                && generalize(&a.to_string()) == generalize(&b.to_string())
+            {
+                continue;
+            }
+            let s = b["content"].as_str().unwrap_or("");
+            let s: String = s.chars().take(120).collect();
+            d.add(format!("conversation message {i} differs: {s:?}"));
         }
     }
     d
@@ -355,5 +491,129 @@ mod tests {
         assert_eq!(d.count, 1, "{:?}", d.examples);
         assert!(d.examples[0].contains("/a"));
         assert!(compare(&a, &b, &noise).is_equal());
+    }
+
+    fn file(h: &str) -> Entry {
+        Entry { kind: "file", mode: 0o644, hash: Some(h.into()), target: None }
+    }
+
+    fn state(files: &[(&str, &str)], procs: &[&str], conv: &[&str]) -> State {
+        State {
+            files: files.iter().map(|(p, h)| (p.to_string(), file(h))).collect(),
+            processes: procs.iter().map(|p| p.to_string()).collect(),
+            sockets: BTreeSet::new(),
+            conversation: conv
+                .iter()
+                .map(|c| serde_json::json!({"role": "tool", "content": c}))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn generalize_random_names_numbers_and_words() {
+        assert_eq!(generalize("/tmp/tmpab12cd34/x"), "/tmp/tmp<r>/x");
+        assert_eq!(generalize("/tmp/tmp.KqZbWtReXy"), "/tmp/tmp.<r>");
+        assert_eq!(generalize("/var/log/run-20260101-1200.log"), "/var/log/run-<n>-<n>.log");
+        assert_eq!(generalize("/proc/4711/status"), "/proc/<n>/status");
+        assert_eq!(generalize("/testbed/src/main.py"), "/testbed/src/main.py");
+        assert_eq!(generalize("pid 4711 at 12:00:01"), "pid <n> at <n>:<n>:<n>");
+    }
+
+    /// Two references with their own random tmp dirs, pids in output and pyc files: a
+    /// recovered run with yet other random names is equal; a lost file, a changed byte, an
+    /// extra file, a lost process or a different output is still caught.
+    #[test]
+    fn patterns_exclude_noise_and_divergence_is_still_caught() {
+        let a = state(
+            &[
+                ("/testbed/a.py", "h1"),
+                ("/testbed/out.txt", "h2"),
+                ("/testbed/__pycache__/a.cpython-311.pyc", "p1"),
+                ("/tmp/tmpab12cd34", "d"),
+                ("/tmp/tmpab12cd34/data", "x"),
+            ],
+            &["/usr/bin/python3 -m http.server 8000"],
+            &["ok", "server pid 4711 started"],
+        );
+        let b = state(
+            &[
+                ("/testbed/a.py", "h1"),
+                ("/testbed/out.txt", "h2"),
+                ("/testbed/__pycache__/a.cpython-311.pyc", "p2"),
+                ("/tmp/tmpzz99yy88", "d"),
+                ("/tmp/tmpzz99yy88/data", "y"),
+            ],
+            &["/usr/bin/python3 -m http.server 8000"],
+            &["ok", "server pid 5120 started"],
+        );
+        let noise = learn(&a, &b);
+        assert!(noise.patterns.contains("/tmp/tmp<r>"), "{noise:?}");
+        assert!(noise.patterns.contains("/tmp/tmp<r>/data"), "{noise:?}");
+        assert!(noise.patterns.contains("/testbed/__pycache__/**"), "{noise:?}");
+        assert!(noise.paths.is_empty(), "{noise:?}");
+        assert!(noise.fuzzy_messages.contains(&1) && noise.messages.is_empty(), "{noise:?}");
+
+        let good = state(
+            &[
+                ("/testbed/a.py", "h1"),
+                ("/testbed/out.txt", "h2"),
+                ("/tmp/tmpq1w2e3r4", "d"),
+                ("/tmp/tmpq1w2e3r4/data", "z"),
+            ],
+            &["/usr/bin/python3 -m http.server 8000"],
+            &["ok", "server pid 6001 started"],
+        );
+        let d = compare(&a, &good, &noise);
+        assert!(d.is_equal(), "{d:?}");
+        assert_eq!(d.excluded.get("/tmp/tmp<r>"), Some(&2), "{d:?}");
+        assert_eq!(d.excluded.get("/tmp/tmp<r>/data"), Some(&2), "{d:?}");
+        assert_eq!(d.excluded.get("/testbed/__pycache__/**"), Some(&1), "{d:?}");
+
+        let cases: [(&str, State); 5] = [
+            (
+                "lost file",
+                state(
+                    &[("/testbed/a.py", "h1")],
+                    &["/usr/bin/python3 -m http.server 8000"],
+                    &["ok", "server pid 1 started"],
+                ),
+            ),
+            (
+                "changed byte",
+                state(
+                    &[("/testbed/a.py", "h1"), ("/testbed/out.txt", "h2'")],
+                    &["/usr/bin/python3 -m http.server 8000"],
+                    &["ok", "server pid 1 started"],
+                ),
+            ),
+            (
+                "extra file",
+                state(
+                    &[("/testbed/a.py", "h1"), ("/testbed/out.txt", "h2"), ("/testbed/new", "n")],
+                    &["/usr/bin/python3 -m http.server 8000"],
+                    &["ok", "server pid 1 started"],
+                ),
+            ),
+            (
+                "lost process",
+                state(
+                    &[("/testbed/a.py", "h1"), ("/testbed/out.txt", "h2")],
+                    &[],
+                    &["ok", "server pid 1 started"],
+                ),
+            ),
+            (
+                "different output",
+                state(
+                    &[("/testbed/a.py", "h1"), ("/testbed/out.txt", "h2")],
+                    &["/usr/bin/python3 -m http.server 8000"],
+                    &["ok", "server failed to start"],
+                ),
+            ),
+        ];
+        for (what, run) in cases {
+            let d = compare(&a, &run, &noise);
+            assert!(!d.is_equal(), "{what} was not caught: {d:?}");
+        }
     }
 }

@@ -373,6 +373,7 @@ fn aggregate(
             testbed: testbed_names.get(&i).cloned(),
             noisy_paths: noise.as_ref().map(|n| n.paths.len()).unwrap_or(0),
             noisy_messages: noise.as_ref().map(|n| n.messages.len()).unwrap_or(0),
+            noise: noise.clone(),
         });
         noises.insert(i, noise);
     }

@@ -125,10 +125,12 @@ pub struct TraceInfo {
     pub source: TraceSource,
     /// Stand-in `/testbed` (`pkg==ver`), if any.
     pub testbed: Option<String>,
-    /// Paths excluded because two fault-free runs differ on them.
+    /// Paths excluded exactly because two fault-free runs differ on them (and fit no pattern).
     pub noisy_paths: usize,
     /// Conversation messages excluded for the same reason.
     pub noisy_messages: usize,
+    /// The noise learned from the two fault-free runs: exact paths, path patterns, messages.
+    pub noise: Option<super::compare::Noise>,
 }
 
 /// The whole report.
@@ -216,6 +218,23 @@ impl ReplayReport {
             self.sandboxes,
             self.wall_s
         );
+        for t in &self.traces {
+            let Some(n) = &t.noise else { continue };
+            if n.paths.is_empty() && n.patterns.is_empty() && n.messages.is_empty() {
+                continue;
+            }
+            let pats: Vec<&str> = n.patterns.iter().take(6).map(String::as_str).collect();
+            let _ = writeln!(
+                s,
+                "  noise {}: {} exact path(s), {} message(s) excluded, {} generalised; patterns {}{}",
+                t.id,
+                n.paths.len(),
+                n.messages.len(),
+                n.fuzzy_messages.len(),
+                if pats.is_empty() { "-".to_string() } else { pats.join(" ") },
+                if n.patterns.len() > pats.len() { " …" } else { "" }
+            );
+        }
         s
     }
 

@@ -16,8 +16,13 @@ use crab_common::{ApiError, ErrorCode};
 /// Output of one command.
 #[derive(Debug, Clone)]
 pub struct ExecOutput {
-    /// stdout and stderr interleaved in arrival order.
+    /// stdout, then stderr: each stream in order, never interleaved by arrival (the two
+    /// pipes' frames arrive in an order that varies from run to run).
     pub output: Vec<u8>,
+    /// stdout alone.
+    pub stdout: Vec<u8>,
+    /// stderr alone.
+    pub stderr: Vec<u8>,
     /// Exit code (124 when the timeout fired).
     pub code: i32,
     /// Whether the timeout fired.
@@ -84,15 +89,20 @@ pub async fn exec(
         stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
     };
     let t = Instant::now();
-    let mut output = Vec::new();
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
     let mut exit: Option<(i32, bool)> = None;
     let mut err: Option<ApiError> = None;
     let b64 = base64::engine::general_purpose::STANDARD;
     client
         .stream(&format!("/v1/sandboxes/{name}/exec"), &req, |f: ExecFrame| match f {
-            ExecFrame::Stdout { d } | ExecFrame::Stderr { d } => {
+            ExecFrame::Stdout { d } => {
                 if let Ok(bytes) = b64.decode(d) {
-                    output.extend_from_slice(&bytes);
+                    stdout.extend_from_slice(&bytes);
+                }
+            }
+            ExecFrame::Stderr { d } => {
+                if let Ok(bytes) = b64.decode(d) {
+                    stderr.extend_from_slice(&bytes);
                 }
             }
             ExecFrame::Exit { code, timed_out, .. } => exit = Some((code, timed_out)),
@@ -108,7 +118,9 @@ pub async fn exec(
     let (code, timed_out) = exit.ok_or_else(|| {
         ApiError::internal(format!("exec in sandbox {name} ended without an exit frame"))
     })?;
-    Ok(ExecOutput { output, code, timed_out, ms: t.elapsed().as_secs_f64() * 1e3 })
+    let mut output = stdout.clone();
+    output.extend_from_slice(&stderr);
+    Ok(ExecOutput { output, stdout, stderr, code, timed_out, ms: t.elapsed().as_secs_f64() * 1e3 })
 }
 
 /// `sh -c script` in the sandbox; fails unless it exits 0.

@@ -26,6 +26,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define AT_FDCWD -100
 #define AT_REMOVEDIR 0x200
 #define AT_EMPTY_PATH 0x1000
+#define RENAME_NOREPLACE 1
 #define O_ACCMODE 3
 #define O_CREAT 0100
 #define O_TRUNC 01000
@@ -974,6 +975,9 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 	}
 	case OP_RENAME: {
 		__u64 odev = 0, oino = 0;
+		/* The source was created in this turn, cancellably, and no name-changing call ran
+		 * between its creation and this rename. */
+		int fresh = 0;
 		/* The source name: a record of it is superseded by the rename record. */
 		if (r->have & P_P2) {
 			struct hashes h2 = {};
@@ -988,8 +992,11 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 				struct change *oc = ch_lookup(&ok);
 				if (oc) {
 					/* The rename record below supersedes the source name's. */
-					if (oc->flags & C_CREATED)
+					if (oc->flags & C_CREATED) {
 						trunc |= C_CREATED; /* moved a file created in this turn */
+						fresh = !(oc->flags & C_NOCANCEL) &&
+							oc->gen + 1 == pd->gen;
+					}
 					odev = oc->dev;
 					oino = oc->ino;
 					__u32 ak = oc->alias_kind;
@@ -1009,6 +1016,28 @@ static __always_inline void record_path(struct pending *pd, struct sstate *s, __
 			c->ino = oino;
 			pa_update(&k, r);
 			return;
+		}
+		/* RENAME_NOREPLACE succeeded: the target name did not exist. A fresh source moved
+		 * to a free name, with no other name-changing call in flight, is a creation of the
+		 * target: a later unlink by the same key cancels it (and the inode's record), as for
+		 * a file created under that name. (An earlier removal of the name in this turn, by
+		 * any key, keeps its own record.) Plain rename(2) may have replaced an existing
+		 * file: that stays uncancellable. */
+		if (fresh && pd->flags == RENAME_NOREPLACE && !pd->ns_busy &&
+		    !(trunc & C_NOCANCEL) && !(r->have & P_P2_TRUNC) &&
+		    *(volatile __u64 *)&s->ns_gen == pd->gen &&
+		    *(volatile __u64 *)&s->ns_inflight == 1) {
+			struct change nc = {};
+			nc.flags = C_CREATED | C_RENAMED;
+			nc.gen = pd->gen + 1; /* the value after this call's exit (finish_nsop) */
+			nc.dev = odev;
+			nc.ino = oino;
+			nc.alias_kind = NO_ALIAS;
+			pa_update(&k, r);
+			if (ch_update(&k, &nc, BPF_NOEXIST) == 0) {
+				__sync_fetch_and_add(&s->events[slot & 1], 1);
+				return;
+			}
 		}
 		upsert(s, &k, C_RENAMED | C_NOCANCEL | trunc, 0, r);
 		c = ch_lookup(&k);
@@ -1452,8 +1481,10 @@ int BPF_PROG(sys_enter_all, struct pt_regs *regs, long id)
 		p2 = R0;
 		nsop = 1;
 		goto path_op;
-	case NR_renameat:
 	case NR_renameat2:
+		xf = R4; /* RENAME_* flags */
+		/* fall through */
+	case NR_renameat:
 		op = OP_RENAME;
 		d1 = I(R2);
 		p1 = R3;

@@ -126,6 +126,10 @@ async fn run(cli: Cli) -> ExitCode {
                         "crab {} (API {}), daemon pid {}, state {}",
                         v.version, v.api, v.pid, v.state_dir
                     );
+                    if let Some(sd) = &v.features.soft_dirty {
+                        let on = if sd.available { "available" } else { "unavailable" };
+                        println!("soft-dirty page tracking: {on} ({})", sd.reason);
+                    }
                 }
                 ExitCode::SUCCESS
             })

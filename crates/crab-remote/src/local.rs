@@ -1,0 +1,178 @@
+//! The bridge between the local tier (a sandbox's `crab-checkpoint` store) and the remote:
+//! what to export for a local point, and the materialization of a remote point as a local
+//! point of a store of the same sandbox name (a read-only subvolume for its filesystem, its
+//! CRIU images, its manifest byte for byte), from which the ordinary fork builds sandboxes.
+
+use std::path::{Path, PathBuf};
+
+use crab_checkpoint::{Manifest, Store};
+use crab_common::paths::StateDir;
+
+use crate::error::{RemoteError, Result};
+use crate::format::PointRecord;
+use crate::point::ExportSource;
+use crate::repo::Repo;
+
+/// What to export for point `m` of `store`: its snapshot, images, manifest file, the
+/// sandbox's conversation log, and the image it was created from (when still here).
+pub fn export_source(state: &StateDir, store: &Store, m: &Manifest) -> Result<ExportSource> {
+    let mpath = store.manifest_path(m.id);
+    let manifest = std::fs::read(&mpath).map_err(RemoteError::io("read manifest", &mpath))?;
+    let log = state.sandbox_dir(store.sandbox()).join("conversation.log");
+    let conversation = match std::fs::read(&log) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            return Err(RemoteError::Io { op: "read conversation log", path: log, source: e })
+        }
+    };
+    let image = m
+        .sandbox_meta
+        .get("image")
+        .and_then(|v| v.as_str())
+        .filter(|n| crab_common::names::validate("image", n).is_ok())
+        .map(|n| (n.to_string(), state.image_rootfs(n)))
+        .filter(|(_, dir)| dir.is_dir());
+    Ok(ExportSource {
+        sandbox: store.sandbox().to_string(),
+        point: m.id.to_string(),
+        turn: m.turn,
+        kind: m.kind.as_str().to_string(),
+        created_at_ms: m.created_at_ms,
+        manifest,
+        fs_dir: m.fs.as_ref().map(|f| store.fs_path(f.id)),
+        procs_dir: m.procs.as_ref().map(|p| store.proc_dir(p.id)),
+        criu_version: m.procs.as_ref().map(|p| p.criu_version.clone()),
+        conversation,
+        image,
+    })
+}
+
+/// A remote point made local.
+#[derive(Debug, Clone)]
+pub struct Materialized {
+    /// Its manifest, as now in the local store.
+    pub manifest: Manifest,
+    /// The conversation log it carried.
+    pub conversation: Option<Vec<u8>>,
+    /// False when every part was already local (nothing downloaded).
+    pub fetched: bool,
+    /// Wall time, ms.
+    pub elapsed_ms: u64,
+}
+
+fn remove_any(path: &Path) {
+    if crab_sandbox::btrfs::is_subvolume(path) {
+        let _ = crab_sandbox::btrfs::set_readonly(path, false);
+        let _ = crab_sandbox::btrfs::delete_subvolume(path);
+    } else if path.exists() {
+        let _ = std::fs::remove_dir_all(path);
+    }
+}
+
+/// Make remote point `rec` a local point of `store` (which must be the store of
+/// `rec.sandbox`), downloading only what is missing. With `fs_only` the process images are
+/// left out and the local manifest records none (a fork then starts a fresh init).
+pub async fn materialize(
+    repo: &Repo,
+    store: &Store,
+    rec: &PointRecord,
+    fs_only: bool,
+) -> Result<Materialized> {
+    let t0 = std::time::Instant::now();
+    let digits = rec.point.strip_prefix('c').unwrap_or("");
+    if store.sandbox() != rec.sandbox
+        || digits.is_empty()
+        || !digits.bytes().all(|b| b.is_ascii_digit())
+    {
+        return Err(RemoteError::corrupt(
+            repo.object_name(&format!("points/{}/{}", rec.sandbox, rec.point)),
+            "the record's point id is not c<digits>",
+        ));
+    }
+    let mpath = store.dir().join("points").join(format!("{}.manifest", rec.point));
+    let _lock = store.lock().map_err(|e| RemoteError::Io {
+        op: "lock store",
+        path: store.dir().to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    if let Ok(local) = crab_checkpoint::manifest::read(&mpath) {
+        if store.verify(&local).is_ok() && (fs_only || local.procs.is_some() == rec.procs.is_some())
+        {
+            return Ok(Materialized {
+                manifest: local,
+                conversation: None,
+                fetched: false,
+                elapsed_ms: t0.elapsed().as_millis() as u64,
+            });
+        }
+    }
+    repo.refresh_index().await?;
+    let what = format!("point {}@{}", rec.sandbox, rec.point);
+    let bytes = repo.read_content(&rec.manifest, &format!("{what} manifest")).await?;
+    let mut m = crab_checkpoint::manifest::decode(&bytes, &mpath).map_err(|e| {
+        RemoteError::corrupt(
+            repo.object_name(&format!("points/{}/{}", rec.sandbox, rec.point)),
+            e.to_string(),
+        )
+    })?;
+    if let (Some(fs), Some(tree)) = (&m.fs, &rec.fs) {
+        let dst = store.fs_path(fs.id);
+        if !dst.exists() {
+            let tmp = store.dir().join("fs").join(format!("{}.importing", fs.id));
+            remove_any(&tmp);
+            crab_sandbox::btrfs::create_subvolume(&tmp).map_err(|e| RemoteError::Io {
+                op: "create subvolume",
+                path: tmp.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            let res = repo.restore_tree(tree, &tmp, &format!("{what} filesystem")).await;
+            if let Err(e) = res {
+                remove_any(&tmp);
+                return Err(e);
+            }
+            std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
+            crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
+                op: "set read-only",
+                path: dst.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        }
+    }
+    if fs_only {
+        m.procs = None;
+    } else if let (Some(p), Some(tree)) = (&m.procs, &rec.procs) {
+        let dst = store.proc_dir(p.id);
+        if !dst.exists() {
+            let tmp: PathBuf = store.dir().join("tmp").join(format!("{}.importing", p.id));
+            remove_any(&tmp);
+            std::fs::create_dir_all(&tmp).map_err(RemoteError::io("mkdir", &tmp))?;
+            let res = repo.restore_tree(tree, &tmp, &format!("{what} process images")).await;
+            if let Err(e) = res {
+                remove_any(&tmp);
+                return Err(e);
+            }
+            std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
+        }
+    }
+    let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
+    crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {
+        op: "write manifest",
+        path: mpath.clone(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    // The image files' SHA-256s recorded by the dumping host, checked on this one.
+    store
+        .verify(&m)
+        .map_err(|e| RemoteError::corrupt(format!("{what} (as materialized)"), e.to_string()))?;
+    let conversation = match &rec.conversation {
+        Some(c) => Some(repo.read_content(c, &format!("{what} conversation")).await?),
+        None => None,
+    };
+    Ok(Materialized {
+        manifest: m,
+        conversation,
+        fetched: true,
+        elapsed_ms: t0.elapsed().as_millis() as u64,
+    })
+}

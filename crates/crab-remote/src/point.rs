@@ -1,0 +1,243 @@
+//! Export of one restore point (and, once, its image) and the reading back of its parts.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use object_store::PutMode;
+
+use crate::error::{RemoteError, Result};
+use crate::format::{HostFacts, ImageRecord, ImageRef, PointRecord};
+use crate::id::Id;
+use crate::repo::{now_ms, Packer, Repo};
+use crate::tree::TreeStats;
+
+/// What to export: a local restore point, described without reference to the local store's
+/// types (the caller reads them from its manifest).
+#[derive(Debug, Clone)]
+pub struct ExportSource {
+    /// Sandbox.
+    pub sandbox: String,
+    /// Point id.
+    pub point: String,
+    /// Turn.
+    pub turn: u64,
+    /// Kind (`skip`, `fs`, ...).
+    pub kind: String,
+    /// When it was taken.
+    pub created_at_ms: u64,
+    /// The manifest file's bytes.
+    pub manifest: Vec<u8>,
+    /// The filesystem snapshot's root (a read-only subvolume).
+    pub fs_dir: Option<PathBuf>,
+    /// The CRIU image directory.
+    pub procs_dir: Option<PathBuf>,
+    /// CRIU version that dumped it.
+    pub criu_version: Option<String>,
+    /// The conversation log up to the point.
+    pub conversation: Option<Vec<u8>>,
+    /// The image the sandbox came from: name and root directory.
+    pub image: Option<(String, PathBuf)>,
+}
+
+/// What an export did.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ExportReport {
+    /// The record now in the remote.
+    pub record: PointRecord,
+    /// Bytes uploaded, all objects included.
+    pub uploaded_bytes: u64,
+    /// New blobs stored.
+    pub new_blobs: u64,
+    /// Blobs already present.
+    pub dedup_blobs: u64,
+    /// Packs written.
+    pub packs: u64,
+    /// Bytes read from local files.
+    pub read_bytes: u64,
+    /// Wall time, ms.
+    pub elapsed_ms: u64,
+}
+
+/// Where to put the parts of a remote point.
+#[derive(Debug, Clone, Default)]
+pub struct ImportTarget {
+    /// Empty directory for the filesystem snapshot (skipped when `None`).
+    pub fs_dir: Option<PathBuf>,
+    /// Empty directory for the CRIU images (skipped when `None`).
+    pub procs_dir: Option<PathBuf>,
+}
+
+/// The small parts of an imported point.
+#[derive(Debug, Clone)]
+pub struct Imported {
+    /// Its record.
+    pub record: PointRecord,
+    /// The manifest file's bytes.
+    pub manifest: Vec<u8>,
+    /// The conversation log up to the point.
+    pub conversation: Option<Vec<u8>>,
+    /// Files materialized.
+    pub entries: u64,
+    /// Wall time, ms.
+    pub elapsed_ms: u64,
+}
+
+impl Repo {
+    /// Export one point: image (once), filesystem, process images, conversation, manifest;
+    /// the point record is written last, so a listed point is complete. Holds a shared lock.
+    ///
+    /// File IO is blocking: run this on a blocking-capable thread (`spawn_blocking` +
+    /// `Handle::block_on`) in a latency-sensitive runtime.
+    pub async fn export_point(&self, src: &ExportSource) -> Result<ExportReport> {
+        let guard = self.lock(false).await?;
+        let res = self.export_locked(src).await;
+        self.unlock(guard).await;
+        res
+    }
+
+    async fn export_locked(&self, src: &ExportSource) -> Result<ExportReport> {
+        let t0 = std::time::Instant::now();
+        self.refresh_index().await?;
+        let mut packer = Packer::new(self);
+        let mut stats = TreeStats::default();
+        let image = match &src.image {
+            Some((name, dir)) => Some(self.export_image(&mut packer, name, dir, &mut stats).await?),
+            None => None,
+        };
+        let fs = match &src.fs_dir {
+            Some(d) => Some(self.export_tree(&mut packer, d, &mut stats).await?),
+            None => None,
+        };
+        let procs = match &src.procs_dir {
+            Some(d) => Some(self.export_tree(&mut packer, d, &mut stats).await?),
+            None => None,
+        };
+        let conversation = match &src.conversation {
+            Some(c) => Some(self.export_bytes(&mut packer, c).await?),
+            None => None,
+        };
+        let manifest = self.export_bytes(&mut packer, &src.manifest).await?;
+        let (new_blobs, dedup_blobs) = (packer.new_blobs, packer.dedup_blobs);
+        let (uploaded, packs) = packer.finish().await?;
+        let record = PointRecord {
+            sandbox: src.sandbox.clone(),
+            point: src.point.clone(),
+            turn: src.turn,
+            kind: src.kind.clone(),
+            created_at_ms: src.created_at_ms,
+            exported_at_ms: now_ms(),
+            host: HostFacts::local(),
+            manifest,
+            fs,
+            procs,
+            criu_version: src.criu_version.clone(),
+            conversation,
+            image: image.clone(),
+            size_bytes: stats.logical_bytes
+                + src.conversation.as_ref().map_or(0, |c| c.len() as u64)
+                + src.manifest.len() as u64,
+            uploaded_bytes: uploaded,
+        };
+        let rec_bytes = self.write_point(&record).await?;
+        if let Some(img) = image {
+            let rel = format!("images/{}/{}", img.name, img.tree);
+            let body =
+                ImageRecord { name: img.name.clone(), tree: img.tree, exported_at_ms: now_ms() };
+            self.put(&rel, self.seal_meta("image", &body)?, PutMode::Create).await?;
+        }
+        let report = ExportReport {
+            record,
+            uploaded_bytes: uploaded + rec_bytes,
+            new_blobs,
+            dedup_blobs,
+            packs,
+            read_bytes: stats.read_bytes,
+            elapsed_ms: t0.elapsed().as_millis() as u64,
+        };
+        tracing::info!(
+            sandbox = src.sandbox,
+            point = src.point,
+            uploaded = report.uploaded_bytes,
+            new_blobs,
+            dedup_blobs,
+            read = stats.read_bytes,
+            ms = report.elapsed_ms,
+            "exported restore point"
+        );
+        Ok(report)
+    }
+
+    async fn export_image(
+        &self,
+        packer: &mut Packer<'_>,
+        name: &str,
+        dir: &Path,
+        stats: &mut TreeStats,
+    ) -> Result<ImageRef> {
+        let m = std::fs::metadata(dir).map_err(RemoteError::io("stat image", dir))?;
+        let key = (dir.to_path_buf(), m.ctime() * 1_000_000_000 + m.ctime_nsec());
+        let cached = self.image_cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied();
+        if let Some(tree) = cached {
+            if packer.has(&tree) {
+                return Ok(ImageRef { name: name.into(), tree });
+            }
+        }
+        // The image's files count once, as the image, not as part of every point.
+        let mut own = TreeStats::default();
+        let tree = self.export_tree(packer, dir, &mut own).await?;
+        stats.read_bytes += own.read_bytes;
+        self.image_cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, tree);
+        Ok(ImageRef { name: name.into(), tree })
+    }
+
+    /// Images exported to the remote: (name, root tree), oldest first.
+    pub async fn list_images(&self) -> Result<Vec<ImageRecord>> {
+        let mut out = Vec::new();
+        for (name, _) in self.list("images").await? {
+            let bytes = self.get(&name, "image record").await?;
+            let rec: ImageRecord = self.open_meta("image", &bytes, &name)?;
+            if name != format!("images/{}/{}", rec.name, rec.tree) {
+                return Err(RemoteError::corrupt(
+                    self.object_name(&name),
+                    "record names another image",
+                ));
+            }
+            out.push(rec);
+        }
+        out.sort_by_key(|r| r.exported_at_ms);
+        Ok(out)
+    }
+
+    /// Read a point's parts into `target` (directories must exist and be empty).
+    pub async fn import_point(&self, rec: &PointRecord, target: &ImportTarget) -> Result<Imported> {
+        let t0 = std::time::Instant::now();
+        self.refresh_index().await?;
+        let what = format!("point {}@{}", rec.sandbox, rec.point);
+        let manifest = self.read_content(&rec.manifest, &format!("{what} manifest")).await?;
+        let conversation = match &rec.conversation {
+            Some(c) => Some(self.read_content(c, &format!("{what} conversation")).await?),
+            None => None,
+        };
+        let mut entries = 0;
+        if let (Some(tree), Some(dir)) = (&rec.fs, &target.fs_dir) {
+            entries += self.restore_tree(tree, dir, &format!("{what} filesystem")).await?.entries;
+        }
+        if let (Some(tree), Some(dir)) = (&rec.procs, &target.procs_dir) {
+            entries +=
+                self.restore_tree(tree, dir, &format!("{what} process images")).await?.entries;
+        }
+        Ok(Imported {
+            record: rec.clone(),
+            manifest,
+            conversation,
+            entries,
+            elapsed_ms: t0.elapsed().as_millis() as u64,
+        })
+    }
+
+    /// Materialize an exported image tree into the empty directory `dest`.
+    pub async fn import_tree(&self, tree: &Id, dest: &Path) -> Result<u64> {
+        self.refresh_index().await?;
+        Ok(self.restore_tree(tree, dest, &format!("tree {tree}")).await?.entries)
+    }
+}

@@ -1,0 +1,798 @@
+//! The repository: opening a `file://` or `s3://` object store, the config, the in-memory
+//! index, packing new blobs, locks, reading blobs through the local cache, and listing points.
+//!
+//! Every byte read back from the remote is checked before use: framed objects by their BLAKE3
+//! trailer, blobs by their id (the hash of their plaintext) after decompression bounded by
+//! the index's length, pack ranges by their length. A failure names the remote object.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::crypto::{random_bytes, Key};
+use crate::error::{RemoteError, Result};
+use crate::format::{
+    frame, unframe, BlobKind, ChunkerParams, Config, EncryptionInfo, IndexEntry, IndexFile,
+    LockRecord, PointRecord, MAX_BLOB,
+};
+use crate::id::Id;
+
+/// A pack is cut once it holds this many stored bytes.
+pub const PACK_TARGET: usize = 8 * 1024 * 1024;
+/// A lock older than this is ignored (its holder is presumed dead).
+pub const LOCK_STALE_MS: u64 = 3600 * 1000;
+
+/// How to open a repository.
+#[derive(Debug, Clone)]
+pub struct RepoOptions {
+    /// Key file for encryption at rest (required to open an encrypted repository; given when
+    /// creating one, makes it encrypted).
+    pub key_file: Option<PathBuf>,
+    /// Local blob cache (blobs by id, as stored; verified on every read).
+    pub cache_dir: PathBuf,
+    /// Upload bandwidth limit, bytes per second (`None`: unlimited).
+    pub bandwidth_bps: Option<u64>,
+}
+
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Debug, Default)]
+struct IndexState {
+    /// Index object name → its entries.
+    files: HashMap<String, Vec<IndexEntry>>,
+    /// Blob id → where it is.
+    blobs: HashMap<Id, IndexEntry>,
+}
+
+impl IndexState {
+    fn rebuild(&mut self) {
+        self.blobs.clear();
+        for entries in self.files.values() {
+            for e in entries {
+                self.blobs.insert(e.id, e.clone());
+            }
+        }
+    }
+}
+
+/// A held repository lock (release with [`Repo::unlock`]).
+#[derive(Debug)]
+pub struct LockGuard {
+    name: String,
+}
+
+/// A content-addressed repository on an object store.
+#[derive(Debug)]
+pub struct Repo {
+    url: String,
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    pub(crate) config: Config,
+    key: Option<Key>,
+    cache_dir: PathBuf,
+    bandwidth_bps: Option<u64>,
+    throttle_next: Mutex<Option<Instant>>,
+    index: Mutex<IndexState>,
+    pub(crate) file_cache: Mutex<HashMap<crate::tree::FileKey, crate::format::Content>>,
+    pub(crate) image_cache: Mutex<HashMap<(PathBuf, i64), Id>>,
+}
+
+fn open_store(url: &str) -> Result<(Arc<dyn ObjectStore>, String)> {
+    let bad =
+        |reason: &str| RemoteError::BadUrl { url: url.to_string(), reason: reason.to_string() };
+    let parsed = url::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
+    match parsed.scheme() {
+        "file" => {
+            let dir = parsed.to_file_path().map_err(|()| bad("not an absolute local path"))?;
+            std::fs::create_dir_all(&dir)
+                .map_err(RemoteError::io("create remote directory", &dir))?;
+            let store =
+                object_store::local::LocalFileSystem::new_with_prefix(&dir).map_err(|e| {
+                    RemoteError::Store {
+                        remote: url.into(),
+                        op: "open",
+                        object: dir.display().to_string(),
+                        source: Box::new(e),
+                    }
+                })?;
+            Ok((Arc::new(store), String::new()))
+        }
+        "s3" => {
+            let bucket =
+                parsed.host_str().filter(|b| !b.is_empty()).ok_or_else(|| bad("no bucket"))?;
+            let mut b = object_store::aws::AmazonS3Builder::from_env().with_bucket_name(bucket);
+            let endpoint =
+                std::env::var("AWS_ENDPOINT_URL").or_else(|_| std::env::var("AWS_ENDPOINT")).ok();
+            if let Some(ep) = endpoint {
+                if ep.starts_with("http://") {
+                    b = b.with_allow_http(true);
+                }
+                b = b.with_endpoint(ep);
+            }
+            let store = b.build().map_err(|e| RemoteError::Store {
+                remote: url.into(),
+                op: "open",
+                object: bucket.into(),
+                source: Box::new(e),
+            })?;
+            let prefix = parsed.path().trim_matches('/').to_string();
+            Ok((Arc::new(store), prefix))
+        }
+        other => Err(bad(&format!("scheme {other:?} is not supported"))),
+    }
+}
+
+impl Repo {
+    /// Open the repository at `url`, creating it (its `config`) if it does not exist.
+    pub async fn open(url: &str, opts: RepoOptions) -> Result<Repo> {
+        let (store, prefix) = open_store(url)?;
+        let key = opts.key_file.as_deref().map(Key::load).transpose()?;
+        std::fs::create_dir_all(&opts.cache_dir)
+            .map_err(RemoteError::io("create cache directory", &opts.cache_dir))?;
+        let mut repo = Repo {
+            url: url.to_string(),
+            store,
+            prefix,
+            config: Config {
+                repo_id: String::new(),
+                created_at_ms: 0,
+                chunker: ChunkerParams::default(),
+                zstd_level: 3,
+                encryption: None,
+            },
+            key,
+            cache_dir: opts.cache_dir,
+            bandwidth_bps: opts.bandwidth_bps.filter(|&b| b > 0),
+            throttle_next: Mutex::new(None),
+            index: Mutex::new(IndexState::default()),
+            file_cache: Mutex::new(HashMap::new()),
+            image_cache: Mutex::new(HashMap::new()),
+        };
+        let config = match repo.read_config().await? {
+            Some(c) => c,
+            None => {
+                let c = Config {
+                    repo_id: hex::encode(random_bytes::<16>()?),
+                    created_at_ms: now_ms(),
+                    chunker: ChunkerParams::default(),
+                    zstd_level: 3,
+                    encryption: repo.key.as_ref().map(|k| EncryptionInfo {
+                        cipher: "xchacha20poly1305".into(),
+                        key_check: k.check_value(),
+                    }),
+                };
+                let body = serde_json::to_vec_pretty(&c)
+                    .map_err(|e| RemoteError::corrupt("config", e.to_string()))?;
+                // Create-only: of two hosts initializing at once, both use the first config.
+                if repo.put("config", frame("config", &body), PutMode::Create).await? {
+                    tracing::info!(url, repo_id = %c.repo_id, encrypted = c.encryption.is_some(), "created remote repository");
+                    c
+                } else {
+                    repo.read_config().await?.ok_or_else(|| RemoteError::Missing {
+                        object: repo.object_name("config"),
+                        what: "it existed a moment ago".into(),
+                    })?
+                }
+            }
+        };
+        let c = &config.chunker;
+        if c.min == 0 || c.min > c.avg || c.avg > c.max || u64::from(c.max) > MAX_BLOB {
+            return Err(RemoteError::corrupt(
+                repo.object_name("config"),
+                format!("chunker parameters {c:?}"),
+            ));
+        }
+        match (&config.encryption, &repo.key) {
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(RemoteError::Key(format!(
+                    "{url} is encrypted: pass its key file (--remote-key FILE)"
+                )))
+            }
+            (None, Some(_)) => {
+                return Err(RemoteError::Key(format!("{url} is not encrypted: drop --remote-key")))
+            }
+            (Some(info), Some(k)) => {
+                if info.key_check != k.check_value() {
+                    return Err(RemoteError::Key(format!("the key file is not the key of {url}")));
+                }
+            }
+        }
+        repo.config = config;
+        Ok(repo)
+    }
+
+    async fn read_config(&self) -> Result<Option<Config>> {
+        let Some(bytes) = self.get_opt("config").await? else { return Ok(None) };
+        let payload = unframe("config", &bytes, &self.object_name("config"))?;
+        serde_json::from_slice(payload)
+            .map(Some)
+            .map_err(|e| RemoteError::corrupt(self.object_name("config"), format!("JSON: {e}")))
+    }
+
+    /// The URL it was opened with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The repository's config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub(crate) fn object_name(&self, rel: &str) -> String {
+        if self.prefix.is_empty() {
+            rel.to_string()
+        } else {
+            format!("{}/{rel}", self.prefix)
+        }
+    }
+
+    fn path(&self, rel: &str) -> Path {
+        Path::from(self.object_name(rel))
+    }
+
+    fn store_err(
+        &self,
+        op: &'static str,
+        rel: &str,
+    ) -> impl FnOnce(object_store::Error) -> RemoteError + '_ {
+        let object = self.object_name(rel);
+        move |source| RemoteError::Store {
+            remote: self.url.clone(),
+            op,
+            object,
+            source: Box::new(source),
+        }
+    }
+
+    async fn throttle(&self, n: usize) {
+        let Some(bps) = self.bandwidth_bps else { return };
+        let wait = {
+            let mut next = lock(&self.throttle_next);
+            let now = Instant::now();
+            let start = next.map_or(now, |t| t.max(now));
+            *next = Some(start + Duration::from_secs_f64(n as f64 / bps as f64));
+            start.saturating_duration_since(now)
+        };
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Put `bytes` at `rel`. With `PutMode::Create`, returns false when it already existed.
+    pub(crate) async fn put(&self, rel: &str, bytes: Vec<u8>, mode: PutMode) -> Result<bool> {
+        self.throttle(bytes.len()).await;
+        let opts = PutOptions { mode, ..Default::default() };
+        match self.store.put_opts(&self.path(rel), PutPayload::from(bytes), opts).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) => Err(self.store_err("put", rel)(e)),
+        }
+    }
+
+    pub(crate) async fn get_opt(&self, rel: &str) -> Result<Option<Bytes>> {
+        match self.store.get(&self.path(rel)).await {
+            Ok(r) => Ok(Some(r.bytes().await.map_err(self.store_err("get", rel))?)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.store_err("get", rel)(e)),
+        }
+    }
+
+    pub(crate) async fn get(&self, rel: &str, what: &str) -> Result<Bytes> {
+        self.get_opt(rel).await?.ok_or_else(|| RemoteError::Missing {
+            object: self.object_name(rel),
+            what: what.to_string(),
+        })
+    }
+
+    pub(crate) async fn delete(&self, rel: &str) -> Result<()> {
+        match self.store.delete(&self.path(rel)).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.store_err("delete", rel)(e)),
+        }
+    }
+
+    /// Object names (relative to the repository) under `dir`, with their sizes.
+    pub(crate) async fn list(&self, dir: &str) -> Result<Vec<(String, u64)>> {
+        let base = self.object_name(dir);
+        let metas: Vec<object_store::ObjectMeta> = self
+            .store
+            .list(Some(&Path::from(base)))
+            .try_collect()
+            .await
+            .map_err(self.store_err("list", dir))?;
+        let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
+        let mut out: Vec<(String, u64)> =
+            metas.into_iter().map(|m| (m.location.as_ref()[strip..].to_string(), m.size)).collect();
+        out.sort();
+        Ok(out)
+    }
+
+    pub(crate) fn seal_meta<T: Serialize>(&self, kind: &str, body: &T) -> Result<Vec<u8>> {
+        let json = serde_json::to_vec_pretty(body)
+            .map_err(|e| RemoteError::corrupt(kind, format!("encode: {e}")))?;
+        let payload = match &self.key {
+            Some(k) => k.seal(&json)?,
+            None => json,
+        };
+        Ok(frame(kind, &payload))
+    }
+
+    pub(crate) fn open_meta<T: DeserializeOwned>(
+        &self,
+        kind: &str,
+        bytes: &[u8],
+        rel: &str,
+    ) -> Result<T> {
+        let object = self.object_name(rel);
+        let payload = unframe(kind, bytes, &object)?;
+        let plain;
+        let json = match &self.key {
+            Some(k) => {
+                plain = k.open(payload, &object)?;
+                &plain[..]
+            }
+            None => payload,
+        };
+        serde_json::from_slice(json).map_err(|e| RemoteError::corrupt(object, format!("JSON: {e}")))
+    }
+
+    /// The id a blob with this plaintext has in this repository.
+    pub(crate) fn blob_id(&self, plain: &[u8]) -> Id {
+        match &self.key {
+            Some(k) => Id(k.blob_id(plain)),
+            None => Id::of(plain),
+        }
+    }
+
+    pub(crate) fn encode_blob(&self, plain: &[u8]) -> Result<Vec<u8>> {
+        let z = zstd::bulk::compress(plain, self.config.zstd_level).map_err(|e| {
+            RemoteError::Io { op: "zstd compress", path: PathBuf::new(), source: e }
+        })?;
+        match &self.key {
+            Some(k) => k.seal(&z),
+            None => Ok(z),
+        }
+    }
+
+    /// Decode a stored blob and check it is blob `e.id`.
+    pub(crate) fn decode_blob(
+        &self,
+        e: &IndexEntry,
+        stored: &[u8],
+        object: &str,
+    ) -> Result<Vec<u8>> {
+        let what = format!("{object} (blob {})", e.id);
+        if stored.len() as u64 != e.length {
+            return Err(RemoteError::corrupt(
+                what,
+                format!("{} bytes stored, index says {}", stored.len(), e.length),
+            ));
+        }
+        let opened;
+        let z = match &self.key {
+            Some(k) => {
+                opened = k.open(stored, &what)?;
+                &opened[..]
+            }
+            None => stored,
+        };
+        let plain = zstd::bulk::decompress(z, e.raw_length as usize)
+            .map_err(|err| RemoteError::corrupt(&what, format!("zstd: {err}")))?;
+        if plain.len() as u64 != e.raw_length {
+            return Err(RemoteError::corrupt(
+                &what,
+                format!("{} bytes, index says {}", plain.len(), e.raw_length),
+            ));
+        }
+        if self.blob_id(&plain) != e.id {
+            return Err(RemoteError::corrupt(what, "content does not hash to its id"));
+        }
+        Ok(plain)
+    }
+
+    // ---- index ----
+
+    /// Load index objects written since the last refresh; forget those deleted (by a prune).
+    pub(crate) async fn refresh_index(&self) -> Result<()> {
+        let names: Vec<String> = self.list("index").await?.into_iter().map(|(n, _)| n).collect();
+        let known: HashSet<String> = lock(&self.index).files.keys().cloned().collect();
+        let mut new = Vec::new();
+        for name in names.iter().filter(|n| !known.contains(*n)) {
+            let bytes = self.get(name, "index").await?;
+            let file: IndexFile = self.open_meta("index", &bytes, name)?;
+            for e in &file.blobs {
+                if e.length > MAX_BLOB * 2 || e.raw_length > MAX_BLOB {
+                    return Err(RemoteError::corrupt(
+                        self.object_name(name),
+                        format!("blob {} is too large", e.id),
+                    ));
+                }
+            }
+            new.push((name.clone(), file.blobs));
+        }
+        let live: HashSet<&String> = names.iter().collect();
+        let mut st = lock(&self.index);
+        st.files.retain(|n, _| live.contains(n));
+        st.files.extend(new);
+        st.rebuild();
+        Ok(())
+    }
+
+    pub(crate) fn lookup(&self, id: &Id) -> Option<IndexEntry> {
+        lock(&self.index).blobs.get(id).cloned()
+    }
+
+    pub(crate) fn index_snapshot(
+        &self,
+    ) -> (HashMap<String, Vec<IndexEntry>>, HashMap<Id, IndexEntry>) {
+        let st = lock(&self.index);
+        (st.files.clone(), st.blobs.clone())
+    }
+
+    pub(crate) fn add_index_file(&self, name: String, entries: Vec<IndexEntry>) {
+        let mut st = lock(&self.index);
+        for e in &entries {
+            st.blobs.insert(e.id, e.clone());
+        }
+        st.files.insert(name, entries);
+    }
+
+    /// Write an index object for `entries`; returns its name and size.
+    pub(crate) async fn write_index(&self, entries: Vec<IndexEntry>) -> Result<(String, u64)> {
+        let bytes = self.seal_meta("index", &IndexFile { blobs: entries.clone() })?;
+        let name = format!("index/{}", Id::of(&bytes));
+        let n = bytes.len() as u64;
+        self.put(&name, bytes, PutMode::Create).await?;
+        self.add_index_file(name.clone(), entries);
+        Ok((name, n))
+    }
+
+    // ---- blobs through the cache ----
+
+    fn cache_path(&self, id: &Id) -> PathBuf {
+        self.cache_dir.join("blobs").join(id.fanout())
+    }
+
+    fn cache_put(&self, id: &Id, stored: &[u8]) {
+        let path = self.cache_path(id);
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let res = path
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|()| std::fs::write(&tmp, stored))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = res {
+            tracing::warn!(path = %path.display(), error = %e, "could not write the remote blob cache");
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+
+    /// Blob `id`, from the local cache or its pack. `what` says who needs it (for errors).
+    pub(crate) async fn blob(&self, id: &Id, what: &str) -> Result<Vec<u8>> {
+        let e = match self.lookup(id) {
+            Some(e) => e,
+            None => {
+                self.refresh_index().await?;
+                self.lookup(id).ok_or_else(|| RemoteError::Missing {
+                    object: format!("blob {id}"),
+                    what: format!("{what}; no index lists it"),
+                })?
+            }
+        };
+        let cached = self.cache_path(id);
+        if let Ok(stored) = std::fs::read(&cached) {
+            match self.decode_blob(&e, &stored, &cached.display().to_string()) {
+                Ok(plain) => return Ok(plain),
+                Err(err) => {
+                    tracing::warn!(error = %err, "dropping a bad cache entry");
+                    let _ = std::fs::remove_file(&cached);
+                }
+            }
+        }
+        let rel = format!("packs/{}", e.pack.fanout());
+        let stored = self.get_range(&rel, e.offset, e.length, what).await?;
+        let plain = self.decode_blob(&e, &stored, &self.object_name(&rel))?;
+        self.cache_put(id, &stored);
+        Ok(plain)
+    }
+
+    async fn get_range(&self, rel: &str, offset: u64, length: u64, what: &str) -> Result<Bytes> {
+        let range = offset
+            ..offset
+                .checked_add(length)
+                .ok_or_else(|| RemoteError::corrupt(rel, "range overflows"))?;
+        match self.store.get_range(&self.path(rel), range).await {
+            Ok(b) if b.len() as u64 == length => Ok(b),
+            Ok(b) => Err(RemoteError::corrupt(
+                self.object_name(rel),
+                format!("{} bytes at {offset}, index says {length} (truncated pack)", b.len()),
+            )),
+            Err(object_store::Error::NotFound { .. }) => {
+                Err(RemoteError::Missing { object: self.object_name(rel), what: what.to_string() })
+            }
+            Err(e) => Err(RemoteError::Store {
+                remote: self.url.clone(),
+                op: "get",
+                object: self.object_name(rel),
+                source: Box::new(e),
+            }),
+        }
+    }
+
+    /// Download the blobs of `ids` that the cache lacks, one ranged read per pack.
+    pub(crate) async fn prefetch(&self, ids: &[Id], what: &str) -> Result<()> {
+        let mut by_pack: HashMap<Id, Vec<IndexEntry>> = HashMap::new();
+        let mut seen = HashSet::new();
+        for id in ids {
+            if !seen.insert(*id) || self.cache_path(id).exists() {
+                continue;
+            }
+            let e = self.lookup(id).ok_or_else(|| RemoteError::Missing {
+                object: format!("blob {id}"),
+                what: format!("{what}; no index lists it"),
+            })?;
+            by_pack.entry(e.pack).or_default().push(e);
+        }
+        for (pack, entries) in by_pack {
+            let start = entries.iter().map(|e| e.offset).min().unwrap_or(0);
+            let end = entries.iter().map(|e| e.offset + e.length).max().unwrap_or(0);
+            let rel = format!("packs/{}", pack.fanout());
+            let bytes = self.get_range(&rel, start, end - start, what).await?;
+            for e in entries {
+                let s = (e.offset - start) as usize;
+                let stored = &bytes[s..s + e.length as usize];
+                // Decode here so a corrupt pack is reported now, naming it.
+                self.decode_blob(&e, stored, &self.object_name(&rel))?;
+                self.cache_put(&e.id, stored);
+            }
+        }
+        Ok(())
+    }
+
+    // ---- locks ----
+
+    /// Take a lock: shared (exporters) or exclusive (prune). Write-then-list: of two racing
+    /// conflicting lockers at least one sees the other and backs off.
+    pub async fn lock(&self, exclusive: bool) -> Result<LockGuard> {
+        let rec = LockRecord {
+            exclusive,
+            host: crate::host::hostname(),
+            pid: std::process::id(),
+            created_at_ms: now_ms(),
+        };
+        let name = format!("locks/{}", hex::encode(random_bytes::<16>()?));
+        self.put(&name, self.seal_meta("lock", &rec)?, PutMode::Create).await?;
+        let guard = LockGuard { name };
+        let now = now_ms();
+        for (other, _) in self.list("locks").await? {
+            if other == guard.name {
+                continue;
+            }
+            let Some(bytes) = self.get_opt(&other).await? else { continue };
+            let theirs: LockRecord = match self.open_meta("lock", &bytes, &other) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(lock = other, error = %e, "ignoring an unreadable lock");
+                    continue;
+                }
+            };
+            if now.saturating_sub(theirs.created_at_ms) > LOCK_STALE_MS {
+                continue;
+            }
+            if exclusive || theirs.exclusive {
+                self.unlock(guard).await;
+                return Err(RemoteError::Locked {
+                    remote: self.url.clone(),
+                    holder: format!(
+                        "{} lock of {} pid {} ({} s old)",
+                        if theirs.exclusive { "an exclusive (prune)" } else { "a shared (export)" },
+                        theirs.host,
+                        theirs.pid,
+                        now.saturating_sub(theirs.created_at_ms) / 1000
+                    ),
+                    stale_s: LOCK_STALE_MS / 1000,
+                });
+            }
+        }
+        Ok(guard)
+    }
+
+    /// Release a lock (errors are logged: a leftover lock goes stale).
+    pub async fn unlock(&self, guard: LockGuard) {
+        if let Err(e) = self.delete(&guard.name).await {
+            tracing::warn!(lock = guard.name, error = %e, "could not remove a remote lock");
+        }
+    }
+
+    // ---- points ----
+
+    /// Every point in the remote (of `sandbox`, if given), oldest first.
+    pub async fn list_points(&self, sandbox: Option<&str>) -> Result<Vec<PointRecord>> {
+        let dir = match sandbox {
+            Some(sb) => format!("points/{sb}"),
+            None => "points".to_string(),
+        };
+        let mut out = Vec::new();
+        for (name, _) in self.list(&dir).await? {
+            let bytes = self.get(&name, "point").await?;
+            out.push(self.read_point(&name, &bytes)?);
+        }
+        out.sort_by(|a, b| {
+            (&a.sandbox, a.created_at_ms, &a.point).cmp(&(&b.sandbox, b.created_at_ms, &b.point))
+        });
+        Ok(out)
+    }
+
+    fn read_point(&self, rel: &str, bytes: &[u8]) -> Result<PointRecord> {
+        let rec: PointRecord = self.open_meta("point", bytes, rel)?;
+        if rel != format!("points/{}/{}", rec.sandbox, rec.point) {
+            return Err(RemoteError::corrupt(
+                self.object_name(rel),
+                format!("record names {}@{}", rec.sandbox, rec.point),
+            ));
+        }
+        Ok(rec)
+    }
+
+    /// Point `point` of `sandbox` (the newest when `None`; ids may be abbreviated `c7` / `7`).
+    pub async fn load_point(&self, sandbox: &str, point: Option<&str>) -> Result<PointRecord> {
+        let all = self.list_points(Some(sandbox)).await?;
+        let found = match point {
+            None => all.into_iter().last(),
+            Some(p) => {
+                let want = normalize_point(p);
+                all.into_iter().find(|r| normalize_point(&r.point) == want)
+            }
+        };
+        found.ok_or_else(|| RemoteError::NoPoint {
+            what: match point {
+                Some(p) => format!("{sandbox}@{p}"),
+                None => sandbox.to_string(),
+            },
+        })
+    }
+
+    pub(crate) async fn write_point(&self, rec: &PointRecord) -> Result<u64> {
+        let bytes = self.seal_meta("point", rec)?;
+        let n = bytes.len() as u64;
+        self.put(&format!("points/{}/{}", rec.sandbox, rec.point), bytes, PutMode::Overwrite)
+            .await?;
+        Ok(n)
+    }
+}
+
+/// `c000007`, `c7` and `7` → `7`.
+fn normalize_point(p: &str) -> String {
+    let digits = p.strip_prefix('c').unwrap_or(p);
+    let trimmed = digits.trim_start_matches('0');
+    if trimmed.is_empty() {
+        "0".into()
+    } else {
+        trimmed.into()
+    }
+}
+
+/// Collects new blobs of one export into packs and, at the end, one index object.
+#[derive(Debug)]
+pub(crate) struct Packer<'a> {
+    repo: &'a Repo,
+    buf: Vec<u8>,
+    open: Vec<IndexEntry>,
+    written: Vec<IndexEntry>,
+    pending: HashSet<Id>,
+    /// Bytes uploaded so far (packs).
+    pub uploaded: u64,
+    /// Blobs uploaded / found already present.
+    pub new_blobs: u64,
+    /// Blobs that were already in the repository (or this export).
+    pub dedup_blobs: u64,
+    /// Packs written.
+    pub packs: u64,
+}
+
+impl<'a> Packer<'a> {
+    pub fn new(repo: &'a Repo) -> Packer<'a> {
+        Packer {
+            repo,
+            buf: Vec::new(),
+            open: Vec::new(),
+            written: Vec::new(),
+            pending: HashSet::new(),
+            uploaded: 0,
+            new_blobs: 0,
+            dedup_blobs: 0,
+            packs: 0,
+        }
+    }
+
+    /// Whether blob `id` is stored or about to be.
+    pub fn has(&self, id: &Id) -> bool {
+        self.pending.contains(id) || self.repo.lookup(id).is_some()
+    }
+
+    /// Add a blob; returns its id (uploads nothing when it is already there).
+    pub async fn add(&mut self, kind: BlobKind, plain: &[u8]) -> Result<Id> {
+        let id = self.repo.blob_id(plain);
+        if self.has(&id) {
+            self.dedup_blobs += 1;
+            return Ok(id);
+        }
+        let stored = self.repo.encode_blob(plain)?;
+        self.open.push(IndexEntry {
+            id,
+            kind,
+            pack: Id([0; 32]),
+            offset: self.buf.len() as u64,
+            length: stored.len() as u64,
+            raw_length: plain.len() as u64,
+        });
+        self.buf.extend_from_slice(&stored);
+        self.pending.insert(id);
+        self.new_blobs += 1;
+        if self.buf.len() >= PACK_TARGET {
+            self.flush().await?;
+        }
+        Ok(id)
+    }
+
+    /// Add a blob already in stored form (repacking), even though the index lists it.
+    pub async fn add_stored(&mut self, mut e: IndexEntry, stored: &[u8]) -> Result<()> {
+        if !self.pending.insert(e.id) {
+            return Ok(());
+        }
+        e.offset = self.buf.len() as u64;
+        e.length = stored.len() as u64;
+        self.buf.extend_from_slice(stored);
+        self.open.push(e);
+        if self.buf.len() >= PACK_TARGET {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<()> {
+        if self.open.is_empty() {
+            return Ok(());
+        }
+        let buf = std::mem::take(&mut self.buf);
+        let pack = Id::of(&buf);
+        let n = buf.len() as u64;
+        self.repo.put(&format!("packs/{}", pack.fanout()), buf, PutMode::Create).await?;
+        self.uploaded += n;
+        self.packs += 1;
+        for mut e in self.open.drain(..) {
+            e.pack = pack;
+            self.written.push(e);
+        }
+        Ok(())
+    }
+
+    /// Write the last pack and the index; returns the bytes uploaded in all and the packs.
+    pub async fn finish(mut self) -> Result<(u64, u64)> {
+        self.flush().await?;
+        if !self.written.is_empty() {
+            let (_, n) = self.repo.write_index(std::mem::take(&mut self.written)).await?;
+            self.uploaded += n;
+        }
+        Ok((self.uploaded, self.packs))
+    }
+}

@@ -1,0 +1,466 @@
+//! File trees into blobs and back: a directory walked into content-defined chunks (FastCDC)
+//! and one tree blob per directory (so an unchanged subtree is one known id), and a tree
+//! materialized into an empty directory, checking every name, size and hash on the way.
+//!
+//! Export skips rereading files whose (path, inode, size, mtime, ctime) match an earlier
+//! export in this process: btrfs snapshots of one subvolume keep inode numbers, so a file
+//! the sandbox did not touch since its image or its previous point is not read again.
+//!
+//! Not carried: extended attributes (file capabilities), sockets, and hard links (each link
+//! comes back as its own copy of the content). Device nodes come back only for the harmless
+//! character devices a root file system ships (`null`, `zero`, `full`, `random`, `urandom`,
+//! `tty`, `console`, `ptmx`); others are skipped with a warning.
+
+use std::collections::HashSet;
+use std::ffi::{CString, OsStr};
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{RemoteError, Result};
+use crate::format::{BlobKind, Content, Entry, EntryKind, Tree};
+use crate::id::Id;
+use crate::repo::{Packer, Repo};
+
+/// Cache key of a file's content.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct FileKey {
+    rel: PathBuf,
+    ino: u64,
+    size: u64,
+    mtime_ns: i64,
+    ctime_ns: i64,
+}
+
+/// What an export read and stored.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
+pub struct TreeStats {
+    /// Entries walked.
+    pub entries: u64,
+    /// Bytes of file content in the tree.
+    pub logical_bytes: u64,
+    /// Bytes actually read (files not found in the cache).
+    pub read_bytes: u64,
+}
+
+fn mtime_ns(m: &std::fs::Metadata) -> i64 {
+    m.mtime().saturating_mul(1_000_000_000).saturating_add(m.mtime_nsec())
+}
+
+const SAFE_CHAR_DEVICES: &[(u64, u64)] =
+    &[(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 1), (5, 2)];
+
+fn dev_major_minor(rdev: u64) -> (u64, u64) {
+    (libc::major(rdev) as u64, libc::minor(rdev) as u64)
+}
+
+/// A directory being restored: its path, entries, next index, its own entry (applied once
+/// its children are done) and its tree id.
+type RestoreFrame = (PathBuf, Vec<Entry>, usize, Option<Entry>, Id);
+
+struct ExportFrame {
+    abs: PathBuf,
+    rel: PathBuf,
+    names: Vec<Vec<u8>>,
+    next: usize,
+    out: Vec<Entry>,
+    /// The entry describing this directory in its parent (None for the root).
+    entry: Option<Entry>,
+}
+
+fn list_dir(abs: &Path) -> Result<Vec<Vec<u8>>> {
+    let mut names = Vec::new();
+    for de in std::fs::read_dir(abs).map_err(RemoteError::io("read directory", abs))? {
+        let de = de.map_err(RemoteError::io("read directory", abs))?;
+        names.push(de.file_name().as_bytes().to_vec());
+    }
+    names.sort();
+    Ok(names)
+}
+
+fn base_entry(kind: EntryKind, m: &std::fs::Metadata) -> Entry {
+    Entry {
+        name: None,
+        name_hex: None,
+        kind,
+        mode: m.mode() & 0o7777,
+        uid: m.uid(),
+        gid: m.gid(),
+        mtime_ns: mtime_ns(m),
+        content: None,
+        subtree: None,
+        target_hex: None,
+        rdev: None,
+    }
+}
+
+impl Repo {
+    /// Store the tree rooted at `root`; returns the root tree's id.
+    pub(crate) async fn export_tree(
+        &self,
+        packer: &mut Packer<'_>,
+        root: &Path,
+        stats: &mut TreeStats,
+    ) -> Result<Id> {
+        let mut stack = vec![ExportFrame {
+            abs: root.to_path_buf(),
+            rel: PathBuf::new(),
+            names: list_dir(root)?,
+            next: 0,
+            out: Vec::new(),
+            entry: None,
+        }];
+        loop {
+            let Some(top) = stack.last_mut() else {
+                return Err(RemoteError::corrupt(root.display().to_string(), "empty walk"));
+            };
+            if top.next == top.names.len() {
+                let Some(done) = stack.pop() else { continue };
+                let tree = Tree { entries: done.out };
+                let json = serde_json::to_vec(&tree).map_err(|e| {
+                    RemoteError::corrupt(done.abs.display().to_string(), e.to_string())
+                })?;
+                let id = packer.add(BlobKind::Tree, &json).await?;
+                match (stack.last_mut(), done.entry) {
+                    (Some(parent), Some(mut entry)) => {
+                        entry.subtree = Some(id);
+                        parent.out.push(entry);
+                    }
+                    _ => return Ok(id),
+                }
+                continue;
+            }
+            let name = top.names[top.next].clone();
+            top.next += 1;
+            let abs = top.abs.join(OsStr::from_bytes(&name));
+            let rel = top.rel.join(OsStr::from_bytes(&name));
+            let m = match std::fs::symlink_metadata(&abs) {
+                Ok(m) => m,
+                // Only a live tree changes under us; snapshots do not.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(RemoteError::Io { op: "stat", path: abs, source: e }),
+            };
+            stats.entries += 1;
+            let ft = m.file_type();
+            use std::os::unix::fs::FileTypeExt;
+            let mut entry = if ft.is_dir() {
+                let mut e = base_entry(EntryKind::Dir, &m);
+                e.set_name(&name);
+                let names = list_dir(&abs)?;
+                stack.push(ExportFrame {
+                    abs,
+                    rel,
+                    names,
+                    next: 0,
+                    out: Vec::new(),
+                    entry: Some(e),
+                });
+                continue;
+            } else if ft.is_file() {
+                let mut e = base_entry(EntryKind::File, &m);
+                e.content = Some(self.export_file(packer, &abs, rel, &m, stats).await?);
+                e
+            } else if ft.is_symlink() {
+                let target = std::fs::read_link(&abs).map_err(RemoteError::io("readlink", &abs))?;
+                let mut e = base_entry(EntryKind::Symlink, &m);
+                e.target_hex = Some(hex::encode(target.as_os_str().as_bytes()));
+                e
+            } else if ft.is_char_device() || ft.is_block_device() {
+                let kind = if ft.is_char_device() { EntryKind::Char } else { EntryKind::Block };
+                let mut e = base_entry(kind, &m);
+                e.rdev = Some(m.rdev());
+                e
+            } else if ft.is_fifo() {
+                base_entry(EntryKind::Fifo, &m)
+            } else {
+                tracing::debug!(path = %abs.display(), "not exporting a socket");
+                continue;
+            };
+            entry.set_name(&name);
+            if let Some(top) = stack.last_mut() {
+                top.out.push(entry);
+            }
+        }
+    }
+
+    async fn export_file(
+        &self,
+        packer: &mut Packer<'_>,
+        abs: &Path,
+        rel: PathBuf,
+        m: &std::fs::Metadata,
+        stats: &mut TreeStats,
+    ) -> Result<Content> {
+        stats.logical_bytes += m.len();
+        let key = FileKey {
+            rel,
+            ino: m.ino(),
+            size: m.len(),
+            mtime_ns: mtime_ns(m),
+            ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
+        };
+        let hit = self.file_cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key).cloned();
+        if let Some(c) = hit {
+            if c.chunks.iter().all(|id| packer.has(id)) {
+                packer.dedup_blobs += c.chunks.len() as u64;
+                return Ok(c);
+            }
+        }
+        let content = self.export_reader(packer, abs, stats).await?;
+        if content.size != m.len() {
+            tracing::debug!(path = %abs.display(), "file changed while it was exported");
+        } else {
+            self.file_cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, content.clone());
+        }
+        Ok(content)
+    }
+
+    /// Chunk the file at `abs` into data blobs.
+    pub(crate) async fn export_reader(
+        &self,
+        packer: &mut Packer<'_>,
+        abs: &Path,
+        stats: &mut TreeStats,
+    ) -> Result<Content> {
+        let f = std::fs::File::open(abs).map_err(RemoteError::io("open", abs))?;
+        let p = self.config.chunker;
+        let mut content = Content::default();
+        for chunk in
+            fastcdc::v2020::StreamCDC::new(f, p.min as usize, p.avg as usize, p.max as usize)
+        {
+            let chunk = chunk.map_err(|e| RemoteError::Io {
+                op: "read",
+                path: abs.to_path_buf(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            stats.read_bytes += chunk.length as u64;
+            content.size += chunk.length as u64;
+            content.chunks.push(packer.add(BlobKind::Data, &chunk.data).await?);
+        }
+        Ok(content)
+    }
+
+    /// Chunk bytes held in memory.
+    pub(crate) async fn export_bytes(
+        &self,
+        packer: &mut Packer<'_>,
+        data: &[u8],
+    ) -> Result<Content> {
+        let p = self.config.chunker;
+        let mut content = Content { size: data.len() as u64, chunks: Vec::new() };
+        for c in fastcdc::v2020::FastCDC::new(data, p.min as usize, p.avg as usize, p.max as usize)
+        {
+            content
+                .chunks
+                .push(packer.add(BlobKind::Data, &data[c.offset..c.offset + c.length]).await?);
+        }
+        Ok(content)
+    }
+
+    /// Check a content's declared size against its chunks' sizes in the index.
+    fn check_content(&self, c: &Content, what: &str) -> Result<()> {
+        let mut sum = 0u64;
+        for id in &c.chunks {
+            let e = self.lookup(id).ok_or_else(|| RemoteError::Missing {
+                object: format!("blob {id}"),
+                what: what.to_string(),
+            })?;
+            sum += e.raw_length;
+        }
+        if sum != c.size {
+            return Err(RemoteError::corrupt(
+                what,
+                format!("size {} but its chunks hold {sum} bytes", c.size),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Read a content into memory (verified).
+    pub(crate) async fn read_content(&self, c: &Content, what: &str) -> Result<Vec<u8>> {
+        self.check_content(c, what)?;
+        self.prefetch(&c.chunks, what).await?;
+        let mut out = Vec::with_capacity(c.size as usize);
+        for id in &c.chunks {
+            out.extend_from_slice(&self.blob(id, what).await?);
+        }
+        Ok(out)
+    }
+
+    pub(crate) async fn tree(&self, id: &Id, what: &str) -> Result<Tree> {
+        let bytes = self.blob(id, what).await?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| RemoteError::corrupt(format!("tree {id}"), format!("JSON: {e}")))
+    }
+
+    /// Every blob a tree references (its trees and data), fetching tree blobs level by level.
+    pub(crate) async fn tree_blobs(&self, root: &Id, what: &str) -> Result<(Vec<Id>, Vec<Id>)> {
+        let mut trees = vec![*root];
+        let mut data = Vec::new();
+        let mut level = vec![*root];
+        let mut seen: HashSet<Id> = HashSet::from([*root]);
+        while !level.is_empty() {
+            self.prefetch(&level, what).await?;
+            let mut next = Vec::new();
+            for id in &level {
+                for e in self.tree(id, what).await?.entries {
+                    if let Some(s) = e.subtree {
+                        if seen.insert(s) {
+                            next.push(s);
+                            trees.push(s);
+                        }
+                    }
+                    if let Some(c) = e.content {
+                        data.extend(c.chunks);
+                    }
+                }
+            }
+            level = next;
+        }
+        Ok((trees, data))
+    }
+
+    /// Materialize tree `root` into the existing, empty directory `dest`.
+    pub(crate) async fn restore_tree(
+        &self,
+        root: &Id,
+        dest: &Path,
+        what: &str,
+    ) -> Result<TreeStats> {
+        let (_, data) = self.tree_blobs(root, what).await?;
+        self.prefetch(&data, what).await?;
+        let mut stats = TreeStats::default();
+        // (directory, its entries, next index, entry to apply to it once done)
+        let mut stack: Vec<RestoreFrame> =
+            vec![(dest.to_path_buf(), self.tree(root, what).await?.entries, 0, None, *root)];
+        let mut names: Vec<HashSet<Vec<u8>>> = vec![HashSet::new()];
+        while let Some((dir, entries, next, _, tree_id)) = stack.last_mut() {
+            if *next == entries.len() {
+                let Some((dir, _, _, entry, _)) = stack.pop() else { break };
+                names.pop();
+                if let Some(e) = entry {
+                    apply_meta(&dir, &e)?;
+                }
+                continue;
+            }
+            let e = entries[*next].clone();
+            *next += 1;
+            let object = format!("tree {tree_id}");
+            let name = e.name_bytes(&object)?;
+            let Some(seen) = names.last_mut() else { break };
+            if !seen.insert(name.clone()) {
+                return Err(RemoteError::corrupt(
+                    object,
+                    format!("duplicate entry {:?}", String::from_utf8_lossy(&name)),
+                ));
+            }
+            let path = dir.join(OsStr::from_bytes(&name));
+            stats.entries += 1;
+            match e.kind {
+                EntryKind::Dir => {
+                    let sub = e.subtree.ok_or_else(|| {
+                        RemoteError::corrupt(&object, "directory without subtree")
+                    })?;
+                    std::fs::create_dir(&path).map_err(RemoteError::io("mkdir", &path))?;
+                    let children = self.tree(&sub, what).await?.entries;
+                    stack.push((path, children, 0, Some(e), sub));
+                    names.push(HashSet::new());
+                    continue;
+                }
+                EntryKind::File => {
+                    let c = e
+                        .content
+                        .as_ref()
+                        .ok_or_else(|| RemoteError::corrupt(&object, "file without content"))?;
+                    self.check_content(c, &format!("{what}: {}", path.display()))?;
+                    let mut f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(&path)
+                        .map_err(RemoteError::io("create", &path))?;
+                    for id in &c.chunks {
+                        let data = self.blob(id, what).await?;
+                        f.write_all(&data).map_err(RemoteError::io("write", &path))?;
+                    }
+                    stats.logical_bytes += c.size;
+                }
+                EntryKind::Symlink => {
+                    let t = e
+                        .target_hex
+                        .as_deref()
+                        .ok_or_else(|| RemoteError::corrupt(&object, "symlink without target"))?;
+                    let t = hex::decode(t)
+                        .map_err(|_| RemoteError::corrupt(&object, "symlink target is not hex"))?;
+                    if t.is_empty() || t.contains(&0) {
+                        return Err(RemoteError::corrupt(&object, "bad symlink target"));
+                    }
+                    std::os::unix::fs::symlink(OsStr::from_bytes(&t), &path)
+                        .map_err(RemoteError::io("symlink", &path))?;
+                }
+                EntryKind::Char | EntryKind::Block => {
+                    let rdev = e
+                        .rdev
+                        .ok_or_else(|| RemoteError::corrupt(&object, "device without rdev"))?;
+                    if e.kind == EntryKind::Block
+                        || !SAFE_CHAR_DEVICES.contains(&dev_major_minor(rdev))
+                    {
+                        tracing::warn!(path = %path.display(), rdev, "not restoring a device node from the remote");
+                        continue;
+                    }
+                    mknod(&path, libc::S_IFCHR | (e.mode & 0o777), rdev)?;
+                }
+                EntryKind::Fifo => mknod(&path, libc::S_IFIFO | (e.mode & 0o777), 0)?,
+            }
+            apply_meta(&path, &e)?;
+        }
+        Ok(stats)
+    }
+}
+
+fn cpath(path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| RemoteError::corrupt(path.display().to_string(), "NUL in path"))
+}
+
+fn mknod(path: &Path, mode: u32, rdev: u64) -> Result<()> {
+    let c = cpath(path)?;
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    if unsafe { libc::mknod(c.as_ptr(), mode, rdev as libc::dev_t) } != 0 {
+        return Err(RemoteError::Io {
+            op: "mknod",
+            path: path.into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// Owner, then mode (chown clears set-id bits), then mtime; never follows a symlink.
+fn apply_meta(path: &Path, e: &Entry) -> Result<()> {
+    std::os::unix::fs::lchown(path, Some(e.uid), Some(e.gid))
+        .map_err(RemoteError::io("chown", path))?;
+    if e.kind != EntryKind::Symlink {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(e.mode & 0o7777))
+            .map_err(RemoteError::io("chmod", path))?;
+    }
+    let c = cpath(path)?;
+    let ts = libc::timespec {
+        tv_sec: e.mtime_ns.div_euclid(1_000_000_000),
+        tv_nsec: e.mtime_ns.rem_euclid(1_000_000_000),
+    };
+    let times = [ts, ts];
+    // SAFETY: `c` is a valid NUL-terminated path and `times` two valid timespecs, both alive
+    // for the call.
+    if unsafe {
+        libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW)
+    } != 0
+    {
+        return Err(RemoteError::Io {
+            op: "utimensat",
+            path: path.into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}

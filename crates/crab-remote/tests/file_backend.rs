@@ -1,0 +1,332 @@
+//! The repository against the `file://` backend: round trips of a point (tree, process
+//! images, conversation, manifest), dedup across points, corrupt and missing chunks refused
+//! naming the object, check, prune under the lock, encryption.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crab_remote::{ExportSource, ImportTarget, Key, RemoteError, Repo, RepoOptions};
+
+fn noise(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn make_tree(root: &Path) {
+    std::fs::create_dir_all(root.join("etc/sub")).expect("mkdir");
+    std::fs::write(root.join("etc/hosts"), b"127.0.0.1 localhost\n").expect("write");
+    std::fs::write(root.join("empty"), b"").expect("write");
+    std::fs::write(root.join("big.bin"), noise(1, 3 * 1024 * 1024 + 17)).expect("write");
+    std::fs::write(root.join("etc/sub/mid.bin"), noise(2, 300 * 1024)).expect("write");
+    std::fs::set_permissions(root.join("etc/hosts"), std::fs::Permissions::from_mode(0o4755))
+        .expect("chmod");
+    std::os::unix::fs::symlink("../etc/hosts", root.join("etc/sub/link")).expect("symlink");
+    std::os::unix::fs::symlink("/nonexistent/target", root.join("dangling")).expect("symlink");
+    nix_mkfifo(&root.join("fifo"));
+}
+
+fn nix_mkfifo(p: &Path) {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("cstring");
+    // SAFETY: valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o640) }, 0, "mkfifo");
+}
+
+/// path → (kind, mode, uid, gid, mtime, content or link target)
+fn describe(root: &Path) -> BTreeMap<PathBuf, (String, u32, u32, i64, Vec<u8>)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for de in std::fs::read_dir(&dir).expect("readdir") {
+            let p = de.expect("entry").path();
+            let m = std::fs::symlink_metadata(&p).expect("stat");
+            let rel = p.strip_prefix(root).expect("rel").to_path_buf();
+            let (kind, data) = if m.is_dir() {
+                stack.push(p.clone());
+                ("dir", vec![])
+            } else if m.file_type().is_symlink() {
+                (
+                    "link",
+                    std::fs::read_link(&p).expect("readlink").into_os_string().into_encoded_bytes(),
+                )
+            } else if m.is_file() {
+                ("file", std::fs::read(&p).expect("read"))
+            } else {
+                ("other", vec![])
+            };
+            let mode = if kind == "link" { 0 } else { m.mode() & 0o7777 };
+            out.insert(rel, (kind.to_string(), mode, m.uid(), m.mtime(), data));
+        }
+    }
+    out
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("file://{}/repo", dir.path().display());
+        Fixture { dir, url }
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    async fn repo(&self, cache: &str) -> Repo {
+        Repo::open(
+            &self.url,
+            RepoOptions { key_file: None, cache_dir: self.path(cache), bandwidth_bps: None },
+        )
+        .await
+        .expect("open repo")
+    }
+
+    fn source(&self, point: &str, fs: &Path) -> ExportSource {
+        ExportSource {
+            sandbox: "sb1".into(),
+            point: point.into(),
+            turn: 3,
+            kind: "full".into(),
+            created_at_ms: 1000 + point.len() as u64,
+            manifest: format!("manifest of {point}\n").into_bytes(),
+            fs_dir: Some(fs.to_path_buf()),
+            procs_dir: Some(self.path("procs")),
+            criu_version: Some("4.2.1".into()),
+            conversation: Some(b"CRABCONV 1\nhello".to_vec()),
+            image: None,
+        }
+    }
+}
+
+fn setup(fx: &Fixture) -> PathBuf {
+    let root = fx.path("root");
+    make_tree(&root);
+    std::fs::create_dir_all(fx.path("procs")).expect("mkdir");
+    std::fs::write(fx.path("procs/pages-1.img"), noise(9, 2 * 1024 * 1024)).expect("write");
+    std::fs::write(fx.path("procs/core-1.img"), b"core").expect("write");
+    root
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn point_round_trips_through_a_fresh_cache() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let repo = fx.repo("cache-a").await;
+    let rep = repo.export_point(&fx.source("c000001", &root)).await.expect("export");
+    assert!(rep.uploaded_bytes > 3 * 1024 * 1024, "uploaded {}", rep.uploaded_bytes);
+
+    // Another "host": a new Repo with an empty cache.
+    let other = fx.repo("cache-b").await;
+    let points = other.list_points(None).await.expect("ls");
+    assert_eq!(points.len(), 1);
+    let rec = other.load_point("sb1", Some("c1")).await.expect("load by short id");
+    std::fs::create_dir(fx.path("out-fs")).expect("mkdir");
+    std::fs::create_dir(fx.path("out-procs")).expect("mkdir");
+    let imp = other
+        .import_point(
+            &rec,
+            &ImportTarget {
+                fs_dir: Some(fx.path("out-fs")),
+                procs_dir: Some(fx.path("out-procs")),
+            },
+        )
+        .await
+        .expect("import");
+    assert_eq!(imp.manifest, b"manifest of c000001\n");
+    assert_eq!(imp.conversation.as_deref(), Some(&b"CRABCONV 1\nhello"[..]));
+    assert_eq!(describe(&root), describe(&fx.path("out-fs")));
+    assert_eq!(describe(&fx.path("procs")), describe(&fx.path("out-procs")));
+    let fifo = std::fs::symlink_metadata(fx.path("out-fs/fifo")).expect("fifo");
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&fifo.file_type()));
+    let check = other.check().await.expect("check");
+    assert!(check.errors.is_empty(), "{:?}", check.errors);
+    assert_eq!(check.points, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unchanged_tree_uploads_only_a_manifest() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let repo = fx.repo("cache").await;
+    let first = repo.export_point(&fx.source("c000001", &root)).await.expect("export 1");
+    let second = repo.export_point(&fx.source("c000002", &root)).await.expect("export 2");
+    // Only the new manifest blob (its pack + index entry) and the point record.
+    assert!(second.uploaded_bytes < 4096, "second export uploaded {} bytes", second.uploaded_bytes);
+    assert_eq!(second.new_blobs, 1, "only the manifest is new");
+    assert_eq!(second.read_bytes, 0, "no unchanged file is read again");
+    // A third point on another Repo (another host, no file cache) still dedups by content.
+    std::fs::write(root.join("etc/sub/new.txt"), b"one new file").expect("write");
+    let other = fx.repo("cache2").await;
+    let third = other.export_point(&fx.source("c000003", &root)).await.expect("export 3");
+    assert!(third.uploaded_bytes < 8192, "third export uploaded {} bytes", third.uploaded_bytes);
+    assert!(first.uploaded_bytes > 100 * third.uploaded_bytes);
+}
+
+fn pack_files(fx: &Fixture) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for d in std::fs::read_dir(fx.path("repo/packs")).expect("packs") {
+        for f in std::fs::read_dir(d.expect("d").path()).expect("fanout") {
+            out.push(f.expect("f").path());
+        }
+    }
+    out.sort_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0));
+    out
+}
+
+async fn import_fresh(fx: &Fixture, cache: &str) -> Result<(), RemoteError> {
+    let repo = fx.repo(cache).await;
+    let rec = repo.load_point("sb1", None).await?;
+    let out = fx.path(&format!("out-{cache}"));
+    std::fs::create_dir(&out).expect("mkdir");
+    repo.import_point(&rec, &ImportTarget { fs_dir: Some(out), procs_dir: None }).await.map(|_| ())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_chunk_is_refused_naming_the_object() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    fx.repo("cache").await.export_point(&fx.source("c000001", &root)).await.expect("export");
+    let packs = pack_files(&fx);
+    let biggest = packs.last().expect("a pack").clone();
+    let mut bytes = std::fs::read(&biggest).expect("read");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&biggest, &bytes).expect("write");
+    let name = biggest.file_name().expect("name").to_string_lossy().to_string();
+
+    let err = import_fresh(&fx, "c1").await.expect_err("corrupt pack accepted");
+    assert!(matches!(err, RemoteError::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains(&name), "error does not name the pack: {err}");
+    let check = fx.repo("c2").await.check().await.expect("check runs");
+    assert!(check.errors.iter().any(|e| e.contains(&name)), "{:?}", check.errors);
+    assert!(check.errors.iter().any(|e| e.contains("sb1@c000001")), "{:?}", check.errors);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_chunk_is_refused_naming_the_object() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    fx.repo("cache").await.export_point(&fx.source("c000001", &root)).await.expect("export");
+    let gone = pack_files(&fx).last().expect("a pack").clone();
+    std::fs::remove_file(&gone).expect("rm");
+    let name = gone.file_name().expect("name").to_string_lossy().to_string();
+    let err = import_fresh(&fx, "c1").await.expect_err("missing pack accepted");
+    assert!(matches!(err, RemoteError::Missing { .. }), "{err}");
+    assert!(err.to_string().contains(&name), "{err}");
+    let check = fx.repo("c2").await.check().await.expect("check runs");
+    assert!(
+        check.errors.iter().any(|e| e.contains(&name) && e.contains("missing")),
+        "{:?}",
+        check.errors
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_keeps_the_newest_and_frees_the_rest() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let repo = fx.repo("cache").await;
+    repo.export_point(&fx.source("c000001", &root)).await.expect("export 1");
+    // Replace the big file: its old chunks are referenced by c000001 only.
+    std::fs::write(root.join("big.bin"), noise(77, 3 * 1024 * 1024)).expect("write");
+    let mut src = fx.source("c000002", &root);
+    src.created_at_ms += 10;
+    repo.export_point(&src).await.expect("export 2");
+    let before: u64 =
+        pack_files(&fx).iter().map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)).sum();
+
+    // A concurrent exporter's shared lock blocks prune.
+    let held = repo.lock(false).await.expect("shared lock");
+    let err = repo.prune(1).await.expect_err("prune under a shared lock");
+    assert!(matches!(err, RemoteError::Locked { .. }), "{err}");
+    // ... and a prune's exclusive lock blocks an export.
+    repo.unlock(held).await;
+    let excl = repo.lock(true).await.expect("exclusive");
+    let err =
+        repo.export_point(&fx.source("c000009", &root)).await.expect_err("export under prune");
+    assert!(matches!(err, RemoteError::Locked { .. }), "{err}");
+    repo.unlock(excl).await;
+
+    let rep = repo.prune(1).await.expect("prune");
+    assert_eq!(rep.removed_points, vec!["sb1@c000001".to_string()]);
+    assert!(rep.freed_bytes > 2 * 1024 * 1024, "freed {}", rep.freed_bytes);
+    let after: u64 =
+        pack_files(&fx).iter().map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)).sum();
+    assert!(after < before - 2 * 1024 * 1024, "{before} -> {after}");
+    let check = fx.repo("c3").await.check().await.expect("check");
+    assert!(check.errors.is_empty(), "{:?}", check.errors);
+    import_fresh(&fx, "c4").await.expect("kept point restores");
+    assert_eq!(describe(&root), describe(&fx.path("out-c4")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encrypted_repository_needs_its_key() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let key = fx.path("key");
+    Key::generate(&key).expect("keygen");
+    let opts = |cache: &str, key: Option<PathBuf>| RepoOptions {
+        key_file: key,
+        cache_dir: fx.path(cache),
+        bandwidth_bps: None,
+    };
+    let repo = Repo::open(&fx.url, opts("c", Some(key.clone()))).await.expect("create encrypted");
+    repo.export_point(&fx.source("c000001", &root)).await.expect("export");
+    // No plaintext of the files in any pack.
+    for p in pack_files(&fx) {
+        let bytes = std::fs::read(p).expect("read");
+        assert!(!bytes.windows(9).any(|w| w == b"localhost"), "plaintext in a pack");
+    }
+    let err = Repo::open(&fx.url, opts("c2", None)).await.expect_err("no key");
+    assert!(err.to_string().contains("encrypted"), "{err}");
+    let other = fx.path("other-key");
+    Key::generate(&other).expect("keygen");
+    let err = Repo::open(&fx.url, opts("c3", Some(other))).await.expect_err("wrong key");
+    assert!(err.to_string().contains("not the key"), "{err}");
+    let again = Repo::open(&fx.url, opts("c4", Some(key))).await.expect("right key");
+    let rec = again.load_point("sb1", None).await.expect("load");
+    std::fs::create_dir(fx.path("out")).expect("mkdir");
+    again
+        .import_point(&rec, &ImportTarget { fs_dir: Some(fx.path("out")), procs_dir: None })
+        .await
+        .expect("import");
+    assert_eq!(describe(&root), describe(&fx.path("out")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bandwidth_limit_slows_uploads() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let repo = Repo::open(
+        &fx.url,
+        RepoOptions {
+            key_file: None,
+            cache_dir: fx.path("c"),
+            bandwidth_bps: Some(2 * 1024 * 1024),
+        },
+    )
+    .await
+    .expect("open");
+    let t0 = std::time::Instant::now();
+    let rep = repo.export_point(&fx.source("c000001", &root)).await.expect("export");
+    // ~5.3 MB in one pack at 2 MiB/s: the pack goes at once, the index after it waits ~2.6 s.
+    assert!(rep.uploaded_bytes > 5 * 1024 * 1024, "{}", rep.uploaded_bytes);
+    assert!(
+        t0.elapsed().as_secs_f64() >= 2.0,
+        "{:?} for {} bytes",
+        t0.elapsed(),
+        rep.uploaded_bytes
+    );
+}

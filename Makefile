@@ -33,6 +33,8 @@ lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
+# Tests that need root or a kernel feature fail (not skip) when they cannot run.
+test: export CRAB_REQUIRE_PRIVILEGED = 1
 test: build lint
 	@scripts/daemon.sh restart target/debug/crab
 	@$(MAKE) --no-print-directory image-debug

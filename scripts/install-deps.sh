@@ -30,7 +30,7 @@ PACKAGES=(
     # native builds
     make gcc libc6-dev
     # tools used by scripts and tests
-    procps psmisc curl ca-certificates python3 xz-utils zstd sqlite3
+    procps psmisc curl ca-certificates python3 python3-venv xz-utils zstd sqlite3
 )
 
 if [[ "${1:-}" == "--list" ]]; then

@@ -248,6 +248,11 @@ pub struct Manifest {
     /// Opaque to this crate.
     #[serde(default)]
     pub sandbox_meta: serde_json::Value,
+    /// Why a checkpoint asked to include processes has none (CRIU could not dump them, e.g. a
+    /// bpffs or debugfs mount it refuses): the point holds the filesystem only, and a restore
+    /// starts a fresh init on it. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procs_missing: Option<String>,
 }
 
 impl Manifest {
@@ -389,6 +394,7 @@ mod tests {
             }),
             timings: Timings { total_us: Some(1000), ..Default::default() },
             sandbox_meta: serde_json::json!({"net": "private"}),
+            procs_missing: None,
         }
     }
 

@@ -121,6 +121,9 @@ pub struct PointSummary {
     pub took_ms: Option<f64>,
     /// Why the point is unusable, when it is.
     pub error: Option<String>,
+    /// Why processes asked for are missing from the point (it holds the filesystem only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub procs_missing: Option<String>,
 }
 
 impl PointSummary {
@@ -141,6 +144,7 @@ impl PointSummary {
             created_at_ms: m.created_at_ms,
             took_ms: m.timings.total_us.map(|u| u as f64 / 1000.0),
             error: None,
+            procs_missing: m.procs_missing.clone(),
         }
     }
 }
@@ -512,6 +516,7 @@ impl Checkpointer {
                 let fs_path = if full { Some(staging.fs_path()) } else { None };
                 let mut snap_us = None;
                 let mut snap_err = None;
+                let mut staging_fallback = false;
                 let fs = self.fs.clone();
                 // Freeze the cgroup ourselves: CRIU then finds it frozen and skips its own
                 // freeze loop (which polls every 100 ms), and leaves it frozen for us to thaw.
@@ -545,19 +550,52 @@ impl Checkpointer {
                         if rec.net != crab_common::api::NetMode::Host {
                             drop_criu_network_locks(sandbox, rec.init_pid);
                         }
-                        return Err(e.into());
+                        // The sandbox's processes cannot be dumped (a mount CRIU refuses,
+                        // say): publish its files at least, saying why processes are missing.
+                        let reason = format!("CRIU could not dump the processes: {e}");
+                        tracing::warn!(sandbox, error = %e, "dump failed; publishing the filesystem only");
+                        staging.discard_proc()?;
+                        if let Some(p) = &fs_path {
+                            if self.fs.is_snapshot(p) {
+                                self.fs
+                                    .delete(p)
+                                    .map_err(|e| CheckpointError::io("delete", p, e))?;
+                            }
+                        }
+                        let frozen = if self.cfg.freeze_fs_snapshots {
+                            Some(Freeze::new(&cg, sandbox)?)
+                        } else {
+                            None
+                        };
+                        let t1 = Instant::now();
+                        let snap = staging.snapshot_fs(&rootfs);
+                        draft.timings.fs_snapshot_us = Some(us(t1.elapsed()));
+                        if let Some(f) = frozen {
+                            f.thaw()?;
+                        }
+                        snap?;
+                        draft.kind = Kind::Fs;
+                        draft.no_procs = true;
+                        draft.procs_missing = Some(reason);
+                        staging_fallback = true;
+                        crab_criu::DumpStats::default()
                     }
                 };
                 draft.timings.dump_us = Some(dump_us);
-                draft.timings.fs_snapshot_us = snap_us;
-                // Our freeze spans the whole dump; CRIU's own figure otherwise.
-                draft.timings.frozen_us =
-                    if use_freezer { Some(us(t0.elapsed())) } else { stats.frozen_time.map(us) };
-                draft.root_pid = opts.pid;
-                draft.criu_version = self.criu_version(&criu);
+                if !staging_fallback {
+                    draft.timings.fs_snapshot_us = snap_us;
+                    // Our freeze spans the whole dump; CRIU's own figure otherwise.
+                    draft.timings.frozen_us = if use_freezer {
+                        Some(us(t0.elapsed()))
+                    } else {
+                        stats.frozen_time.map(us)
+                    };
+                    draft.root_pid = opts.pid;
+                    draft.criu_version = self.criu_version(&criu);
+                }
             }
         }
-        if staging_has_fs(req.kind) {
+        if staging_has_fs(draft.kind) {
             // Simple quotas charge every extent to the subvolume that allocated it: the growth
             // of the live root's count since the previous snapshot is what this turn wrote.
             let written = crab_sandbox::quota::exclusive_bytes(&rootfs);
@@ -601,6 +639,7 @@ impl Checkpointer {
                     created_at_ms: 0,
                     took_ms: None,
                     error: Some(e.to_string()),
+                    procs_missing: None,
                 },
             })
             .collect())
@@ -651,6 +690,7 @@ impl Checkpointer {
         log: PathBuf,
         root: &Path,
         cgroups: Vec<PathBuf>,
+        profile: &crab_sandbox::profile::SecurityProfile,
     ) -> RestoreOpts {
         let mut o = RestoreOpts::new(images, log);
         o.log_level = self.cfg.criu_log_level;
@@ -664,6 +704,9 @@ impl Checkpointer {
         o.network_lock = Some(NetworkLockMethod::Nftables);
         o.manage_cgroups = Some(CgroupMode::Ignore);
         o.join_cgroups = cgroups;
+        // The default profile gives every sandbox its own cgroup namespace; CRIU does not
+        // restore it with unmanaged cgroups, so criu swrk makes one after joining the groups.
+        o.cgroup_ns = !profile.privileged;
         o
     }
 
@@ -832,13 +875,14 @@ impl Checkpointer {
         let cg = self.rt.cgroup(sandbox);
         let (pid, restored) = match (&m.procs, criu) {
             (Some(p), Some(criu)) => {
-                cg.create(&rec.limits).map_err(cg_err(sandbox))?;
+                cg.create_for(&rec.limits, &rec.profile).map_err(cg_err(sandbox))?;
                 // criu swrk joins this cgroup: frozen, it would hang there.
                 ensure_thawed(&cg, sandbox)?;
                 let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
-                let opts = self.restore_opts(&store.proc_dir(p.id), log, rootfs, cgroups);
+                let opts =
+                    self.restore_opts(&store.proc_dir(p.id), log, rootfs, cgroups, &rec.profile);
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
                     // A branch restored to its origin point carries its source's UTS name.
@@ -854,7 +898,7 @@ impl Checkpointer {
             _ => {
                 let (pid, _) = self
                     .rt
-                    .start_init(sandbox, rec.net, &rec.limits)
+                    .start_init(sandbox, rec.net, &rec.limits, rec.profile)
                     .map_err(sandbox_err(sandbox))?;
                 (pid, false)
             }
@@ -900,7 +944,9 @@ impl Checkpointer {
                 }
             }
             ensure_thawed(&self.rt.cgroup(sandbox), sandbox)?;
-            self.rt.start_init(sandbox, rec.net, &rec.limits).map_err(sandbox_err(sandbox))
+            self.rt
+                .start_init(sandbox, rec.net, &rec.limits, rec.profile)
+                .map_err(sandbox_err(sandbox))
         })();
         let message = match put_back {
             Ok((pid, start)) => {
@@ -1095,6 +1141,7 @@ impl Checkpointer {
             hostname: name.to_owned(),
             limits: src.limits.clone(),
             cgroup: Some(self.rt.new_cgroup_rel(name)),
+            profile: src.profile,
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
@@ -1188,7 +1235,7 @@ impl Checkpointer {
         meta.cgroup = rec.cgroup.clone();
         let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
         let cg = self.rt.cgroup(name);
-        cg.create(&src.limits).map_err(cg_err(name))?;
+        cg.create_for(&src.limits, &src.profile).map_err(cg_err(name))?;
         let pid = match (&first.procs, criu) {
             (Some(p), Some(criu)) => {
                 let log =
@@ -1197,7 +1244,8 @@ impl Checkpointer {
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
                 // The branch's own hard links: a prune of the source cannot pull the image
                 // away in the middle of the restore.
-                let opts = self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups);
+                let opts =
+                    self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups, &src.profile);
                 let r = criu.restore_with(&opts, |n| {
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -1208,7 +1256,12 @@ impl Checkpointer {
                 })?;
                 u32::try_from(r.pid).unwrap_or(0)
             }
-            _ => self.rt.start_init(name, src.net, &src.limits).map_err(sandbox_err(name))?.0,
+            _ => {
+                self.rt
+                    .start_init(name, src.net, &src.limits, src.profile)
+                    .map_err(sandbox_err(name))?
+                    .0
+            }
         };
         rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
             sandbox: name.to_owned(),

@@ -38,6 +38,9 @@ use crate::manifest::{
 };
 use crate::snapfs::SnapshotFs;
 
+/// How long start-up recovery waits for an orphaned writer to leave a staged leftover.
+const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Milliseconds since the epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -94,6 +97,8 @@ pub struct Draft {
     /// Leave the process image out instead of inheriting the parent's (the sandbox has no
     /// process worth restoring; restore starts it fresh).
     pub no_procs: bool,
+    /// Why processes asked for are not in the point ([`Manifest::procs_missing`]).
+    pub procs_missing: Option<String>,
     /// Where a forked sandbox came from.
     pub origin: Option<Origin>,
     /// Timings measured by the caller (`hash_us` and `total_us` are filled in by publish).
@@ -122,6 +127,7 @@ impl Draft {
             fs_generation: None,
             fs_written_bytes: None,
             no_procs: false,
+            procs_missing: None,
             origin: None,
             timings: Timings::default(),
             started: None,
@@ -509,7 +515,7 @@ impl Store {
         let tmp = self.tmp_dir();
         for name in list_names(&tmp)? {
             let p = tmp.join(&name);
-            self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+            self.delete_settled(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
             report.removed.push(p);
         }
         for name in list_names(&self.points_dir())? {
@@ -533,6 +539,25 @@ impl Store {
         }
         self.rescan()?;
         Ok(report)
+    }
+
+    /// Delete a staged leftover. A CRIU orphaned by a killed daemon may still be writing into
+    /// it for a moment (it gives up once it notices its peer is gone), so "directory not
+    /// empty" is retried for up to [`SETTLE_TIMEOUT`] before it is an error.
+    fn delete_settled(&self, p: &Path) -> std::io::Result<()> {
+        let deadline = Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            match self.fs.delete(p) {
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::DirectoryNotEmpty
+                        && Instant::now() < deadline =>
+                {
+                    tracing::debug!(path = %p.display(), "leftover still being written; retrying its removal");
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Delete the process images and filesystem snapshots no manifest in `kept` references;
@@ -650,6 +675,19 @@ impl Staging<'_> {
         std::fs::create_dir(&p).map_err(|e| CheckpointError::io("mkdir", &p, e))?;
         self.proc = Some((id, p.clone()));
         Ok(p)
+    }
+
+    /// Drop the staged process image (a dump that failed half-way), so that the checkpoint can
+    /// still publish its filesystem part.
+    pub fn discard_proc(&mut self) -> Result<()> {
+        if let Some((_, p)) = self.proc.take() {
+            match std::fs::remove_dir_all(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(CheckpointError::io("remove", &p, e)),
+            }
+        }
+        Ok(())
     }
 
     /// The path (not yet existing) at which to take the staged filesystem snapshot. It is
@@ -819,6 +857,7 @@ impl Staging<'_> {
             procs,
             timings,
             sandbox_meta: draft.sandbox_meta.clone(),
+            procs_missing: draft.procs_missing.clone(),
         };
         m.timings.total_us = draft.started.map(|s| us(s.elapsed()));
         manifest::write_atomic(&store.manifest_path(id), &manifest::encode(&m))?;

@@ -26,6 +26,9 @@ fn is_root() -> bool {
 macro_rules! require_root {
     () => {
         if !is_root() {
+            if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
+                panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: needs root");
+            }
             eprintln!("skipped: needs root");
             return;
         }
@@ -107,6 +110,10 @@ impl Sb {
     }
 
     fn create(tag: &str, guard: Guard, net: NetMode) -> Sb {
+        Sb::create_with(tag, guard, net, false)
+    }
+
+    fn create_with(tag: &str, guard: Guard, net: NetMode, privileged: bool) -> Sb {
         let rt = runtime();
         let ck = Arc::new(Checkpointer::new(rt.clone(), Config::default()));
         let name = format!("ckt-{}-{tag}", std::process::id());
@@ -115,6 +122,7 @@ impl Sb {
             name: Some(name.clone()),
             net,
             limits: Limits::default(),
+            privileged,
         };
         rt.create(&req).unwrap();
         Sb { rt, ck, name, extra: Vec::new(), _guard: guard }
@@ -574,6 +582,55 @@ fn bench_checkpoint_restore_fork() {
         pct(&mut restore, 0.9)
     );
     eprintln!("BENCH fork of 8       {fork8:7.1} ms");
+}
+
+/// What the default security profile costs a full checkpoint and a restore: the same workload
+/// in a default-profile and a `--privileged` sandbox, interleaved round by round.
+/// `cargo test --release -p crab-checkpoint --test real_flows -- --ignored --nocapture
+/// bench_profile_vs_privileged`
+#[test]
+#[ignore]
+fn bench_profile_vs_privileged() {
+    require_root!();
+    let n: usize = std::env::var("CRAB_BENCH_N").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    let shared = || Guard::Shared(EXCLUSIVE.read().unwrap_or_else(|p| p.into_inner()));
+    let sbs = [
+        Sb::create_with("prof", shared(), NetMode::Private, false),
+        Sb::create_with("priv", shared(), NetMode::Private, true),
+    ];
+    for sb in &sbs {
+        sb.sh(
+            "cd /tmp && setsid python3 -m http.server 8000 </dev/null >/dev/null 2>&1 & \
+             setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/loop; sleep 0.1; done' </dev/null >/dev/null 2>&1 & \
+             sleep 1",
+        );
+    }
+    let req = CheckpointRequest { kind: Kind::Full, turn: None, conversation_offset: None };
+    let mut full = [vec![], vec![]];
+    let mut restore = [vec![], vec![]];
+    for i in 0..n {
+        for (k, sb) in sbs.iter().enumerate() {
+            sb.sh(&format!("echo {i} > /root/turn-{i}"));
+            let t = Instant::now();
+            sb.ck.checkpoint(&sb.name, req).unwrap();
+            full[k].push(t.elapsed().as_secs_f64() * 1000.0);
+            let t = Instant::now();
+            sb.ck.restore(&sb.name, None).unwrap();
+            restore[k].push(t.elapsed().as_secs_f64() * 1000.0);
+            sb.ck.prune(&sb.name, 2).unwrap();
+        }
+    }
+    let (f0, f1) = (pct(&mut full[0], 0.5), pct(&mut full[1], 0.5));
+    let (r0, r1) = (pct(&mut restore[0], 0.5), pct(&mut restore[1], 0.5));
+    eprintln!("BENCH n={n} (interleaved)");
+    eprintln!(
+        "BENCH full checkpoint p50: profile {f0:7.1} ms  privileged {f1:7.1} ms  ratio {:.3}",
+        f0 / f1
+    );
+    eprintln!(
+        "BENCH restore         p50: profile {r0:7.1} ms  privileged {r1:7.1} ms  ratio {:.3}",
+        r0 / r1
+    );
 }
 
 /// A sandbox with a 1 GiB process: how dump and restore grow with memory.

@@ -129,6 +129,18 @@ pub struct SandboxCreateRequest {
     /// Resource limits.
     #[serde(default)]
     pub limits: Limits,
+    /// Opt out of the default security profile (unsafe: sandboxed code can then reach the
+    /// host as root).
+    #[serde(default)]
+    pub privileged: bool,
+}
+
+/// The security profile a sandbox's processes run under.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecurityProfile {
+    /// `true`: no restrictions beyond the namespaces (`sandbox create --privileged`, unsafe).
+    #[serde(default)]
+    pub privileged: bool,
 }
 
 /// Run state of a sandbox.
@@ -166,6 +178,30 @@ pub struct SandboxInfo {
     pub hostname: String,
     /// Id of the sandbox's cgroup v2 (what BPF programs filter on).
     pub cgroup_id: u64,
+    /// The security profile in force (`crab sandbox inspect`).
+    #[serde(default)]
+    pub profile: Option<ProfileReport>,
+}
+
+/// What `crab sandbox inspect` shows about the security profile in force.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProfileReport {
+    /// `default` or `privileged`.
+    pub name: String,
+    /// Capabilities in the bounding/permitted/effective/inheritable sets (ambient is empty).
+    pub capabilities: Vec<String>,
+    /// Seccomp filter in force.
+    pub seccomp: String,
+    /// Whether `no_new_privs` is set.
+    pub no_new_privs: bool,
+    /// Paths masked (`/dev/null` or an empty read-only tmpfs over them).
+    pub masked_paths: Vec<String>,
+    /// Paths mounted read-only.
+    pub readonly_paths: Vec<String>,
+    /// Whether the sandbox has its own cgroup namespace.
+    pub cgroup_namespace: bool,
+    /// Allowed devices (`c major:minor name`).
+    pub devices: Vec<String>,
 }
 
 /// `POST /v1/sandboxes/{name}/exec`: streams [`ExecFrame`]s.

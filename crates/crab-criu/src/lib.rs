@@ -199,6 +199,10 @@ pub struct RestoreOpts {
     /// Some(CgroupMode::Ignore)` to place a restored tree in cgroups other than the dumped ones
     /// (a fork into a new sandbox).
     pub join_cgroups: Vec<PathBuf>,
+    /// Unshare a cgroup namespace in `criu swrk` right after it joined `join_cgroups`, so the
+    /// restored tree's cgroup root is the group it joined. CRIU does not restore a dumped
+    /// tree's cgroup namespace when cgroups are not managed (`CgroupMode::Ignore`).
+    pub cgroup_ns: bool,
     /// Restore orphan pty masters and pass them to the hook.
     pub orphan_pts_master: bool,
     /// Do not fail on sysctls that cannot be set.
@@ -227,6 +231,7 @@ impl RestoreOpts {
             manage_cgroups: None,
             join_ns: Vec::new(),
             join_cgroups: Vec::new(),
+            cgroup_ns: false,
             orphan_pts_master: false,
             weak_sysctls: false,
             lsm_profile: None,

@@ -128,17 +128,19 @@ fn duration_us(us: Option<u32>) -> Option<Duration> {
 impl Session {
     /// Start `criu swrk`, with `inherit` descriptors of ours left open in it.
     fn start(criu: &Criu, op: &'static str, log: &Path, inherit: &[RawFd]) -> Result<Session> {
-        Session::start_in(criu, op, log, inherit, &[])
+        Session::start_in(criu, op, log, inherit, &[], false)
     }
 
     /// Start `criu swrk`, with `inherit` descriptors of ours left open in it, after it joined
-    /// the cgroups whose directories are `cgroups`.
+    /// the cgroups whose directories are `cgroups` (and, with `cgroup_ns`, unshared a cgroup
+    /// namespace rooted there).
     fn start_in(
         criu: &Criu,
         op: &'static str,
         log: &Path,
         inherit: &[RawFd],
         cgroups: &[PathBuf],
+        cgroup_ns: bool,
     ) -> Result<Session> {
         let bin = criu.path();
         let (ours, theirs) =
@@ -190,6 +192,9 @@ impl Session {
                     if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
                         return Err(std::io::Error::last_os_error());
                     }
+                }
+                if cgroup_ns && libc::unshare(libc::CLONE_NEWCGROUP) != 0 {
+                    return Err(std::io::Error::last_os_error());
                 }
                 if let Some(dir) = &private_run {
                     let none = std::ptr::null();
@@ -627,7 +632,7 @@ pub(crate) fn restore(criu: &Criu, o: &RestoreOpts, hook: Option<Hook<'_>>) -> R
     };
     let inherit: Vec<RawFd> = o.inherit_fd.iter().map(|i| i.fd).collect();
     let started = Instant::now();
-    let mut s = Session::start_in(criu, op, &o.log_path, &inherit, &o.join_cgroups)?;
+    let mut s = Session::start_in(criu, op, &o.log_path, &inherit, &o.join_cgroups, o.cgroup_ns)?;
     let req = rpc::Req { r#type: ReqType::Restore as i32, opts: Some(opts), ..Default::default() };
     let resp = s.call(&req, ReqType::Restore, hook)?;
     let wall = started.elapsed();

@@ -19,6 +19,9 @@ fn is_root() -> bool {
 macro_rules! require_root {
     () => {
         if !is_root() {
+            if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
+                panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: needs root");
+            }
             eprintln!("skipped: needs root");
             return;
         }
@@ -294,6 +297,9 @@ fn cgroup2_mount() -> Option<PathBuf> {
 fn restore_into_other_cgroup_with_join_and_ignore() {
     require_root!();
     let Some(cg2) = cgroup2_mount() else {
+        if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
+            panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: no cgroup2 mount");
+        }
         eprintln!("skipped: no cgroup2 mount");
         return;
     };

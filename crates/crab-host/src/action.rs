@@ -15,6 +15,7 @@ use crab_coordinator::{LogRecord, SandboxProxyStats};
 use crab_engine::{EngineStats, JobKind};
 use crab_inspector::Verdict;
 
+use crate::remote::{Durable, FromRemote, FromRemoteReport, PointState};
 use crate::HostError;
 
 /// What a front door asks of the host.
@@ -125,6 +126,29 @@ pub enum Action {
     Metrics,
     /// The live view of `crab top`.
     Top,
+    /// The remote store's points (of one sandbox, or all).
+    RemoteList {
+        /// Only this sandbox's.
+        sandbox: Option<String>,
+    },
+    /// Verify every object the remote's points reference.
+    RemoteCheck,
+    /// Remove all but the newest `keep_last` points per sandbox from the remote.
+    RemotePrune {
+        /// How many to keep per sandbox.
+        keep_last: usize,
+    },
+    /// Answer once a local point is durable in the remote.
+    RemoteWait {
+        /// Sandbox.
+        sandbox: String,
+        /// Point id.
+        point: String,
+        /// How long to wait.
+        timeout: std::time::Duration,
+    },
+    /// Build sandboxes from a point in the remote store (this host needs nothing else).
+    FromRemote(FromRemote),
 }
 
 impl std::fmt::Debug for Action {
@@ -157,6 +181,11 @@ impl Action {
             Action::Turn { .. } => "turn",
             Action::Metrics => "metrics",
             Action::Top => "top",
+            Action::RemoteList { .. } => "remote_list",
+            Action::RemoteCheck => "remote_check",
+            Action::RemotePrune { .. } => "remote_prune",
+            Action::RemoteWait { .. } => "remote_wait",
+            Action::FromRemote(_) => "from_remote",
         }
     }
 
@@ -194,6 +223,17 @@ pub struct Taken {
     pub reasons: Vec<String>,
     /// Time the job waited in the engine's queue, ms.
     pub queue_ms: f64,
+}
+
+/// One restore point as `crab checkpoints` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PointView {
+    /// The point.
+    #[serde(flatten)]
+    pub point: PointSummary,
+    /// Its export state, when the host has a remote store.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote: Option<PointState>,
 }
 
 /// Answer of [`Action::Prune`]: the ids removed.
@@ -253,7 +293,7 @@ pub enum Outcome {
     /// A checkpoint taken.
     Taken(Box<Taken>),
     /// Restore points.
-    Points(Vec<PointSummary>),
+    Points(Vec<PointView>),
     /// Pruned ids.
     Pruned(Pruned),
     /// A restore.
@@ -269,4 +309,14 @@ pub enum Outcome {
     Metrics(String),
     /// `crab top`.
     Top(Box<TopView>),
+    /// The remote's points.
+    RemotePoints(Vec<crab_remote::PointRecord>),
+    /// `crab remote check`.
+    RemoteChecked(crab_remote::CheckReport),
+    /// `crab remote prune`.
+    RemotePruned(crab_remote::PruneReport),
+    /// A point is durable.
+    Durable(Durable),
+    /// Sandboxes built from the remote.
+    FromRemote(Box<FromRemoteReport>),
 }

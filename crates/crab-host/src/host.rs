@@ -10,7 +10,9 @@
 //!   forgets a pending failure → conversation log rewound to the point → proxy endpoint
 //!   reopened in the new network namespace;
 //! * fork: checkpointer fork → each branch attached → its conversation log copied → its proxy
-//!   endpoint opened.
+//!   endpoint opened;
+//! * from a remote point: fetch and materialize it into the local store → fork from it, as
+//!   above, with the conversation log the point carried.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -29,7 +31,10 @@ use crab_inspector::Inspector;
 use crab_sandbox::{image, Runtime, RuntimeConfig};
 
 use crate::glue::{CheckpointExecutor, Hooks, JobTicket, Payload, SandboxDir};
-use crate::{Action, Decision, HostError, Outcome, Pruned, Taken, TopView, TurnMarked, TurnPolicy};
+use crate::remote::{remote_error, FromRemote, FromRemoteReport, RemoteOptions, RemoteTier};
+use crate::{
+    Action, Decision, HostError, Outcome, PointView, Pruned, Taken, TopView, TurnMarked, TurnPolicy,
+};
 
 /// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
 pub const IN_SANDBOX_PROXY: &str = "127.0.0.1:7431";
@@ -47,6 +52,8 @@ pub struct HostOptions {
     pub proxy: ProxyConfig,
     /// Engine tunables.
     pub engine: EngineConfig,
+    /// The durable tier (`--remote`), if any.
+    pub remote: Option<RemoteOptions>,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -63,6 +70,8 @@ pub struct Host {
     sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
     /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
     soft_dirty: crab_criu::soft_dirty::SoftDirty,
+    /// The durable tier and its exporter (`--remote`).
+    remote: Option<Arc<RemoteTier>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -140,6 +149,14 @@ impl Host {
             hooks.clone(),
         )
         .map_err(|e| HostError::internal(format!("configuring the LLM proxy: {e}")))?;
+        let remote = match &opts.remote {
+            Some(o) => Some(Arc::new(RemoteTier::open(&opts.state, o).await.map_err(|e| {
+                let mut h = remote_error(e);
+                h.0.message = format!("opening the remote store {}: {}", o.url, h.0.message);
+                h
+            })?)),
+            None => None,
+        };
         let host = Arc::new(Host {
             runtime,
             inspector,
@@ -151,8 +168,13 @@ impl Host {
             proxy: Mutex::new(None),
             sandbox_proxies: Mutex::new(HashMap::new()),
             soft_dirty,
+            remote,
         });
         let _ = hooks.0.set(Arc::downgrade(&host));
+        if let Some(t) = &host.remote {
+            tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
+            tokio::spawn(t.clone().run(Arc::downgrade(&host)));
+        }
         let proxy = host.coordinator.bind().await.map_err(|e| {
             HostError::internal(format!("starting the LLM proxy on {}: {e}", opts.proxy.listen))
         })?;
@@ -192,6 +214,33 @@ impl Host {
     /// The turn policy.
     pub fn policy(&self) -> &TurnPolicy {
         &self.policy
+    }
+
+    /// The durable tier, when the host has one (`--remote`).
+    pub fn remote(&self) -> Option<&Arc<RemoteTier>> {
+        self.remote.as_ref()
+    }
+
+    pub(crate) fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    pub(crate) fn checkpointer(&self) -> &Arc<Checkpointer> {
+        &self.checkpointer
+    }
+
+    pub(crate) fn engine_stats(&self) -> crab_engine::EngineStats {
+        self.engine.stats()
+    }
+
+    /// The remote tier, or the error a host without one answers.
+    fn tier(&self) -> Result<Arc<RemoteTier>, HostError> {
+        self.remote.clone().ok_or_else(|| {
+            HostError::invalid(
+                "this daemon has no remote store",
+                "start it with `crab daemon --remote URL`",
+            )
+        })
     }
 
     /// Do what a front door asked.
@@ -278,7 +327,17 @@ impl Host {
                 let h = self.clone();
                 blocking(move || {
                     h.runtime.record(&name)?;
-                    Ok(Outcome::Points(h.checkpointer.list(&name)?))
+                    let points = h.checkpointer.list(&name)?;
+                    // With --remote, each point also says whether it is local, exporting or
+                    // durable.
+                    let views = points
+                        .into_iter()
+                        .map(|p| {
+                            let remote = h.remote.as_ref().map(|t| t.state(&name, &p.id));
+                            PointView { point: p, remote }
+                        })
+                        .collect();
+                    Ok(Outcome::Points(views))
                 })
                 .await
             }
@@ -308,6 +367,30 @@ impl Host {
                 proxy: self.coordinator.stats(),
                 engine: self.engine.stats(),
             }))),
+            Action::RemoteList { sandbox } => {
+                let t = self.tier()?;
+                let v = t.repo.list_points(sandbox.as_deref()).await.map_err(remote_error)?;
+                Ok(Outcome::RemotePoints(v))
+            }
+            Action::RemoteCheck => {
+                let t = self.tier()?;
+                // The check reads every object: off the async threads.
+                let handle = tokio::runtime::Handle::current();
+                let r = tokio::task::spawn_blocking(move || handle.block_on(t.repo.check()))
+                    .await
+                    .map_err(|e| HostError::internal(format!("remote check panicked: {e}")))?
+                    .map_err(remote_error)?;
+                Ok(Outcome::RemoteChecked(r))
+            }
+            Action::RemotePrune { keep_last } => {
+                let t = self.tier()?;
+                Ok(Outcome::RemotePruned(t.repo.prune(keep_last).await.map_err(remote_error)?))
+            }
+            Action::RemoteWait { sandbox, point, timeout } => {
+                let t = self.tier()?;
+                Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
+            }
+            Action::FromRemote(req) => self.from_remote(req).await,
         }
     }
 
@@ -435,6 +518,13 @@ impl Host {
         })
         .await?;
         let queue_ms = f.queue_wait.as_secs_f64() * 1e3;
+        let mut reasons = reasons;
+        if let Some(why) = &point.procs_missing {
+            reasons.push(format!("filesystem only, processes missing: {why}"));
+        }
+        if let Some(t) = &self.remote {
+            t.kick();
+        }
         Ok(Outcome::Taken(Box::new(Taken { point, verdict, reasons, queue_ms })))
     }
 
@@ -498,6 +588,70 @@ impl Host {
             self.open_sandbox_proxy(&b.sandbox).await;
         }
         Ok(Outcome::Forked(branches))
+    }
+
+    async fn from_remote(self: &Arc<Self>, req: FromRemote) -> Result<Outcome, HostError> {
+        let t = self.tier()?;
+        let (sb, point) = match req.source.split_once('@') {
+            Some((s, p)) => (s.to_string(), Some(p.to_string())),
+            None => (req.source.clone(), None),
+        };
+        crab_common::names::validate("sandbox", &sb)?;
+        let t0 = std::time::Instant::now();
+        let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
+        if !req.fs_only {
+            let criu = crab_criu::Criu::locate()
+                .ok()
+                .and_then(|c| c.version().ok())
+                .map(|v| v.to_string());
+            crab_remote::preflight(&rec, &crab_remote::HostFacts::local(), criu.as_deref())
+                .map_err(remote_error)?;
+        }
+        let store = self.checkpointer.store(&sb)?;
+        let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
+        let handle = tokio::runtime::Handle::current();
+        let mat = tokio::task::spawn_blocking(move || {
+            handle.block_on(crab_remote::local::materialize(&repo, &store, &rec2, fs_only))
+        })
+        .await
+        .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
+        .map_err(remote_error)?;
+        let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let h = self.clone();
+        let (sb2, pid, count, names) =
+            (sb.clone(), rec.point.clone(), req.count, req.names.clone());
+        let branches = blocking(move || {
+            let b = h.checkpointer.fork(&sb2, Some(&pid), count, names)?;
+            for x in &b {
+                h.attach(&x.sandbox);
+            }
+            Ok(b)
+        })
+        .await?;
+        for b in &branches {
+            if let (Some(log), Some(off)) = (&mat.conversation, mat.manifest.conversation_offset) {
+                let path = self.state().sandbox_dir(&b.sandbox).join("conversation.log");
+                match std::fs::write(&path, log) {
+                    Ok(()) => {
+                        if let Err(e) = self.coordinator.restored(&b.sandbox, off, true).await {
+                            tracing::warn!(sandbox = %b.sandbox, error = %e, "could not rewind the conversation log");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %b.sandbox, path = %path.display(), error = %e, "could not write the conversation log")
+                    }
+                }
+            }
+            self.open_sandbox_proxy(&b.sandbox).await;
+        }
+        Ok(Outcome::FromRemote(Box::new(FromRemoteReport {
+            source: format!("{}@{}", rec.sandbox, rec.point),
+            downloaded: mat.fetched,
+            fetch_ms,
+            total_ms: t0.elapsed().as_secs_f64() * 1e3,
+            fs_only: req.fs_only,
+            branches,
+        })))
     }
 
     async fn conversation(

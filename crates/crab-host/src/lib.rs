@@ -7,7 +7,8 @@
 //! the daemon's HTTP handlers (and any later front door) only parse a request into an
 //! [`Action`], call `execute`, and render the [`Outcome`]. The turn policy (verdict → kind, the
 //! base rule, the init-only rule, force-full after a failure) is [`TurnPolicy`]; the engine's
-//! executor, the proxy's turn hooks and sandbox directory live in [`glue`].
+//! executor, the proxy's turn hooks and sandbox directory live in [`glue`]; the durable tier
+//! (`--remote`: exporter, export states, restores from the remote) in [`remote`].
 
 #![forbid(unsafe_code)]
 
@@ -16,8 +17,9 @@ mod error;
 pub mod glue;
 mod host;
 mod policy;
+pub mod remote;
 
-pub use action::{Action, Outcome, Pruned, Taken, TopView, TurnMarked};
+pub use action::{Action, Outcome, PointView, Pruned, Taken, TopView, TurnMarked};
 pub use error::HostError;
 pub use host::{Host, HostOptions, IN_SANDBOX_PROXY};
 pub use policy::{Decision, TurnPolicy};

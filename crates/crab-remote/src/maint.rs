@@ -66,6 +66,10 @@ impl Repo {
 
     async fn check_locked(&self) -> Result<CheckReport> {
         let mut rep = CheckReport::default();
+        // Points first, then the index: a point's record is written after its index, so every
+        // point listed here has its index in the refresh below (an export running meanwhile
+        // adds points this check does not look at, never half-indexed ones).
+        let points = self.list_points(None).await?;
         self.refresh_index().await?;
         let (files, blobs) = self.index_snapshot();
         let mut by_pack: HashMap<Id, Vec<crate::format::IndexEntry>> = HashMap::new();
@@ -116,7 +120,7 @@ impl Repo {
                 }
             }
         }
-        for rec in self.list_points(None).await? {
+        for rec in points {
             match self.point_blobs(&rec).await {
                 Ok(ids) => {
                     let missing: Vec<&Id> = ids

@@ -61,7 +61,7 @@ pub struct Hierarchy {
     pub v1: Vec<(String, PathBuf)>,
 }
 
-const V1_CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
+const V1_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "devices"];
 
 impl Hierarchy {
     /// Find the host's cgroup mounts from `/proc/self/mountinfo`.
@@ -122,6 +122,19 @@ impl SandboxCgroup {
         self.apply_limits(limits)
     }
 
+    /// [`SandboxCgroup::create`], then the device allowlist unless `profile` is privileged.
+    pub fn create_for(
+        &self,
+        limits: &Limits,
+        profile: &crab_common::api::SecurityProfile,
+    ) -> Result<(), CgroupError> {
+        self.create(limits)?;
+        if !profile.privileged && !self.restrict_devices()? {
+            tracing::warn!(cgroup = %self.v2.display(), "no v1 devices controller: device allowlist not enforced");
+        }
+        Ok(())
+    }
+
     fn v1_dir(&self, controller: &str) -> Option<&Path> {
         self.v1.iter().find(|(c, _)| c == controller).map(|(_, d)| d.as_path())
     }
@@ -156,6 +169,22 @@ impl SandboxCgroup {
             }
         }
         Ok(())
+    }
+
+    /// Apply the default profile's device allowlist (see [`crate::profile::ALLOWED_DEVICES`])
+    /// through the v1 `devices` controller. Returns `false` when the host has no such
+    /// controller (pure cgroup2: not enforced here yet, the sandbox's `/dev` still holds only
+    /// the allowed nodes).
+    pub fn restrict_devices(&self) -> Result<bool, CgroupError> {
+        let Some(d) = self.v1_dir("devices") else { return Ok(false) };
+        write_file(&d.join("devices.deny"), "a")?;
+        let allow = d.join("devices.allow");
+        for (_, major, minor) in crate::profile::ALLOWED_DEVICES {
+            write_file(&allow, &format!("c {major}:{minor} rwm"))?;
+        }
+        // devpts ptys.
+        write_file(&allow, "c 136:* rwm")?;
+        Ok(true)
     }
 
     /// Move process `pid` (0 = the caller) into every directory of this cgroup.

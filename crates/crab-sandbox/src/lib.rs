@@ -3,7 +3,8 @@
 //! This crate owns everything a sandbox is made of on the host: the btrfs storage pool
 //! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`]), host-side writes inside a root that never leave it ([`inroot`]), cgroups ([`cgroup`]), the
 //! single-threaded namespace helpers ([`spawn`]), the registry of sandboxes with create, remove
-//! and adoption ([`runtime`]), and running commands inside a sandbox ([`exec`]).
+//! and adoption ([`runtime`]), running commands inside a sandbox ([`exec`]), and the security
+//! profile every sandboxed process runs under ([`profile`], [`seccomp`]).
 
 pub mod archive;
 pub mod btrfs;
@@ -13,8 +14,10 @@ pub mod exec;
 pub mod image;
 pub mod inroot;
 pub mod pool;
+pub mod profile;
 pub mod quota;
 pub mod runtime;
+pub mod seccomp;
 pub mod spawn;
 
 pub use error::{Result, SandboxError};

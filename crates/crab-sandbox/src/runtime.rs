@@ -18,7 +18,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    ExecRequest, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState,
+    ExecRequest, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState, SecurityProfile,
 };
 use crab_common::names;
 use crab_common::paths::StateDir;
@@ -60,6 +60,9 @@ pub struct SandboxRecord {
     pub hostname: String,
     /// Limits.
     pub limits: Limits,
+    /// Security profile (absent in records of older daemons: the default profile).
+    #[serde(default)]
+    pub profile: SecurityProfile,
     /// Its cgroup, relative to each hierarchy's root (`crab-<instance>/<name>`). Absent in
     /// records written before per-daemon cgroups: those sandboxes live in `crab/<name>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -252,6 +255,7 @@ impl Runtime {
             net: rec.net,
             hostname: rec.hostname.clone(),
             cgroup_id: cg.id().unwrap_or(0),
+            profile: Some(crate::profile::report(&rec.profile)),
         }
     }
 
@@ -306,7 +310,9 @@ impl Runtime {
         validate_limits(&req.limits)?;
         let image_root = image::rootfs_of(&self.cfg.state, &req.image)?;
         self.reserve(&name)?;
-        let result = self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits);
+        let profile = SecurityProfile { privileged: req.privileged };
+        let result =
+            self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits, profile);
         if result.is_err() {
             self.discard(&name);
         }
@@ -324,6 +330,7 @@ impl Runtime {
         image_root: &Path,
         net: NetMode,
         limits: &Limits,
+        profile: SecurityProfile,
     ) -> Result<SandboxRecord> {
         let mut rec = SandboxRecord {
             format: RECORD_FORMAT,
@@ -335,6 +342,7 @@ impl Runtime {
             net,
             hostname: name.to_string(),
             limits: limits.clone(),
+            profile,
             cgroup: Some(self.new_cgroup_rel(name)),
         };
         // The directory appears with a (not yet running) record, so another process opening
@@ -343,7 +351,7 @@ impl Runtime {
         let rootfs = self.cfg.state.sandbox_rootfs(name);
         btrfs::snapshot(image_root, &rootfs, false)?;
         personalize(&rootfs, name)?;
-        let (init_pid, init_start) = self.start_init(name, net, limits)?;
+        let (init_pid, init_start) = self.start_init(name, net, limits, profile)?;
         rec.init_pid = init_pid;
         rec.init_start = init_start;
         self.save(&rec)?;
@@ -367,14 +375,21 @@ impl Runtime {
 
     /// Create the cgroup and start a fresh init on the sandbox's current root filesystem.
     /// Returns the init's host pid and start time.
-    pub fn start_init(&self, name: &str, net: NetMode, limits: &Limits) -> Result<(u32, u64)> {
+    pub fn start_init(
+        &self,
+        name: &str,
+        net: NetMode,
+        limits: &Limits,
+        profile: SecurityProfile,
+    ) -> Result<(u32, u64)> {
         let cg = self.cgroup(name);
-        cg.create(limits)?;
+        cg.create_for(limits, &profile)?;
         let spec = StartSpec {
             rootfs: self.cfg.state.sandbox_rootfs(name),
             hostname: name.to_string(),
             net,
             cgroup: cgroup_paths(&cg),
+            profile,
         };
         let json = serde_json::to_string(&spec).map_err(|e| SandboxError::Other(e.to_string()))?;
         let out = Command::new(&self.cfg.helper_exe)
@@ -482,6 +497,7 @@ impl Runtime {
             env,
             workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
             stdin: req.stdin_b64.is_some(),
+            profile: rec.profile,
         })
     }
 

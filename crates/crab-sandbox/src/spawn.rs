@@ -30,7 +30,9 @@ use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, ForkResult};
 use serde::{Deserialize, Serialize};
 
-use crab_common::api::NetMode;
+use crab_common::api::{NetMode, SecurityProfile};
+
+use crate::profile;
 
 /// Cgroup directories a helper must join.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -88,6 +90,9 @@ pub struct StartSpec {
     pub net: NetMode,
     /// Cgroups to join.
     pub cgroup: CgroupPaths,
+    /// Security profile of every process in the sandbox.
+    #[serde(default)]
+    pub profile: SecurityProfile,
 }
 
 /// What the exec helper needs.
@@ -105,6 +110,9 @@ pub struct ExecSpec {
     pub workdir: String,
     /// Whether stdin is inherited from the helper (a pipe); otherwise `/dev/null`.
     pub stdin: bool,
+    /// Security profile the command runs under.
+    #[serde(default)]
+    pub profile: SecurityProfile,
 }
 
 /// The path of the init binary inside every sandbox root.
@@ -127,9 +135,16 @@ pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
     if spec.net != NetMode::Host {
         flags |= CloneFlags::CLONE_NEWNET;
     }
+    if !spec.profile.privileged {
+        // After joining the cgroups: the sandbox's own group becomes its cgroup root.
+        flags |= CloneFlags::CLONE_NEWCGROUP;
+    }
     nix::sched::unshare(flags).map_err(err("unshare namespaces"))?;
     if spec.net == NetMode::Private {
         set_loopback_up().map_err(err("bring up lo"))?;
+    }
+    if spec.net != NetMode::Host && !spec.profile.privileged {
+        profile::allow_ping();
     }
     let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(err("pipe2"))?;
     // SAFETY: the helper process is single-threaded (it runs before any runtime or thread is
@@ -229,17 +244,16 @@ fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String
     mount_fs("proc", &root.join("proc"), "proc", nosuid, "")?;
     let dev = root.join("dev");
     mount_fs("tmpfs", &dev, "tmpfs", MsFlags::MS_NOSUID, "mode=755,size=65536k")?;
-    for (name, major, minor) in [
-        ("null", 1, 3),
-        ("zero", 1, 5),
-        ("full", 1, 7),
-        ("random", 1, 8),
-        ("urandom", 1, 9),
-        ("tty", 5, 0),
-    ] {
+    // ptmx comes from the devpts instance mounted below (a symlink to pts/ptmx).
+    for &(name, major, minor) in profile::ALLOWED_DEVICES.iter().filter(|d| d.0 != "ptmx") {
         let p = dev.join(name);
-        mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor))
-            .map_err(err(format!("mknod {}", p.display())))?;
+        mknod(
+            &p,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(major.into(), minor.into()),
+        )
+        .map_err(err(format!("mknod {}", p.display())))?;
         // mknod honours the umask; make the mode exact.
         nix::sys::stat::fchmodat(
             None,
@@ -274,7 +288,12 @@ fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String
     umount2(".", MntFlags::MNT_DETACH).map_err(err("detach old root"))?;
     nix::unistd::chdir("/").map_err(err("chdir /"))?;
     nix::unistd::sethostname(&spec.hostname).map_err(err("sethostname"))?;
+    if !spec.profile.privileged {
+        profile::restrict_mounts()?;
+    }
     redirect_stdio(true)?;
+    // Before closing fds: a failure must still reach the starter through the error pipe.
+    profile::restrict_process(&spec.profile)?;
     close_fds_above_2();
     let init = CString::new(format!("/{INIT_PATH}")).map_err(err("init path"))?;
     let argv = [CString::new("crab-init").map_err(err("argv"))?];
@@ -319,6 +338,7 @@ pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
         ("ipc", CloneFlags::CLONE_NEWIPC),
         ("uts", CloneFlags::CLONE_NEWUTS),
         ("net", CloneFlags::CLONE_NEWNET),
+        ("cgroup", CloneFlags::CLONE_NEWCGROUP),
         ("pid", CloneFlags::CLONE_NEWPID),
         ("mnt", CloneFlags::CLONE_NEWNS),
     ];
@@ -382,6 +402,9 @@ fn exec_child(spec: &ExecSpec, argv: &[CString], envp: &[CString]) -> i32 {
     }
     if let Err(e) = nix::unistd::chdir(spec.workdir.as_str()) {
         return fail(format!("cannot enter working directory {}: {e}", spec.workdir), 126);
+    }
+    if let Err(e) = profile::restrict_process(&spec.profile) {
+        return fail(e, 126);
     }
     close_fds_above_2();
     // execvpe searches the *caller's* PATH; make it the command's.

@@ -279,3 +279,24 @@ fn init_death_shows_at_once() {
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(sb.info()["state"], "dead");
 }
+
+#[test]
+fn a_mount_criu_refuses_still_publishes_the_filesystem() {
+    let sb = Sandbox::new("t-hostile-bpffs");
+    // A sandbox that mounts bpffs (CRIU refuses to dump it) and writes a file.
+    let (_, err, code) = sb.sh("mkdir -p /mnt/bpf && mount -t bpf bpf /mnt/bpf");
+    if code != 0 {
+        // Isolation refuses the mount: the hostile state cannot arise. Say so and stop.
+        assert!(err.contains("ermission") || err.contains("not permitted"), "{err}");
+        return;
+    }
+    sb.sh_ok("echo kept > /root/file");
+    let out = crab_ok(&["--json", "checkpoint", &sb.name, "--kind", "full"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["point"]["kind"], "fs", "{v}");
+    let why = v["point"]["procs_missing"].as_str().unwrap_or("");
+    assert!(why.contains("CRIU"), "no reason for the missing processes: {v}");
+    sb.sh_ok("rm /root/file");
+    crab_ok(&["restore", &sb.name]);
+    assert_eq!(sb.sh_ok("cat /root/file").trim(), "kept");
+}

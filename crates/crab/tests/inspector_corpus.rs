@@ -18,6 +18,8 @@ struct Case {
     settle: f64,
     setup: String,
     turn: String,
+    /// Run in a `--privileged` sandbox (a turn whose syscalls the default profile refuses).
+    privileged: bool,
 }
 
 fn parse(text: &str) -> Vec<Case> {
@@ -40,6 +42,8 @@ fn parse(text: &str) -> Vec<Case> {
                     c.expect = v.trim().to_string();
                 } else if let Some(v) = line.strip_prefix("settle:") {
                     c.settle = v.trim().parse().unwrap();
+                } else if let Some(v) = line.strip_prefix("privileged:") {
+                    c.privileged = v.trim() == "yes";
                 }
             }
             _ => {
@@ -74,7 +78,11 @@ fn main() {
     let (mut fneg, mut fpos, mut exact) = (Vec::new(), Vec::new(), 0);
     println!("{:<48} {:<8} {:<8} reasons", "case", "expect", "verdict");
     for c in &cases {
-        let sb = Sandbox::new("t-corpus");
+        let sb = if c.privileged {
+            Sandbox::with_args("t-corpus", &["--privileged"])
+        } else {
+            Sandbox::new("t-corpus")
+        };
         if !c.setup.is_empty() {
             let (o, e, code) = sb.sh(&c.setup);
             assert_eq!(code, 0, "setup of {:?} failed: {o}{e}", c.name);

@@ -38,6 +38,7 @@ pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxI
         name: Some(name.to_string()),
         net: Default::default(),
         limits: Default::default(),
+        privileged: false,
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
 }

@@ -49,6 +49,10 @@ pub(super) enum BenchCmd {
         /// Number of exec/host pairs.
         #[arg(long, default_value_t = 200)]
         execs: usize,
+        /// Also create and exec in `--privileged` sandboxes, interleaved, to measure the
+        /// default security profile's cost side by side.
+        #[arg(long)]
+        privileged: bool,
     },
 }
 
@@ -193,10 +197,18 @@ pub(super) async fn run(
                 );
             }
         }
-        BenchCmd::Foundation { image, creates, execs } => {
+        BenchCmd::Foundation { image, creates, execs, privileged } => {
             eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
-            let r = crab_bench::foundation::run(client, &exe, state.root(), &image, creates, execs)
-                .await?;
+            let r = crab_bench::foundation::run(
+                client,
+                &exe,
+                state.root(),
+                &image,
+                creates,
+                execs,
+                privileged,
+            )
+            .await?;
             if json {
                 print_json(&r);
             } else {
@@ -209,6 +221,19 @@ pub(super) async fn run(
                     2,
                 );
                 println!("exec overhead over host (p50): {:.2} ms", r.exec_overhead_p50_ms);
+                if let Some(p) = &r.privileged {
+                    latency_table(
+                        &[
+                            ("create --privileged", &p.create_ms),
+                            ("exec true --privileged", &p.exec_true_ms),
+                        ],
+                        2,
+                    );
+                    println!(
+                        "default profile vs --privileged (p50): create {:.3}x, exec {:+.2} ms",
+                        p.create_ratio_p50, p.exec_delta_p50_ms
+                    );
+                }
             }
         }
     }

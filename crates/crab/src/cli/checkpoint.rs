@@ -17,6 +17,9 @@ pub(super) struct CheckpointArgs {
     /// auto (ask the inspector), fs, process, full or skip.
     #[arg(long, default_value = "auto")]
     kind: String,
+    /// Return only once the point is durable in the daemon's --remote store.
+    #[arg(long)]
+    durable: bool,
 }
 
 #[derive(Debug, Args)]
@@ -30,7 +33,14 @@ pub(super) struct RestoreArgs {
 #[derive(Debug, Args)]
 pub(super) struct ForkArgs {
     /// Sandbox name.
-    sandbox: String,
+    #[arg(required_unless_present = "from_remote", conflicts_with = "from_remote")]
+    sandbox: Option<String>,
+    /// Fork from a point in the daemon's --remote store instead: SB or SB@POINT.
+    #[arg(long, value_name = "SB[@POINT]")]
+    from_remote: Option<String>,
+    /// With --from-remote: files and conversation only (fresh inits, no processes).
+    #[arg(long, requires = "from_remote")]
+    fs_only: bool,
     /// Restore point id (the newest when absent).
     checkpoint: Option<String>,
     /// Number of branches.
@@ -71,11 +81,17 @@ pub(super) async fn checkpoint(
     a: CheckpointArgs,
     json: bool,
 ) -> Result<ExitCode, ApiError> {
-    let CheckpointArgs { sandbox, kind } = a;
+    let CheckpointArgs { sandbox, kind, durable } = a;
     let req = CheckpointCreateRequest { kind: Some(kind), turn: None, conversation_offset: None };
     let v: serde_json::Value = client
         .call(Method::POST, &format!("/v1/sandboxes/{sandbox}/checkpoints"), Some(&req))
         .await?;
+    let mut v = v;
+    if durable {
+        let point = v["point"]["id"].as_str().unwrap_or_default().to_string();
+        let up = super::remote::wait_durable(client, &sandbox, &point).await?;
+        v["durable"] = serde_json::json!({ "uploaded_bytes": up });
+    }
     if json {
         print_json(&v);
         return Ok(ExitCode::SUCCESS);
@@ -90,6 +106,9 @@ pub(super) async fn checkpoint(
         human_bytes(p["size_bytes"].as_u64().unwrap_or(0)),
         p["took_ms"].as_f64().unwrap_or(0.0)
     );
+    if let Some(up) = v["durable"]["uploaded_bytes"].as_u64() {
+        println!("durable in the remote ({} uploaded)", human_bytes(up));
+    }
     if let Some(rs) = v["reasons"].as_array() {
         for r in rs {
             println!("reason: {}", r.as_str().unwrap_or(""));
@@ -126,13 +145,30 @@ pub(super) async fn checkpoints(
     }
     let sandbox =
         a.sandbox.ok_or_else(|| ApiError::invalid("which sandbox?", "crab checkpoints SANDBOX"))?;
-    let v: Vec<crab_checkpoint::PointSummary> = client
+    let raw: Vec<serde_json::Value> = client
         .call::<(), _>(Method::GET, &format!("/v1/sandboxes/{sandbox}/checkpoints"), None)
         .await?;
     if json {
-        print_json(&v);
+        print_json(&raw);
         return Ok(ExitCode::SUCCESS);
     }
+    let remote_col = |r: &serde_json::Value| -> String {
+        match r["state"].as_str() {
+            Some("durable") => {
+                format!("durable ({})", human_bytes(r["uploaded_bytes"].as_u64().unwrap_or(0)))
+            }
+            Some("failed") => format!("local (export failed x{})", r["attempts"]),
+            Some(s) => s.to_string(),
+            None => String::new(),
+        }
+    };
+    let with_remote = raw.iter().any(|p| p.get("remote").is_some());
+    let remotes: Vec<String> = raw.iter().map(|p| remote_col(&p["remote"])).collect();
+    let v: Vec<crab_checkpoint::PointSummary> = raw
+        .into_iter()
+        .map(serde_json::from_value)
+        .collect::<Result<_, _>>()
+        .map_err(|e| ApiError::internal(format!("undecodable point: {e}")))?;
     let rows: Vec<Vec<String>> = v
         .iter()
         .map(|p| {
@@ -148,6 +184,18 @@ pub(super) async fn checkpoints(
             ]
         })
         .collect();
+    if with_remote {
+        let rows: Vec<Vec<String>> = rows
+            .into_iter()
+            .zip(remotes)
+            .map(|(mut r, m)| {
+                r.insert(r.len() - 1, m);
+                r
+            })
+            .collect();
+        table(&["ID", "TURN", "KIND", "PARTS", "SIZE", "TOOK", "AGE", "REMOTE", "ERROR"], &rows);
+        return Ok(ExitCode::SUCCESS);
+    }
     table(&["ID", "TURN", "KIND", "PARTS", "SIZE", "TOOK", "AGE", "ERROR"], &rows);
     Ok(ExitCode::SUCCESS)
 }
@@ -184,7 +232,11 @@ pub(super) async fn restore(
 }
 
 pub(super) async fn fork(client: &Client, a: ForkArgs, json: bool) -> Result<ExitCode, ApiError> {
-    let ForkArgs { sandbox, checkpoint, count, names } = a;
+    let ForkArgs { sandbox, from_remote, fs_only, checkpoint, count, names } = a;
+    if let Some(src) = from_remote {
+        return super::remote::from_remote(client, src, names, count, fs_only, json).await;
+    }
+    let sandbox = sandbox.unwrap_or_default();
     let req =
         ForkRequest { checkpoint, count, names: if names.is_empty() { None } else { Some(names) } };
     let v: Vec<crab_checkpoint::ForkBranch> =

@@ -31,6 +31,16 @@ pub(super) struct DaemonArgs {
     /// Checkpoint disk bandwidth budget, bytes per second (e.g. 200M); unlimited by default.
     #[arg(long, value_parser = parse_size)]
     disk_bandwidth: Option<u64>,
+    /// Durable tier: export every restore point to this store (file:///dir or
+    /// s3://bucket/prefix; S3 endpoint, region and credentials from the AWS_* variables).
+    #[arg(long, env = "CRAB_REMOTE")]
+    remote: Option<String>,
+    /// Upload budget of the exports, bytes per second (e.g. 50M); unlimited by default.
+    #[arg(long, value_parser = parse_size, requires = "remote")]
+    remote_bandwidth: Option<u64>,
+    /// Key file (64 hex digits) encrypting the remote store at rest.
+    #[arg(long, requires = "remote")]
+    remote_key: Option<std::path::PathBuf>,
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -47,7 +57,12 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         disk_bytes_per_sec: a.disk_bandwidth,
         ..Default::default()
     };
-    let opts = DaemonOptions { state, pool_size: a.pool_size, proxy, engine };
+    let remote = a.remote.map(|url| crab_host::remote::RemoteOptions {
+        url,
+        key_file: a.remote_key,
+        bandwidth_bps: a.remote_bandwidth,
+    });
+    let opts = DaemonOptions { state, pool_size: a.pool_size, proxy, engine, remote };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or
         // the kernel's teardown of BPF links would only delay a restart.

@@ -10,6 +10,7 @@ mod conversation;
 mod daemon;
 mod exec;
 mod image;
+mod remote;
 mod sandbox;
 mod top;
 mod turn;
@@ -68,6 +69,9 @@ enum Cmd {
     Top(top::TopArgs),
     /// Show the current turn's OS effects in a sandbox, as the eBPF inspector sees them.
     Inspect(turn::InspectArgs),
+    /// The durable tier (the daemon's --remote): list, check, prune.
+    #[command(subcommand)]
+    Remote(remote::RemoteCmd),
     /// Show the daemon's version and state directory.
     Version,
     /// Run a benchmark against the running daemon.
@@ -146,6 +150,7 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Top(a) => top::run(&client, a, json).await,
         Cmd::Restore(a) => checkpoint::restore(&client, a, json).await,
         Cmd::Fork(a) => checkpoint::fork(&client, a, json).await,
+        Cmd::Remote(c) => remote::run(&client, c, json).await,
     };
     match res {
         Ok(code) => code,

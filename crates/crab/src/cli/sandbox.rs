@@ -12,15 +12,23 @@ use crate::output::{age, human_bytes, table};
 
 #[derive(Debug, Subcommand)]
 pub(super) enum SandboxCmd {
-    /// Create and start a sandbox from an image.
+    /// Create and start a sandbox from an image, or from a remote restore point.
     Create {
         /// Image.
-        image: String,
+        #[arg(required_unless_present = "from_remote", conflicts_with = "from_remote")]
+        image: Option<String>,
+        /// Build it from a point in the daemon's --remote store: SB or SB@POINT (the newest
+        /// when no point), with its files, processes and conversation.
+        #[arg(long, value_name = "SB[@POINT]")]
+        from_remote: Option<String>,
+        /// With --from-remote: files and conversation only (a fresh init, no processes).
+        #[arg(long, requires = "from_remote")]
+        fs_only: bool,
         /// Sandbox name (generated when absent).
         #[arg(long)]
         name: Option<String>,
         /// Network: private (own namespace, lo up), host, or none.
-        #[arg(long, default_value = "private")]
+        #[arg(long, visible_alias = "network", default_value = "private")]
         net: NetMode,
         /// Memory limit, e.g. 512M.
         #[arg(long, value_parser = parse_size)]
@@ -31,6 +39,11 @@ pub(super) enum SandboxCmd {
         /// CPU limit in cores, e.g. 0.5.
         #[arg(long)]
         cpus: Option<f64>,
+        /// UNSAFE: run without the default security profile (all capabilities, no seccomp,
+        /// no masked paths, no cgroup namespace, every device). Code in the sandbox can then
+        /// take over the host. For trusted workloads and benchmarks only.
+        #[arg(long)]
+        privileged: bool,
     },
     /// List sandboxes.
     Ls,
@@ -69,9 +82,23 @@ const SANDBOX_HEADER: [&str; 6] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WR
 
 pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitCode, ApiError> {
     match c {
-        SandboxCmd::Create { image, name, net, memory, pids, cpus } => {
+        SandboxCmd::Create {
+            image,
+            from_remote,
+            fs_only,
+            name,
+            net,
+            memory,
+            pids,
+            cpus,
+            privileged,
+        } => {
+            if let Some(src) = from_remote {
+                let names = name.into_iter().collect();
+                return super::remote::from_remote(client, src, names, 1, fs_only, json).await;
+            }
             let req = SandboxCreateRequest {
-                image,
+                image: image.unwrap_or_default(),
                 name,
                 net,
                 limits: Limits {
@@ -79,6 +106,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                     pids_max: pids,
                     cpu_millis: cpus.map(|c| (c * 1000.0) as u64),
                 },
+                privileged,
             };
             let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
             if json {

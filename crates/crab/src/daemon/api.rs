@@ -21,7 +21,7 @@ use crab_common::api::ProgressFrame;
 use crab_common::{ApiError, Progress};
 use crab_host::{Action, Host, HostError, Outcome};
 
-use super::{checkpoints, images, inspect, sandboxes};
+use super::{checkpoints, images, inspect, remote, sandboxes};
 
 /// The daemon's routes.
 pub fn router(d: Arc<Host>) -> Router {
@@ -44,6 +44,11 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/metrics", get(metrics))
         .route("/metrics", get(metrics))
         .route("/v1/top", get(top))
+        .route("/v1/remote/points", get(remote::ls))
+        .route("/v1/remote/check", post(remote::check))
+        .route("/v1/remote/prune", post(remote::prune))
+        .route("/v1/remote/wait", get(remote::wait))
+        .route("/v1/remote/restore", post(remote::restore))
         .fallback(not_found)
         .with_state(d)
 }

@@ -13,6 +13,7 @@ mod api;
 mod checkpoints;
 mod images;
 mod inspect;
+mod remote;
 mod sandboxes;
 
 use std::io::Write;
@@ -25,6 +26,7 @@ use anyhow::{bail, Context};
 use crab_common::paths::StateDir;
 use crab_coordinator::ProxyConfig;
 use crab_engine::EngineConfig;
+use crab_host::remote::RemoteOptions;
 use crab_host::{Host, HostOptions};
 
 /// Options of `crab daemon`.
@@ -38,6 +40,8 @@ pub struct DaemonOptions {
     pub proxy: ProxyConfig,
     /// Engine tunables.
     pub engine: EngineConfig,
+    /// The durable tier (`--remote`), if any.
+    pub remote: Option<RemoteOptions>,
 }
 
 /// Run the daemon until SIGINT or SIGTERM.
@@ -53,6 +57,7 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         helper_exe: exe,
         proxy: opts.proxy.clone(),
         engine: opts.engine.clone(),
+        remote: opts.remote.clone(),
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

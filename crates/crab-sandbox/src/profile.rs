@@ -1,0 +1,198 @@
+//! The security profile every process entering a sandbox runs under (at least Docker's default).
+//!
+//! Two halves, applied by the single-threaded helpers in [`crate::spawn`]:
+//!
+//! * [`restrict_mounts`] — run by the sandbox's pid 1 after it pivoted into its root and before
+//!   it execs `crab-init`: masks `/proc` files and directories that leak host state
+//!   ([`MASKED_PATHS`]) and makes kernel-tunable paths read-only ([`READONLY_PATHS`]). These are
+//!   mounts inside the sandbox's mount namespace, so CRIU dumps and restores them with the rest
+//!   of the mount tree and every later process (exec, restore, fork) sees them.
+//! * [`restrict_process`] — run by the starter's child and by `__nsexec`'s child right before
+//!   `execve`: capability sets reduced to [`DEFAULT_CAPS`] (bounding, permitted, effective,
+//!   inheritable; ambient empty), `no_new_privs`, and the seccomp filter of [`crate::seccomp`]
+//!   (Docker's default profile, EPERM on refusal). Children inherit all three; CRIU dumps and
+//!   restores creds and seccomp filters per task, so restored and forked processes keep them.
+//!
+//! The cgroup namespace and the device allowlist belong to the starter and [`crate::cgroup`].
+//! A sandbox created `--privileged` skips all of this (documented as unsafe).
+
+use caps::{CapSet, Capability, CapsHashSet};
+use nix::mount::{mount, MsFlags};
+
+pub use crab_common::api::{ProfileReport, SecurityProfile};
+
+/// Docker's default capability list minus `NET_RAW` (see `docs/architecture.md`: raw sockets
+/// allow ARP/IP spoofing on a nat sandbox's veth and the kernel's raw-socket attack surface;
+/// `ping` keeps working through ICMP datagram sockets, enabled by `net.ipv4.ping_group_range`
+/// in the sandbox's network namespace).
+pub const DEFAULT_CAPS: [Capability; 13] = [
+    Capability::CAP_CHOWN,
+    Capability::CAP_DAC_OVERRIDE,
+    Capability::CAP_FSETID,
+    Capability::CAP_FOWNER,
+    Capability::CAP_MKNOD,
+    Capability::CAP_SETGID,
+    Capability::CAP_SETUID,
+    Capability::CAP_SETFCAP,
+    Capability::CAP_SETPCAP,
+    Capability::CAP_NET_BIND_SERVICE,
+    Capability::CAP_SYS_CHROOT,
+    Capability::CAP_KILL,
+    Capability::CAP_AUDIT_WRITE,
+];
+
+/// Paths hidden from the sandbox: a file gets `/dev/null` bound over it, a directory an empty
+/// read-only tmpfs (Docker's and runc's list). Paths the kernel does not have are skipped.
+pub const MASKED_PATHS: [&str; 10] = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+];
+
+/// Paths bound read-only over themselves (Docker's list). `/sys` is not mounted in a sandbox.
+pub const READONLY_PATHS: [&str; 5] =
+    ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
+
+/// Device nodes a sandbox may open (`/dev` is a fresh tmpfs holding only these, and the cgroup
+/// device controller enforces the same list): (name, major, minor).
+pub const ALLOWED_DEVICES: [(&str, u32, u32); 7] = [
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+    ("ptmx", 5, 2),
+];
+
+/// The profile report of `p`.
+pub fn report(p: &SecurityProfile) -> ProfileReport {
+    if p.privileged {
+        return ProfileReport {
+            name: "privileged".into(),
+            capabilities: vec!["ALL".into()],
+            seccomp: "none".into(),
+            no_new_privs: false,
+            masked_paths: Vec::new(),
+            readonly_paths: Vec::new(),
+            cgroup_namespace: false,
+            devices: vec!["all".into()],
+        };
+    }
+    let mut devices: Vec<String> =
+        ALLOWED_DEVICES.iter().map(|(n, ma, mi)| format!("c {ma}:{mi} {n}")).collect();
+    devices.push("c 136:* pts".into());
+    ProfileReport {
+        name: "default".into(),
+        capabilities: DEFAULT_CAPS.iter().map(|c| c.to_string()).collect(),
+        seccomp: format!(
+            "docker-default ({} syscalls allowed, others EPERM; socket/personality/clone \
+             argument-filtered, clone3 ENOSYS)",
+            crate::seccomp::allowed_count()
+        ),
+        no_new_privs: true,
+        masked_paths: MASKED_PATHS.iter().map(|s| s.to_string()).collect(),
+        readonly_paths: READONLY_PATHS.iter().map(|s| s.to_string()).collect(),
+        cgroup_namespace: true,
+        devices,
+    }
+}
+
+fn err<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> String {
+    let what = what.into();
+    move |e| format!("{what}: {e}")
+}
+
+/// Mask and make read-only the paths of the default profile. Runs in the sandbox's mount
+/// namespace after `pivot_root` (paths are the sandbox's).
+pub fn restrict_mounts() -> Result<(), String> {
+    for p in MASKED_PATHS {
+        let Ok(meta) = std::fs::symlink_metadata(p) else { continue };
+        if meta.is_dir() {
+            mount(
+                Some("tmpfs"),
+                p,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some("mode=555"),
+            )
+            .map_err(err(format!("mask {p} (tmpfs)")))?;
+        } else {
+            mount(Some("/dev/null"), p, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+                .map_err(err(format!("mask {p} (bind /dev/null)")))?;
+        }
+    }
+    for p in READONLY_PATHS {
+        if std::fs::symlink_metadata(p).is_err() {
+            continue;
+        }
+        mount(Some(p), p, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            .map_err(err(format!("bind {p}")))?;
+        mount(
+            None::<&str>,
+            p,
+            None::<&str>,
+            MsFlags::MS_BIND
+                | MsFlags::MS_REMOUNT
+                | MsFlags::MS_RDONLY
+                | MsFlags::MS_NOSUID
+                | MsFlags::MS_NODEV
+                | MsFlags::MS_NOEXEC,
+            None::<&str>,
+        )
+        .map_err(err(format!("remount {p} read-only")))?;
+    }
+    Ok(())
+}
+
+/// Allow unprivileged ICMP echo sockets (`ping` without `NET_RAW`) in the calling process's
+/// network namespace. Best effort: a kernel without the sysctl just keeps ping root-only.
+pub fn allow_ping() {
+    let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
+}
+
+/// Drop every capability outside `keep` from the bounding set, including ones newer than the
+/// `caps` crate knows (the kernel's `cap_last_cap` may be higher).
+fn drop_bounding(keep: &CapsHashSet) -> Result<(), String> {
+    let keep_idx: Vec<u8> = keep.iter().map(|c| c.index()).collect();
+    for cap in 0..64u8 {
+        // SAFETY: prctl with integer arguments only.
+        let has = unsafe { libc::prctl(libc::PR_CAPBSET_READ, libc::c_ulong::from(cap), 0, 0, 0) };
+        if has != 1 || keep_idx.contains(&cap) {
+            continue; // < 0: past the kernel's last capability
+        }
+        // SAFETY: prctl with integer arguments only.
+        if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, libc::c_ulong::from(cap), 0, 0, 0) } != 0 {
+            return Err(format!(
+                "prctl(PR_CAPBSET_DROP, {cap}): {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Drop capabilities, set `no_new_privs` and install the seccomp filter, in that order (the
+/// bounding set first, while `CAP_SETPCAP` is held; the filter before the last capset, which
+/// the filter allows). Called right before `execve`, in a single-threaded process.
+pub fn restrict_process(p: &SecurityProfile) -> Result<(), String> {
+    if p.privileged {
+        return Ok(());
+    }
+    let keep: CapsHashSet = DEFAULT_CAPS.iter().copied().collect();
+    caps::clear(None, CapSet::Ambient).map_err(err("clear ambient capabilities"))?;
+    drop_bounding(&keep)?;
+    caps::set(None, CapSet::Inheritable, &keep).map_err(err("set inheritable capabilities"))?;
+    // seccompiler sets no_new_privs itself before installing the filter.
+    crate::seccomp::install().map_err(err("install seccomp filter"))?;
+    caps::set(None, CapSet::Effective, &keep).map_err(err("set effective capabilities"))?;
+    caps::set(None, CapSet::Permitted, &keep).map_err(err("set permitted capabilities"))?;
+    Ok(())
+}

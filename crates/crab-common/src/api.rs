@@ -316,6 +316,25 @@ pub struct RestoreRequest {
     pub checkpoint: Option<String>,
 }
 
+/// `POST /v1/sandboxes/{name}/stop`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StopRequest {
+    /// Publish a restore point before killing the processes (the default, `docker stop`);
+    /// `false` kills at once (`docker kill`).
+    #[serde(default = "yes")]
+    pub checkpoint: bool,
+}
+
+impl Default for StopRequest {
+    fn default() -> Self {
+        StopRequest { checkpoint: true }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
 /// `POST /v1/sandboxes/{name}/fork`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ForkRequest {

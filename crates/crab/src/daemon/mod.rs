@@ -49,6 +49,8 @@ pub struct DaemonOptions {
     pub engine: EngineConfig,
     /// The durable tier (`--remote`), if any.
     pub remote: Option<remote::RemoteOptions>,
+    /// Default address range of `nat` sandboxes (`--nat-range`).
+    pub nat_range: String,
 }
 
 /// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
@@ -178,6 +180,10 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
                 if api.hint.is_empty() { String::new() } else { format!(" (hint: {})", api.hint) }
             )
         })?;
+    runtime
+        .nat()
+        .set_default_range(&opts.nat_range)
+        .map_err(|e| anyhow::anyhow!("--nat-range: {e}"))?;
     let inspector = tokio::task::spawn_blocking(Inspector::load)
         .await
         .context("inspector start-up panicked")?

@@ -5,11 +5,13 @@
 //! default route via `G`; the host's end (`crab<tag><id>`, 15 characters) carries `G/32 peer
 //! A/32`, which gives the host its route to `A`. `G` is the range's first address, the same on
 //! every host end (a link-scoped gateway the sandbox ARPs for); sandboxes get the following
-//! ones. The daemon's table `inet crab-<instance>` (named after [`StateDir::instance`], so two
-//! daemons never touch each other's rules) drops everything a sandbox sends to the host itself
+//! ones. The daemon's table `inet crab-<instance>` (named after `StateDir::instance`, so two
+//! daemons never touch each other's rules) refuses (ICMP admin-prohibited, so tools fail at
+//! once instead of hanging) everything a sandbox sends to the host itself
 //! (any host address, IPv4 or IPv6: the daemon's proxy listener and every other local server),
-//! everything between two sandbox interfaces of *any* daemon (east-west), any connection opened
-//! towards a sandbox, spoofed sources and IPv6 forwarding, and masquerades the rest. The
+//! and everything between two sandbox interfaces of *any* daemon (east-west); it drops any
+//! connection opened towards a sandbox, spoofed sources and IPv6 forwarding, and masquerades
+//! the rest. The
 //! in-sandbox LLM endpoint `127.0.0.1:7431` is a listener inside the sandbox's own namespace
 //! and needs none of this.
 //!
@@ -444,11 +446,11 @@ fn table_rules(table: &str, own: &str, addrs: &[String]) -> String {
   set sandboxes {{ type ipv4_addr; elements = {{ {elems} }} }}
   chain input {{
     type filter hook input priority filter - 5; policy accept;
-    iifname "{own}*" drop
+    iifname "{own}*" reject with icmpx admin-prohibited
   }}
   chain forward {{
     type filter hook forward priority filter - 5; policy accept;
-    iifname "{all}*" oifname "{all}*" drop
+    iifname "{all}*" oifname "{all}*" reject with icmpx admin-prohibited
     oifname "{own}*" ct state established,related accept
     oifname "{own}*" drop
     iifname "{own}*" meta nfproto ipv6 drop
@@ -496,7 +498,7 @@ mod tests {
     fn table_rules_name_the_instance() {
         let r = table_rules("crab-x-1", "crab12ab", &["10.213.0.2".into()]);
         assert!(r.contains("table inet crab-x-1"));
-        assert!(r.contains("iifname \"crab*\" oifname \"crab*\" drop"));
+        assert!(r.contains("iifname \"crab*\" oifname \"crab*\" reject"));
         assert!(r.contains("elements = { 10.213.0.2 }"));
     }
 }

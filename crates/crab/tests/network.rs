@@ -205,10 +205,8 @@ fn nat_egress_isolation_restore_and_fork() {
     assert_eq!(get_outside(&a, &outside), format!("peer {}", outside.host_side));
 
     // rm leaves no host end and no route behind.
-    let ends: Vec<(String, String)> = [&a, &b, &branch]
-        .iter()
-        .map(|s| (host_if(&s.name), address(s)))
-        .collect();
+    let ends: Vec<(String, String)> =
+        [&a, &b, &branch].iter().map(|s| (host_if(&s.name), address(s))).collect();
     drop(branch);
     drop(b);
     drop(a);
@@ -251,5 +249,8 @@ fn bad_nat_ranges_are_refused_with_400() {
     let out = crab(&["sandbox", "create", "debian", "--name", &name, "--nat-range", "10.9.0.0/16"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--network nat"));
-    assert!(!state_dir().join("pool/sandboxes").join(&name).exists(), "a refused create left a sandbox");
+    assert!(
+        !state_dir().join("pool/sandboxes").join(&name).exists(),
+        "a refused create left a sandbox"
+    );
 }

@@ -33,7 +33,8 @@ use crab_sandbox::{image, Runtime, RuntimeConfig};
 use crate::glue::{CheckpointExecutor, Hooks, JobTicket, Payload, SandboxDir};
 use crate::remote::{remote_error, FromRemote, FromRemoteReport, RemoteOptions, RemoteTier};
 use crate::{
-    Action, Decision, HostError, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked, TurnPolicy,
+    Action, Decision, HostError, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked,
+    TurnPolicy,
 };
 
 /// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).

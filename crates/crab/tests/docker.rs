@@ -65,7 +65,19 @@ fn mini_swe_agent_call_sequence_and_lifecycle() {
                   nohup python3 -m http.server 9000 >/dev/null 2>&1 & sleep 0.5; exit 3";
     let out = docker(
         &d,
-        &["exec", "-w", "/testbed", "-e", "PAGER=cat", "-e", "MANPAGER=cat", &name, "bash", "-lc", action],
+        &[
+            "exec",
+            "-w",
+            "/testbed",
+            "-e",
+            "PAGER=cat",
+            "-e",
+            "MANPAGER=cat",
+            &name,
+            "bash",
+            "-lc",
+            action,
+        ],
         None,
     );
     assert_eq!(out.status.code(), Some(3), "{out:?}");

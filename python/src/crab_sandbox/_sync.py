@@ -161,7 +161,7 @@ class Sandbox:
             name: the sandbox's name; generated when None.
             memory: memory limit, bytes or ``"512M"``.
             cpus: CPU limit in cores (``0.5``).
-            network: ``private`` (own namespace, lo up), ``none`` or ``host``.
+            network: ``private`` (own namespace, lo up), ``nat`` (masqueraded egress), ``none`` or ``host``.
             pids: maximum number of tasks.
             privileged: UNSAFE, no security profile (see ``crab sandbox create --privileged``).
         """

@@ -112,7 +112,8 @@ pub(super) struct RunArgs {
     /// Accepted for compatibility (no terminal is allocated).
     #[arg(short = 't', long = "tty")]
     tty: bool,
-    /// Network: bridge/private (own namespace), none, or host.
+    /// Network: private (the default: own namespace, loopback only), bridge or nat
+    /// (masqueraded egress, as docker's bridge), none, or host.
     #[arg(long = "network", visible_alias = "net", default_value = "private")]
     network: String,
     /// Memory limit, e.g. 512m.
@@ -179,12 +180,13 @@ fn env_pairs(env: Vec<String>) -> Vec<String> {
 
 fn net_mode(s: &str) -> Result<NetMode, ApiError> {
     match s {
-        "bridge" | "default" | "private" => Ok(NetMode::Private),
+        "private" => Ok(NetMode::Private),
+        "bridge" | "nat" => Ok(NetMode::Nat),
         "none" => Ok(NetMode::None),
         "host" => Ok(NetMode::Host),
         other => Err(ApiError::invalid(
             format!("unsupported --network {other:?}"),
-            "use bridge (a private namespace), none or host",
+            "use private (own namespace, loopback only), bridge (= nat: masqueraded egress), none or host",
         )),
     }
 }
@@ -242,7 +244,11 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
                     ));
                 }
                 let _: serde_json::Value = client
-                    .call::<(), _>(Method::DELETE, &format!("/v1/sandboxes/{name}?force=true"), None)
+                    .call::<(), _>(
+                        Method::DELETE,
+                        &format!("/v1/sandboxes/{name}?force=true"),
+                        None,
+                    )
                     .await?;
                 println!("{name}");
             }
@@ -301,7 +307,10 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
                 print_json(&doc);
             } else {
                 println!("Client: crab docker {}", env!("CARGO_PKG_VERSION"));
-                println!("Server: crab daemon {} (API {}), state {}", v.version, v.api, v.state_dir);
+                println!(
+                    "Server: crab daemon {} (API {}), state {}",
+                    v.version, v.api, v.state_dir
+                );
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -351,6 +360,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
             cpu_millis: a.cpus.map(|c| (c * 1000.0) as u64),
         },
         privileged: a.privileged,
+        nat_range: None,
     };
     let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
     let name = s.name.clone();
@@ -451,7 +461,8 @@ fn inspect_doc(s: &SandboxInfo) -> serde_json::Value {
         },
         "Config": {"Image": s.image, "Hostname": s.hostname},
         "HostConfig": {"NetworkMode": match s.net {
-            NetMode::Private => "bridge",
+            NetMode::Private => "private",
+            NetMode::Nat => "bridge",
             NetMode::None => "none",
             NetMode::Host => "host",
         }},
@@ -498,7 +509,10 @@ mod tests {
         let d = serde_json::json!({"State": {"Running": true, "Status": "running"}, "Name": "/x"});
         assert_eq!(render_template("{{.State.Running}}", &d), "true");
         assert_eq!(render_template("{{ .State.Status }}:{{.Name}}", &d), "running:/x");
-        assert_eq!(render_template("{{json .State}}", &d), r#"{"Running":true,"Status":"running"}"#);
+        assert_eq!(
+            render_template("{{json .State}}", &d),
+            r#"{"Running":true,"Status":"running"}"#
+        );
         assert_eq!(render_template("{{.Nope}}", &d), "<no value>");
     }
 

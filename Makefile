@@ -42,9 +42,10 @@ test: build lint
 	@$(MAKE) --no-print-directory test-python
 	@scripts/daemon.sh stop
 
-# The Python SDK (python/) against the running daemon, in the venv of scripts/install-python-sdk.sh.
+# The Python SDK (python/) against the running daemon, in the venv of scripts/install-python-sdk.sh;
+# test_ray.py starts a two-node Ray cluster on loopback with two more daemons of its own.
 test-python:
-	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh | tail -n 1) -m pytest python/tests -q
+	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh --with-ray | tail -n 1) -m pytest python/tests -q
 
 bench: build-release
 	@scripts/daemon.sh restart target/release/crab

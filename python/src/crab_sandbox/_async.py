@@ -160,7 +160,10 @@ class AsyncSandbox:
     ) -> S:
         d = _pick(socket, daemon)
         source = ref.ref if isinstance(ref, Point) else ref
-        body = {"source": source, "names": [name] if name else None, "count": 1, "fs_only": fs_only}
+        # The daemon's generated names (SB-cN-1) repeat when one point is restored twice on a
+        # host; generate a fresh one.
+        name = name or c.fresh_name(source)
+        body = {"source": source, "names": [name], "count": 1, "fs_only": fs_only}
         v = await d.request("POST", "/v1/remote/restore", body)
         return cls(str(v["branches"][0]["sandbox"]), d)
 
@@ -248,10 +251,26 @@ class AsyncSandbox:
             await self.daemon.request(
                 "GET",
                 "/v1/remote/wait",
-                params={"sandbox": self.name, "point": p.id, "timeout_s": durable_timeout},
+                params={"sandbox": self.name, "point": p.id, "timeout_s": int(durable_timeout)},
             )
             return p.with_remote_state("durable")
         return p
+
+    async def wait_durable(self, point: PointRef = None, timeout: float = 600.0) -> Point:
+        """Wait until ``point`` (the newest when None) is in the daemon's ``--remote`` store."""
+        pid = _point_id(point)
+        if pid is None:
+            pts = await self.points()
+            if not pts:
+                raise CapabilityError("the sandbox has no restore point to wait for", "take one with checkpoint()")
+            pid = pts[-1].id
+        await self.daemon.request(
+            "GET", "/v1/remote/wait", params={"sandbox": self.name, "point": pid, "timeout_s": int(timeout)}
+        )
+        for p in await self.points():
+            if p.id == pid:
+                return p.with_remote_state("durable")
+        raise CapabilityError(f"point {pid} is durable but no longer listed locally", "list points()")
 
     async def points(self) -> List[Point]:
         return [Point.from_json(self.name, v) for v in await self.daemon.request("GET", f"{self._base}/checkpoints")]

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import re
+import secrets
 import tarfile
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -112,6 +113,11 @@ def create_body(
         },
         "privileged": privileged,
     }
+
+
+def fresh_name(source: str) -> str:
+    """A new sandbox name derived from ``SB[@POINT]``: ``SB-<8 hex>``."""
+    return f"{source.split('@', 1)[0][:40]}-{secrets.token_hex(4)}"
 
 
 def argv(cmd: Cmd) -> List[str]:

@@ -192,7 +192,10 @@ class Sandbox:
         store, without the original host. ``fs_only``: files and conversation, a fresh init."""
         d = _pick(socket, daemon)
         source = ref.ref if isinstance(ref, Point) else ref
-        body = {"source": source, "names": [name] if name else None, "count": 1, "fs_only": fs_only}
+        # The daemon's generated names (SB-cN-1) repeat when one point is restored twice on a
+        # host; generate a fresh one.
+        name = name or c.fresh_name(source)
+        body = {"source": source, "names": [name], "count": 1, "fs_only": fs_only}
         v = d.request("POST", "/v1/remote/restore", body)
         return cls(str(v["branches"][0]["sandbox"]), d)
 
@@ -311,10 +314,26 @@ class Sandbox:
             self.daemon.request(
                 "GET",
                 "/v1/remote/wait",
-                params={"sandbox": self.name, "point": p.id, "timeout_s": durable_timeout},
+                params={"sandbox": self.name, "point": p.id, "timeout_s": int(durable_timeout)},
             )
             return p.with_remote_state("durable")
         return p
+
+    def wait_durable(self, point: PointRef = None, timeout: float = 600.0) -> Point:
+        """Wait until ``point`` (the newest when None) is in the daemon's ``--remote`` store."""
+        pid = _point_id(point)
+        if pid is None:
+            pts = self.points()
+            if not pts:
+                raise CapabilityError("the sandbox has no restore point to wait for", "take one with checkpoint()")
+            pid = pts[-1].id
+        self.daemon.request(
+            "GET", "/v1/remote/wait", params={"sandbox": self.name, "point": pid, "timeout_s": int(timeout)}
+        )
+        for p in self.points():
+            if p.id == pid:
+                return p.with_remote_state("durable")
+        raise CapabilityError(f"point {pid} is durable but no longer listed locally", "list points()")
 
     def points(self) -> List[Point]:
         """The sandbox's restore points, oldest first."""

@@ -1,0 +1,242 @@
+"""crab_sandbox.ray on a real two-node Ray cluster on loopback: `ray start --head` (127.0.0.2)
+and `ray start --address` (127.0.0.3), each "node" bound to its own Crab daemon (own state
+dir, pool and proxy port) and both daemons sharing one file:// remote store — the shape of two
+hosts. Rollouts fork across the nodes; a rollout whose node is lost finishes on the other from
+its last durable point.
+
+Cost: the first run exports the image to the remote once and imports it on the second daemon
+(tens of seconds in a debug build); later runs reuse the state dirs and the store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List
+
+import pytest
+
+from conftest import ROOT, cannot_run, crab_bin, start_daemon, state_dir, unique, wait_up
+
+try:
+    import ray
+except ImportError:  # the venv without --with-ray
+    ray = None
+
+from crab_sandbox import Daemon, Sandbox  # noqa: E402
+
+HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
+BASE = Path(os.environ.get("CRAB_RAY_TEST_DIR", "/var/lib/crab-pyray"))
+
+
+def free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
+def ray_bin() -> str:
+    return str(Path(sys.executable).parent / "ray")
+
+
+class Node:
+    """One `ray start --block` in its own session, so it and its children stop together."""
+
+    def __init__(self, args: List[str], env: Dict[str, str], log: Path) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            [ray_bin(), "start", "--block", "--disable-usage-stats", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        try:  # stragglers of the group (workers)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def own_daemon(state: Path, remote: str) -> Daemon:
+    d = Daemon(state / "crab.sock")
+    if not wait_up(d, 0.1):
+        start_daemon(str(state), "--pool-size", "8G", "--remote", remote, "--proxy-listen", "127.0.0.1:0")
+        if not wait_up(d, 60):
+            cannot_run(f"the test daemon on {state} did not come up; see {state}/logs/daemon.log")
+    return d
+
+
+def stop_daemon(state: Path) -> None:
+    try:
+        pid = int((state / "daemon.pid").read_text().split()[0])
+    except (OSError, ValueError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(400):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster(daemon: Daemon) -> Iterator[Dict[str, object]]:
+    if ray is None:
+        cannot_run("ray is not installed in this venv: scripts/install-python-sdk.sh --with-ray")
+    remote = f"file://{BASE}-remote"
+    a_state, b_state = Path(f"{BASE}-a"), Path(f"{BASE}-b")
+    # The daemons are not restarted between runs of one session; a stale one (an older binary)
+    # is replaced.
+    for st in (a_state, b_state):
+        stop_daemon(st)
+    da, db = own_daemon(a_state, remote), own_daemon(b_state, remote)
+    if "debian" not in [i["name"] for i in da.request("GET", "/v1/images")]:
+        src = Path(state_dir()) / "pool" / "images" / "debian"
+        subprocess.run(
+            [crab_bin(), "--state-dir", str(a_state), "image", "import", "debian", str(src)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    tmp = Path(f"/tmp/crab-pyray-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = free_port(HEAD_IP)
+    env = dict(os.environ)
+    env.update(
+        {
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PYTHONPATH": str(ROOT / "python" / "src"),
+        }
+    )
+    resources = '{"crab": 100}'
+    head = Node(
+        [
+            "--head",
+            f"--node-ip-address={HEAD_IP}",
+            f"--port={port}",
+            "--num-cpus=1",
+            f"--resources={resources}",
+            "--include-dashboard=false",
+            f"--temp-dir={tmp}",
+        ],
+        {**env, "CRAB_STATE_DIR": str(a_state)},
+        tmp / "head.log",
+    )
+    nodes = [head]
+    try:
+        address = f"{HEAD_IP}:{port}"
+        deadline = time.monotonic() + 120
+        while subprocess.run(
+            [ray_bin(), "status", f"--address={address}"], capture_output=True
+        ).returncode != 0:
+            if time.monotonic() > deadline or head.proc.poll() is not None:
+                pytest.fail(f"the Ray head did not come up: {(tmp / 'head.log').read_text()[-2000:]}")
+            time.sleep(1)
+        worker = Node(
+            [f"--address={address}", f"--node-ip-address={WORKER_IP}", "--num-cpus=1", f"--resources={resources}"],
+            {**env, "CRAB_STATE_DIR": str(b_state)},
+            tmp / "worker.log",
+        )
+        nodes.append(worker)
+        ray.init(address=address, _node_ip_address=HEAD_IP, log_to_driver=False)
+        from crab_sandbox.ray import crab_nodes
+
+        deadline = time.monotonic() + 120
+        while len(crab_nodes()) < 2:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the second Ray node did not join: {(tmp / 'worker.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        yield {"a": by_ip[HEAD_IP], "b": by_ip[WORKER_IP], "da": da, "db": db, "worker": worker}
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for n in reversed(nodes):
+            n.stop()
+        for st in (a_state, b_state):
+            stop_daemon(st)
+
+
+def test_tree_rollouts_across_nodes_and_recovery_after_node_loss(cluster: Dict[str, object]) -> None:
+    from crab_sandbox.ray import CrabSandbox, create
+
+    a, b, da, db = cluster["a"], cluster["b"], cluster["da"], cluster["db"]
+    assert isinstance(da, Daemon) and isinstance(db, Daemon)
+    made: List[Sandbox] = []
+    try:
+        # The task sandbox on node A, mid-trajectory: files and a live process.
+        task = create("debian", name=unique("ray-task"), node=a)
+        assert ray.get(task.node_id.remote()) == a
+        made.append(Sandbox(ray.get(task.name.remote()), da))
+        r = ray.get(task.exec.remote("mkdir -p /work && echo base > /work/f && (nohup sleep 999 >/dev/null 2>&1 &)"))
+        assert r.exit_code == 0, r
+        assert ray.get(task.capabilities.remote()) == {"restores_processes": True, "durable": True}
+        p = ray.get(task.checkpoint.remote(kind="full", durable=True))
+        assert p.durable and p.restores_processes
+
+        # Two rollouts from the point, spread: one lands on node B (from the remote store), one
+        # on A (a local fork). Each continues differently; the states stay distinct.
+        t0 = time.monotonic()
+        branches = ray.get(task.fork.remote(2, p, spread=True))
+        homes = ray.get([br.node_id.remote() for br in branches])
+        fork_s = time.monotonic() - t0
+        assert sorted(homes) == sorted([a, b]), homes
+        names = ray.get([br.name.remote() for br in branches])
+        for n, home in zip(names, homes):
+            made.append(Sandbox(n, da if home == a else db))
+        outs = ray.get(
+            [br.exec.remote(f"cat /work/f; echo rollout-{i} >> /work/f; pgrep -c -x sleep") for i, br in enumerate(branches)]
+        )
+        for o in outs:
+            assert o.exit_code == 0, o
+            first, count = o.stdout.split()
+            assert first == "base" and count == "1", o.stdout  # files and the process came along
+        states = ray.get([br.read_file.remote("/work/f") for br in branches])
+        assert states[0] != states[1] and all(s.startswith(b"base\n") for s in states), states
+        assert ray.get(task.read_file.remote("/work/f")) == b"base\n"
+        print(f"\nfork(2, spread) across 2 nodes: {fork_s:.1f} s (one branch from the remote store)")
+
+        # Spot loss: the rollout on node B reaches a durable point at turn 1, then does turn 2;
+        # node B is lost (its Ray node stopped, the sandbox and its local points removed from
+        # its daemon). It comes back on A from turn 1: turn 2 is lost, nothing before it.
+        spot = branches[homes.index(b)]
+        spot_name = names[homes.index(b)]
+        ray.get(spot.exec.remote("echo turn1 > /work/turn"))
+        ray.get(spot.checkpoint.remote(kind="fs", durable=True))
+        ray.get(spot.exec.remote("echo turn2 > /work/turn"))
+        worker = cluster["worker"]
+        worker.stop()  # type: ignore[attr-defined]
+        Sandbox(spot_name, db).kill()
+        t0 = time.monotonic()
+        back = CrabSandbox.recover(spot_name, avoid=b)
+        assert ray.get(back.node_id.remote()) == a
+        recover_s = time.monotonic() - t0
+        made.append(Sandbox(ray.get(back.name.remote()), da))
+        assert ray.get(back.read_file.remote("/work/turn")) == b"turn1\n"
+        assert ray.get(back.read_file.remote("/work/f")).startswith(b"base\nrollout-")
+        assert ray.get(back.get_status.remote()) == "running"
+        print(f"recover after node loss: {recover_s:.1f} s")
+    finally:
+        for sb in made:
+            try:
+                sb.kill()
+            except Exception:  # noqa: BLE001 - best effort, the daemon may be gone
+                pass

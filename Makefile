@@ -55,4 +55,5 @@ bench: build-release
 	target/release/crab bench turns --time-scale 0.1
 	$(CARGO) run --release -p crab-inspector --bin crab-inspector-bench -- --rounds 5
 	CRAB_BIN=$(CURDIR)/target/release/crab $(CARGO) test --release -p crab-checkpoint --test real_flows -- --ignored --nocapture --test-threads=1 bench
+	$$(scripts/install-python-sdk.sh | tail -n 1) python/bench_sdk.py --crab target/release/crab
 	target/release/crab bench replay --traces examples/traces --llm-latency scale:0.2 --json-out target/bench-replay.json --svg target/bench-replay.svg

@@ -54,6 +54,9 @@ pub struct HostOptions {
     pub engine: EngineConfig,
     /// The durable tier (`--remote`), if any.
     pub remote: Option<RemoteOptions>,
+    /// Default address range of `nat` sandboxes (`crab daemon --nat-range`); `None` keeps
+    /// [`crab_sandbox::net::DEFAULT_NAT_RANGE`].
+    pub nat_range: Option<String>,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -98,6 +101,14 @@ impl Host {
             helper_exe: opts.helper_exe.clone(),
         };
         let runtime = blocking(move || Runtime::open(cfg).map_err(HostError::from)).await?;
+        if let Some(r) = &opts.nat_range {
+            runtime.nat().set_default_range(r).map_err(|e| {
+                HostError::invalid(
+                    format!("--nat-range: {e}"),
+                    "pass a private IPv4 network, e.g. --nat-range 10.213.0.0/16",
+                )
+            })?;
+        }
         let inspector = tokio::task::spawn_blocking(Inspector::load)
             .await
             .map_err(|e| HostError::internal(format!("inspector start-up panicked: {e}")))?

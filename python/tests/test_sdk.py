@@ -225,6 +225,19 @@ def test_unknown_code_maps_to_base_class() -> None:
         assert isinstance(cs.errors.error_from_body({"code": code, "message": ""}), cls)
 
 
+def test_every_daemon_error_code_has_a_class() -> None:
+    """The daemon's codes (crates/crab-common/src/error.rs, ErrorCode::as_str) all map to a class."""
+    import re
+
+    from conftest import ROOT
+
+    src = (ROOT / "crates" / "crab-common" / "src" / "error.rs").read_text()
+    body = src[src.index("pub fn as_str") :]
+    body = body[: body.index("\n    }\n")]
+    codes = set(re.findall(r'=> "([a-z_]+)"', body))
+    assert codes and codes == set(cs.errors.ERROR_CLASSES), codes ^ set(cs.errors.ERROR_CLASSES)
+
+
 def test_capabilities(daemon: Daemon) -> None:
     caps = daemon.capabilities(refresh=True)
     v = daemon.version()

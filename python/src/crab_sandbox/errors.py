@@ -28,6 +28,9 @@ __all__ = [
     "PoolFullError",
     "CriuFailedError",
     "InternalError",
+    "TooLargeError",
+    "RequestTimeoutError",
+    "BusyError",
     "CommandError",
     "CapabilityError",
     "ERROR_CLASSES",
@@ -173,6 +176,24 @@ class InternalError(CrabError):
     code = "internal"
 
 
+class TooLargeError(CrabError):
+    """``too_large`` (413): a request body is larger than the daemon accepts."""
+
+    code = "too_large"
+
+
+class RequestTimeoutError(CrabError):
+    """``request_timeout`` (408): the request was not sent in time."""
+
+    code = "request_timeout"
+
+
+class BusyError(CrabError):
+    """``busy`` (503): a bound of the daemon is reached (connections, bytes); retry shortly."""
+
+    code = "busy"
+
+
 class CommandError(CrabError):
     """A helper command the SDK ran in the sandbox (file transfer) failed.
 
@@ -211,6 +232,9 @@ ERROR_CLASSES: Dict[str, Type[CrabError]] = {
         PoolFullError,
         CriuFailedError,
         InternalError,
+        TooLargeError,
+        RequestTimeoutError,
+        BusyError,
     )
 }
 

@@ -59,7 +59,16 @@ pub enum CheckpointError {
     #[error("no sandbox named {0:?}")]
     SandboxNotFound(String),
 
-    /// The sandbox runtime failed.
+    /// The sandbox runtime failed; `api` keeps its code (a full pool stays `pool_full`).
+    #[error("sandbox {sandbox}: {}", api.message)]
+    Runtime {
+        /// Sandbox.
+        sandbox: String,
+        /// The runtime's error, as the API reports it.
+        api: ApiError,
+    },
+
+    /// Something about the sandbox failed outside the runtime (its cgroup, its init).
     #[error("sandbox {sandbox}: {message}")]
     Sandbox {
         /// Sandbox.
@@ -110,13 +119,17 @@ impl CheckpointError {
             CheckpointError::SandboxNotFound(_) => {
                 ApiError::new(ErrorCode::SandboxNotFound, msg, "list them with `crab sandbox ls`")
             }
-            CheckpointError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
+            CheckpointError::Io { source, .. }
+                if source.raw_os_error() == Some(libc::ENOSPC)
+                    || source.kind() == std::io::ErrorKind::StorageFull =>
+            {
                 ApiError::new(
                     ErrorCode::PoolFull,
                     msg,
                     "prune restore points (`crab checkpoints prune SB --keep-last N`)",
                 )
             }
+            CheckpointError::Runtime { api, .. } => ApiError::new(api.code, msg, api.hint.clone()),
             CheckpointError::Io { .. } | CheckpointError::Sandbox { .. } => ApiError::internal(msg),
         }
     }

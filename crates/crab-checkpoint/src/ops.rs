@@ -198,9 +198,7 @@ pub const MIN_FREE_BYTES: u64 = 64 << 20;
 fn sandbox_err(sandbox: &str) -> impl FnOnce(crab_sandbox::SandboxError) -> CheckpointError + '_ {
     move |e| match e {
         crab_sandbox::SandboxError::NoSandbox(n) => CheckpointError::SandboxNotFound(n),
-        other => {
-            CheckpointError::Sandbox { sandbox: sandbox.to_owned(), message: other.to_string() }
-        }
+        other => CheckpointError::Runtime { sandbox: sandbox.to_owned(), api: other.into() },
     }
 }
 

@@ -336,7 +336,11 @@ pub fn load_llm_latencies(dir: &std::path::Path) -> std::io::Result<Vec<f64>> {
 struct SleepExecutor(JobCosts);
 
 impl crab_engine::Executor<()> for SleepExecutor {
-    fn run(&self, job: &crab_engine::Job<()>) -> Result<crab_engine::JobOutcome, String> {
+    type Error = std::convert::Infallible;
+    fn run(
+        &self,
+        job: &crab_engine::Job<()>,
+    ) -> Result<crab_engine::JobOutcome, std::convert::Infallible> {
         use crab_engine::JobKind;
         let ms = match job.kind {
             JobKind::Skip => self.0.skip_ms,
@@ -348,7 +352,6 @@ impl crab_engine::Executor<()> for SleepExecutor {
         Ok(crab_engine::JobOutcome {
             checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
             bytes: 0,
-            detail: serde_json::Value::Null,
         })
     }
 }

@@ -288,18 +288,15 @@ async fn a_checkpoint_done_before_the_response_costs_nothing() {
 async fn a_slow_checkpoint_is_promoted_in_the_engine() {
     struct Exec(Mutex<Vec<String>>);
     impl crab_engine::Executor<()> for Exec {
-        fn run(&self, job: &Job<()>) -> Result<JobOutcome, String> {
+        type Error = std::convert::Infallible;
+        fn run(&self, job: &Job<()>) -> Result<JobOutcome, Self::Error> {
             self.0.lock().unwrap().push(job.sandbox.clone());
             std::thread::sleep(Duration::from_millis(if job.sandbox == "blocker" {
                 300
             } else {
                 30
             }));
-            Ok(JobOutcome {
-                checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
-                bytes: 0,
-                detail: Default::default(),
-            })
+            Ok(JobOutcome { checkpoint_id: format!("{}-{}", job.sandbox, job.turn), bytes: 0 })
         }
     }
     struct EngineHooks(Engine<()>);

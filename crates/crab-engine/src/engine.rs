@@ -27,7 +27,10 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::job::{Changeset, Executor, Finished, Job, JobError, JobId, JobKind, JobOp, JobSpec};
+use crate::job::{
+    Changeset, ErasedExecutor, ExecError, Executor, Finished, Job, JobError, JobId, JobKind, JobOp,
+    JobSpec,
+};
 use crate::metrics::{gauge, JobRecord, Metrics, SandboxStats};
 
 /// Scheduler limits.
@@ -154,7 +157,7 @@ impl<P: Changeset> std::fmt::Debug for Engine<P> {
 
 struct Shared<P> {
     cfg: EngineConfig,
-    exec: Arc<dyn Executor<P>>,
+    exec: Arc<dyn ErasedExecutor<P>>,
     rt: tokio::runtime::Handle,
     state: Mutex<State<P>>,
 }
@@ -294,7 +297,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl<P: Changeset> Engine<P> {
     /// A new engine running jobs with `exec`. Must be called inside a tokio runtime, which it
     /// uses for its blocking workers and timers.
-    pub fn new(cfg: EngineConfig, exec: Arc<dyn Executor<P>>) -> Result<Self, EngineError> {
+    pub fn new<X: Executor<P>>(cfg: EngineConfig, exec: Arc<X>) -> Result<Self, EngineError> {
+        let exec: Arc<dyn ErasedExecutor<P>> = exec;
         let rt = tokio::runtime::Handle::try_current().map_err(|_| EngineError::NoRuntime)?;
         if cfg.workers == 0 {
             return Err(EngineError::BadConfig("workers"));
@@ -572,7 +576,7 @@ fn start<P: Changeset>(shared: &Arc<Shared<P>>, st: &mut State<P>, id: JobId) {
     let sh = shared.clone();
     shared.rt.spawn_blocking(move || {
         let exec = sh.exec.clone();
-        let res = std::panic::catch_unwind(AssertUnwindSafe(|| exec.run(&job)));
+        let res = std::panic::catch_unwind(AssertUnwindSafe(|| ErasedExecutor::run(&*exec, &job)));
         finish(&sh, id, res);
     });
 }
@@ -580,7 +584,7 @@ fn start<P: Changeset>(shared: &Arc<Shared<P>>, st: &mut State<P>, id: JobId) {
 fn finish<P: Changeset>(
     shared: &Arc<Shared<P>>,
     id: JobId,
-    res: std::thread::Result<Result<crate::JobOutcome, String>>,
+    res: std::thread::Result<Result<crate::JobOutcome, ExecError>>,
 ) {
     {
         let mut st = lock(&shared.state);
@@ -603,13 +607,14 @@ fn finish<P: Changeset>(
                 queue_wait,
                 run_time,
             }),
-            Ok(Err(message)) => Err(JobError::Failed {
+            Ok(Err(source)) => Err(JobError::Failed {
                 job: id,
                 op: r.op,
                 sandbox: r.sandbox.clone(),
                 kind: r.kind,
                 turn: r.turn,
-                message,
+                message: source.to_string(),
+                source,
             }),
             Err(panic) => {
                 let message = panic

@@ -1,6 +1,7 @@
 //! Jobs: what a checkpoint job is (sandbox, kind, changeset payload, turns covered), how two
 //! queued jobs of one sandbox merge, what an executor reports back, and the error a waiter sees.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -216,30 +217,56 @@ pub struct Job<P> {
 }
 
 /// What an executor reports for a finished job.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobOutcome {
     /// Id of the published restore point.
     pub checkpoint_id: String,
     /// Bytes written to disk (charged to the bandwidth budget).
     pub bytes: u64,
-    /// Anything else the executor wants the waiter to see.
-    #[serde(default)]
-    pub detail: serde_json::Value,
 }
 
-/// Runs jobs (checkpoints and restores; see [`Job::op`]). Called on a blocking thread; may take as long as the work takes.
+/// An executor's typed error, shared by every waiter of the job. Downcast it
+/// (`JobError::source_as::<E>()`) to get the executor's own error type back.
+pub type ExecError = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Runs jobs (checkpoints and restores; see [`Job::op`]). Called on a blocking thread; may take
+/// as long as the work takes.
 pub trait Executor<P>: Send + Sync + 'static {
-    /// Do the checkpoint and publish its restore point; return what was written, or a message
+    /// What a failed job reports; waiters get it back through [`JobError::source_as`].
+    type Error: std::error::Error + Send + Sync + 'static;
+    /// Do the checkpoint and publish its restore point; return what was written, or the error
     /// naming what failed.
-    fn run(&self, job: &Job<P>) -> Result<JobOutcome, String>;
+    fn run(&self, job: &Job<P>) -> Result<JobOutcome, Self::Error>;
 }
 
-impl<P, F> Executor<P> for F
+/// The engine's view of an executor: its error type erased.
+pub(crate) trait ErasedExecutor<P>: Send + Sync + 'static {
+    fn run(&self, job: &Job<P>) -> Result<JobOutcome, ExecError>;
+}
+
+impl<P, X: Executor<P>> ErasedExecutor<P> for X {
+    fn run(&self, job: &Job<P>) -> Result<JobOutcome, ExecError> {
+        Executor::run(self, job).map_err(|e| Arc::new(e) as ExecError)
+    }
+}
+
+/// An executor made of a closure (for tests and simulations).
+pub struct FnExecutor<F>(pub F);
+
+impl<F> std::fmt::Debug for FnExecutor<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FnExecutor")
+    }
+}
+
+impl<P, E, F> Executor<P> for FnExecutor<F>
 where
-    F: Fn(&Job<P>) -> Result<JobOutcome, String> + Send + Sync + 'static,
+    E: std::error::Error + Send + Sync + 'static,
+    F: Fn(&Job<P>) -> Result<JobOutcome, E> + Send + Sync + 'static,
 {
-    fn run(&self, job: &Job<P>) -> Result<JobOutcome, String> {
-        self(job)
+    type Error = E;
+    fn run(&self, job: &Job<P>) -> Result<JobOutcome, E> {
+        (self.0)(job)
     }
 }
 
@@ -265,7 +292,7 @@ pub struct Finished {
 }
 
 /// Why a job did not publish.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum JobError {
     /// The executor reported a failure.
     #[error("{} {job} of sandbox {sandbox} (turn {turn}, {kind}) failed: {message}", op.as_str())]
@@ -280,8 +307,11 @@ pub enum JobError {
         kind: JobKind,
         /// Latest turn covered.
         turn: u64,
-        /// The executor's message.
+        /// The executor's error, as text.
         message: String,
+        /// The executor's error itself.
+        #[source]
+        source: ExecError,
     },
     /// The executor panicked.
     #[error("job {job} of sandbox {sandbox} crashed the executor: {message}")]
@@ -299,6 +329,16 @@ pub enum JobError {
         /// Job id.
         job: JobId,
     },
+}
+
+impl JobError {
+    /// The executor's own error, when the job failed with one of type `E`.
+    pub fn source_as<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            JobError::Failed { source, .. } => source.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(test)]

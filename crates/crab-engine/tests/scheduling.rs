@@ -47,8 +47,21 @@ impl Fake {
     }
 }
 
+/// The fake executor's typed error.
+#[derive(Debug, PartialEq)]
+struct FakeError(String);
+
+impl std::fmt::Display for FakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for FakeError {}
+
 impl Executor<Value> for Fake {
-    fn run(&self, job: &Job<Value>) -> Result<JobOutcome, String> {
+    type Error = FakeError;
+    fn run(&self, job: &Job<Value>) -> Result<JobOutcome, FakeError> {
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_running.fetch_max(now, Ordering::SeqCst);
         if job.kind.dumps_processes() {
@@ -74,16 +87,12 @@ impl Executor<Value> for Fake {
         }
         self.running.fetch_sub(1, Ordering::SeqCst);
         if job.sandbox.starts_with("bad") {
-            return Err(format!("btrfs snapshot of {} failed: no space", job.sandbox));
+            return Err(FakeError(format!("btrfs snapshot of {} failed: no space", job.sandbox)));
         }
         if job.sandbox.starts_with("panic") {
             panic!("executor bug");
         }
-        Ok(JobOutcome {
-            checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
-            bytes: self.bytes,
-            detail: Value::Null,
-        })
+        Ok(JobOutcome { checkpoint_id: format!("{}-{}", job.sandbox, job.turn), bytes: self.bytes })
     }
 }
 
@@ -255,7 +264,10 @@ async fn failures_and_panics_reach_every_waiter() {
     let boom = eng.submit(spec("panic1", JobKind::Full, 1));
     let good = eng.submit(spec("good", JobKind::Fs, 1));
     match bad.wait().await {
-        Err(JobError::Failed { sandbox, turn, message, kind, .. }) => {
+        Err(e @ JobError::Failed { .. }) => {
+            let typed = e.source_as::<FakeError>().expect("the executor's own error type");
+            assert!(typed.0.contains("no space"), "{typed:?}");
+            let JobError::Failed { sandbox, turn, message, kind, .. } = e else { unreachable!() };
             assert_eq!((sandbox.as_str(), turn, kind), ("bad1", 3, JobKind::Fs));
             assert!(message.contains("no space"));
         }

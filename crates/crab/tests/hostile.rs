@@ -231,10 +231,13 @@ fn restore_with_a_full_pool_leaves_the_sandbox_running() {
         .stderr(Stdio::null())
         .arg(format!("of={}", filler.display()))
         .status();
-    let out = other.crab(&["restore", &name]);
+    let out = other.crab(&["--json", "restore", &name]);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success(), "restore into a full pool succeeded?");
     assert!(err.contains("free") || err.contains("full"), "error does not say why: {err}");
+    // The runtime's code survives the checkpointer and the host: `pool_full`, not `internal`.
+    let json = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(json.contains("\"pool_full\""), "a full pool is not reported as pool_full: {json}");
     let after = other.info(&name);
     assert_eq!(after["state"], "running", "restore left the sandbox dead: {after}");
     assert_eq!(after["init_pid"], before["init_pid"], "the sandbox's processes were stopped");

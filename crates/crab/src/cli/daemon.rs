@@ -57,7 +57,7 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         disk_bytes_per_sec: a.disk_bandwidth,
         ..Default::default()
     };
-    let remote = a.remote.map(|url| daemon::remote::RemoteOptions {
+    let remote = a.remote.map(|url| crab_host::remote::RemoteOptions {
         url,
         key_file: a.remote_key,
         bandwidth_bps: a.remote_bandwidth,

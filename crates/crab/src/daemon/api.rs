@@ -1,5 +1,7 @@
 //! The HTTP routes of the daemon and the plumbing every handler shares: JSON bodies with typed
-//! errors, streamed NDJSON responses, and a [`Progress`] that forwards to a stream.
+//! errors, streamed NDJSON responses, a [`Progress`] that forwards to a stream, and [`render`],
+//! which turns a host [`Outcome`] into a response. Handlers parse a request into an
+//! [`crab_host::Action`], call [`Host::execute`], and render; none imports another's module.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -15,13 +17,14 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, UnboundedReceiverStream};
 use tokio_stream::StreamExt;
 
-use crab_common::api::{FeatureStatus, Features, ProgressFrame, VersionInfo, API_VERSION};
+use crab_common::api::ProgressFrame;
 use crab_common::{ApiError, Progress};
+use crab_host::{Action, Host, HostError, Outcome};
 
-use super::{checkpoints, images, inspect, remote, sandboxes, Daemon};
+use super::{checkpoints, images, inspect, remote, sandboxes};
 
 /// The daemon's routes.
-pub fn router(d: Arc<Daemon>) -> Router {
+pub fn router(d: Arc<Host>) -> Router {
     Router::new()
         .route("/v1/version", get(version))
         .route("/v1/images", get(images::list))
@@ -38,44 +41,50 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/sandboxes/{name}/fork", post(checkpoints::fork))
         .route("/v1/sandboxes/{name}/conversation", get(checkpoints::conversation))
         .route("/v1/sandboxes/{name}/turns", post(checkpoints::turn))
+        .route("/v1/metrics", get(metrics))
+        .route("/metrics", get(metrics))
+        .route("/v1/top", get(top))
         .route("/v1/remote/points", get(remote::ls))
         .route("/v1/remote/check", post(remote::check))
         .route("/v1/remote/prune", post(remote::prune))
         .route("/v1/remote/wait", get(remote::wait))
         .route("/v1/remote/restore", post(remote::restore))
-        .route("/v1/metrics", get(metrics))
-        .route("/metrics", get(metrics))
-        .route("/v1/top", get(top))
         .fallback(not_found)
         .with_state(d)
 }
 
-async fn version(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> Response {
-    ok(&VersionInfo {
-        version: env!("CARGO_PKG_VERSION").to_string(),
-        api: API_VERSION,
-        state_dir: d.runtime.state().root().display().to_string(),
-        pid: std::process::id(),
-        features: Features {
-            soft_dirty: Some(FeatureStatus {
-                available: d.soft_dirty.available,
-                reason: d.soft_dirty.reason.clone(),
-            }),
-        },
-    })
+async fn version(axum::extract::State(h): axum::extract::State<Arc<Host>>) -> Response {
+    render(h.execute(Action::Version).await)
 }
 
-async fn metrics(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> Response {
-    let mut text = d.coordinator.metrics_text();
-    text.push_str(&d.engine().metrics_text());
-    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+async fn metrics(axum::extract::State(h): axum::extract::State<Arc<Host>>) -> Response {
+    render(h.execute(Action::Metrics).await)
 }
 
-async fn top(axum::extract::State(d): axum::extract::State<Arc<Daemon>>) -> Response {
-    ok(&serde_json::json!({
-        "proxy": d.coordinator.stats(),
-        "engine": d.engine().stats(),
-    }))
+async fn top(axum::extract::State(h): axum::extract::State<Arc<Host>>) -> Response {
+    render(h.execute(Action::Top).await)
+}
+
+/// The response for what the host answered: JSON, an NDJSON stream (exec) or Prometheus text.
+pub fn render(r: Result<Outcome, HostError>) -> Response {
+    match r {
+        Ok(Outcome::Exec(rx)) => ndjson(rx),
+        Ok(Outcome::Metrics(text)) => {
+            ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+                .into_response()
+        }
+        Ok(o) => ok(&o),
+        Err(e) => err(e.into_api()),
+    }
+}
+
+/// Decode a JSON request body into `T`; an empty body is `T::default()`.
+pub fn parse_or_default<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, HostError> {
+    if body.is_empty() {
+        Ok(T::default())
+    } else {
+        Ok(parse(body)?)
+    }
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {
@@ -124,15 +133,6 @@ pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     })
 }
 
-/// Run a blocking runtime call off the async threads.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(ApiError::internal(format!("handler panicked: {e}"))))
-}
-
 /// A streamed NDJSON response fed from a bounded channel.
 pub fn ndjson<T: Serialize + Send + 'static>(rx: mpsc::Receiver<T>) -> Response {
     let stream = ReceiverStream::new(rx).map(line::<T>);
@@ -168,19 +168,23 @@ impl Progress for StreamProgress {
     }
 }
 
-/// Run a long blocking operation, streaming its progress and then its result.
-pub fn long_operation<T: Serialize + 'static>(
-    f: impl FnOnce(&dyn Progress) -> Result<T, ApiError> + Send + 'static,
+/// Run a long action that reports progress (`make` builds it around the progress sink),
+/// streaming the progress and then the outcome.
+pub fn long_operation(
+    h: Arc<Host>,
+    make: impl FnOnce(Box<dyn Progress>) -> Action + Send + 'static,
 ) -> Response {
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::task::spawn_blocking(move || {
-        let p = StreamProgress(tx.clone());
-        let frame = match f(&p).and_then(|v| {
-            serde_json::to_value(v).map_err(|e| ApiError::internal(format!("encoding result: {e}")))
-        }) {
-            Ok(result) => ProgressFrame::Done { result },
-            Err(error) => ProgressFrame::Error { error },
-        };
+    let progress = Box::new(StreamProgress(tx.clone()));
+    tokio::spawn(async move {
+        let frame =
+            match h.execute(make(progress)).await.map_err(HostError::into_api).and_then(|o| {
+                serde_json::to_value(o)
+                    .map_err(|e| ApiError::internal(format!("encoding result: {e}")))
+            }) {
+                Ok(result) => ProgressFrame::Done { result },
+                Err(error) => ProgressFrame::Error { error },
+            };
         let _ = tx.send(frame);
     });
     ndjson_response(Body::from_stream(UnboundedReceiverStream::new(rx).map(line::<ProgressFrame>)))

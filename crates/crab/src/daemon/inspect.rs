@@ -6,32 +6,14 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::response::Response;
 
-use super::api::{blocking, err, ok};
-use super::Daemon;
+use crab_host::{Action, Host};
 
-async fn verdict(d: Arc<Daemon>, name: String, close: bool) -> Response {
-    if let Err(e) = d.runtime.record(&name) {
-        return err(e.into());
-    }
-    let inspector = match d.inspector() {
-        Ok(i) => i.clone(),
-        Err(e) => return err(e),
-    };
-    let res = blocking(move || {
-        let v = if close { inspector.take(&name) } else { inspector.peek(&name) };
-        v.map_err(|e| e.to_api())
-    })
-    .await;
-    match res {
-        Ok(v) => ok(&v),
-        Err(e) => err(e),
-    }
+use super::api::render;
+
+pub async fn peek(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
+    render(h.execute(Action::Inspect { name, close: false }).await)
 }
 
-pub async fn peek(State(d): State<Arc<Daemon>>, Path(name): Path<String>) -> Response {
-    verdict(d, name, false).await
-}
-
-pub async fn close(State(d): State<Arc<Daemon>>, Path(name): Path<String>) -> Response {
-    verdict(d, name, true).await
+pub async fn close(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
+    render(h.execute(Action::Inspect { name, close: true }).await)
 }

@@ -13,28 +13,21 @@ mod api;
 mod checkpoints;
 mod images;
 mod inspect;
-pub mod remote;
+mod remote;
 mod sandboxes;
-mod turns;
 
-use std::collections::{HashMap, HashSet};
 use std::io::Write;
-use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Context};
 
-use crab_checkpoint::Checkpointer;
-use crab_common::api::SandboxState;
 use crab_common::paths::StateDir;
-use crab_common::ApiError;
-use crab_coordinator::{bind_in_netns, Coordinator, ProxyConfig, ProxyServer};
-use crab_engine::{Engine, EngineConfig};
-use crab_inspector::Inspector;
-use crab_sandbox::{Runtime, RuntimeConfig};
+use crab_coordinator::ProxyConfig;
+use crab_engine::EngineConfig;
+use crab_host::remote::RemoteOptions;
+use crab_host::{Host, HostOptions};
 
 /// Options of `crab daemon`.
 #[derive(Debug, Clone)]
@@ -48,115 +41,7 @@ pub struct DaemonOptions {
     /// Engine tunables.
     pub engine: EngineConfig,
     /// The durable tier (`--remote`), if any.
-    pub remote: Option<remote::RemoteOptions>,
-}
-
-/// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
-pub const IN_SANDBOX_PROXY: &str = "127.0.0.1:7431";
-
-/// Shared state of the daemon's handlers.
-#[derive(Debug)]
-pub struct Daemon {
-    /// The sandbox runtime.
-    pub runtime: Arc<Runtime>,
-    /// The eBPF inspector, or why it could not be loaded.
-    pub inspector: Result<Arc<Inspector>, ApiError>,
-    /// Checkpoint, restore and fork.
-    pub checkpointer: Arc<Checkpointer>,
-    /// Sandboxes whose last checkpoint failed: their next `auto` checkpoint is `full`.
-    force_full: Mutex<HashSet<String>>,
-    /// The host-wide checkpoint scheduler.
-    engine: Engine<turns::Payload>,
-    /// The LLM proxy.
-    pub coordinator: Arc<Coordinator>,
-    /// Proxy endpoints inside sandboxes' network namespaces.
-    sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
-    /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
-    pub soft_dirty: crab_criu::soft_dirty::SoftDirty,
-    /// The durable tier and its exporter (`--remote`).
-    pub remote: Option<Arc<remote::RemoteTier>>,
-}
-
-impl Daemon {
-    /// The inspector, or the error explaining why this host has none.
-    pub fn inspector(&self) -> Result<&Arc<Inspector>, ApiError> {
-        self.inspector.as_ref().map_err(Clone::clone)
-    }
-
-    /// Start tracking a sandbox's turns (no-op without an inspector; failures are logged: the
-    /// verdict of an untracked sandbox is refused, never guessed).
-    pub fn attach(&self, name: &str) {
-        if let Ok(i) = &self.inspector {
-            let cg = self.runtime.cgroup(name);
-            match i.attach(name, &cg.v2) {
-                Ok(h) => tracing::debug!(sandbox = name, key = h.key, "inspector attached"),
-                Err(e) => tracing::warn!(sandbox = name, error = %e, "inspector attach failed"),
-            }
-        }
-    }
-
-    /// (Re)open the proxy endpoint inside sandbox `name`'s network namespace, replacing an old
-    /// one (after a restore the namespace is new). Sandboxes on the host network use the host
-    /// listener.
-    pub async fn open_sandbox_proxy(&self, name: &str) {
-        self.close_sandbox_proxy(name).await;
-        let Ok(rec) = self.runtime.record(name) else { return };
-        if rec.net == crab_common::api::NetMode::Host {
-            return;
-        }
-        let ns = PathBuf::from(format!("/proc/{}/ns/net", rec.init_pid));
-        let Ok(addr) = IN_SANDBOX_PROXY.parse::<SocketAddr>() else { return };
-        let bound = tokio::task::spawn_blocking(move || bind_in_netns(&ns, addr)).await;
-        let listener = match bound {
-            Ok(Ok(l)) => l,
-            Ok(Err(e)) => {
-                return tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy")
-            }
-            Err(e) => return tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy"),
-        };
-        let served = tokio::net::TcpListener::from_std(listener)
-            .map_err(|e| e.to_string())
-            .and_then(|l| self.coordinator.serve_sandbox(l, name).map_err(|e| e.to_string()));
-        match served {
-            Ok(server) => {
-                self.sandbox_proxies
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(name.to_string(), server);
-            }
-            Err(e) => tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy"),
-        }
-    }
-
-    /// Close sandbox `name`'s in-namespace proxy endpoint.
-    pub async fn close_sandbox_proxy(&self, name: &str) {
-        let old = self.sandbox_proxies.lock().unwrap_or_else(|p| p.into_inner()).remove(name);
-        if let Some(server) = old {
-            server.shutdown().await;
-        }
-    }
-
-    /// Remember that `name`'s last checkpoint failed.
-    pub fn set_force_full(&self, name: &str) {
-        self.force_full.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string());
-    }
-
-    /// Whether `name`'s next checkpoint must be full (and forget it).
-    pub fn take_force_full(&self, name: &str) -> bool {
-        self.force_full.lock().unwrap_or_else(|p| p.into_inner()).remove(name)
-    }
-
-    /// Forget a pending forced full checkpoint (after a restore).
-    pub fn clear_force_full(&self, name: &str) {
-        self.take_force_full(name);
-    }
-
-    /// Stop tracking a sandbox.
-    pub fn detach(&self, name: &str) {
-        if let Ok(i) = &self.inspector {
-            i.detach(name);
-        }
-    }
+    pub remote: Option<RemoteOptions>,
 }
 
 /// Run the daemon until SIGINT or SIGTERM.
@@ -166,98 +51,16 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     std::fs::create_dir_all(state.root())
         .with_context(|| format!("creating {}", state.root().display()))?;
     let _lock = lock_pid_file(&state.pid_file())?;
-    let cfg = RuntimeConfig { state: state.clone(), pool_size: opts.pool_size, helper_exe: exe };
-    let runtime = tokio::task::spawn_blocking(move || Runtime::open(cfg))
-        .await
-        .context("runtime start-up panicked")?
-        .map_err(|e| {
-            let api: crab_common::ApiError = e.into();
-            anyhow::anyhow!(
-                "{}{}",
-                api.message,
-                if api.hint.is_empty() { String::new() } else { format!(" (hint: {})", api.hint) }
-            )
-        })?;
-    let inspector = tokio::task::spawn_blocking(Inspector::load)
-        .await
-        .context("inspector start-up panicked")?
-        .map(Arc::new)
-        .map_err(|e| {
-            tracing::warn!(error = %e, "the eBPF inspector is unavailable; verdicts will be refused");
-            e.to_api()
-        });
-    if let Ok(i) = &inspector {
-        // CRIU works inside the processes it dumps; tell the inspector which process it is, so
-        // a dump does not make the next turn look like the sandbox's processes ran.
-        let i = i.clone();
-        crab_criu::observer::set(Box::new(move |pid, started| {
-            if started {
-                if let Err(e) = i.mute_tracer(pid) {
-                    tracing::debug!(pid, error = %e, "could not mute a criu process");
-                }
-            } else {
-                i.unmute_tracer(pid);
-            }
-        }));
-    }
-    let soft_dirty = crab_criu::soft_dirty::probe();
-    tracing::info!(
-        available = soft_dirty.available,
-        reason = %soft_dirty.reason,
-        "soft-dirty page tracking"
-    );
-    let runtime = Arc::new(runtime);
-    let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), Default::default()));
-    let cp = checkpointer.clone();
-    tokio::task::spawn_blocking(move || cp.recover())
-        .await
-        .context("checkpoint recovery panicked")?
-        .map_err(|e| anyhow::anyhow!("recovering checkpoints: {e}"))?;
-    let engine =
-        Engine::new(opts.engine.clone(), Arc::new(turns::CheckpointExecutor(checkpointer.clone())))
-            .map_err(|e| anyhow::anyhow!("starting the engine: {e}"))?;
-    let hooks = Arc::new(turns::Hooks(OnceLock::new()));
-    let coordinator = Coordinator::new(
-        opts.proxy.clone(),
-        Arc::new(turns::SandboxDir(runtime.clone())),
-        hooks.clone(),
-    )
-    .map_err(|e| anyhow::anyhow!("configuring the LLM proxy: {e}"))?;
-    let remote = match &opts.remote {
-        Some(o) => Some(Arc::new(
-            remote::RemoteTier::open(&state, o)
-                .await
-                .map_err(|e| anyhow::anyhow!("opening the remote store {}: {e}", o.url))?,
-        )),
-        None => None,
-    };
-    let daemon = Arc::new(Daemon {
-        runtime,
-        inspector,
-        checkpointer,
-        force_full: Mutex::new(HashSet::new()),
-        engine,
-        coordinator,
-        sandbox_proxies: Mutex::new(HashMap::new()),
-        soft_dirty,
-        remote,
-    });
-    if let Some(t) = &daemon.remote {
-        tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
-        tokio::spawn(t.clone().run(Arc::downgrade(&daemon)));
-    }
-    let _ = hooks.0.set(Arc::downgrade(&daemon));
-    let proxy = daemon
-        .coordinator
-        .bind()
-        .await
-        .map_err(|e| anyhow::anyhow!("starting the LLM proxy on {}: {e}", opts.proxy.listen))?;
-    for s in daemon.runtime.list() {
-        if s.state == SandboxState::Running {
-            daemon.attach(&s.name);
-            daemon.open_sandbox_proxy(&s.name).await;
-        }
-    }
+    let host = Host::open(HostOptions {
+        state: state.clone(),
+        pool_size: opts.pool_size,
+        helper_exe: exe,
+        proxy: opts.proxy.clone(),
+        engine: opts.engine.clone(),
+        remote: opts.remote.clone(),
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let sock = state.socket();
     match std::fs::remove_file(&sock) {
         Ok(()) => {}
@@ -277,11 +80,11 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         .with_context(|| format!("chmod {}", sock.display()))?;
     tracing::info!(
         socket = %sock.display(),
-        proxy = %proxy.local_addr(),
-        sandboxes = daemon.runtime.names().len(),
+        proxy = ?host.proxy_addr(),
+        sandboxes = host.sandbox_count(),
         "crab daemon ready"
     );
-    let app = api::router(daemon.clone());
+    let app = api::router(host.clone());
     // On SIGTERM/SIGINT stop accepting, let in-flight requests finish for a moment, then go:
     // a long exec stream must not keep the daemon (and its state-directory lock) alive.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -299,7 +102,7 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         Err(_) => tracing::warn!("in-flight requests did not finish within 2 s; leaving anyway"),
     }
     let _ = std::fs::remove_file(&sock);
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), proxy.shutdown()).await;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), host.shutdown()).await;
     tracing::info!("crab daemon stopped; sandboxes keep running");
     Ok(())
 }

@@ -1,0 +1,322 @@
+//! [`Action`]: everything a front door can ask of the host, typed; [`Outcome`]: what it
+//! answers. Front doors translate their requests into an `Action` (the HTTP API in
+//! `crab daemon`; later an E2B-compatible API, an SDK) and render the `Outcome`.
+
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crab_checkpoint::{ForkBranch, PointSummary, RestoreReport};
+use crab_common::api::{
+    CheckpointCreateRequest, ExecFrame, ExecRequest, ForkRequest, ImageBuildRequest,
+    ImageImportRequest, ImageInfo, SandboxCreateRequest, SandboxInfo, VersionInfo,
+};
+use crab_common::Progress;
+use crab_coordinator::{LogRecord, SandboxProxyStats};
+use crab_engine::{EngineStats, JobKind};
+use crab_inspector::Verdict;
+
+use crate::remote::{Durable, FromRemote, FromRemoteReport, PointState};
+use crate::HostError;
+
+/// What a front door asks of the host.
+pub enum Action {
+    /// The host's version and state directory.
+    Version,
+    /// List images.
+    ListImages,
+    /// Build an image from a recipe, reporting progress.
+    BuildImage {
+        /// Recipe and name.
+        req: ImageBuildRequest,
+        /// Where progress goes.
+        progress: Box<dyn Progress>,
+    },
+    /// Import a root filesystem, reporting progress.
+    ImportImage {
+        /// Name and source path.
+        req: ImageImportRequest,
+        /// Where progress goes.
+        progress: Box<dyn Progress>,
+    },
+    /// Remove an image.
+    RemoveImage {
+        /// Image name.
+        name: String,
+    },
+    /// List sandboxes.
+    ListSandboxes,
+    /// Describe one sandbox.
+    GetSandbox {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Create and start a sandbox (tracked by the inspector, with an in-sandbox LLM proxy).
+    Create(SandboxCreateRequest),
+    /// Remove a sandbox, its restore points and its proxy state.
+    Remove {
+        /// Sandbox name.
+        name: String,
+        /// Kill whatever runs in it.
+        force: bool,
+    },
+    /// Run a command in a sandbox; the outcome is the stream of its frames.
+    Exec {
+        /// Sandbox name.
+        name: String,
+        /// Command, environment, timeout, stdin.
+        req: ExecRequest,
+    },
+    /// The inspector's verdict on the current turn; `close` also closes the turn.
+    Inspect {
+        /// Sandbox name.
+        name: String,
+        /// Close the turn (as a checkpoint does).
+        close: bool,
+    },
+    /// Take a checkpoint now (urgent), of the given kind or the turn policy's (`None`).
+    Checkpoint {
+        /// Sandbox name.
+        name: String,
+        /// Explicit kind; `None` asks the inspector (`auto`).
+        kind: Option<JobKind>,
+        /// Turn number to record.
+        turn: Option<u64>,
+        /// Conversation offset to record.
+        conversation_offset: Option<u64>,
+    },
+    /// List a sandbox's restore points.
+    ListCheckpoints {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Remove all but the newest `keep_last` restore points.
+    Prune {
+        /// Sandbox name.
+        name: String,
+        /// How many to keep.
+        keep_last: usize,
+    },
+    /// Restore a sandbox in place (the newest point when `checkpoint` is `None`).
+    Restore {
+        /// Sandbox name.
+        name: String,
+        /// Restore point id.
+        checkpoint: Option<String>,
+    },
+    /// Create new sandboxes from a restore point.
+    Fork {
+        /// Source sandbox.
+        name: String,
+        /// Point, count, branch names.
+        req: ForkRequest,
+    },
+    /// The sandbox's conversation log, up to a restore point's offset.
+    Conversation {
+        /// Sandbox name.
+        name: String,
+        /// Restore point id.
+        at: Option<String>,
+    },
+    /// Mark a turn boundary; answers once the turn's restore point is published.
+    Turn {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Prometheus text of the proxy and the engine.
+    Metrics,
+    /// The live view of `crab top`.
+    Top,
+    /// The remote store's points (of one sandbox, or all).
+    RemoteList {
+        /// Only this sandbox's.
+        sandbox: Option<String>,
+    },
+    /// Verify every object the remote's points reference.
+    RemoteCheck,
+    /// Remove all but the newest `keep_last` points per sandbox from the remote.
+    RemotePrune {
+        /// How many to keep per sandbox.
+        keep_last: usize,
+    },
+    /// Answer once a local point is durable in the remote.
+    RemoteWait {
+        /// Sandbox.
+        sandbox: String,
+        /// Point id.
+        point: String,
+        /// How long to wait.
+        timeout: std::time::Duration,
+    },
+    /// Build sandboxes from a point in the remote store (this host needs nothing else).
+    FromRemote(FromRemote),
+}
+
+impl std::fmt::Debug for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Action {
+    /// The action's name (for logs).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Action::Version => "version",
+            Action::ListImages => "list_images",
+            Action::BuildImage { .. } => "build_image",
+            Action::ImportImage { .. } => "import_image",
+            Action::RemoveImage { .. } => "remove_image",
+            Action::ListSandboxes => "list_sandboxes",
+            Action::GetSandbox { .. } => "get_sandbox",
+            Action::Create(_) => "create",
+            Action::Remove { .. } => "remove",
+            Action::Exec { .. } => "exec",
+            Action::Inspect { .. } => "inspect",
+            Action::Checkpoint { .. } => "checkpoint",
+            Action::ListCheckpoints { .. } => "list_checkpoints",
+            Action::Prune { .. } => "prune",
+            Action::Restore { .. } => "restore",
+            Action::Fork { .. } => "fork",
+            Action::Conversation { .. } => "conversation",
+            Action::Turn { .. } => "turn",
+            Action::Metrics => "metrics",
+            Action::Top => "top",
+            Action::RemoteList { .. } => "remote_list",
+            Action::RemoteCheck => "remote_check",
+            Action::RemotePrune { .. } => "remote_prune",
+            Action::RemoteWait { .. } => "remote_wait",
+            Action::FromRemote(_) => "from_remote",
+        }
+    }
+
+    /// A checkpoint action from the API's request: `kind` is `auto` (or absent), `skip`, `fs`,
+    /// `process` or `full`.
+    pub fn checkpoint(name: String, req: CheckpointCreateRequest) -> Result<Action, HostError> {
+        let kind = match req.kind.as_deref().unwrap_or("auto") {
+            "auto" => None,
+            other => Some(other.parse::<JobKind>().map_err(|_| {
+                HostError::invalid(
+                    format!("unknown checkpoint kind {other:?}"),
+                    "use auto, skip, fs, process or full",
+                )
+            })?),
+        };
+        Ok(Action::Checkpoint {
+            name,
+            kind,
+            turn: req.turn,
+            conversation_offset: req.conversation_offset,
+        })
+    }
+}
+
+/// Answer of [`Action::Checkpoint`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Taken {
+    /// The published restore point.
+    pub point: PointSummary,
+    /// The inspector's verdict when the kind was `auto`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<Verdict>,
+    /// Why the kind is what it is (e.g. `inspector unavailable: ...`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub reasons: Vec<String>,
+    /// Time the job waited in the engine's queue, ms.
+    pub queue_ms: f64,
+}
+
+/// One restore point as `crab checkpoints` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PointView {
+    /// The point.
+    #[serde(flatten)]
+    pub point: PointSummary,
+    /// Its export state, when the host has a remote store.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote: Option<PointState>,
+}
+
+/// Answer of [`Action::Prune`]: the ids removed.
+#[derive(Debug, Clone, Serialize)]
+pub struct Pruned {
+    /// Restore points.
+    pub points: Vec<String>,
+    /// Process images.
+    pub procs: Vec<String>,
+    /// Filesystem snapshots.
+    pub fs: Vec<String>,
+}
+
+/// Answer of [`Action::Turn`].
+#[derive(Debug, Clone, Serialize)]
+pub struct TurnMarked {
+    /// The turn's number.
+    pub turn: u64,
+    /// Its published restore point.
+    pub checkpoint: String,
+}
+
+/// Answer of [`Action::Top`].
+#[derive(Debug, Clone, Serialize)]
+pub struct TopView {
+    /// The proxy's per-sandbox counters.
+    pub proxy: Vec<SandboxProxyStats>,
+    /// The engine's queue and per-sandbox stats.
+    pub engine: EngineStats,
+}
+
+/// What an action answers. Serializes as the API's response body (untagged); [`Outcome::Exec`]
+/// and [`Outcome::Metrics`] are rendered by the front door (a stream, plain text).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Outcome {
+    /// Version.
+    Version(VersionInfo),
+    /// Images.
+    Images(Vec<ImageInfo>),
+    /// One image.
+    Image(ImageInfo),
+    /// Sandboxes.
+    Sandboxes(Vec<SandboxInfo>),
+    /// One sandbox.
+    Sandbox(SandboxInfo),
+    /// Something was removed.
+    Removed {
+        /// Always true.
+        removed: bool,
+    },
+    /// The frames of a running command.
+    #[serde(skip)]
+    Exec(mpsc::Receiver<ExecFrame>),
+    /// A verdict.
+    Verdict(Box<Verdict>),
+    /// A checkpoint taken.
+    Taken(Box<Taken>),
+    /// Restore points.
+    Points(Vec<PointView>),
+    /// Pruned ids.
+    Pruned(Pruned),
+    /// A restore.
+    Restored(RestoreReport),
+    /// Fork branches.
+    Forked(Vec<ForkBranch>),
+    /// Conversation records.
+    Conversation(Vec<LogRecord>),
+    /// A turn marked.
+    Turn(TurnMarked),
+    /// Prometheus text.
+    #[serde(skip)]
+    Metrics(String),
+    /// `crab top`.
+    Top(Box<TopView>),
+    /// The remote's points.
+    RemotePoints(Vec<crab_remote::PointRecord>),
+    /// `crab remote check`.
+    RemoteChecked(crab_remote::CheckReport),
+    /// `crab remote prune`.
+    RemotePruned(crab_remote::PruneReport),
+    /// A point is durable.
+    Durable(Durable),
+    /// Sandboxes built from the remote.
+    FromRemote(Box<FromRemoteReport>),
+}

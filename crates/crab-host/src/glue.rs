@@ -1,0 +1,193 @@
+//! The host's side of the seams of the engine and the proxy.
+//!
+//! * [`CheckpointExecutor`] is the engine's [`Executor`]: it publishes a restore point of the
+//!   job's (merged) kind through the [`Checkpointer`], applying the turn policy's base rule, and
+//!   records a failure in the [`TurnPolicy`] (the next checkpoint is full).
+//! * [`Hooks`] is the proxy's [`TurnHooks`]: at a turn boundary it closes the inspector's turn,
+//!   asks the [`TurnPolicy`] for the kind, submits the job with the verdict's changeset, and hands
+//!   the proxy a [`JobTicket`] to gate the response on.
+//! * [`SandboxDir`] tells the proxy which sandboxes exist and where their conversation logs live
+//!   (`<pool>/sandboxes/<name>/conversation.log`, next to the root subvolume).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use crab_checkpoint::{CheckpointRequest, Checkpointer, Kind};
+use crab_coordinator::{
+    Boundary, BoundaryTicket, BoxFuture, Published, SandboxDirectory, TurnHooks,
+};
+use crab_engine::{Changeset, Engine, Executor, Job, JobHandle, JobKind, JobOutcome};
+use crab_inspector::PathChange;
+
+use crate::{Host, HostError, TurnPolicy};
+
+/// What a checkpoint job carries: what its restore point records besides its parts, and the
+/// inspector's changeset of the turns it covers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Payload {
+    /// Turn number to record.
+    pub turn: Option<u64>,
+    /// Conversation-log offset to record.
+    pub conversation_offset: Option<u64>,
+    /// The paths the covered turns changed (as the inspector saw them).
+    pub changeset: Vec<PathChange>,
+}
+
+impl Changeset for Payload {
+    /// A later turn's point wins (its turn and offset); the changesets add up.
+    fn merge(&mut self, later: Self) {
+        if later.turn.is_some() {
+            self.turn = later.turn;
+        }
+        if later.conversation_offset.is_some() {
+            self.conversation_offset = later.conversation_offset;
+        }
+        for c in later.changeset {
+            if !self.changeset.contains(&c) {
+                self.changeset.push(c);
+            }
+        }
+    }
+}
+
+/// The checkpoint crate's kind for a job kind.
+pub fn point_kind(k: JobKind) -> Kind {
+    match k {
+        JobKind::Skip => Kind::Skip,
+        JobKind::Fs => Kind::Fs,
+        JobKind::Process => Kind::Process,
+        JobKind::Full => Kind::Full,
+    }
+}
+
+/// Runs checkpoint jobs for the engine.
+#[derive(Debug)]
+pub struct CheckpointExecutor {
+    checkpointer: Arc<Checkpointer>,
+    policy: Arc<TurnPolicy>,
+    /// The last failure of each sandbox's job, typed (for waiters that only see a ticket).
+    failures: Arc<Mutex<HashMap<String, HostError>>>,
+}
+
+impl CheckpointExecutor {
+    /// An executor publishing through `checkpointer`, recording failures in `policy`.
+    pub fn new(
+        checkpointer: Arc<Checkpointer>,
+        policy: Arc<TurnPolicy>,
+        failures: Arc<Mutex<HashMap<String, HostError>>>,
+    ) -> Self {
+        CheckpointExecutor { checkpointer, policy, failures }
+    }
+
+    fn publish(&self, job: &Job<Payload>) -> Result<JobOutcome, HostError> {
+        let first = self.checkpointer.store(&job.sandbox)?.point_ids()?.is_empty();
+        let kind = TurnPolicy::base(job.kind, first);
+        let req = CheckpointRequest {
+            kind: point_kind(kind),
+            turn: job.payload.turn,
+            conversation_offset: job.payload.conversation_offset,
+        };
+        tracing::debug!(
+            sandbox = %job.sandbox,
+            %kind,
+            changed_paths = job.payload.changeset.len(),
+            "checkpoint job"
+        );
+        let m = self.checkpointer.checkpoint(&job.sandbox, req)?;
+        let summary = crab_checkpoint::PointSummary::of(&m);
+        let bytes = if kind == JobKind::Skip { 0 } else { summary.size_bytes };
+        Ok(JobOutcome { checkpoint_id: summary.id, bytes })
+    }
+}
+
+impl Executor<Payload> for CheckpointExecutor {
+    type Error = HostError;
+
+    fn run(&self, job: &Job<Payload>) -> Result<JobOutcome, HostError> {
+        let r = self.publish(job);
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        match &r {
+            Ok(_) => {
+                failures.remove(&job.sandbox);
+            }
+            Err(e) => {
+                // The inspector's turn was closed when this job was decided: its changes are
+                // only safe in a full checkpoint now.
+                self.policy.failed(&job.sandbox);
+                failures.insert(job.sandbox.clone(), e.clone());
+            }
+        }
+        r
+    }
+}
+
+/// The proxy's view of the sandboxes.
+#[derive(Debug)]
+pub struct SandboxDir(pub Arc<crab_sandbox::Runtime>);
+
+impl SandboxDirectory for SandboxDir {
+    fn exists(&self, name: &str) -> bool {
+        self.0.record(name).is_ok()
+    }
+    fn conversation_log_path(&self, name: &str) -> PathBuf {
+        self.0.state().sandbox_dir(name).join("conversation.log")
+    }
+}
+
+/// The proxy's turn hooks (the host is set once it exists).
+#[derive(Debug, Default)]
+pub struct Hooks(pub OnceLock<Weak<Host>>);
+
+impl TurnHooks for Hooks {
+    fn on_boundary(&self, b: Boundary) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+        Box::pin(async move {
+            let host = self.0.get().and_then(Weak::upgrade).ok_or("the host is not running")?;
+            let ticket = host.boundary(&b).await.map_err(|e| e.to_string())?;
+            Ok(ticket)
+        })
+    }
+}
+
+/// An engine job as a boundary ticket: waiting waits for the job, promoting promotes it, and the
+/// held time goes into the engine's exposed-latency metrics.
+pub struct JobTicket {
+    engine: Engine<Payload>,
+    handle: JobHandle,
+    sandbox: String,
+}
+
+impl std::fmt::Debug for JobTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobTicket").field("job", &self.handle.id()).finish_non_exhaustive()
+    }
+}
+
+impl JobTicket {
+    /// Wrap the handle of a job submitted for `sandbox`.
+    pub fn new(engine: Engine<Payload>, handle: JobHandle, sandbox: impl Into<String>) -> Self {
+        JobTicket { engine, handle, sandbox: sandbox.into() }
+    }
+}
+
+impl BoundaryTicket for JobTicket {
+    fn is_published(&self) -> bool {
+        self.handle.try_result().is_some()
+    }
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
+        Box::pin(async move {
+            self.handle
+                .wait()
+                .await
+                .map(|f| Published { checkpoint_id: f.outcome.checkpoint_id })
+                .map_err(|e| e.to_string())
+        })
+    }
+    fn promote(&self) {
+        self.engine.promote(self.handle.id());
+    }
+    fn record_exposed(&self, held: Duration) {
+        self.engine.record_exposed(self.handle.id(), &self.sandbox, held);
+    }
+}

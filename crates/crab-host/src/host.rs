@@ -1,0 +1,766 @@
+//! [`Host`]: start-up (runtime, inspector, checkpoint recovery, engine, LLM proxy, adoption of
+//! surviving sandboxes) and [`Host::execute`], the one place every lifecycle chain lives:
+//!
+//! * create: runtime create → inspector attach → in-sandbox proxy endpoint;
+//! * remove: runtime remove → restore points removed → inspector detach → proxy endpoint
+//!   closed → proxy state forgotten;
+//! * checkpoint / turn: inspector verdict → [`TurnPolicy`] → engine job (urgent when a client
+//!   waits) → executor publishes;
+//! * restore: inspector detach → checkpointer restore → attach (whatever happened) → policy
+//!   forgets a pending failure → conversation log rewound to the point → proxy endpoint
+//!   reopened in the new network namespace;
+//! * fork: checkpointer fork → each branch attached → its conversation log copied → its proxy
+//!   endpoint opened;
+//! * from a remote point: fetch and materialize it into the local store → fork from it, as
+//!   above, with the conversation log the point carried.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use crab_checkpoint::{Checkpointer, PointSummary};
+use crab_common::api::{FeatureStatus, Features, NetMode, SandboxState, VersionInfo, API_VERSION};
+use crab_common::paths::StateDir;
+use crab_common::ApiError;
+use crab_coordinator::{
+    bind_in_netns, Boundary, BoundaryTicket, Coordinator, ProxyConfig, ProxyServer,
+};
+use crab_engine::{Engine, EngineConfig, JobHandle, JobKind, JobSpec};
+use crab_inspector::Inspector;
+use crab_sandbox::{image, Runtime, RuntimeConfig};
+
+use crate::glue::{CheckpointExecutor, Hooks, JobTicket, Payload, SandboxDir};
+use crate::remote::{remote_error, FromRemote, FromRemoteReport, RemoteOptions, RemoteTier};
+use crate::{
+    Action, Decision, HostError, Outcome, PointView, Pruned, Taken, TopView, TurnMarked, TurnPolicy,
+};
+
+/// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
+pub const IN_SANDBOX_PROXY: &str = "127.0.0.1:7431";
+
+/// How to open a [`Host`].
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    /// State directory.
+    pub state: StateDir,
+    /// Size of a new sparse pool image.
+    pub pool_size: u64,
+    /// The binary that runs the namespace helpers (`crab __start-sandbox`, `crab __nsexec`).
+    pub helper_exe: PathBuf,
+    /// The LLM proxy's configuration (listen address, upstreams).
+    pub proxy: ProxyConfig,
+    /// Engine tunables.
+    pub engine: EngineConfig,
+    /// The durable tier (`--remote`), if any.
+    pub remote: Option<RemoteOptions>,
+}
+
+/// Everything one machine runs for Crab, behind [`Host::execute`].
+#[derive(Debug)]
+pub struct Host {
+    runtime: Arc<Runtime>,
+    inspector: Result<Arc<Inspector>, ApiError>,
+    checkpointer: Arc<Checkpointer>,
+    policy: Arc<TurnPolicy>,
+    failures: Arc<Mutex<HashMap<String, HostError>>>,
+    engine: Engine<Payload>,
+    coordinator: Arc<Coordinator>,
+    proxy: Mutex<Option<ProxyServer>>,
+    sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
+    /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
+    soft_dirty: crab_criu::soft_dirty::SoftDirty,
+    /// The durable tier and its exporter (`--remote`).
+    remote: Option<Arc<RemoteTier>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Run a blocking call off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, HostError> + Send + 'static,
+) -> Result<T, HostError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(HostError::internal(format!("host task panicked: {e}"))))
+}
+
+impl Host {
+    /// Open the host: the runtime (pool mounted, surviving sandboxes adopted), the inspector
+    /// (or why there is none), checkpoint recovery, the engine, and the LLM proxy on
+    /// `opts.proxy.listen`; every running sandbox is tracked and gets its in-sandbox proxy.
+    pub async fn open(opts: HostOptions) -> Result<Arc<Host>, HostError> {
+        let cfg = RuntimeConfig {
+            state: opts.state.clone(),
+            pool_size: opts.pool_size,
+            helper_exe: opts.helper_exe.clone(),
+        };
+        let runtime = blocking(move || Runtime::open(cfg).map_err(HostError::from)).await?;
+        let inspector = tokio::task::spawn_blocking(Inspector::load)
+            .await
+            .map_err(|e| HostError::internal(format!("inspector start-up panicked: {e}")))?
+            .map(Arc::new)
+            .map_err(|e| {
+                tracing::warn!(error = %e, "the eBPF inspector is unavailable; verdicts will be refused");
+                e.to_api()
+            });
+        if let Ok(i) = &inspector {
+            // CRIU works inside the processes it dumps; tell the inspector which process it is,
+            // so a dump does not make the next turn look like the sandbox's processes ran.
+            let i = i.clone();
+            crab_criu::observer::set(Box::new(move |pid, started| {
+                if started {
+                    if let Err(e) = i.mute_tracer(pid) {
+                        tracing::debug!(pid, error = %e, "could not mute a criu process");
+                    }
+                } else {
+                    i.unmute_tracer(pid);
+                }
+            }));
+        }
+        let soft_dirty = crab_criu::soft_dirty::probe();
+        tracing::info!(
+            available = soft_dirty.available,
+            reason = %soft_dirty.reason,
+            "soft-dirty page tracking"
+        );
+        let runtime = Arc::new(runtime);
+        let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), Default::default()));
+        let cp = checkpointer.clone();
+        blocking(move || {
+            cp.recover().map_err(|e| {
+                let mut api = e.to_api();
+                api.message = format!("recovering checkpoints: {}", api.message);
+                HostError(api)
+            })
+        })
+        .await?;
+        let policy = Arc::new(TurnPolicy::new());
+        let failures = Arc::new(Mutex::new(HashMap::new()));
+        let exec = CheckpointExecutor::new(checkpointer.clone(), policy.clone(), failures.clone());
+        let engine = Engine::new(opts.engine.clone(), Arc::new(exec))
+            .map_err(|e| HostError::internal(format!("starting the engine: {e}")))?;
+        let hooks = Arc::new(Hooks::default());
+        let coordinator = Coordinator::new(
+            opts.proxy.clone(),
+            Arc::new(SandboxDir(runtime.clone())),
+            hooks.clone(),
+        )
+        .map_err(|e| HostError::internal(format!("configuring the LLM proxy: {e}")))?;
+        let remote = match &opts.remote {
+            Some(o) => Some(Arc::new(RemoteTier::open(&opts.state, o).await.map_err(|e| {
+                let mut h = remote_error(e);
+                h.0.message = format!("opening the remote store {}: {}", o.url, h.0.message);
+                h
+            })?)),
+            None => None,
+        };
+        let host = Arc::new(Host {
+            runtime,
+            inspector,
+            checkpointer,
+            policy,
+            failures,
+            engine,
+            coordinator,
+            proxy: Mutex::new(None),
+            sandbox_proxies: Mutex::new(HashMap::new()),
+            soft_dirty,
+            remote,
+        });
+        let _ = hooks.0.set(Arc::downgrade(&host));
+        if let Some(t) = &host.remote {
+            tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
+            tokio::spawn(t.clone().run(Arc::downgrade(&host)));
+        }
+        let proxy = host.coordinator.bind().await.map_err(|e| {
+            HostError::internal(format!("starting the LLM proxy on {}: {e}", opts.proxy.listen))
+        })?;
+        *lock(&host.proxy) = Some(proxy);
+        for s in host.runtime.list() {
+            if s.state == SandboxState::Running {
+                host.attach(&s.name);
+                host.open_sandbox_proxy(&s.name).await;
+            }
+        }
+        Ok(host)
+    }
+
+    /// The state directory.
+    pub fn state(&self) -> &StateDir {
+        self.runtime.state()
+    }
+
+    /// Where the host-side LLM proxy listens.
+    pub fn proxy_addr(&self) -> Option<SocketAddr> {
+        lock(&self.proxy).as_ref().map(|p| p.local_addr())
+    }
+
+    /// Number of sandboxes.
+    pub fn sandbox_count(&self) -> usize {
+        self.runtime.names().len()
+    }
+
+    /// Stop the host-side LLM proxy (sandboxes keep running).
+    pub async fn shutdown(&self) {
+        let proxy = lock(&self.proxy).take();
+        if let Some(p) = proxy {
+            p.shutdown().await;
+        }
+    }
+
+    /// The turn policy.
+    pub fn policy(&self) -> &TurnPolicy {
+        &self.policy
+    }
+
+    /// The durable tier, when the host has one (`--remote`).
+    pub fn remote(&self) -> Option<&Arc<RemoteTier>> {
+        self.remote.as_ref()
+    }
+
+    pub(crate) fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    pub(crate) fn checkpointer(&self) -> &Arc<Checkpointer> {
+        &self.checkpointer
+    }
+
+    pub(crate) fn engine_stats(&self) -> crab_engine::EngineStats {
+        self.engine.stats()
+    }
+
+    /// The remote tier, or the error a host without one answers.
+    fn tier(&self) -> Result<Arc<RemoteTier>, HostError> {
+        self.remote.clone().ok_or_else(|| {
+            HostError::invalid(
+                "this daemon has no remote store",
+                "start it with `crab daemon --remote URL`",
+            )
+        })
+    }
+
+    /// Do what a front door asked.
+    pub async fn execute(self: &Arc<Self>, action: Action) -> Result<Outcome, HostError> {
+        tracing::debug!(action = action.name(), "execute");
+        match action {
+            Action::Version => Ok(Outcome::Version(VersionInfo {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                api: API_VERSION,
+                state_dir: self.state().root().display().to_string(),
+                pid: std::process::id(),
+                features: Features {
+                    soft_dirty: Some(FeatureStatus {
+                        available: self.soft_dirty.available,
+                        reason: self.soft_dirty.reason.clone(),
+                    }),
+                },
+            })),
+            Action::ListImages => {
+                let state = self.state().clone();
+                blocking(move || Ok(Outcome::Images(image::list(&state)?))).await
+            }
+            Action::BuildImage { req, progress } => {
+                if req.distro != "debian" {
+                    return Err(HostError::invalid(
+                        format!("unknown distro {:?}", req.distro),
+                        "the only recipe is `debian` (bookworm); use `crab image import` for anything else",
+                    ));
+                }
+                let state = self.state().clone();
+                let name = req.name.clone().unwrap_or_else(|| req.distro.clone());
+                blocking(move || {
+                    let i = image::build_debian(&state, &name, &req.include, progress.as_ref())?;
+                    Ok(Outcome::Image(i))
+                })
+                .await
+            }
+            Action::ImportImage { req, progress } => {
+                let state = self.state().clone();
+                blocking(move || {
+                    let path = PathBuf::from(&req.path);
+                    Ok(Outcome::Image(image::import(&state, &req.name, &path, progress.as_ref())?))
+                })
+                .await
+            }
+            Action::RemoveImage { name } => {
+                let state = self.state().clone();
+                blocking(move || {
+                    image::remove(&state, &name)?;
+                    Ok(Outcome::Removed { removed: true })
+                })
+                .await
+            }
+            Action::ListSandboxes => {
+                let rt = self.runtime.clone();
+                blocking(move || Ok(Outcome::Sandboxes(rt.list()))).await
+            }
+            Action::GetSandbox { name } => {
+                let rt = self.runtime.clone();
+                blocking(move || Ok(Outcome::Sandbox(rt.get(&name)?))).await
+            }
+            Action::Create(req) => self.create(req).await,
+            Action::Remove { name, force } => self.remove(name, force).await,
+            Action::Exec { name, req } => {
+                // Unknown sandboxes are refused before the stream starts.
+                self.runtime.record(&name)?;
+                let (tx, rx) = tokio::sync::mpsc::channel(64);
+                tokio::spawn(crab_sandbox::exec::run(self.runtime.clone(), name, req, tx));
+                Ok(Outcome::Exec(rx))
+            }
+            Action::Inspect { name, close } => {
+                self.runtime.record(&name)?;
+                let inspector = self.inspector()?.clone();
+                blocking(move || {
+                    let v = if close { inspector.take(&name) } else { inspector.peek(&name) };
+                    Ok(Outcome::Verdict(Box::new(v?)))
+                })
+                .await
+            }
+            Action::Checkpoint { name, kind, turn, conversation_offset } => {
+                self.checkpoint(name, kind, turn, conversation_offset).await
+            }
+            Action::ListCheckpoints { name } => {
+                let h = self.clone();
+                blocking(move || {
+                    h.runtime.record(&name)?;
+                    let points = h.checkpointer.list(&name)?;
+                    // With --remote, each point also says whether it is local, exporting or
+                    // durable.
+                    let views = points
+                        .into_iter()
+                        .map(|p| {
+                            let remote = h.remote.as_ref().map(|t| t.state(&name, &p.id));
+                            PointView { point: p, remote }
+                        })
+                        .collect();
+                    Ok(Outcome::Points(views))
+                })
+                .await
+            }
+            Action::Prune { name, keep_last } => {
+                let h = self.clone();
+                blocking(move || {
+                    h.runtime.record(&name)?;
+                    let r = h.checkpointer.prune(&name, keep_last)?;
+                    Ok(Outcome::Pruned(Pruned {
+                        points: r.points.iter().map(|p| p.to_string()).collect(),
+                        procs: r.procs.iter().map(|p| p.to_string()).collect(),
+                        fs: r.fs.iter().map(|p| p.to_string()).collect(),
+                    }))
+                })
+                .await
+            }
+            Action::Restore { name, checkpoint } => self.restore(name, checkpoint).await,
+            Action::Fork { name, req } => self.fork(name, req).await,
+            Action::Conversation { name, at } => self.conversation(name, at).await,
+            Action::Turn { name } => self.turn(name).await,
+            Action::Metrics => {
+                let mut text = self.coordinator.metrics_text();
+                text.push_str(&self.engine.metrics_text());
+                Ok(Outcome::Metrics(text))
+            }
+            Action::Top => Ok(Outcome::Top(Box::new(TopView {
+                proxy: self.coordinator.stats(),
+                engine: self.engine.stats(),
+            }))),
+            Action::RemoteList { sandbox } => {
+                let t = self.tier()?;
+                let v = t.repo.list_points(sandbox.as_deref()).await.map_err(remote_error)?;
+                Ok(Outcome::RemotePoints(v))
+            }
+            Action::RemoteCheck => {
+                let t = self.tier()?;
+                // The check reads every object: off the async threads.
+                let handle = tokio::runtime::Handle::current();
+                let r = tokio::task::spawn_blocking(move || handle.block_on(t.repo.check()))
+                    .await
+                    .map_err(|e| HostError::internal(format!("remote check panicked: {e}")))?
+                    .map_err(remote_error)?;
+                Ok(Outcome::RemoteChecked(r))
+            }
+            Action::RemotePrune { keep_last } => {
+                let t = self.tier()?;
+                Ok(Outcome::RemotePruned(t.repo.prune(keep_last).await.map_err(remote_error)?))
+            }
+            Action::RemoteWait { sandbox, point, timeout } => {
+                let t = self.tier()?;
+                Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
+            }
+            Action::FromRemote(req) => self.from_remote(req).await,
+        }
+    }
+
+    async fn create(
+        self: &Arc<Self>,
+        req: crab_common::api::SandboxCreateRequest,
+    ) -> Result<Outcome, HostError> {
+        let rt = self.runtime.clone();
+        let info = blocking(move || Ok(rt.create(&req)?)).await?;
+        self.attach(&info.name);
+        self.open_sandbox_proxy(&info.name).await;
+        Ok(Outcome::Sandbox(info))
+    }
+
+    async fn remove(self: &Arc<Self>, name: String, force: bool) -> Result<Outcome, HostError> {
+        let h = self.clone();
+        let n = name.clone();
+        blocking(move || {
+            h.runtime.remove(&n, force)?;
+            // The sandbox is gone: so are its restore points.
+            Ok(h.checkpointer.remove_all(&n)?)
+        })
+        .await?;
+        self.detach(&name);
+        self.close_sandbox_proxy(&name).await;
+        self.coordinator.forget(&name);
+        self.policy.clear(&name);
+        lock(&self.failures).remove(&name);
+        Ok(Outcome::Removed { removed: true })
+    }
+
+    /// Close the inspector's turn for `name` and decide the checkpoint kind (the policy's).
+    fn decide(&self, name: &str, force_full: bool) -> Decision {
+        let verdict = match self.inspector() {
+            Ok(i) => i.take(name).map_err(|e| format!("no verdict ({e})")),
+            Err(e) => Err(format!("inspector unavailable ({})", e.0.message)),
+        };
+        let init_pid = self.runtime.record(name).ok().map(|r| r.init_pid);
+        self.policy.decide(name, verdict, init_pid, force_full)
+    }
+
+    /// Submit a checkpoint job for `name` carrying `decision`'s changeset.
+    fn submit(
+        &self,
+        name: &str,
+        kind: JobKind,
+        verdict: Option<&crab_inspector::Verdict>,
+        turn: Option<u64>,
+        conversation_offset: Option<u64>,
+    ) -> JobHandle {
+        let payload = Payload {
+            turn,
+            conversation_offset,
+            changeset: verdict.map(|v| v.changeset.clone()).unwrap_or_default(),
+        };
+        self.engine.submit(JobSpec::checkpoint(name, kind, payload, turn.unwrap_or(0)))
+    }
+
+    /// The typed error of a failed job of `name` (the executor's), or the engine's.
+    fn job_error(&self, name: &str, e: &crab_engine::JobError) -> HostError {
+        if let Some(h) = e.source_as::<HostError>() {
+            return h.clone();
+        }
+        lock(&self.failures)
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| HostError::internal(e.to_string()))
+    }
+
+    /// A turn boundary seen by the proxy: decide, submit, and return the ticket to gate on.
+    pub(crate) async fn boundary(
+        self: &Arc<Self>,
+        b: &Boundary,
+    ) -> Result<Arc<dyn BoundaryTicket>, HostError> {
+        let h = self.clone();
+        let name = b.sandbox.clone();
+        let force = b.force_full;
+        let d = blocking(move || Ok(h.decide(&name, force))).await?;
+        if !d.reasons.is_empty() {
+            tracing::info!(sandbox = %b.sandbox, reasons = ?d.reasons, "turn boundary");
+        }
+        let handle = self.submit(
+            &b.sandbox,
+            d.kind,
+            d.verdict.as_ref(),
+            Some(b.turn),
+            Some(b.conversation_offset),
+        );
+        Ok(Arc::new(JobTicket::new(self.engine.clone(), handle, b.sandbox.clone())))
+    }
+
+    async fn checkpoint(
+        self: &Arc<Self>,
+        name: String,
+        kind: Option<JobKind>,
+        turn: Option<u64>,
+        conversation_offset: Option<u64>,
+    ) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        let h = self.clone();
+        let n = name.clone();
+        // An explicit kind also closes the inspector's turn: its changes are in this checkpoint.
+        let d = blocking(move || Ok(h.decide(&n, false))).await?;
+        let explicit = kind.is_some();
+        let handle = self.submit(
+            &name,
+            kind.unwrap_or(d.kind),
+            d.verdict.as_ref(),
+            turn,
+            conversation_offset,
+        );
+        let (reasons, verdict) = if explicit { (Vec::new(), None) } else { (d.reasons, d.verdict) };
+        self.engine.promote(handle.id());
+        let f = handle.wait().await.map_err(|e| {
+            // The turn was closed for this checkpoint: the next one must be full.
+            self.policy.failed(&name);
+            self.job_error(&name, &e)
+        })?;
+        let h = self.clone();
+        let id = f.outcome.checkpoint_id.clone();
+        let n = name.clone();
+        let point = blocking(move || {
+            let m = h.checkpointer.store(&n)?.resolve(Some(&id))?;
+            Ok(PointSummary::of(&m))
+        })
+        .await?;
+        let queue_ms = f.queue_wait.as_secs_f64() * 1e3;
+        let mut reasons = reasons;
+        if let Some(why) = &point.procs_missing {
+            reasons.push(format!("filesystem only, processes missing: {why}"));
+        }
+        if let Some(t) = &self.remote {
+            t.kick();
+        }
+        Ok(Outcome::Taken(Box::new(Taken { point, verdict, reasons, queue_ms })))
+    }
+
+    /// The conversation offset recorded by a restore point (`None`: the newest).
+    fn point_offset(&self, name: &str, point: Option<&str>) -> Result<Option<u64>, HostError> {
+        let store = self.checkpointer.store(name)?;
+        Ok(store.resolve(point)?.conversation_offset)
+    }
+
+    async fn restore(
+        self: &Arc<Self>,
+        name: String,
+        checkpoint: Option<String>,
+    ) -> Result<Outcome, HostError> {
+        let h = self.clone();
+        let n = name.clone();
+        let (report, offset) = blocking(move || {
+            h.runtime.record(&n)?;
+            let offset = h.point_offset(&n, checkpoint.as_deref())?;
+            h.detach(&n);
+            let r = h.checkpointer.restore(&n, checkpoint.as_deref());
+            // Whatever happened, the sandbox's (possibly new) cgroup is tracked again.
+            h.attach(&n);
+            h.policy.clear(&n);
+            Ok((r?, offset))
+        })
+        .await?;
+        if let Some(off) = offset {
+            // Replay: the agent's re-sent requests up to the point are answered from the log.
+            if let Err(e) = self.coordinator.restored(&name, off, true).await {
+                tracing::warn!(sandbox = %name, error = %e, "could not rewind the conversation log");
+            }
+        }
+        self.open_sandbox_proxy(&name).await;
+        Ok(Outcome::Restored(report))
+    }
+
+    async fn fork(
+        self: &Arc<Self>,
+        name: String,
+        req: crab_common::api::ForkRequest,
+    ) -> Result<Outcome, HostError> {
+        let h = self.clone();
+        let n = name.clone();
+        let (branches, offset) = blocking(move || {
+            let offset = h.point_offset(&n, req.checkpoint.as_deref())?;
+            let branches =
+                h.checkpointer.fork(&n, req.checkpoint.as_deref(), req.count, req.names)?;
+            for b in &branches {
+                h.attach(&b.sandbox);
+            }
+            Ok((branches, offset))
+        })
+        .await?;
+        for b in &branches {
+            if let Some(off) = offset {
+                if let Err(e) = self.coordinator.forked(&name, &b.sandbox, off).await {
+                    tracing::warn!(sandbox = %b.sandbox, error = %e, "could not copy the conversation log");
+                }
+            }
+            self.open_sandbox_proxy(&b.sandbox).await;
+        }
+        Ok(Outcome::Forked(branches))
+    }
+
+    async fn from_remote(self: &Arc<Self>, req: FromRemote) -> Result<Outcome, HostError> {
+        let t = self.tier()?;
+        let (sb, point) = match req.source.split_once('@') {
+            Some((s, p)) => (s.to_string(), Some(p.to_string())),
+            None => (req.source.clone(), None),
+        };
+        crab_common::names::validate("sandbox", &sb)?;
+        let t0 = std::time::Instant::now();
+        let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
+        if !req.fs_only {
+            let criu = crab_criu::Criu::locate()
+                .ok()
+                .and_then(|c| c.version().ok())
+                .map(|v| v.to_string());
+            crab_remote::preflight(&rec, &crab_remote::HostFacts::local(), criu.as_deref())
+                .map_err(remote_error)?;
+        }
+        let store = self.checkpointer.store(&sb)?;
+        let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
+        let handle = tokio::runtime::Handle::current();
+        let mat = tokio::task::spawn_blocking(move || {
+            handle.block_on(crab_remote::local::materialize(&repo, &store, &rec2, fs_only))
+        })
+        .await
+        .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
+        .map_err(remote_error)?;
+        let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let h = self.clone();
+        let (sb2, pid, count, names) =
+            (sb.clone(), rec.point.clone(), req.count, req.names.clone());
+        let branches = blocking(move || {
+            let b = h.checkpointer.fork(&sb2, Some(&pid), count, names)?;
+            for x in &b {
+                h.attach(&x.sandbox);
+            }
+            Ok(b)
+        })
+        .await?;
+        for b in &branches {
+            if let (Some(log), Some(off)) = (&mat.conversation, mat.manifest.conversation_offset) {
+                let path = self.state().sandbox_dir(&b.sandbox).join("conversation.log");
+                match std::fs::write(&path, log) {
+                    Ok(()) => {
+                        if let Err(e) = self.coordinator.restored(&b.sandbox, off, true).await {
+                            tracing::warn!(sandbox = %b.sandbox, error = %e, "could not rewind the conversation log");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %b.sandbox, path = %path.display(), error = %e, "could not write the conversation log")
+                    }
+                }
+            }
+            self.open_sandbox_proxy(&b.sandbox).await;
+        }
+        Ok(Outcome::FromRemote(Box::new(FromRemoteReport {
+            source: format!("{}@{}", rec.sandbox, rec.point),
+            downloaded: mat.fetched,
+            fetch_ms,
+            total_ms: t0.elapsed().as_secs_f64() * 1e3,
+            fs_only: req.fs_only,
+            branches,
+        })))
+    }
+
+    async fn conversation(
+        self: &Arc<Self>,
+        name: String,
+        at: Option<String>,
+    ) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        let offset = match at {
+            Some(at) => {
+                let h = self.clone();
+                let n = name.clone();
+                let a = at.clone();
+                match blocking(move || h.point_offset(&n, Some(&a))).await? {
+                    Some(o) => Some(o),
+                    None => {
+                        return Err(HostError::invalid(
+                            format!("restore point {:?} of {name} records no conversation offset", Some(at)),
+                            "points taken outside the LLM proxy have none; pick one taken at a turn boundary",
+                        ))
+                    }
+                }
+            }
+            None => None,
+        };
+        let records = self
+            .coordinator
+            .conversation(&name, offset)
+            .await
+            .map_err(|e| HostError::internal(e.to_string()))?;
+        Ok(Outcome::Conversation(records))
+    }
+
+    async fn turn(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        let (turn, ticket) = self
+            .coordinator
+            .begin_turn(&name)
+            .await
+            .map_err(|e| HostError::internal(e.to_string()))?;
+        ticket.promote();
+        match ticket.wait_published().await {
+            Ok(p) => Ok(Outcome::Turn(TurnMarked { turn, checkpoint: p.checkpoint_id })),
+            Err(m) => Err(lock(&self.failures)
+                .get(&name)
+                .cloned()
+                .unwrap_or_else(|| HostError::internal(m))),
+        }
+    }
+
+    /// The inspector, or the error explaining why this host has none.
+    fn inspector(&self) -> Result<&Arc<Inspector>, HostError> {
+        self.inspector.as_ref().map_err(|e| HostError(e.clone()))
+    }
+
+    /// Start tracking a sandbox's turns (no-op without an inspector; failures are logged: the
+    /// verdict of an untracked sandbox is refused, never guessed).
+    fn attach(&self, name: &str) {
+        if let Ok(i) = &self.inspector {
+            let cg = self.runtime.cgroup(name);
+            match i.attach(name, &cg.v2) {
+                Ok(h) => tracing::debug!(sandbox = name, key = h.key, "inspector attached"),
+                Err(e) => tracing::warn!(sandbox = name, error = %e, "inspector attach failed"),
+            }
+        }
+    }
+
+    /// Stop tracking a sandbox.
+    fn detach(&self, name: &str) {
+        if let Ok(i) = &self.inspector {
+            i.detach(name);
+        }
+    }
+
+    /// (Re)open the proxy endpoint inside sandbox `name`'s network namespace, replacing an old
+    /// one (after a restore the namespace is new). Sandboxes on the host network use the host
+    /// listener.
+    async fn open_sandbox_proxy(&self, name: &str) {
+        self.close_sandbox_proxy(name).await;
+        let Ok(rec) = self.runtime.record(name) else { return };
+        if rec.net == NetMode::Host {
+            return;
+        }
+        let ns = PathBuf::from(format!("/proc/{}/ns/net", rec.init_pid));
+        let Ok(addr) = IN_SANDBOX_PROXY.parse::<SocketAddr>() else { return };
+        let bound = tokio::task::spawn_blocking(move || bind_in_netns(&ns, addr)).await;
+        let listener = match bound {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                return tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy")
+            }
+            Err(e) => return tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy"),
+        };
+        let served = tokio::net::TcpListener::from_std(listener)
+            .map_err(|e| e.to_string())
+            .and_then(|l| self.coordinator.serve_sandbox(l, name).map_err(|e| e.to_string()));
+        match served {
+            Ok(server) => {
+                lock(&self.sandbox_proxies).insert(name.to_string(), server);
+            }
+            Err(e) => tracing::warn!(sandbox = name, error = %e, "no in-sandbox LLM proxy"),
+        }
+    }
+
+    /// Close sandbox `name`'s in-namespace proxy endpoint.
+    async fn close_sandbox_proxy(&self, name: &str) {
+        let old = lock(&self.sandbox_proxies).remove(name);
+        if let Some(server) = old {
+            server.shutdown().await;
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! The host layer: [`Host`] owns everything one machine runs for Crab (the sandbox runtime, the
+//! eBPF inspector, the checkpointer, the host-wide checkpoint engine and the LLM proxy) and
+//! answers every front door through one entry point, [`Host::execute`], which takes a typed
+//! [`Action`] and returns an [`Outcome`] or a [`HostError`] that keeps the API's error code.
+//!
+//! This is the one place that answers "what happens at a turn, a restore, a fork, a remove":
+//! the daemon's HTTP handlers (and any later front door) only parse a request into an
+//! [`Action`], call `execute`, and render the [`Outcome`]. The turn policy (verdict → kind, the
+//! base rule, the init-only rule, force-full after a failure) is [`TurnPolicy`]; the engine's
+//! executor, the proxy's turn hooks and sandbox directory live in [`glue`]; the durable tier
+//! (`--remote`: exporter, export states, restores from the remote) in [`remote`].
+
+#![forbid(unsafe_code)]
+
+mod action;
+mod error;
+pub mod glue;
+mod host;
+mod policy;
+pub mod remote;
+
+pub use action::{Action, Outcome, PointView, Pruned, Taken, TopView, TurnMarked};
+pub use error::HostError;
+pub use host::{Host, HostOptions, IN_SANDBOX_PROXY};
+pub use policy::{Decision, TurnPolicy};

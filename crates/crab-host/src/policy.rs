@@ -1,0 +1,250 @@
+//! [`TurnPolicy`]: what a turn's checkpoint contains. The one place that maps an inspector
+//! verdict to a checkpoint kind and that remembers which sandboxes' last checkpoint failed.
+//!
+//! The rules, in order:
+//! 1. The inspector's verdict decides (`skip`, `fs`, `process`, `full`); without a verdict (no
+//!    inspector on this host, or the sandbox is untracked) the kind is `full`: never guessed.
+//! 2. The init-only rule: the sandbox's init (`/.crab/init`) wakes up to reap orphans, so the
+//!    inspector often sees it run; its memory holds nothing a restore could lose, so "only init
+//!    ran" never calls for a process dump ([`ignore_init`]).
+//! 3. Force-full after a failure: the inspector's turn is closed when a checkpoint is decided,
+//!    so a failed checkpoint loses that turn's changeset; the next checkpoint of the sandbox is
+//!    then `full`. The failure is stored here once (the host marks it when any checkpoint job
+//!    fails or cannot be started; a restore forgets it).
+//! 4. The base rule: a sandbox's first restore point must hold the filesystem (there is no
+//!    earlier snapshot to reference), so it is at least `fs` ([`TurnPolicy::base`]).
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use crab_engine::JobKind;
+use crab_inspector::{Verdict, VerdictKind};
+
+/// The kind decided for a checkpoint, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// Kind of the checkpoint to take.
+    pub kind: JobKind,
+    /// Why the kind differs from the plain verdict's (empty when it does not).
+    pub reasons: Vec<String>,
+    /// The inspector's verdict, when there was one.
+    pub verdict: Option<Verdict>,
+}
+
+/// The turn policy (see the module documentation).
+#[derive(Debug, Default)]
+pub struct TurnPolicy {
+    /// Sandboxes whose last checkpoint failed: their next decided checkpoint is `full`.
+    force_full: Mutex<HashSet<String>>,
+}
+
+/// Map an inspector verdict kind to a job kind.
+pub fn job_kind(k: VerdictKind) -> JobKind {
+    match k {
+        VerdictKind::Skip => JobKind::Skip,
+        VerdictKind::Fs => JobKind::Fs,
+        VerdictKind::Process => JobKind::Process,
+        VerdictKind::Full => JobKind::Full,
+    }
+}
+
+impl TurnPolicy {
+    /// A policy with no failures recorded.
+    pub fn new() -> Self {
+        TurnPolicy::default()
+    }
+
+    fn set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.force_full.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Remember that `sandbox`'s last checkpoint failed (or could not be started).
+    pub fn failed(&self, sandbox: &str) {
+        self.set().insert(sandbox.to_string());
+    }
+
+    /// Forget a pending forced full checkpoint (after a restore, or once taken).
+    pub fn clear(&self, sandbox: &str) {
+        self.set().remove(sandbox);
+    }
+
+    /// Whether `sandbox`'s next checkpoint is forced full.
+    pub fn is_forced(&self, sandbox: &str) -> bool {
+        self.set().contains(sandbox)
+    }
+
+    /// Decide the kind of `sandbox`'s checkpoint from the inspector's `verdict` (or why there
+    /// is none). `init_pid` is the sandbox's init (for the init-only rule); `force_full` forces
+    /// a full checkpoint (the caller knows the previous one failed). Consumes a recorded
+    /// failure.
+    pub fn decide(
+        &self,
+        sandbox: &str,
+        verdict: Result<Verdict, String>,
+        init_pid: Option<u32>,
+        force_full: bool,
+    ) -> Decision {
+        let forced = self.set().remove(sandbox) || force_full;
+        let mut reasons = Vec::new();
+        match verdict {
+            Ok(mut v) => {
+                if let Some(pid) = init_pid {
+                    if ignore_init(&mut v, pid) {
+                        reasons.push(
+                            "only the sandbox's init ran (it reaps orphans; it has no state to save)"
+                                .into(),
+                        );
+                    }
+                }
+                let mut kind = job_kind(v.kind);
+                if forced && kind != JobKind::Full {
+                    reasons.push("the previous checkpoint failed: taking a full one".into());
+                    kind = JobKind::Full;
+                }
+                Decision { kind, reasons, verdict: Some(v) }
+            }
+            Err(why) => {
+                reasons.push(format!("{why}: taking a full checkpoint"));
+                Decision { kind: JobKind::Full, reasons, verdict: None }
+            }
+        }
+    }
+
+    /// The base rule: the first restore point of a sandbox holds its filesystem.
+    pub fn base(kind: JobKind, first_point: bool) -> JobKind {
+        if first_point {
+            kind.merge(JobKind::Fs)
+        } else {
+            kind
+        }
+    }
+}
+
+/// The init-only rule: when the verdict's only process change is "init ran" (nothing born or
+/// died, no other reason, not conservative), drop the process part. Returns whether the verdict
+/// changed.
+pub fn ignore_init(v: &mut Verdict, init_pid: u32) -> bool {
+    let p = &v.processes;
+    let only_init = p.born.is_empty() && p.died.is_empty() && p.ran == [init_pid];
+    if v.conservative || !only_init || !v.reasons.is_empty() {
+        return false;
+    }
+    v.processes.ran.clear();
+    v.kind = match v.kind {
+        VerdictKind::Full => VerdictKind::Fs,
+        VerdictKind::Process => VerdictKind::Skip,
+        other => other,
+    };
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crab_inspector::ProcessChanges;
+
+    fn verdict(kind: VerdictKind, ran: Vec<u32>, born: Vec<u32>) -> Verdict {
+        Verdict {
+            sandbox: "s".into(),
+            turn: 1,
+            kind,
+            changeset: Vec::new(),
+            processes: ProcessChanges { born, died: Vec::new(), ran },
+            reasons: Vec::new(),
+            conservative: false,
+        }
+    }
+
+    #[test]
+    fn init_alone_does_not_need_a_dump() {
+        let mut v = verdict(VerdictKind::Process, vec![7], vec![]);
+        assert!(ignore_init(&mut v, 7));
+        assert_eq!(v.kind, VerdictKind::Skip);
+        let mut v = verdict(VerdictKind::Full, vec![7], vec![]);
+        assert!(ignore_init(&mut v, 7));
+        assert_eq!(v.kind, VerdictKind::Fs);
+    }
+
+    #[test]
+    fn anything_else_keeps_the_dump() {
+        for mut v in [
+            verdict(VerdictKind::Process, vec![7, 8], vec![]),
+            verdict(VerdictKind::Process, vec![8], vec![]),
+            verdict(VerdictKind::Process, vec![7], vec![9]),
+        ] {
+            assert!(!ignore_init(&mut v, 7));
+            assert_eq!(v.kind, VerdictKind::Process);
+        }
+        let mut v = verdict(VerdictKind::Full, vec![7], vec![]);
+        v.conservative = true;
+        assert!(!ignore_init(&mut v, 7));
+        let mut v = verdict(VerdictKind::Process, vec![7], vec![]);
+        v.reasons.push("pid 7 maps a changed file".into());
+        assert!(!ignore_init(&mut v, 7));
+    }
+
+    #[test]
+    fn the_verdict_decides() {
+        let p = TurnPolicy::new();
+        for (vk, jk) in [
+            (VerdictKind::Skip, JobKind::Skip),
+            (VerdictKind::Fs, JobKind::Fs),
+            (VerdictKind::Process, JobKind::Process),
+            (VerdictKind::Full, JobKind::Full),
+        ] {
+            let d = p.decide("s", Ok(verdict(vk, vec![], vec![])), Some(1), false);
+            assert_eq!(d.kind, jk);
+            assert!(d.reasons.is_empty());
+            assert_eq!(d.verdict.map(|v| v.kind), Some(vk));
+        }
+    }
+
+    #[test]
+    fn no_verdict_is_full_never_a_guess() {
+        let d = TurnPolicy::new().decide("s", Err("inspector unavailable".into()), None, false);
+        assert_eq!(d.kind, JobKind::Full);
+        assert!(d.verdict.is_none());
+        assert!(d.reasons[0].contains("inspector unavailable"));
+    }
+
+    #[test]
+    fn init_only_rule_applies_through_decide() {
+        let p = TurnPolicy::new();
+        let d = p.decide("s", Ok(verdict(VerdictKind::Process, vec![7], vec![])), Some(7), false);
+        assert_eq!(d.kind, JobKind::Skip);
+        assert_eq!(d.reasons.len(), 1);
+    }
+
+    #[test]
+    fn a_failure_forces_the_next_checkpoint_full_once() {
+        let p = TurnPolicy::new();
+        p.failed("s");
+        assert!(p.is_forced("s"));
+        assert!(!p.is_forced("t"), "a failure is per sandbox");
+        let d = p.decide("s", Ok(verdict(VerdictKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, JobKind::Full);
+        assert!(d.reasons[0].contains("previous checkpoint failed"));
+        let d = p.decide("s", Ok(verdict(VerdictKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, JobKind::Skip, "the failure is consumed by one decision");
+        let d = p.decide("s", Ok(verdict(VerdictKind::Fs, vec![], vec![])), None, true);
+        assert_eq!(d.kind, JobKind::Full, "the caller can force it too");
+    }
+
+    #[test]
+    fn a_restore_forgets_the_failure() {
+        let p = TurnPolicy::new();
+        p.failed("s");
+        p.clear("s");
+        let d = p.decide("s", Ok(verdict(VerdictKind::Fs, vec![], vec![])), None, false);
+        assert_eq!(d.kind, JobKind::Fs);
+    }
+
+    #[test]
+    fn the_first_point_is_the_base() {
+        assert_eq!(TurnPolicy::base(JobKind::Skip, true), JobKind::Fs);
+        assert_eq!(TurnPolicy::base(JobKind::Process, true), JobKind::Full);
+        assert_eq!(TurnPolicy::base(JobKind::Full, true), JobKind::Full);
+        assert_eq!(TurnPolicy::base(JobKind::Skip, false), JobKind::Skip);
+        assert_eq!(TurnPolicy::base(JobKind::Process, false), JobKind::Process);
+    }
+}

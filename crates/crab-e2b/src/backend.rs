@@ -12,8 +12,6 @@ use tokio::sync::mpsc;
 pub trait Backend: Send + Sync + 'static {
     /// Create and start a sandbox.
     fn create(&self, req: SandboxCreateRequest) -> impl Future<Output = Result<(), ApiError>> + Send;
-    /// Whether the sandbox exists (and is running).
-    fn exists(&self, name: String) -> impl Future<Output = Result<bool, ApiError>> + Send;
     /// Remove a sandbox (killing what runs in it) and its restore points.
     fn remove(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Run a command; the receiver yields its frames and dropping it kills the command.
@@ -39,7 +37,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Pause: a `full` restore point, then the sandbox's processes stop (memory freed).
     fn pause(&self, name: String) -> impl Future<Output = Result<String, ApiError>> + Send;
     /// Resume a paused sandbox in place from its pause point, processes included.
-    fn resume(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
+    fn resume(&self, name: String, point: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Names of the images (E2B templates).
     fn images(&self) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
 }

@@ -87,6 +87,8 @@ struct Sb {
 struct Life {
     state: RunState,
     end_at: SystemTime,
+    /// The restore point a pause took (what `connect` restores).
+    pause_point: Option<String>,
 }
 
 /// A process started through envd: its output fans out to every connected stream; it lives
@@ -258,7 +260,11 @@ impl<B: Backend> E2b<B> {
             envs: req.env_vars.clone().unwrap_or_default(),
             started_at: now,
             auto_pause: req.auto_pause.unwrap_or(false),
-            life: Mutex::new(Life { state: RunState::Running, end_at: now + Duration::from_secs(timeout_s) }),
+            life: Mutex::new(Life {
+                state: RunState::Running,
+                end_at: now + Duration::from_secs(timeout_s),
+                pause_point: None,
+            }),
             procs: Mutex::new(HashMap::new()),
             next_pid: AtomicU32::new(1),
             lifecycle: tokio::sync::Mutex::new(()),
@@ -291,8 +297,10 @@ impl<B: Backend> E2b<B> {
             // The processes survive in the pause point; their envd streams do not (as in E2B).
             p.detach();
         }
-        self.backend.pause(sb.id.clone()).await?;
-        lock(&sb.life).state = RunState::Paused;
+        let point = self.backend.pause(sb.id.clone()).await?;
+        let mut l = lock(&sb.life);
+        l.state = RunState::Paused;
+        l.pause_point = Some(point);
         Ok(())
     }
 }
@@ -532,9 +540,13 @@ async fn connect_sb<B: Backend>(
     let timeout = req.timeout.map(|t| t.min(MAX_TIMEOUT_S)).unwrap_or(DEFAULT_TIMEOUT_S);
     let resumed = {
         let _g = sb.lifecycle.lock().await;
-        let paused = lock(&sb.life).state == RunState::Paused;
-        if paused {
-            e2b.backend.resume(sb.id.clone()).await?;
+        let point = {
+            let l = lock(&sb.life);
+            if l.state == RunState::Paused { l.pause_point.clone() } else { None }
+        };
+        let paused = point.is_some();
+        if let Some(point) = point {
+            e2b.backend.resume(sb.id.clone(), point).await?;
             let mut l = lock(&sb.life);
             l.state = RunState::Running;
             l.end_at = SystemTime::now() + Duration::from_secs(timeout);

@@ -320,6 +320,8 @@ impl Host {
                 })
                 .await
             }
+            Action::ForkLive { name, names } => self.fork_live(name, names).await,
+            Action::Pause { name } => self.pause(name).await,
             Action::Checkpoint { name, kind, turn, conversation_offset } => {
                 self.checkpoint(name, kind, turn, conversation_offset).await
             }
@@ -560,6 +562,38 @@ impl Host {
         }
         self.open_sandbox_proxy(&name).await;
         Ok(Outcome::Restored(report))
+    }
+
+    /// A `full` point of `name` now, then branches `names` from it.
+    async fn fork_live(self: &Arc<Self>, name: String, names: Vec<String>) -> Result<Outcome, HostError> {
+        if names.is_empty() {
+            return Err(HostError::invalid("a fork needs at least one branch", "ask for count >= 1"));
+        }
+        let point = match self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await? {
+            Outcome::Taken(t) => t.point.id.clone(),
+            _ => return Err(HostError::internal("the checkpoint answered no restore point")),
+        };
+        let req = crab_common::api::ForkRequest {
+            checkpoint: Some(point),
+            count: names.len(),
+            names: Some(names),
+        };
+        self.fork(name, req).await
+    }
+
+    /// A `full` point of `name`, then its processes are stopped.
+    async fn pause(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
+        let h = self.clone();
+        let n = name.clone();
+        blocking(move || {
+            h.detach(&n);
+            Ok(h.runtime.stop(&n)?)
+        })
+        .await?;
+        self.close_sandbox_proxy(&name).await;
+        tracing::info!(sandbox = %name, "paused");
+        Ok(taken)
     }
 
     async fn fork(

@@ -41,6 +41,17 @@ pub(super) struct DaemonArgs {
     /// Key file (64 hex digits) encrypting the remote store at rest.
     #[arg(long, requires = "remote")]
     remote_key: Option<std::path::PathBuf>,
+    /// Serve the E2B-compatible API (REST + envd) here, e.g. 127.0.0.1:3000 (loopback only
+    /// unless --e2b-allow-remote); point E2B_API_URL and E2B_SANDBOX_URL at it.
+    #[arg(long, env = "CRAB_E2B_LISTEN", requires = "e2b_keys")]
+    e2b_listen: Option<std::net::SocketAddr>,
+    /// Let the E2B API listen beyond loopback (plain HTTP: put TLS in front of it).
+    #[arg(long, requires = "e2b_listen")]
+    e2b_allow_remote: bool,
+    /// Accepted E2B API keys: a file of SHA-256 digests (hex), one per line
+    /// (`printf %s KEY | sha256sum`).
+    #[arg(long, env = "CRAB_E2B_KEYS", requires = "e2b_listen")]
+    e2b_keys: Option<std::path::PathBuf>,
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -62,7 +73,26 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         key_file: a.remote_key,
         bandwidth_bps: a.remote_bandwidth,
     });
-    let opts = DaemonOptions { state, pool_size: a.pool_size, proxy, engine, remote };
+    let e2b = match (a.e2b_listen, a.e2b_keys) {
+        (Some(listen), Some(keys)) => {
+            if !listen.ip().is_loopback() && !a.e2b_allow_remote {
+                eprintln!(
+                    "error: --e2b-listen {listen} is not a loopback address; the E2B API grants \
+                     root-equivalent control of sandboxes, so add --e2b-allow-remote to mean it"
+                );
+                return ExitCode::FAILURE;
+            }
+            match crab_e2b::Keys::load(&keys) {
+                Ok(keys) => Some(daemon::E2bOptions { listen, keys }),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        _ => None,
+    };
+    let opts = DaemonOptions { state, pool_size: a.pool_size, proxy, engine, remote, e2b };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or
         // the kernel's teardown of BPF links would only delay a restart.

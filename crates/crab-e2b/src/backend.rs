@@ -26,13 +26,15 @@ pub trait Backend: Send + Sync + 'static {
         name: String,
         kind: &'static str,
     ) -> impl Future<Output = Result<String, ApiError>> + Send;
-    /// New sandboxes `names` from restore point `point` of `name` (the newest when `None`);
-    /// answers, per name, the branch or why it failed.
+    /// New sandboxes `names` from restore point `point` of `name` — files only with `fs_only`
+    /// — or, when `point` is `None`, from a `full` point of the sandbox as it is now; answers,
+    /// per name, the branch or why it failed.
     fn fork(
         &self,
         name: String,
         point: Option<String>,
         names: Vec<String>,
+        fs_only: bool,
     ) -> impl Future<Output = Result<Vec<Result<String, ApiError>>, ApiError>> + Send;
     /// Pause: a `full` restore point, then the sandbox's processes stop (memory freed).
     fn pause(&self, name: String) -> impl Future<Output = Result<String, ApiError>> + Send;

@@ -58,6 +58,8 @@ pub struct E2b<B> {
 struct Snapshot {
     sandbox: String,
     point: String,
+    /// A filesystem snapshot: sandboxes made from it get its files, not its processes.
+    fs_only: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,7 +379,10 @@ async fn create<B: Backend>(State(e2b): State<Shared<B>>, raw: Bytes) -> Result<
     let id = new_id();
     let snap = lock(&e2b.snapshots).get(&req.template_id).cloned();
     if let Some(snap) = snap {
-        let mut r = e2b.backend.fork(snap.sandbox.clone(), Some(snap.point.clone()), vec![id.clone()]).await?;
+        let mut r = e2b
+            .backend
+            .fork(snap.sandbox.clone(), Some(snap.point.clone()), vec![id.clone()], snap.fs_only)
+            .await?;
         match r.pop() {
             Some(Ok(_)) => {}
             Some(Err(e)) => return Err(e.into()),
@@ -580,12 +585,16 @@ async fn snapshot<B: Backend>(
     let names: Vec<String> = req.name.into_iter().collect();
     lock(&e2b.snapshots).insert(
         snapshot_id.clone(),
-        Snapshot { sandbox: id.clone(), point },
+        Snapshot { sandbox: id.clone(), point, fs_only: kind == "fs" },
     );
     for n in &names {
         lock(&e2b.snapshots).insert(
             n.clone(),
-            Snapshot { sandbox: id.clone(), point: snapshot_id[id.len() + 1..].to_string() },
+            Snapshot {
+                sandbox: id.clone(),
+                point: snapshot_id[id.len() + 1..].to_string(),
+                fs_only: kind == "fs",
+            },
         );
     }
     tracing::info!(sandbox = %id, snapshot = %snapshot_id, kind, "E2B snapshot");
@@ -608,7 +617,7 @@ async fn fork<B: Backend>(
         return Err(RestError::new(409, format!("sandbox {id} is paused; connect to it first")));
     }
     let names: Vec<String> = (0..count).map(|_| new_id()).collect();
-    let results = e2b.backend.fork(id.clone(), None, names.clone()).await?;
+    let results = e2b.backend.fork(id.clone(), None, names.clone(), false).await?;
     let mut out = Vec::new();
     for (name, r) in names.into_iter().zip(results) {
         match r {

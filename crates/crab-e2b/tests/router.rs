@@ -49,6 +49,7 @@ impl Backend for Fake {
         _name: String,
         _point: Option<String>,
         names: Vec<String>,
+        _fs_only: bool,
     ) -> Result<Vec<Result<String, ApiError>>, ApiError> {
         Ok(names.into_iter().map(Ok).collect())
     }

@@ -78,6 +78,25 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The id of the `full` point a checkpoint answered, or why it holds no processes (a dump that
+/// fell back to the filesystem), as a `criu_failed` error saying what was not done.
+fn full_point(o: &Outcome, what: &str) -> Result<String, HostError> {
+    match o {
+        Outcome::Taken(t) => match &t.point.procs_missing {
+            None => Ok(t.point.id.clone()),
+            Some(why) => Err(HostError(ApiError::new(
+                crab_common::ErrorCode::CriuFailed,
+                format!(
+                    "no {what}: the processes could not be dumped ({why}); restore point {} holds the files only",
+                    t.point.id
+                ),
+                "the sandbox was left running as it was",
+            ))),
+        },
+        _ => Err(HostError::internal("the checkpoint answered no restore point")),
+    }
+}
+
 /// Run a blocking call off the async threads.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, HostError> + Send + 'static,
@@ -569,14 +588,13 @@ impl Host {
         if names.is_empty() {
             return Err(HostError::invalid("a fork needs at least one branch", "ask for count >= 1"));
         }
-        let point = match self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await? {
-            Outcome::Taken(t) => t.point.id.clone(),
-            _ => return Err(HostError::internal("the checkpoint answered no restore point")),
-        };
+        let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
+        let point = full_point(&taken, "fork")?;
         let req = crab_common::api::ForkRequest {
             checkpoint: Some(point),
             count: names.len(),
             names: Some(names),
+            fs_only: false,
         };
         self.fork(name, req).await
     }
@@ -584,6 +602,8 @@ impl Host {
     /// A `full` point of `name`, then its processes are stopped.
     async fn pause(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
         let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
+        // Stopping processes that the point does not hold would lose them: refuse instead.
+        full_point(&taken, "pause")?;
         let h = self.clone();
         let n = name.clone();
         blocking(move || {
@@ -606,7 +626,14 @@ impl Host {
         let (branches, offset) = blocking(move || {
             let offset = h.point_offset(&n, req.checkpoint.as_deref())?;
             let branches =
-                h.checkpointer.fork(&n, req.checkpoint.as_deref(), req.count, req.names)?;
+h.checkpointer.fork_files_or_all(
+                &n,
+                req.checkpoint.as_deref(),
+                req.count,
+                req.names,
+                req.fs_only,
+                &crab_common::NoProgress,
+            )?;
             for b in &branches {
                 h.attach(&b.sandbox);
             }

@@ -238,7 +238,12 @@ pub(super) async fn fork(client: &Client, a: ForkArgs, json: bool) -> Result<Exi
     }
     let sandbox = sandbox.unwrap_or_default();
     let req =
-        ForkRequest { checkpoint, count, names: if names.is_empty() { None } else { Some(names) } };
+        ForkRequest {
+            checkpoint,
+            count,
+            names: if names.is_empty() { None } else { Some(names) },
+            fs_only: false,
+        };
     let v: Vec<crab_checkpoint::ForkBranch> =
         client.call(Method::POST, &format!("/v1/sandboxes/{sandbox}/fork"), Some(&req)).await?;
     if json {

@@ -40,13 +40,25 @@ impl Backend for HostBackend {
     }
 
     async fn checkpoint(&self, name: String, kind: &'static str) -> Result<String, ApiError> {
-        let kind = match kind {
+        let job = match kind {
             "fs" => JobKind::Fs,
             _ => JobKind::Full,
         };
-        let a = Action::Checkpoint { name, kind: Some(kind), turn: None, conversation_offset: None };
+        let a = Action::Checkpoint { name, kind: Some(job), turn: None, conversation_offset: None };
         match self.run(a).await? {
-            Outcome::Taken(t) => Ok(t.point.id.clone()),
+            // A memory snapshot that holds no processes is not what was asked for: say so
+            // (the files-only point stays published).
+            Outcome::Taken(t) => match (&t.point.procs_missing, job) {
+                (Some(why), JobKind::Full) => Err(ApiError::new(
+                    crab_common::ErrorCode::CriuFailed,
+                    format!(
+                        "the memory snapshot holds no processes: {why} (point {} has the files only)",
+                        t.point.id
+                    ),
+                    "take a filesystem snapshot (mode=\"filesystem\") or see the CRIU log named above",
+                )),
+                _ => Ok(t.point.id.clone()),
+            },
             _ => Err(unexpected("checkpoint")),
         }
     }
@@ -56,6 +68,7 @@ impl Backend for HostBackend {
         name: String,
         point: Option<String>,
         names: Vec<String>,
+        fs_only: bool,
     ) -> Result<Vec<Result<String, ApiError>>, ApiError> {
         let a = match point {
             Some(p) => Action::Fork {
@@ -64,6 +77,7 @@ impl Backend for HostBackend {
                     checkpoint: Some(p),
                     count: names.len(),
                     names: Some(names),
+                    fs_only,
                 },
             },
             None => Action::ForkLive { name, names },

@@ -91,6 +91,10 @@ pub enum NetMode {
     Host,
     /// Own network namespace with `lo` down.
     None,
+    /// Own network namespace with `lo` up and a veth pair to the host: an address from a
+    /// private range, masqueraded egress; the host's own addresses, its loopback services
+    /// and other sandboxes are unreachable.
+    Nat,
 }
 
 impl std::str::FromStr for NetMode {
@@ -100,7 +104,8 @@ impl std::str::FromStr for NetMode {
             "private" => Ok(NetMode::Private),
             "host" => Ok(NetMode::Host),
             "none" => Ok(NetMode::None),
-            other => Err(format!("unknown network mode {other:?}; use private, host or none")),
+            "nat" => Ok(NetMode::Nat),
+            other => Err(format!("unknown network mode {other:?}; use private, nat, none or host")),
         }
     }
 }
@@ -126,6 +131,10 @@ pub struct SandboxCreateRequest {
     /// Network mode.
     #[serde(default)]
     pub net: NetMode,
+    /// With `net: nat`: the private IPv4 range (CIDR) to take the sandbox's address from;
+    /// the daemon's `--nat-range` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nat_range: Option<String>,
     /// Resource limits.
     #[serde(default)]
     pub limits: Limits,
@@ -178,6 +187,9 @@ pub struct SandboxInfo {
     pub hostname: String,
     /// Id of the sandbox's cgroup v2 (what BPF programs filter on).
     pub cgroup_id: u64,
+    /// With `net: nat`: the sandbox's address (on its `eth0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
     /// The security profile in force (`crab sandbox inspect`).
     #[serde(default)]
     pub profile: Option<ProfileReport>,

@@ -11,7 +11,10 @@ use tokio::sync::mpsc;
 /// What the front door asks of the host.
 pub trait Backend: Send + Sync + 'static {
     /// Create and start a sandbox.
-    fn create(&self, req: SandboxCreateRequest) -> impl Future<Output = Result<(), ApiError>> + Send;
+    fn create(
+        &self,
+        req: SandboxCreateRequest,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Remove a sandbox (killing what runs in it) and its restore points.
     fn remove(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Run a command; the receiver yields its frames and dropping it kills the command.
@@ -39,7 +42,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Pause: a `full` restore point, then the sandbox's processes stop (memory freed).
     fn pause(&self, name: String) -> impl Future<Output = Result<String, ApiError>> + Send;
     /// Resume a paused sandbox in place from its pause point, processes included.
-    fn resume(&self, name: String, point: String) -> impl Future<Output = Result<(), ApiError>> + Send;
+    fn resume(
+        &self,
+        name: String,
+        point: String,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Names of the images (E2B templates).
     fn images(&self) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
 }

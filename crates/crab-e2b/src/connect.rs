@@ -195,7 +195,9 @@ pub fn decode_stream_request<T: DeserializeOwned>(body: &[u8]) -> Result<T, Conn
     let flags = body[0];
     let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
     if flags & FLAG_COMPRESSED != 0 {
-        return Err(bad("compressed Connect messages are not supported; send them uncompressed".into()));
+        return Err(bad(
+            "compressed Connect messages are not supported; send them uncompressed".into()
+        ));
     }
     if len > MAX_MESSAGE {
         return Err(ConnectError::new(
@@ -215,8 +217,9 @@ pub fn decode_stream_request<T: DeserializeOwned>(body: &[u8]) -> Result<T, Conn
 /// Decode a unary JSON request message.
 pub fn decode_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ConnectError> {
     let body = if body.is_empty() { b"{}".as_slice() } else { body };
-    serde_json::from_slice(body)
-        .map_err(|e| ConnectError::new(Code::InvalidArgument, format!("malformed JSON message: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        ConnectError::new(Code::InvalidArgument, format!("malformed JSON message: {e}"))
+    })
 }
 
 /// A unary success response.

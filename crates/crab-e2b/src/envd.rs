@@ -275,7 +275,8 @@ mod tests {
         assert_eq!(p.args[2], "echo hi");
         assert_eq!(p.envs["A"], "1");
         let k: SelectRequest =
-            serde_json::from_str(r#"{"process":{"pid":7},"signal":"SIGNAL_SIGKILL"}"#).expect("sig");
+            serde_json::from_str(r#"{"process":{"pid":7},"signal":"SIGNAL_SIGKILL"}"#)
+                .expect("sig");
         assert_eq!(k.signal, Some(9));
         assert_eq!(k.process.and_then(|p| p.pid), Some(7));
         let n: SelectRequest = serde_json::from_str(r#"{"signal":15}"#).expect("num");

@@ -119,7 +119,10 @@ pub struct RestError(StatusCode, String);
 
 impl RestError {
     fn new(status: u16, message: impl Into<String>) -> Self {
-        RestError(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), message.into())
+        RestError(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            message.into(),
+        )
     }
 }
 
@@ -190,7 +193,10 @@ impl<B: Backend> E2b<B> {
             .merge(api)
             .merge(envd)
             .fallback(|| async {
-                RestError::new(404, "no such E2B route on this Crab daemon (docs/e2b.md lists what is served)")
+                RestError::new(
+                    404,
+                    "no such E2B route on this Crab daemon (docs/e2b.md lists what is served)",
+                )
             })
             .with_state(self.clone())
     }
@@ -252,7 +258,13 @@ impl<B: Backend> E2b<B> {
         }
     }
 
-    fn register(&self, id: String, template: String, req: &rest::NewSandbox, timeout_s: u64) -> Arc<Sb> {
+    fn register(
+        &self,
+        id: String,
+        template: String,
+        req: &rest::NewSandbox,
+        timeout_s: u64,
+    ) -> Arc<Sb> {
         let now = SystemTime::now();
         let sb = Arc::new(Sb {
             id: id.clone(),
@@ -344,10 +356,15 @@ async fn api_key<B: Backend>(
     let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
     match key {
         Some(k) if e2b.cfg.keys.accepts(k) => next.run(req).await,
-        Some(_) => RestError::new(401, "invalid X-API-Key: it matches none of the --e2b-keys digests")
-            .into_response(),
-        None => RestError::new(401, "missing X-API-Key header: set E2B_API_KEY to a key whose SHA-256 is in --e2b-keys")
-            .into_response(),
+        Some(_) => {
+            RestError::new(401, "invalid X-API-Key: it matches none of the --e2b-keys digests")
+                .into_response()
+        }
+        None => RestError::new(
+            401,
+            "missing X-API-Key header: set E2B_API_KEY to a key whose SHA-256 is in --e2b-keys",
+        )
+        .into_response(),
     }
 }
 
@@ -355,21 +372,31 @@ fn body<T: serde::de::DeserializeOwned + Default>(bytes: &Bytes) -> Result<T, Re
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(bytes).map_err(|e| RestError::new(400, format!("malformed JSON body: {e}")))
+    serde_json::from_slice(bytes)
+        .map_err(|e| RestError::new(400, format!("malformed JSON body: {e}")))
 }
 
 fn new_id() -> String {
     format!("e2b-{}", random_hex(8))
 }
 
-async fn create<B: Backend>(State(e2b): State<Shared<B>>, raw: Bytes) -> Result<Response, RestError> {
+async fn create<B: Backend>(
+    State(e2b): State<Shared<B>>,
+    raw: Bytes,
+) -> Result<Response, RestError> {
     let req: rest::NewSandbox = body(&raw)?;
     if req.template_id.is_empty() {
-        return Err(RestError::new(400, "templateID is required (a Crab image name or a snapshot id)"));
+        return Err(RestError::new(
+            400,
+            "templateID is required (a Crab image name or a snapshot id)",
+        ));
     }
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     if timeout == 0 || timeout > MAX_TIMEOUT_S {
-        return Err(RestError::new(400, format!("timeout must be 1..={MAX_TIMEOUT_S} seconds, got {timeout}")));
+        return Err(RestError::new(
+            400,
+            format!("timeout must be 1..={MAX_TIMEOUT_S} seconds, got {timeout}"),
+        ));
     }
     if let Some(envs) = &req.env_vars {
         for k in envs.keys() {
@@ -400,16 +427,27 @@ async fn create<B: Backend>(State(e2b): State<Shared<B>>, raw: Bytes) -> Result<
                 format!(
                     "template {:?} not found: a template is a Crab image ({}) or a snapshot id",
                     req.template_id,
-                    if images.is_empty() { "none built; run `crab image build debian`".into() } else { images.join(", ") }
+                    if images.is_empty() {
+                        "none built; run `crab image build debian`".into()
+                    } else {
+                        images.join(", ")
+                    }
                 ),
             ));
         };
-        let net = if req.allow_internet_access == Some(false) { NetMode::None } else { NetMode::Private };
+        // E2B's default is internet access; Crab's default network is private (loopback only):
+        // `allow_internet_access=True` asks for the NAT network, `False` for none.
+        let net = match req.allow_internet_access {
+            Some(true) => NetMode::Nat,
+            Some(false) => NetMode::None,
+            None => NetMode::Private,
+        };
         e2b.backend
             .create(SandboxCreateRequest {
                 image,
                 name: Some(id.clone()),
                 net,
+                nat_range: None,
                 limits: Default::default(),
                 privileged: false,
             })
@@ -448,7 +486,10 @@ fn detail_of(sb: &Sb, with_token: bool) -> rest::Detail {
     }
 }
 
-async fn detail<B: Backend>(State(e2b): State<Shared<B>>, Path(id): Path<String>) -> Result<Response, RestError> {
+async fn detail<B: Backend>(
+    State(e2b): State<Shared<B>>,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
     let sb = e2b.sandbox(&id)?;
     Ok(Json(detail_of(&sb, true)).into_response())
 }
@@ -458,8 +499,9 @@ async fn list<B: Backend>(
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, RestError> {
     let filter: Vec<(String, String)> = match q.get("metadata") {
-        Some(m) => serde_urlencoded::from_str(m)
-            .map_err(|e| RestError::new(400, format!("metadata filter must be k=v&k2=v2 (URL-encoded): {e}")))?,
+        Some(m) => serde_urlencoded::from_str(m).map_err(|e| {
+            RestError::new(400, format!("metadata filter must be k=v&k2=v2 (URL-encoded): {e}"))
+        })?,
         None => Vec::new(),
     };
     let states: Vec<&str> = q.get("state").map(|s| s.split(',').collect()).unwrap_or_default();
@@ -469,12 +511,17 @@ async fn list<B: Backend>(
         }
     }
     let limit: usize = match q.get("limit") {
-        Some(l) => l.parse().ok().filter(|n| (1..=1000).contains(n))
+        Some(l) => l
+            .parse()
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
             .ok_or_else(|| RestError::new(400, format!("limit must be 1..=1000, got {l:?}")))?,
         None => 100,
     };
     let offset: usize = match q.get("nextToken") {
-        Some(t) => t.parse().map_err(|_| RestError::new(400, format!("invalid nextToken {t:?}")))?,
+        Some(t) => {
+            t.parse().map_err(|_| RestError::new(400, format!("invalid nextToken {t:?}")))?
+        }
         None => 0,
     };
     let mut all: Vec<rest::Detail> = lock(&e2b.sandboxes)
@@ -495,7 +542,10 @@ async fn list<B: Backend>(
     Ok(r)
 }
 
-async fn kill<B: Backend>(State(e2b): State<Shared<B>>, Path(id): Path<String>) -> Result<Response, RestError> {
+async fn kill<B: Backend>(
+    State(e2b): State<Shared<B>>,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
     let sb = e2b.sandbox(&id)?;
     e2b.do_kill(&sb).await?;
     tracing::info!(sandbox = %id, "E2B sandbox killed");
@@ -511,7 +561,10 @@ async fn set_timeout<B: Backend>(
     let req: rest::TimeoutRequest = serde_json::from_slice(&raw)
         .map_err(|e| RestError::new(400, format!("body must be {{\"timeout\": seconds}}: {e}")))?;
     if req.timeout > MAX_TIMEOUT_S {
-        return Err(RestError::new(400, format!("timeout must be at most {MAX_TIMEOUT_S} seconds")));
+        return Err(RestError::new(
+            400,
+            format!("timeout must be at most {MAX_TIMEOUT_S} seconds"),
+        ));
     }
     lock(&sb.life).end_at = SystemTime::now() + Duration::from_secs(req.timeout);
     Ok(StatusCode::NO_CONTENT.into_response())
@@ -547,7 +600,11 @@ async fn connect_sb<B: Backend>(
         let _g = sb.lifecycle.lock().await;
         let point = {
             let l = lock(&sb.life);
-            if l.state == RunState::Paused { l.pause_point.clone() } else { None }
+            if l.state == RunState::Paused {
+                l.pause_point.clone()
+            } else {
+                None
+            }
         };
         let paused = point.is_some();
         if let Some(point) = point {
@@ -634,7 +691,10 @@ async fn fork<B: Backend>(
             }
             Err(e) => {
                 let RestError(s, m) = e.into();
-                out.push(rest::ForkResult { sandbox: None, error: Some(ApiErrorBody { code: s.as_u16(), message: m }) });
+                out.push(rest::ForkResult {
+                    sandbox: None,
+                    error: Some(ApiErrorBody { code: s.as_u16(), message: m }),
+                });
             }
         }
     }
@@ -647,15 +707,12 @@ async fn fork<B: Backend>(
 
 /// The sandbox an envd call is for, checked against its access token.
 fn envd_sandbox<B: Backend>(e2b: &E2b<B>, headers: &HeaderMap) -> Result<Arc<Sb>, ConnectError> {
-    let id = headers
-        .get("e2b-sandbox-id")
-        .and_then(|v| v.to_str().ok())
-        .ok_or_else(|| {
-            ConnectError::new(
-                Code::InvalidArgument,
-                "missing E2b-Sandbox-Id header: point E2B_SANDBOX_URL at this daemon's E2B listener",
-            )
-        })?;
+    let id = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()).ok_or_else(|| {
+        ConnectError::new(
+            Code::InvalidArgument,
+            "missing E2b-Sandbox-Id header: point E2B_SANDBOX_URL at this daemon's E2B listener",
+        )
+    })?;
     let sb = lock(&e2b.sandboxes).get(id).cloned().ok_or_else(|| {
         ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found"))
     })?;
@@ -711,7 +768,11 @@ async fn run_collect<B: Backend>(
             ExecFrame::Stderr { d } => stderr.extend(b64.decode(d).unwrap_or_default()),
             ExecFrame::Exit { code, timed_out, .. } => {
                 if timed_out {
-                    return Err(ApiError::new(ErrorCode::Timeout, "the filesystem operation timed out", ""));
+                    return Err(ApiError::new(
+                        ErrorCode::Timeout,
+                        "the filesystem operation timed out",
+                        "",
+                    ));
                 }
                 return Ok(Ran { code, stdout, stderr });
             }
@@ -723,11 +784,21 @@ async fn run_collect<B: Backend>(
 
 fn fs_error(r: &Ran, path: &str) -> ConnectError {
     match FsFailure::from_code(r.code) {
-        Some(FsFailure::NotFound) => ConnectError::new(Code::NotFound, format!("path {path} does not exist")),
-        Some(FsFailure::AlreadyExists) => ConnectError::new(Code::AlreadyExists, format!("path {path} already exists")),
-        Some(FsFailure::PermissionDenied) => ConnectError::new(Code::PermissionDenied, format!("permission denied: {path}")),
-        Some(FsFailure::NotADirectory) => ConnectError::new(Code::InvalidArgument, format!("path {path} is not a directory")),
-        Some(FsFailure::IsADirectory) => ConnectError::new(Code::InvalidArgument, format!("path {path} is a directory")),
+        Some(FsFailure::NotFound) => {
+            ConnectError::new(Code::NotFound, format!("path {path} does not exist"))
+        }
+        Some(FsFailure::AlreadyExists) => {
+            ConnectError::new(Code::AlreadyExists, format!("path {path} already exists"))
+        }
+        Some(FsFailure::PermissionDenied) => {
+            ConnectError::new(Code::PermissionDenied, format!("permission denied: {path}"))
+        }
+        Some(FsFailure::NotADirectory) => {
+            ConnectError::new(Code::InvalidArgument, format!("path {path} is not a directory"))
+        }
+        Some(FsFailure::IsADirectory) => {
+            ConnectError::new(Code::InvalidArgument, format!("path {path} is a directory"))
+        }
         None => ConnectError::new(
             Code::Internal,
             format!("{path}: exit {}: {}", r.code, String::from_utf8_lossy(&r.stderr).trim()),
@@ -855,7 +926,12 @@ fn find_proc(sb: &Sb, sel: Option<&envd::ProcessSelector>) -> Result<Arc<Proc>, 
         Some(envd::ProcessSelector { tag: Some(tag), .. }) => {
             procs.values().find(|p| p.tag.as_deref() == Some(tag.as_str())).cloned()
         }
-        _ => return Err(ConnectError::new(Code::InvalidArgument, "process selector (pid or tag) is required")),
+        _ => {
+            return Err(ConnectError::new(
+                Code::InvalidArgument,
+                "process selector (pid or tag) is required",
+            ))
+        }
     };
     found.ok_or_else(|| ConnectError::new(Code::NotFound, format!("process {sel:?} not found")))
 }
@@ -874,7 +950,11 @@ async fn process_unary<B: Backend>(
         "List" => {
             let processes = lock(&sb.procs)
                 .values()
-                .map(|p| envd::ProcessInfo { config: p.config.clone(), pid: p.pid, tag: p.tag.clone() })
+                .map(|p| envd::ProcessInfo {
+                    config: p.config.clone(),
+                    pid: p.pid,
+                    tag: p.tag.clone(),
+                })
                 .collect();
             Ok(connect::unary_ok(&envd::ListResponse { processes }))
         }
@@ -918,15 +998,21 @@ async fn process_stream<B: Backend>(
     let (proc_, events) = if method == "Start" {
         let req: envd::StartRequest = connect::decode_stream_request(raw)?;
         if req.pty.is_some() {
-            return Err(ConnectError::new(Code::Unimplemented, "PTYs are not supported by Crab's E2B front door; use commands.run"));
+            return Err(ConnectError::new(
+                Code::Unimplemented,
+                "PTYs are not supported by Crab's E2B front door; use commands.run",
+            ));
         }
         let tag = req.tag.clone();
-        let config = req.process.ok_or_else(|| ConnectError::new(Code::InvalidArgument, "process is required"))?;
+        let config = req
+            .process
+            .ok_or_else(|| ConnectError::new(Code::InvalidArgument, "process is required"))?;
         if config.cmd.is_empty() {
             return Err(ConnectError::new(Code::InvalidArgument, "process.cmd is empty"));
         }
         let user = call_user(headers)?;
-        let mut envs: Vec<(String, String)> = sb.envs.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut envs: Vec<(String, String)> =
+            sb.envs.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         for (k, v) in &config.envs {
             check_env_key(k).map_err(|m| ConnectError::new(Code::InvalidArgument, m))?;
             envs.retain(|(k2, _)| k2 != k);
@@ -935,8 +1021,10 @@ async fn process_stream<B: Backend>(
         let mut argv = vec![config.cmd.clone()];
         argv.extend(config.args.iter().cloned());
         let (cmd, env) = shell::as_user(&user, &envs, argv);
-        let workdir = config.cwd.clone().filter(|c| !c.is_empty()).unwrap_or_else(|| shell::home_of(&user));
-        let req = ExecRequest { cmd, env, workdir: Some(workdir), timeout_s: None, stdin_b64: None };
+        let workdir =
+            config.cwd.clone().filter(|c| !c.is_empty()).unwrap_or_else(|| shell::home_of(&user));
+        let req =
+            ExecRequest { cmd, env, workdir: Some(workdir), timeout_s: None, stdin_b64: None };
         let rx = e2b.backend.exec(sb.id.clone(), req).await.map_err(api_to_connect)?;
         let pid = sb.next_pid.fetch_add(1, Ordering::Relaxed);
         let (ktx, krx) = oneshot::channel();
@@ -948,16 +1036,18 @@ async fn process_stream<B: Backend>(
             ended: Mutex::new(false),
             kill: Mutex::new(Some(ktx)),
         });
-        let events = p.subscribe().ok_or_else(|| ConnectError::new(Code::Internal, "process ended at once"))?;
+        let events = p
+            .subscribe()
+            .ok_or_else(|| ConnectError::new(Code::Internal, "process ended at once"))?;
         lock(&sb.procs).insert(pid, p.clone());
         tokio::spawn(pump(sb.clone(), p.clone(), rx, krx));
         (p, events)
     } else {
         let req: envd::SelectRequest = connect::decode_stream_request(raw)?;
         let p = find_proc(&sb, req.process.as_ref())?;
-        let events = p
-            .subscribe()
-            .ok_or_else(|| ConnectError::new(Code::NotFound, format!("process {} has ended", p.pid)))?;
+        let events = p.subscribe().ok_or_else(|| {
+            ConnectError::new(Code::NotFound, format!("process {} has ended", p.pid))
+        })?;
         (p, events)
     };
     let keepalive = headers
@@ -1024,7 +1114,12 @@ async fn stream_events(
 }
 
 /// Own a process's exec stream: fan its frames out as envd events until it exits or is killed.
-async fn pump(sb: Arc<Sb>, p: Arc<Proc>, mut rx: mpsc::Receiver<ExecFrame>, mut kill: oneshot::Receiver<()>) {
+async fn pump(
+    sb: Arc<Sb>,
+    p: Arc<Proc>,
+    mut rx: mpsc::Receiver<ExecFrame>,
+    mut kill: oneshot::Receiver<()>,
+) {
     let end = loop {
         tokio::select! {
             f = rx.recv() => match f {
@@ -1086,7 +1181,10 @@ async fn download<B: Backend>(
 ) -> Result<Response, RestError> {
     let sb = envd_sandbox(&e2b, &headers).map_err(envd_rest_error)?;
     let user = file_user(&q, &headers).map_err(envd_rest_error)?;
-    let path = shell::absolute(q.path.as_deref().ok_or_else(|| RestError::new(400, "path is required"))?, &user);
+    let path = shell::absolute(
+        q.path.as_deref().ok_or_else(|| RestError::new(400, "path is required"))?,
+        &user,
+    );
     let r = run_collect(&e2b, &sb, &user, shell::read(&path), None).await?;
     if r.code != 0 {
         return Err(envd_rest_error(fs_error(&r, &path)));
@@ -1102,32 +1200,49 @@ async fn upload<B: Backend>(
     let headers = req.headers().clone();
     let sb = envd_sandbox(&e2b, &headers).map_err(envd_rest_error)?;
     let user = file_user(&q, &headers).map_err(envd_rest_error)?;
-    let too_big = || RestError::new(413, format!("upload exceeds the {MAX_UPLOAD}-byte limit of Crab's E2B front door; split it or copy it with a command"));
-    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let too_big = || {
+        RestError::new(413, format!("upload exceeds the {MAX_UPLOAD}-byte limit of Crab's E2B front door; split it or copy it with a command"))
+    };
+    let ct =
+        headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     if headers.get(header::CONTENT_ENCODING).is_some() {
-        return Err(RestError::new(400, "compressed uploads are not supported; upload without gzip"));
+        return Err(RestError::new(
+            400,
+            "compressed uploads are not supported; upload without gzip",
+        ));
     }
     let mut files: Vec<(String, Bytes)> = Vec::new();
     if ct.starts_with("multipart/form-data") {
-        let mut mp = Multipart::from_request(req, &()).await.map_err(|e| RestError::new(400, format!("malformed multipart body: {e}")))?;
+        let mut mp = Multipart::from_request(req, &())
+            .await
+            .map_err(|e| RestError::new(400, format!("malformed multipart body: {e}")))?;
         loop {
             let field = match mp.next_field().await {
                 Ok(Some(f)) => f,
                 Ok(None) => break,
                 Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_big()),
-                Err(e) => return Err(RestError::new(400, format!("malformed multipart body: {e}"))),
+                Err(e) => {
+                    return Err(RestError::new(400, format!("malformed multipart body: {e}")))
+                }
             };
             let name = field.file_name().map(str::to_string).or_else(|| q.path.clone());
             let data = match field.bytes().await {
                 Ok(b) => b,
                 Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_big()),
-                Err(e) => return Err(RestError::new(400, format!("malformed multipart body: {e}"))),
+                Err(e) => {
+                    return Err(RestError::new(400, format!("malformed multipart body: {e}")))
+                }
             };
-            let path = name.ok_or_else(|| RestError::new(400, "a file part has no file name and the request no path"))?;
+            let path = name.ok_or_else(|| {
+                RestError::new(400, "a file part has no file name and the request no path")
+            })?;
             files.push((path, data));
         }
     } else {
-        let path = q.path.clone().ok_or_else(|| RestError::new(400, "path is required for an octet-stream upload"))?;
+        let path = q
+            .path
+            .clone()
+            .ok_or_else(|| RestError::new(400, "path is required for an octet-stream upload"))?;
         let data = match Bytes::from_request(req, &()).await {
             Ok(b) => b,
             Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_big()),

@@ -71,7 +71,11 @@ pub fn absolute(path: &str, user: &str) -> String {
 /// argv that runs `argv` as `user` with `envs` (for root: as is; the envs go in the exec's
 /// own environment). Other users get a fresh login environment (`setpriv --reset-env`: HOME,
 /// USER, SHELL, PATH from their passwd entry) plus `envs`.
-pub fn as_user(user: &str, envs: &[(String, String)], argv: Vec<String>) -> (Vec<String>, Vec<String>) {
+pub fn as_user(
+    user: &str,
+    envs: &[(String, String)],
+    argv: Vec<String>,
+) -> (Vec<String>, Vec<String>) {
     let kv: Vec<String> = envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
     if user == "root" {
         let mut env = vec!["HOME=/root".to_string(), "USER=root".to_string()];
@@ -125,7 +129,8 @@ impl FsFailure {
 }
 
 fn sh(script: &str, args: &[&str]) -> Vec<String> {
-    let mut v = vec!["/bin/sh".to_string(), "-c".to_string(), script.to_string(), "crab-e2b".to_string()];
+    let mut v =
+        vec!["/bin/sh".to_string(), "-c".to_string(), script.to_string(), "crab-e2b".to_string()];
     v.extend(args.iter().map(|s| s.to_string()));
     v
 }

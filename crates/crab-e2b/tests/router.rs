@@ -34,7 +34,11 @@ impl Backend for Fake {
         }
         Ok(())
     }
-    async fn exec(&self, _name: String, req: ExecRequest) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
+    async fn exec(
+        &self,
+        _name: String,
+        req: ExecRequest,
+    ) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
         self.execs.lock().unwrap().push(req);
         let (tx, rx) = mpsc::channel(4);
         tx.send(ExecFrame::Stdout { d: "aGkK".into() }).await.unwrap();
@@ -104,7 +108,11 @@ async fn lifecycle_auth_and_envd_stream() {
     assert_eq!(s, 404);
     assert!(json(&b)["message"].as_str().unwrap().contains("debian"));
     // base → the default image.
-    let (s, b) = call(&e2b, post("/v2/sandboxes", Some(KEY), r#"{"templateID":"base","envVars":{"A":"1"}}"#)).await;
+    let (s, b) = call(
+        &e2b,
+        post("/v2/sandboxes", Some(KEY), r#"{"templateID":"base","envVars":{"A":"1"}}"#),
+    )
+    .await;
     assert_eq!(s, 201);
     let created = json(&b);
     let id = created["sandboxID"].as_str().unwrap().to_string();
@@ -161,7 +169,11 @@ async fn lifecycle_auth_and_envd_stream() {
     let body = format!(r#"{{"templateID":"{id}:c000001"}}"#);
     let (s, _) = call(&e2b, post("/v2/sandboxes", Some(KEY), &body)).await;
     assert_eq!(s, 201);
-    assert_eq!(fake.sandboxes.lock().unwrap().len(), 1, "a snapshot create must not create from an image");
+    assert_eq!(
+        fake.sandboxes.lock().unwrap().len(),
+        1,
+        "a snapshot create must not create from an image"
+    );
     // Pause twice: 204 then 409; connect resumes.
     let (s, _) = call(&e2b, post(&format!("/sandboxes/{id}/pause"), Some(KEY), "{}")).await;
     assert_eq!(s, 204);
@@ -170,7 +182,12 @@ async fn lifecycle_auth_and_envd_stream() {
     let (s, _) = call(&e2b, post(&format!("/v2/sandboxes/{id}/connect"), Some(KEY), "{}")).await;
     assert_eq!(s, 201);
     // Kill: 204, then 404.
-    let del = |k: &str| Request::delete(format!("/sandboxes/{id}")).header("x-api-key", k).body(Body::empty()).unwrap();
+    let del = |k: &str| {
+        Request::delete(format!("/sandboxes/{id}"))
+            .header("x-api-key", k)
+            .body(Body::empty())
+            .unwrap()
+    };
     assert_eq!(call(&e2b, del(KEY)).await.0, 204);
     assert_eq!(call(&e2b, del(KEY)).await.0, 404);
 }

@@ -54,6 +54,9 @@ pub struct HostOptions {
     pub engine: EngineConfig,
     /// The durable tier (`--remote`), if any.
     pub remote: Option<RemoteOptions>,
+    /// Default address range of `nat` sandboxes (`crab daemon --nat-range`); `None` keeps
+    /// [`crab_sandbox::net::DEFAULT_NAT_RANGE`].
+    pub nat_range: Option<String>,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -117,6 +120,14 @@ impl Host {
             helper_exe: opts.helper_exe.clone(),
         };
         let runtime = blocking(move || Runtime::open(cfg).map_err(HostError::from)).await?;
+        if let Some(r) = &opts.nat_range {
+            runtime.nat().set_default_range(r).map_err(|e| {
+                HostError::invalid(
+                    format!("--nat-range: {e}"),
+                    "pass a private IPv4 network, e.g. --nat-range 10.213.0.0/16",
+                )
+            })?;
+        }
         let inspector = tokio::task::spawn_blocking(Inspector::load)
             .await
             .map_err(|e| HostError::internal(format!("inspector start-up panicked: {e}")))?
@@ -584,9 +595,16 @@ impl Host {
     }
 
     /// A `full` point of `name` now, then branches `names` from it.
-    async fn fork_live(self: &Arc<Self>, name: String, names: Vec<String>) -> Result<Outcome, HostError> {
+    async fn fork_live(
+        self: &Arc<Self>,
+        name: String,
+        names: Vec<String>,
+    ) -> Result<Outcome, HostError> {
         if names.is_empty() {
-            return Err(HostError::invalid("a fork needs at least one branch", "ask for count >= 1"));
+            return Err(HostError::invalid(
+                "a fork needs at least one branch",
+                "ask for count >= 1",
+            ));
         }
         let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
         let point = full_point(&taken, "fork")?;
@@ -625,8 +643,7 @@ impl Host {
         let n = name.clone();
         let (branches, offset) = blocking(move || {
             let offset = h.point_offset(&n, req.checkpoint.as_deref())?;
-            let branches =
-h.checkpointer.fork_files_or_all(
+            let branches = h.checkpointer.fork_files_or_all(
                 &n,
                 req.checkpoint.as_deref(),
                 req.count,

@@ -375,7 +375,8 @@ fn add_e2b_user(root: &Path) -> Result<()> {
         if text.lines().any(|l| l.split(':').next() == Some("user")) {
             return Ok(());
         }
-        let mut f = fs::OpenOptions::new().append(true).open(&p).map_err(SandboxError::io("open", &p))?;
+        let mut f =
+            fs::OpenOptions::new().append(true).open(&p).map_err(SandboxError::io("open", &p))?;
         let sep = if text.is_empty() || text.ends_with('\n') { "" } else { "\n" };
         write!(f, "{sep}{line}\n").map_err(SandboxError::io("write", &p))
     };
@@ -394,11 +395,13 @@ fn add_e2b_user(root: &Path) -> Result<()> {
             let to = home.join(e.file_name());
             if e.file_type().map(|t| t.is_file()).unwrap_or(false) && !to.exists() {
                 fs::copy(e.path(), &to).map_err(SandboxError::io("copy", &to))?;
-                std::os::unix::fs::chown(&to, Some(1000), Some(1000)).map_err(SandboxError::io("chown", &to))?;
+                std::os::unix::fs::chown(&to, Some(1000), Some(1000))
+                    .map_err(SandboxError::io("chown", &to))?;
             }
         }
     }
-    std::os::unix::fs::chown(&home, Some(1000), Some(1000)).map_err(SandboxError::io("chown", &home))?;
+    std::os::unix::fs::chown(&home, Some(1000), Some(1000))
+        .map_err(SandboxError::io("chown", &home))?;
     fs::set_permissions(&home, std::os::unix::fs::PermissionsExt::from_mode(0o750))
         .map_err(SandboxError::io("chmod", &home))
 }

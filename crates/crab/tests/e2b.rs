@@ -35,7 +35,8 @@ fn sdk_python() -> Result<PathBuf, String> {
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    let root = std::env::var("CRAB_TEST_SERVERS").unwrap_or_else(|_| "/opt/crab/test-servers".into());
+    let root =
+        std::env::var("CRAB_TEST_SERVERS").unwrap_or_else(|_| "/opt/crab/test-servers".into());
     Ok(PathBuf::from(root).join("venv/bin/python"))
 }
 
@@ -52,7 +53,8 @@ fn run_flows(only: &str) {
     };
     common::ensure_daemon();
     let url = format!("http://{listen}");
-    let health = Command::new("curl").args(["-sf", "-o", "/dev/null", &format!("{url}/health")]).status();
+    let health =
+        Command::new("curl").args(["-sf", "-o", "/dev/null", &format!("{url}/health")]).status();
     if !health.map(|s| s.success()).unwrap_or(false) {
         return cannot_run(&format!(
             "no E2B API answers on {url}: the daemon must run with --e2b-listen {listen} \

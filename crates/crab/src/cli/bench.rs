@@ -301,7 +301,9 @@ fn bench_e2b(
     let script = std::env::temp_dir().join(format!("crab-bench-e2b-{}.py", std::process::id()));
     std::fs::write(&script, BENCH_E2B_PY)
         .map_err(|e| ApiError::internal(format!("writing {}: {e}", script.display())))?;
-    eprintln!("bench e2b: {rounds} rounds per arm, {fork_rounds} restore rounds, image {image} ...");
+    eprintln!(
+        "bench e2b: {rounds} rounds per arm, {fork_rounds} restore rounds, image {image} ..."
+    );
     let url = format!("http://{listen}");
     let out = std::process::Command::new(python)
         .arg(&script)
@@ -336,7 +338,8 @@ fn bench_e2b(
         for p in path {
             x = &x[*p];
         }
-        let s: Vec<f64> = x.as_array().map(|a| a.iter().filter_map(|n| n.as_f64()).collect()).unwrap_or_default();
+        let s: Vec<f64> =
+            x.as_array().map(|a| a.iter().filter_map(|n| n.as_f64()).collect()).unwrap_or_default();
         Summary::of(&s)
     };
     let rows: Vec<(&str, Summary)> = vec![

@@ -52,6 +52,10 @@ pub(super) struct DaemonArgs {
     /// (`printf %s KEY | sha256sum`).
     #[arg(long, env = "CRAB_E2B_KEYS", requires = "e2b_listen")]
     e2b_keys: Option<std::path::PathBuf>,
+    /// Private IPv4 range (CIDR) that `--network nat` sandboxes get addresses from (the
+    /// first address is their gateway on the host ends; a sandbox may ask for another range).
+    #[arg(long, env = "CRAB_NAT_RANGE", default_value = crab_sandbox::net::DEFAULT_NAT_RANGE)]
+    nat_range: String,
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -92,7 +96,15 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         }
         _ => None,
     };
-    let opts = DaemonOptions { state, pool_size: a.pool_size, proxy, engine, remote, e2b };
+    let opts = DaemonOptions {
+        state,
+        pool_size: a.pool_size,
+        proxy,
+        engine,
+        remote,
+        nat_range: a.nat_range,
+        e2b,
+    };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or
         // the kernel's teardown of BPF links would only delay a restart.

@@ -32,7 +32,11 @@ impl Backend for HostBackend {
         self.run(Action::Remove { name, force: true }).await.map(|_| ())
     }
 
-    async fn exec(&self, name: String, req: ExecRequest) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
+    async fn exec(
+        &self,
+        name: String,
+        req: ExecRequest,
+    ) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
         match self.run(Action::Exec { name, req }).await? {
             Outcome::Exec(rx) => Ok(rx),
             _ => Err(unexpected("exec")),

@@ -43,6 +43,8 @@ pub struct DaemonOptions {
     pub engine: EngineConfig,
     /// The durable tier (`--remote`), if any.
     pub remote: Option<RemoteOptions>,
+    /// Default address range of `nat` sandboxes (`--nat-range`).
+    pub nat_range: String,
     /// The E2B-compatible API (`--e2b-listen`), if any.
     pub e2b: Option<E2bOptions>,
 }
@@ -70,6 +72,7 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         proxy: opts.proxy.clone(),
         engine: opts.engine.clone(),
         remote: opts.remote.clone(),
+        nat_range: Some(opts.nat_range.clone()),
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

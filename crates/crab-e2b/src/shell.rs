@@ -211,7 +211,7 @@ pub fn parse_entries(out: &[u8]) -> Result<Vec<EntryInfo>, String> {
     let fields: Vec<&str> = text.split('\0').collect();
     // A trailing NUL leaves one empty field after the last record.
     let n = fields.len().saturating_sub(1);
-    if n % 10 != 0 {
+    if !n.is_multiple_of(10) {
         return Err(format!("unexpected listing output ({n} fields)"));
     }
     let mut entries = Vec::with_capacity(n / 10);
@@ -278,8 +278,30 @@ mod tests {
 
     #[test]
     fn listing_parses() {
-        let out = b"/home/user/a.txt\0f\05\0644\0-rw-r--r--\0user\0user\01700000000.5\0\0f\0\
-/home/user/l\0l\04\0777\0lrwxrwxrwx\0user\0user\01700000000\0/etc\0d\0";
+        let fields = [
+            "/home/user/a.txt",
+            "f",
+            "5",
+            "644",
+            "-rw-r--r--",
+            "user",
+            "user",
+            "1700000000.5",
+            "",
+            "f",
+            "/home/user/l",
+            "l",
+            "4",
+            "777",
+            "lrwxrwxrwx",
+            "user",
+            "user",
+            "1700000000",
+            "/etc",
+            "d",
+        ];
+        let out: Vec<u8> = fields.iter().flat_map(|f| format!("{f}\0").into_bytes()).collect();
+        let out = out.as_slice();
         let e = parse_entries(out).expect("parses");
         assert_eq!(e.len(), 2);
         assert_eq!(e[0].name, "a.txt");

@@ -117,7 +117,7 @@ async fn lifecycle_auth_and_envd_stream() {
     let created = json(&b);
     let id = created["sandboxID"].as_str().unwrap().to_string();
     let token = created["envdAccessToken"].as_str().unwrap().to_string();
-    assert_eq!(fake.sandboxes.lock().unwrap().as_slice(), [id.clone()]);
+    assert_eq!(*fake.sandboxes.lock().unwrap(), vec![id.clone()]);
     // envd with a wrong token: 401 unauthenticated; unknown sandbox: unavailable, "was not found".
     let stat = |sid: &str, tok: &str| {
         Request::post("/filesystem.Filesystem/Stat")

@@ -378,7 +378,7 @@ fn add_e2b_user(root: &Path) -> Result<()> {
         let mut f =
             fs::OpenOptions::new().append(true).open(&p).map_err(SandboxError::io("open", &p))?;
         let sep = if text.is_empty() || text.ends_with('\n') { "" } else { "\n" };
-        write!(f, "{sep}{line}\n").map_err(SandboxError::io("write", &p))
+        writeln!(f, "{sep}{line}").map_err(SandboxError::io("write", &p))
     };
     append("etc/passwd", "user:x:1000:1000:E2B user:/home/user:/bin/bash")?;
     append("etc/group", "user:x:1000:")?;

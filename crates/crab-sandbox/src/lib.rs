@@ -9,6 +9,7 @@
 pub mod archive;
 pub mod btrfs;
 pub mod cgroup;
+pub mod devices;
 pub mod error;
 pub mod exec;
 pub mod image;

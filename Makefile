@@ -8,7 +8,7 @@ SHELL := /bin/bash
 export CRAB_STATE_DIR ?= /var/lib/crab
 CARGO ?= cargo
 
-.PHONY: demo test setup build build-release image lint bench clean-state
+.PHONY: demo test test-python setup build build-release image lint bench clean-state
 
 setup:
 	@scripts/toolchain.sh
@@ -39,7 +39,12 @@ test: build lint
 	@scripts/daemon.sh restart target/debug/crab
 	@$(MAKE) --no-print-directory image-debug
 	$(CARGO) test --workspace -- --test-threads=4
+	@$(MAKE) --no-print-directory test-python
 	@scripts/daemon.sh stop
+
+# The Python SDK (python/) against the running daemon, in the venv of scripts/install-python-sdk.sh.
+test-python:
+	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh | tail -n 1) -m pytest python/tests -q
 
 bench: build-release
 	@scripts/daemon.sh restart target/release/crab

@@ -26,6 +26,10 @@ pub struct VersionInfo {
     /// Kernel features the daemon probed at start-up (absent from older daemons).
     #[serde(default)]
     pub features: Features,
+    /// The LLM proxy's host-side listen address (`--proxy-listen`): agents on the host use
+    /// `http://<it>/s/<sandbox>/v1` (absent from older daemons).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_listen: Option<String>,
 }
 
 /// Kernel features probed by the daemon at start-up.
@@ -34,6 +38,13 @@ pub struct Features {
     /// Soft-dirty page tracking (`clear_refs` 4 + the pagemap bit): incremental process dumps
     /// and "ran but dirtied no page" need it.
     pub soft_dirty: Option<FeatureStatus>,
+    /// CRIU is installed and answers: process and full points hold processes, and restores
+    /// bring them back (the SDK's `restores_processes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criu: Option<FeatureStatus>,
+    /// The daemon exports restore points to a `--remote` store (the SDK's `durable`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<FeatureStatus>,
 }
 
 /// Whether one kernel feature works here, and what the probe saw.
@@ -315,6 +326,25 @@ pub struct RestoreRequest {
     /// Restore point id (`c000007`, `c7` or `7`); the newest when absent.
     #[serde(default)]
     pub checkpoint: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{name}/stop`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StopRequest {
+    /// Publish a restore point before killing the processes (the default, `docker stop`);
+    /// `false` kills at once (`docker kill`).
+    #[serde(default = "yes")]
+    pub checkpoint: bool,
+}
+
+impl Default for StopRequest {
+    fn default() -> Self {
+        StopRequest { checkpoint: true }
+    }
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// `POST /v1/sandboxes/{name}/fork`.

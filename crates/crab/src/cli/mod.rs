@@ -8,6 +8,7 @@ mod bench;
 mod checkpoint;
 mod conversation;
 mod daemon;
+mod docker;
 mod exec;
 mod image;
 mod remote;
@@ -77,6 +78,10 @@ enum Cmd {
     /// Run a benchmark against the running daemon.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// A docker-CLI front for harnesses that shell out to `docker` (run, exec, stop, start,
+    /// kill, rm, ps, inspect); also reached as `crab-docker`, a link to this binary.
+    #[command(subcommand)]
+    Docker(docker::DockerCmd),
 }
 
 pub(super) fn parse_size(s: &str) -> Result<u64, String> {
@@ -92,9 +97,18 @@ pub(super) fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
-/// Entry point of the CLI (after helper dispatch).
+/// Entry point of the CLI (after helper dispatch). Called as `crab-docker` (a link), the
+/// arguments are those of `crab docker`.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let invoked_as = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .map(|n| n.to_string_lossy().into_owned());
+    if invoked_as.as_deref() == Some("crab-docker") {
+        args.insert(1, "docker".into());
+    }
+    let cli = Cli::parse_from(args);
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -141,6 +155,7 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Image(c) => image::run(&client, c, json).await,
         Cmd::Sandbox(c) => sandbox::run(&client, c, json).await,
         Cmd::Exec(a) => return exec::run(&client, a, json).await,
+        Cmd::Docker(c) => return docker::run(&client, c, json).await,
         Cmd::Bench(b) => bench::run(&client, &state, b, json).await,
         Cmd::Inspect(a) => turn::inspect(&client, a, json).await,
         Cmd::Checkpoint(a) => checkpoint::checkpoint(&client, a, json).await,

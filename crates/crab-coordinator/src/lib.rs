@@ -6,7 +6,9 @@
 //! forwards the request at once, and holds the upstream response until the turn's
 //! [`BoundaryTicket`] is published, so the checkpoint hides behind the model's thinking time.
 //! Every request/response pair goes into the sandbox's [`ConversationLog`] before release.
-//! [`stub`] is a small configurable upstream for tests and [`mod@bench`] measures the proxy's
+//! [`limits`] bounds what one client (a hostile sandbox) can hold: connections per sandbox
+//! endpoint and in all, header and body read time, request bytes in memory, sized by the
+//! process's file-descriptor budget. [`stub`] is a small configurable upstream for tests and [`mod@bench`] measures the proxy's
 //! overhead against it.
 //!
 //! # Wiring it into the daemon
@@ -32,6 +34,7 @@ pub mod bench;
 mod config;
 pub mod convlog;
 mod hooks;
+pub mod limits;
 mod netns;
 mod proxy;
 pub mod stub;
@@ -42,6 +45,7 @@ pub use hooks::{
     Boundary, BoundaryTicket, BoxFuture, EngineTicket, Provider, Published, ReadyTicket,
     SandboxDirectory, TurnHooks,
 };
+pub use limits::FdBudget;
 pub use netns::{bind_in_netns, NetnsError};
 pub use proxy::{
     BoxError, CoordError, Coordinator, ProxyBody, ProxyServer, SandboxProxyStats, REPLAYED_HEADER,

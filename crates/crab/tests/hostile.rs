@@ -300,3 +300,108 @@ fn a_mount_criu_refuses_still_publishes_the_filesystem() {
     crab_ok(&["restore", &sb.name]);
     assert_eq!(sb.sh_ok("cat /root/file").trim(), "kept");
 }
+
+/// Run inside a sandbox: open `N` connections to the in-sandbox proxy, send a partial request
+/// head on the first `L` and a byte more on each every second (slow loris), hold them `H`
+/// seconds, then report how the proxy treated them. Bounded: it stops by itself.
+const FLOOD: &str = r#"
+import json, socket, sys, time
+n, loris, hold = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+socks, failed = [], 0
+for i in range(n):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(("127.0.0.1", 7431))
+        socks.append(s)
+    except OSError:
+        failed += 1
+for s in socks[:loris]:
+    try: s.send(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    except OSError: pass
+open("/tmp/flooded", "w").write(str(len(socks)))
+t0 = time.time()
+while time.time() - t0 < hold:
+    for s in socks[:loris]:
+        try: s.send(b"x")
+        except OSError: pass
+    time.sleep(1)
+refused = closed = still_open = 0
+for s in socks:
+    s.setblocking(False)
+    try:
+        d = s.recv(4096)
+        if d.startswith(b"HTTP/1.1 503") and b'"code":"busy"' in d: refused += 1
+        else: closed += 1
+    except BlockingIOError: still_open += 1
+    except OSError: closed += 1
+print(json.dumps({"connected": len(socks), "connect_failed": failed, "refused": refused,
+                  "closed": closed, "open": still_open}))
+"#;
+
+fn daemon_fds() -> usize {
+    let pid = std::fs::read_to_string(common::state_dir().join("daemon.pid")).unwrap();
+    std::fs::read_dir(format!("/proc/{}/fd", pid.trim())).unwrap().count()
+}
+
+/// `curl` inside a sandbox against its own proxy endpoint with a 40 MB body announced: the
+/// answer is the JSON 413.
+fn assert_proxy_413(sb: &Sandbox) {
+    let t = Instant::now();
+    let out = sb.sh_ok(
+        "curl -s -m 5 -X POST -H 'content-type: application/json' -H 'content-length: 40000000' \
+         -w '\\n%{http_code}' http://127.0.0.1:7431/v1/chat/completions",
+    );
+    let (body, code) = out.trim().rsplit_once('\n').unwrap();
+    assert_eq!(code, "413", "{out}");
+    let e: crab_common::ApiError = serde_json::from_str(body).unwrap();
+    assert_eq!(e.code, crab_common::ErrorCode::TooLarge, "{body}");
+    assert!(t.elapsed() < Duration::from_secs(2), "the proxy took {:?}", t.elapsed());
+}
+
+#[test]
+fn a_connection_flood_from_inside_leaves_the_cli_and_other_sandboxes_answering() {
+    let attacker = Sandbox::new("t-hostile-flood");
+    let other = Sandbox::new("t-hostile-bystander");
+    let fds_before = daemon_fds();
+    let name = attacker.name.clone();
+    // 3000 connections, 300 of them slow-loris heads, held 13 s (past the 10 s header timeout).
+    let flood = std::thread::spawn(move || {
+        crab(&["exec", &name, "--", "python3", "-c", FLOOD, "3000", "300", "13"])
+    });
+    assert!(
+        common::wait_until(60.0, || attacker.sh("test -f /tmp/flooded").2 == 0),
+        "the flood never got going"
+    );
+    // While it holds: the daemon holds at most the per-sandbox cap of connections for it.
+    let fds_during = daemon_fds();
+    assert!(
+        fds_during < fds_before + 256 + 64,
+        "the daemon's descriptors grew from {fds_before} to {fds_during}: the flood is not capped"
+    );
+    // The CLI, another sandbox's exec and another sandbox's proxy answer at once.
+    for _ in 0..3 {
+        let t = Instant::now();
+        assert_eq!(other.sh_ok("echo up").trim(), "up");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "exec took {:?} during the flood",
+            t.elapsed()
+        );
+    }
+    crab_ok(&["sandbox", "ls"]);
+    assert_proxy_413(&other);
+    let out = flood.join().unwrap();
+    assert!(out.status.success(), "flood: {}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let connected = r["connected"].as_u64().unwrap();
+    assert!(connected >= 2900, "the flood could not even connect: {r}");
+    // Past the cap, connections were refused with the JSON 503 (most of them: while the
+    // daemon works through its accept queue, the first admitted ones may already have been cut
+    // off, freeing places); the admitted ones (idle or slow-loris) were cut off by the header
+    // timeout: none is still open.
+    assert!(r["refused"].as_u64().unwrap() >= connected / 2, "{r}");
+    assert_eq!(r["open"], 0, "connections outlived the header timeout: {r}");
+    // And the attacker's own endpoint works again.
+    assert_proxy_413(&attacker);
+}

@@ -405,3 +405,65 @@ fn a_connection_flood_from_inside_leaves_the_cli_and_other_sandboxes_answering()
     // And the attacker's own endpoint works again.
     assert_proxy_413(&attacker);
 }
+
+/// Fill `/root/fill` with up to 200 MiB; returns dd's output and exit code.
+fn fill(sb: &Sandbox) -> (String, i32) {
+    let (out, err, code) =
+        sb.sh("dd if=/dev/zero of=/root/fill bs=1M count=200 2>&1; rc=$?; sync; exit $rc");
+    (format!("{out}{err}"), code)
+}
+
+#[test]
+fn a_sandbox_at_its_disk_quota_gets_edquot_and_its_checkpoints_restores_and_forks_keep_the_quota() {
+    const DISK: u64 = 96 << 20;
+    let full = Sandbox::with_args("t-hostile-quota", &["--disk", "96M"]);
+    let other = Sandbox::new("t-hostile-quota-other");
+    assert_eq!(full.info()["disk_limit_bytes"], DISK, "{}", full.info());
+    let ls = crab_ok(&["sandbox", "ls"]);
+    assert!(ls.lines().any(|l| l.contains(&full.name) && l.contains("96.0 MiB")), "{ls}");
+    full.sh_ok("echo keep > /root/keep");
+    crab_ok(&["checkpoint", &full.name, "--kind", "full"]);
+    // Filling the quota: ENOSPC/EDQUOT inside, the sandbox keeps running.
+    let (out, code) = fill(&full);
+    assert_ne!(code, 0, "200 MiB fit in a 96 MiB quota: {out}");
+    assert!(out.contains("quota") || out.contains("space"), "{out}");
+    let written: u64 = full.sh_ok("stat -c %s /root/fill").trim().parse().unwrap();
+    assert!(written <= DISK, "{written} bytes written past the quota");
+    assert_eq!(full.info()["state"], "running");
+    let (_, err, code) = full.sh("echo more > /root/more");
+    assert_ne!(code, 0, "a write past the quota succeeded");
+    assert!(err.contains("quota") || err.contains("space"), "{err}");
+    // Another sandbox writes past that size and checkpoints as usual.
+    other.sh_ok("dd if=/dev/zero of=/root/x bs=1M count=150 status=none && sync");
+    crab_ok(&["checkpoint", &other.name, "--kind", "fs"]);
+    // The full sandbox itself still checkpoints, and a restore while full works and leaves it
+    // running with the point's files.
+    crab_ok(&["checkpoint", &full.name, "--kind", "full"]);
+    crab_ok(&["restore", &full.name, "1"]);
+    assert_eq!(full.info()["state"], "running");
+    assert_eq!(full.sh_ok("cat /root/keep").trim(), "keep");
+    full.sh_ok("test ! -e /root/fill");
+    // The quota followed the sandbox onto its new root.
+    assert_eq!(full.info()["disk_limit_bytes"], DISK);
+    let (out, code) = fill(&full);
+    assert_ne!(code, 0, "after restore the quota is gone: {out}");
+    // And a fork branch has it too.
+    let branch = unique("t-hostile-quota-branch");
+    crab_ok(&["fork", &full.name, "1", "--names", &branch]);
+    let branch = Sandbox { name: branch };
+    assert_eq!(branch.info()["disk_limit_bytes"], DISK, "{}", branch.info());
+    let (out, code) = fill(&branch);
+    assert_ne!(code, 0, "the fork branch has no quota: {out}");
+    assert_eq!(branch.info()["state"], "running");
+}
+
+#[test]
+fn a_disk_quota_out_of_range_is_refused_naming_the_field() {
+    common::ensure_daemon();
+    let name = unique("t-hostile-disk");
+    let o = crab(&["sandbox", "create", "debian", "--name", &name, "--disk", "1M"]);
+    let _cleanup = Sandbox { name: name.clone() };
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "--disk 1M was accepted");
+    assert!(err.contains("disk_bytes") && err.contains("allowed"), "{err}");
+}

@@ -53,6 +53,11 @@ pub(super) struct DaemonArgs {
     /// first address is their gateway on the host ends; a sandbox may ask for another range).
     #[arg(long, env = "CRAB_NAT_RANGE", default_value = crab_sandbox::net::DEFAULT_NAT_RANGE)]
     nat_range: String,
+    /// Disk quota of sandboxes created without `--disk` (e.g. 20G); none by default. Keep it
+    /// below the pool's size so one sandbox cannot take the room every other sandbox's
+    /// checkpoints need.
+    #[arg(long, env = "CRAB_DEFAULT_DISK", value_parser = parse_size)]
+    default_disk: Option<u64>,
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -83,6 +88,7 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         engine,
         remote,
         nat_range: a.nat_range,
+        default_disk: a.default_disk,
     };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or

@@ -45,6 +45,8 @@ pub struct DaemonOptions {
     pub remote: Option<RemoteOptions>,
     /// Default address range of `nat` sandboxes (`--nat-range`).
     pub nat_range: String,
+    /// `--default-disk`: the disk quota of sandboxes created without `--disk`.
+    pub default_disk: Option<u64>,
 }
 
 /// Run the daemon until SIGINT or SIGTERM.
@@ -74,6 +76,7 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         engine: opts.engine.clone(),
         remote: opts.remote.clone(),
         nat_range: Some(opts.nat_range.clone()),
+        default_disk: opts.default_disk,
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -83,7 +83,16 @@ def main():
             sdk_round(sdk)
     # Restore paths, from one source sandbox with a running process.
     src = Sandbox.create(IMAGE)
-    src.commands.run("nohup sleep 100000 >/dev/null 2>&1 &")
+    # As root: CRIU cannot dump another uid's task where the host lacks CAP_SYS_RESOURCE.
+    src.commands.run("nohup sleep 100000 >/dev/null 2>&1 &", user="root")
+    try:
+        restore = restore_paths(src)
+    finally:
+        src.kill()
+    print(json.dumps({"rounds": ROUNDS, "fork_rounds": FORK_ROUNDS, "sdk": sdk, "cli": cli, "restore": restore}))
+
+
+def restore_paths(src):
     snap = src.create_snapshot()
     point = snap.snapshot_id.split(":", 1)[1]
     restore = {"sdk_create_from_snapshot": [], "cli_fork_1": [], "sdk_fork_8": [], "cli_checkpoint_fork_8": []}
@@ -108,8 +117,7 @@ def main():
         crab("fork", src.sandbox_id, "--count", "8", "--names", names)
         restore["cli_checkpoint_fork_8"].append(ms(t0))
         crab("sandbox", "rm", "-f", *names.split(","))
-    src.kill()
-    print(json.dumps({"rounds": ROUNDS, "fork_rounds": FORK_ROUNDS, "sdk": sdk, "cli": cli, "restore": restore}))
+    return restore
 
 
 if __name__ == "__main__":

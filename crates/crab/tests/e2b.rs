@@ -66,7 +66,10 @@ fn run_flows(only: &str) {
         Err(e) => return cannot_run(&e),
     };
     let script = repo().join("crates/crab/tests/e2b/sdk_flows.py");
-    let out = Command::new(&python)
+    // A hung SDK call must fail the test, not hang `make test`.
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", "600"])
+        .arg(&python)
         .arg(&script)
         .env("E2B_API_URL", &url)
         .env("E2B_SANDBOX_URL", &url)

@@ -467,3 +467,55 @@ fn a_disk_quota_out_of_range_is_refused_naming_the_field() {
     assert!(!o.status.success(), "--disk 1M was accepted");
     assert!(err.contains("disk_bytes") && err.contains("allowed"), "{err}");
 }
+
+/// Delete cgroup id `id` from every inspector `cgmap` on this host (only the daemon that
+/// attached it has the key), as a process with `bpf(2)` could.
+fn delete_from_cgmaps(id: u64) -> usize {
+    let out = Command::new("bpftool").args(["-j", "map", "show"]).output().unwrap();
+    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+    let maps: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let key: Vec<String> = id.to_ne_bytes().iter().map(|b| format!("0x{b:02x}")).collect();
+    let mut deleted = 0;
+    for m in maps.as_array().unwrap() {
+        if m["name"] != "cgmap" {
+            continue;
+        }
+        let mid = m["id"].as_u64().unwrap().to_string();
+        let o = Command::new("bpftool")
+            .args(["map", "delete", "id", &mid, "key"])
+            .args(&key)
+            .stderr(Stdio::null())
+            .output()
+            .unwrap();
+        if o.status.success() {
+            deleted += 1;
+        }
+    }
+    deleted
+}
+
+#[test]
+fn a_tampered_inspector_map_makes_the_next_checkpoint_full() {
+    let sb = Sandbox::new("t-hostile-tamper");
+    crab_ok(&["checkpoint", &sb.name]);
+    let id = sb.info()["cgroup_id"].as_u64().unwrap();
+    assert_eq!(delete_from_cgmaps(id), 1, "the daemon's cgmap had no entry for {id}");
+    // Unseen by the inspector now: a file and a server.
+    sb.sh_ok("echo secret > /root/after && (sleep 1000 >/dev/null 2>&1 &)");
+    let out = crab_ok(&["--json", "checkpoint", &sb.name]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["verdict"]["kind"], "full", "a tampered registration gave {v}");
+    assert_eq!(v["point"]["kind"], "full", "{v}");
+    let reasons = v["verdict"]["reasons"].to_string();
+    assert!(reasons.contains("registration"), "no reason given: {v}");
+    // Repaired: the next turn is tracked again (a file change is seen).
+    sb.sh_ok("echo again > /root/again");
+    let out = crab_ok(&["--json", "checkpoint", &sb.name]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["verdict"]["kind"], "fs", "tracking did not resume: {v}");
+    // And what the tampered turn did is in its restore point.
+    sb.sh_ok("rm /root/after /root/again");
+    crab_ok(&["restore", &sb.name, "2"]);
+    assert_eq!(sb.sh_ok("cat /root/after").trim(), "secret");
+    assert!(sb.sh_ok("ps -eo args").contains("sleep 1000"), "the server was lost");
+}

@@ -18,22 +18,7 @@ use crab_common::api::{ExecRequest, Limits, NetMode, SandboxCreateRequest};
 use crab_common::paths::StateDir;
 use crab_sandbox::{Runtime, RuntimeConfig};
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-macro_rules! require_root {
-    () => {
-        if !is_root() {
-            if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
-                panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: needs root");
-            }
-            eprintln!("skipped: needs root");
-            return;
-        }
-    };
-}
+use crab_testkit::require_root;
 
 fn helper() -> PathBuf {
     std::env::var_os("CRAB_BIN").map(PathBuf::from).unwrap_or_else(|| {

@@ -74,9 +74,7 @@ pub struct Host {
     remote: Option<Arc<RemoteTier>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crab_common::sync::lock;
 
 /// Run a blocking call off the async threads.
 async fn blocking<T: Send + 'static>(

@@ -1,4 +1,5 @@
-//! `crab bench …`: benchmarks run against the running daemon.
+//! `crab bench …`: benchmarks run against the running daemon (built with the `bench` feature;
+//! without it the subcommand says how to get it).
 
 use std::process::ExitCode;
 
@@ -151,8 +152,8 @@ pub(super) async fn run(
         }
         BenchCmd::Proxy { iterations } => {
             let opts =
-                crab_coordinator::bench::ProxyBenchOptions { iterations, ..Default::default() };
-            let r = crab_coordinator::bench::bench_proxy(opts)
+                crab_bench::proxy::ProxyBenchOptions { iterations, ..Default::default() };
+            let r = crab_bench::proxy::bench_proxy(opts)
                 .await
                 .map_err(|e| ApiError::internal(e.to_string()))?;
             if json {
@@ -176,15 +177,15 @@ pub(super) async fn run(
             }
         }
         BenchCmd::Turns { sandboxes, turns, time_scale, traces } => {
-            let lat = crab_coordinator::bench::load_llm_latencies(&traces).unwrap_or_default();
-            let opts = crab_coordinator::bench::TurnBenchOptions {
+            let lat = crab_bench::proxy::load_llm_latencies(&traces).unwrap_or_default();
+            let opts = crab_bench::proxy::TurnBenchOptions {
                 sandboxes,
                 turns,
                 llm_latency_ms: lat,
                 time_scale,
                 ..Default::default()
             };
-            let r = crab_coordinator::bench::bench_turns(opts)
+            let r = crab_bench::proxy::bench_turns(opts)
                 .await
                 .map_err(|e| ApiError::internal(e.to_string()))?;
             if json {

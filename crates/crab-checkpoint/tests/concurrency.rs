@@ -32,7 +32,6 @@ const SANDBOXES: usize = 4;
 const ROUNDS: usize = 10;
 const BRANCHES: usize = 2;
 
-
 fn config() -> RuntimeConfig {
     let state = StateDir::new(
         std::env::var_os("CRAB_STATE_DIR")

@@ -18,7 +18,10 @@ pub struct AtomicWriteError {
     pub source: std::io::Error,
 }
 
-fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> AtomicWriteError + 'a {
+fn io<'a>(
+    op: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> AtomicWriteError + 'a {
     move |source| AtomicWriteError { op, path: path.to_path_buf(), source }
 }
 

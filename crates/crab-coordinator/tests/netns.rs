@@ -7,8 +7,8 @@ use std::os::fd::AsFd;
 use std::process::Command;
 use std::sync::Arc;
 
-use crab_testkit::upstream::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 use crab_coordinator::{bind_in_netns, Coordinator, ProxyConfig};
+use crab_testkit::upstream::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 
 struct Netns(String);
 

@@ -13,12 +13,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
-use crab_testkit::upstream::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
 use crab_coordinator::{
-    Boundary, BoundaryTicket, BoxFuture, Coordinator, ProxyConfig, ProxyServer,
-    Published, TurnHooks, REPLAYED_HEADER,
+    Boundary, BoundaryTicket, BoxFuture, Coordinator, ProxyConfig, ProxyServer, Published,
+    TurnHooks, REPLAYED_HEADER,
 };
 use crab_engine::{Engine, EngineConfig, Job, JobKind, JobOutcome, JobSpec};
+use crab_testkit::upstream::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
 
 // ---------- fake checkpoint tickets ----------
 

@@ -339,4 +339,3 @@ fn privileged_sandbox_opts_out() {
     assert!(s.contains("Seccomp:\t0"), "{s}");
     assert!(!s.contains("00000000a80405fb"), "{s}");
 }
-

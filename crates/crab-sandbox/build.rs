@@ -1,5 +1,6 @@
 //! Builds `crab-init`, the static pid-1 reaper that every sandbox runs, and exposes its path to
-//! the crate through `CRAB_INIT_BIN` so it can be embedded with `include_bytes!`.
+//! the crate through `CRAB_INIT_BIN` so it can be embedded with `include_bytes!`; and the
+//! cgroup device BPF program with its libbpf-rs skeleton.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -19,4 +20,18 @@ fn main() {
         Err(e) => panic!("cannot run {cc} to build crab-init: {e}; install gcc and libc6-dev"),
     }
     println!("cargo:rustc-env=CRAB_INIT_BIN={}", out.display());
+    build_device_program();
+}
+
+/// Compile `src/bpf/devices.bpf.c` (clang) and generate its libbpf-rs skeleton
+/// (`$OUT_DIR/devices.skel.rs`).
+fn build_device_program() {
+    const SRC: &str = "src/bpf/devices.bpf.c";
+    let out =
+        PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default()).join("devices.skel.rs");
+    libbpf_cargo::SkeletonBuilder::new()
+        .source(SRC)
+        .build_and_generate(&out)
+        .expect("building the cgroup device BPF program (clang) and its skeleton failed");
+    println!("cargo:rerun-if-changed={SRC}");
 }

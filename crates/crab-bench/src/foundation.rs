@@ -70,6 +70,7 @@ pub async fn run(
                     image: image.to_string(),
                     name: Some(format!("bench-create-{}-{tag}{i}", std::process::id())),
                     net: Default::default(),
+                    nat_range: None,
                     limits: Default::default(),
                     privileged,
                 };

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crab_common::api::NetMode;
 use crab_common::{NoProgress, Progress};
 use crab_criu::{phase, CgroupMode, Criu, DumpOpts, NetworkLockMethod, RestoreOpts};
 use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_start_time};
@@ -881,8 +882,17 @@ impl Checkpointer {
                 let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
-                let opts =
+                let mut opts =
                     self.restore_opts(&store.proc_dir(p.id), log, rootfs, cgroups, &rec.profile);
+                if rec.net == NetMode::Nat {
+                    // CRIU recreates eth0's veth pair with a new host end; wired below.
+                    opts.external.push(
+                        self.rt
+                            .nat()
+                            .prepare_restore(sandbox, None)
+                            .map_err(sandbox_err(sandbox))?,
+                    );
+                }
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
                     // A branch restored to its origin point carries its source's UTS name.
@@ -893,7 +903,11 @@ impl Checkpointer {
                     }
                     Ok(())
                 })?;
-                (u32::try_from(r.pid).unwrap_or(0), true)
+                let pid = u32::try_from(r.pid).unwrap_or(0);
+                if rec.net == NetMode::Nat {
+                    self.rt.nat().finish_restore(sandbox, pid).map_err(sandbox_err(sandbox))?;
+                }
+                (pid, true)
             }
             _ => {
                 let (pid, _) = self
@@ -1142,6 +1156,7 @@ impl Checkpointer {
             limits: src.limits.clone(),
             cgroup: Some(self.rt.new_cgroup_rel(name)),
             profile: src.profile,
+            nat: None,
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
@@ -1152,6 +1167,7 @@ impl Checkpointer {
             }
             Err(e) => {
                 tracing::warn!(sandbox = name, error = %e, "fork branch failed; removing it");
+                self.rt.nat().release(name);
                 let cg = self.rt.cgroup(name);
                 if let Err(e) = cg.destroy() {
                     tracing::warn!(sandbox = name, error = %e, "cannot remove cgroup of failed branch");
@@ -1236,6 +1252,11 @@ impl Checkpointer {
         let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
         let cg = self.rt.cgroup(name);
         cg.create_for(&src.limits, &src.profile).map_err(cg_err(name))?;
+        if src.net == NetMode::Nat {
+            // The branch's own address, from its source's range.
+            let range = src.nat.as_ref().map(|l| l.range.as_str());
+            self.rt.nat().allocate(name, range).map_err(sandbox_err(name))?;
+        }
         let pid = match (&first.procs, criu) {
             (Some(p), Some(criu)) => {
                 let log =
@@ -1244,8 +1265,13 @@ impl Checkpointer {
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
                 // The branch's own hard links: a prune of the source cannot pull the image
                 // away in the middle of the restore.
-                let opts =
+                let mut opts =
                     self.restore_opts(&branch.proc_dir(p.id), log, &rootfs, cgroups, &src.profile);
+                if src.net == NetMode::Nat {
+                    opts.external.push(
+                        self.rt.nat().prepare_restore(name, None).map_err(sandbox_err(name))?,
+                    );
+                }
                 let r = criu.restore_with(&opts, |n| {
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -1254,7 +1280,11 @@ impl Checkpointer {
                     }
                     Ok(())
                 })?;
-                u32::try_from(r.pid).unwrap_or(0)
+                let pid = u32::try_from(r.pid).unwrap_or(0);
+                if src.net == NetMode::Nat {
+                    self.rt.nat().finish_restore(name, pid).map_err(sandbox_err(name))?;
+                }
+                pid
             }
             _ => {
                 self.rt

@@ -151,6 +151,7 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
             image: "debian".into(),
             name: Some(n.clone()),
             net: NetMode::Private,
+            nat_range: None,
             limits: Limits::default(),
             privileged: false,
         })

@@ -106,6 +106,7 @@ impl Sb {
             image: "debian".into(),
             name: Some(name.clone()),
             net,
+            nat_range: None,
             limits: Limits::default(),
             privileged,
         };

@@ -26,6 +26,10 @@ pub struct VersionInfo {
     /// Kernel features the daemon probed at start-up (absent from older daemons).
     #[serde(default)]
     pub features: Features,
+    /// The LLM proxy's host-side listen address (`--proxy-listen`): agents on the host use
+    /// `http://<it>/s/<sandbox>/v1` (absent from older daemons).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_listen: Option<String>,
 }
 
 /// Kernel features probed by the daemon at start-up.
@@ -34,6 +38,13 @@ pub struct Features {
     /// Soft-dirty page tracking (`clear_refs` 4 + the pagemap bit): incremental process dumps
     /// and "ran but dirtied no page" need it.
     pub soft_dirty: Option<FeatureStatus>,
+    /// CRIU is installed and answers: process and full points hold processes, and restores
+    /// bring them back (the SDK's `restores_processes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criu: Option<FeatureStatus>,
+    /// The daemon exports restore points to a `--remote` store (the SDK's `durable`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<FeatureStatus>,
 }
 
 /// Whether one kernel feature works here, and what the probe saw.
@@ -91,6 +102,10 @@ pub enum NetMode {
     Host,
     /// Own network namespace with `lo` down.
     None,
+    /// Own network namespace with `lo` up and a veth pair to the host: an address from a
+    /// private range, masqueraded egress; the host's own addresses, its loopback services
+    /// and other sandboxes are unreachable.
+    Nat,
 }
 
 impl std::str::FromStr for NetMode {
@@ -100,7 +115,8 @@ impl std::str::FromStr for NetMode {
             "private" => Ok(NetMode::Private),
             "host" => Ok(NetMode::Host),
             "none" => Ok(NetMode::None),
-            other => Err(format!("unknown network mode {other:?}; use private, host or none")),
+            "nat" => Ok(NetMode::Nat),
+            other => Err(format!("unknown network mode {other:?}; use private, nat, none or host")),
         }
     }
 }
@@ -126,6 +142,10 @@ pub struct SandboxCreateRequest {
     /// Network mode.
     #[serde(default)]
     pub net: NetMode,
+    /// With `net: nat`: the private IPv4 range (CIDR) to take the sandbox's address from;
+    /// the daemon's `--nat-range` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nat_range: Option<String>,
     /// Resource limits.
     #[serde(default)]
     pub limits: Limits,
@@ -178,6 +198,9 @@ pub struct SandboxInfo {
     pub hostname: String,
     /// Id of the sandbox's cgroup v2 (what BPF programs filter on).
     pub cgroup_id: u64,
+    /// With `net: nat`: the sandbox's address (on its `eth0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
     /// The security profile in force (`crab sandbox inspect`).
     #[serde(default)]
     pub profile: Option<ProfileReport>,
@@ -303,6 +326,25 @@ pub struct RestoreRequest {
     /// Restore point id (`c000007`, `c7` or `7`); the newest when absent.
     #[serde(default)]
     pub checkpoint: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{name}/stop`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StopRequest {
+    /// Publish a restore point before killing the processes (the default, `docker stop`);
+    /// `false` kills at once (`docker kill`).
+    #[serde(default = "yes")]
+    pub checkpoint: bool,
+}
+
+impl Default for StopRequest {
+    fn default() -> Self {
+        StopRequest { checkpoint: true }
+    }
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// `POST /v1/sandboxes/{name}/fork`.

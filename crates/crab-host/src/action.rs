@@ -59,6 +59,21 @@ pub enum Action {
         /// Kill whatever runs in it.
         force: bool,
     },
+    /// Stop a sandbox like `docker stop`: publish a restore point of what it holds now
+    /// (`checkpoint`, the turn policy's kind), then kill every process in it. Its files, record
+    /// and restore points stay; [`Action::Start`] brings it back. A stopped sandbox is a no-op.
+    Stop {
+        /// Sandbox name.
+        name: String,
+        /// Take a checkpoint first (`docker stop`); `false` kills at once (`docker kill`).
+        checkpoint: bool,
+    },
+    /// Start a stopped (dead) sandbox from its newest restore point; a running one is left
+    /// alone.
+    Start {
+        /// Sandbox name.
+        name: String,
+    },
     /// Run a command in a sandbox; the outcome is the stream of its frames.
     Exec {
         /// Sandbox name.
@@ -170,6 +185,8 @@ impl Action {
             Action::GetSandbox { .. } => "get_sandbox",
             Action::Create(_) => "create",
             Action::Remove { .. } => "remove",
+            Action::Stop { .. } => "stop",
+            Action::Start { .. } => "start",
             Action::Exec { .. } => "exec",
             Action::Inspect { .. } => "inspect",
             Action::Checkpoint { .. } => "checkpoint",
@@ -256,6 +273,18 @@ pub struct TurnMarked {
     pub checkpoint: String,
 }
 
+/// Answer of [`Action::Stop`] and [`Action::Start`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Lifecycle {
+    /// The sandbox.
+    pub sandbox: String,
+    /// The point published before stopping, or restored when starting (`None`: nothing to do:
+    /// it was stopped or running already, or stopped without a checkpoint).
+    pub point: Option<String>,
+    /// Its run state now.
+    pub state: crab_common::api::SandboxState,
+}
+
 /// Answer of [`Action::Top`].
 #[derive(Debug, Clone, Serialize)]
 pub struct TopView {
@@ -300,6 +329,8 @@ pub enum Outcome {
     Restored(RestoreReport),
     /// Fork branches.
     Forked(Vec<ForkBranch>),
+    /// A sandbox stopped or started.
+    Lifecycle(Lifecycle),
     /// Conversation records.
     Conversation(Vec<LogRecord>),
     /// A turn marked.

@@ -33,7 +33,8 @@ use crab_sandbox::{image, Runtime, RuntimeConfig};
 use crate::glue::{CheckpointExecutor, Hooks, JobTicket, Payload, SandboxDir};
 use crate::remote::{remote_error, FromRemote, FromRemoteReport, RemoteOptions, RemoteTier};
 use crate::{
-    Action, Decision, HostError, Outcome, PointView, Pruned, Taken, TopView, TurnMarked, TurnPolicy,
+    Action, Decision, HostError, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked,
+    TurnPolicy,
 };
 
 /// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
@@ -54,6 +55,9 @@ pub struct HostOptions {
     pub engine: EngineConfig,
     /// The durable tier (`--remote`), if any.
     pub remote: Option<RemoteOptions>,
+    /// Default address range of `nat` sandboxes (`crab daemon --nat-range`); `None` keeps
+    /// [`crab_sandbox::net::DEFAULT_NAT_RANGE`].
+    pub nat_range: Option<String>,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -96,6 +100,14 @@ impl Host {
             helper_exe: opts.helper_exe.clone(),
         };
         let runtime = blocking(move || Runtime::open(cfg).map_err(HostError::from)).await?;
+        if let Some(r) = &opts.nat_range {
+            runtime.nat().set_default_range(r).map_err(|e| {
+                HostError::invalid(
+                    format!("--nat-range: {e}"),
+                    "pass a private IPv4 network, e.g. --nat-range 10.213.0.0/16",
+                )
+            })?;
+        }
         let inspector = tokio::task::spawn_blocking(Inspector::load)
             .await
             .map_err(|e| HostError::internal(format!("inspector start-up panicked: {e}")))?
@@ -255,7 +267,19 @@ impl Host {
                         available: self.soft_dirty.available,
                         reason: self.soft_dirty.reason.clone(),
                     }),
+                    // Runs `criu swrk` once: off the async threads.
+                    criu: blocking(|| Ok(criu_status().clone())).await.ok(),
+                    remote: Some(match &self.remote {
+                        Some(t) => {
+                            FeatureStatus { available: true, reason: t.repo.url().to_string() }
+                        }
+                        None => FeatureStatus {
+                            available: false,
+                            reason: "no --remote store configured".into(),
+                        },
+                    }),
                 },
+                proxy_listen: Some(self.coordinator.config().listen.to_string()),
             })),
             Action::ListImages => {
                 let state = self.state().clone();
@@ -302,6 +326,8 @@ impl Host {
             }
             Action::Create(req) => self.create(req).await,
             Action::Remove { name, force } => self.remove(name, force).await,
+            Action::Stop { name, checkpoint } => self.stop(name, checkpoint).await,
+            Action::Start { name } => self.start(name).await,
             Action::Exec { name, req } => {
                 // Unknown sandboxes are refused before the stream starts.
                 self.runtime.record(&name)?;
@@ -418,6 +444,54 @@ impl Host {
         self.policy.clear(&name);
         lock(&self.failures).remove(&name);
         Ok(Outcome::Removed { removed: true })
+    }
+
+    /// Whether `name`'s init is alive.
+    async fn running(self: &Arc<Self>, name: &str) -> Result<bool, HostError> {
+        let rt = self.runtime.clone();
+        let n = name.to_string();
+        let info = blocking(move || Ok(rt.get(&n)?)).await?;
+        Ok(info.state == SandboxState::Running)
+    }
+
+    async fn stop(self: &Arc<Self>, name: String, checkpoint: bool) -> Result<Outcome, HostError> {
+        if !self.running(&name).await? {
+            return Ok(Outcome::Lifecycle(Lifecycle {
+                sandbox: name,
+                point: None,
+                state: SandboxState::Dead,
+            }));
+        }
+        let point = if checkpoint {
+            match self.checkpoint(name.clone(), None, None, None).await? {
+                Outcome::Taken(t) => Some(t.point.id),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        self.detach(&name);
+        self.close_sandbox_proxy(&name).await;
+        let rt = self.runtime.clone();
+        let n = name.clone();
+        blocking(move || Ok(rt.stop(&n)?)).await?;
+        tracing::info!(sandbox = %name, point = ?point, "sandbox stopped");
+        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Dead }))
+    }
+
+    async fn start(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        if self.running(&name).await? {
+            return Ok(Outcome::Lifecycle(Lifecycle {
+                sandbox: name,
+                point: None,
+                state: SandboxState::Running,
+            }));
+        }
+        let point = match self.restore(name.clone(), None).await? {
+            Outcome::Restored(r) => Some(r.point),
+            _ => None,
+        };
+        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Running }))
     }
 
     /// Close the inspector's turn for `name` and decide the checkpoint kind (the policy's).
@@ -761,4 +835,18 @@ impl Host {
             server.shutdown().await;
         }
     }
+}
+
+/// Whether CRIU is installed and answers (asked once, on the first [`Action::Version`]).
+fn criu_status() -> &'static FeatureStatus {
+    static STATUS: std::sync::OnceLock<FeatureStatus> = std::sync::OnceLock::new();
+    STATUS.get_or_init(|| {
+        match crab_criu::Criu::locate().and_then(|c| c.version().map(|v| (c, v))) {
+            Ok((c, v)) => FeatureStatus {
+                available: true,
+                reason: format!("criu {v} at {}", c.path().display()),
+            },
+            Err(e) => FeatureStatus { available: false, reason: e.to_string() },
+        }
+    })
 }

@@ -129,10 +129,27 @@ impl SandboxCgroup {
         profile: &crab_common::api::SecurityProfile,
     ) -> Result<(), CgroupError> {
         self.create(limits)?;
-        if !profile.privileged && !self.restrict_devices()? {
-            tracing::warn!(cgroup = %self.v2.display(), "no v1 devices controller: device allowlist not enforced");
+        if profile.privileged {
+            return Ok(());
         }
-        Ok(())
+        let v1 = self.restrict_devices()?;
+        // The cgroup-v2 device program: the enforcement on pure-v2 hosts, a second layer
+        // where the v1 controller exists too.
+        match crate::devices::attach(&self.v2) {
+            Ok(()) => Ok(()),
+            Err(e) if v1 => {
+                tracing::warn!(cgroup = %self.v2.display(), error = %e, "no cgroup-v2 device program; the v1 devices controller enforces the allowlist");
+                Ok(())
+            }
+            Err(e) => Err(CgroupError::Io {
+                op: "restrict devices of",
+                path: self.v2.clone(),
+                source: std::io::Error::other(format!(
+                    "{e}; this host has no cgroup-v1 devices controller either, so the device \
+                     allowlist cannot be enforced (needs a kernel with CONFIG_CGROUP_BPF)"
+                )),
+            }),
+        }
     }
 
     fn v1_dir(&self, controller: &str) -> Option<&Path> {
@@ -173,8 +190,7 @@ impl SandboxCgroup {
 
     /// Apply the default profile's device allowlist (see [`crate::profile::ALLOWED_DEVICES`])
     /// through the v1 `devices` controller. Returns `false` when the host has no such
-    /// controller (pure cgroup2: not enforced here yet, the sandbox's `/dev` still holds only
-    /// the allowed nodes).
+    /// controller (pure cgroup2: the device program of [`crate::devices`] enforces it).
     pub fn restrict_devices(&self) -> Result<bool, CgroupError> {
         let Some(d) = self.v1_dir("devices") else { return Ok(false) };
         write_file(&d.join("devices.deny"), "a")?;

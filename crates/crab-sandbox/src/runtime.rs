@@ -25,6 +25,7 @@ use crate::btrfs;
 use crate::cgroup::{Hierarchy, SandboxCgroup};
 use crate::error::{Result, SandboxError};
 use crate::inroot::InRoot;
+use crate::net::{Nat, NatLease};
 use crate::spawn::{CgroupPaths, ExecSpec, StartSpec, INIT_PATH};
 
 /// The daemon's directory in every root (`/.crab`).
@@ -65,6 +66,9 @@ pub struct SandboxRecord {
     /// records written before per-daemon cgroups: those sandboxes live in `crab/<name>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<String>,
+    /// With `net: nat`: its address and the host end of its veth pair (see [`crate::net`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nat: Option<NatLease>,
 }
 
 /// Options of the runtime.
@@ -84,6 +88,7 @@ pub struct Runtime {
     cfg: RuntimeConfig,
     hier: Hierarchy,
     quota: bool,
+    nat: Nat,
     sandboxes: Mutex<HashMap<String, SandboxRecord>>,
     /// Names being created right now (reserved against clashes).
     creating: Mutex<Vec<String>>,
@@ -137,20 +142,49 @@ impl Runtime {
             hint: "mount cgroup2 (e.g. `mount -t cgroup2 none /sys/fs/cgroup/unified`)".into(),
         })?;
         let quota = quota::enable(&cfg.state.pool());
+        let nat = Nat::new(&cfg.state.instance());
         let rt = Runtime {
             cfg,
             hier,
             quota,
+            nat,
             sandboxes: Mutex::new(HashMap::new()),
             creating: Mutex::new(Vec::new()),
         };
         rt.load()?;
+        rt.adopt_nat();
         Ok(rt)
     }
 
     /// The state directory.
     pub fn state(&self) -> &StateDir {
         &self.cfg.state
+    }
+
+    /// The `nat` network state of this daemon (leases, host interfaces, its nftables table).
+    pub fn nat(&self) -> &Nat {
+        &self.nat
+    }
+
+    /// Reconcile `nat` networking with the adopted records: leases of live sandboxes are
+    /// kept, host interfaces of dead ones and strays are deleted, the table is rebuilt (and
+    /// deleted when no `nat` sandbox is left). Failures are logged: they do not stop a daemon
+    /// whose other sandboxes are fine.
+    fn adopt_nat(&self) {
+        let leases: Vec<(String, NatLease, bool)> = self
+            .lock()
+            .values()
+            .filter(|r| r.net == NetMode::Nat)
+            .filter_map(|r| r.nat.clone().map(|l| (r.name.clone(), l, self.is_alive(r))))
+            .collect();
+        let prefix = self.nat.if_prefix();
+        let strays = net_links().iter().any(|l| l.starts_with(&prefix));
+        if leases.is_empty() && !strays && !nft_table_exists(self.nat.table()) {
+            return;
+        }
+        if let Err(e) = self.nat.adopt(leases) {
+            tracing::error!(error = %e, "cannot reconcile nat networking");
+        }
     }
 
     /// The host's cgroup hierarchy.
@@ -243,6 +277,7 @@ impl Runtime {
             net: rec.net,
             hostname: rec.hostname.clone(),
             cgroup_id: cg.id().unwrap_or(0),
+            address: self.nat.lease(&rec.name).map(|l| l.addr.to_string()),
             profile: Some(crate::profile::report(&rec.profile)),
         }
     }
@@ -296,11 +331,25 @@ impl Runtime {
             None => self.generate_name(),
         };
         validate_limits(&req.limits)?;
+        if req.nat_range.is_some() && req.net != NetMode::Nat {
+            return Err(SandboxError::Invalid(
+                "nat_range applies to the nat network mode only; add --network nat or drop --nat-range"
+                    .into(),
+            ));
+        }
+        if let Some(r) = &req.nat_range {
+            crate::net::parse_range(r)?;
+        }
         let image_root = image::rootfs_of(&self.cfg.state, &req.image)?;
         self.reserve(&name)?;
         let profile = SecurityProfile { privileged: req.privileged };
-        let result =
-            self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits, profile);
+        let result = match req.net {
+            NetMode::Nat => self.nat.allocate(&name, req.nat_range.as_deref()).map(drop),
+            _ => Ok(()),
+        }
+        .and_then(|()| {
+            self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits, profile)
+        });
         if result.is_err() {
             self.discard(&name);
         }
@@ -332,6 +381,7 @@ impl Runtime {
             limits: limits.clone(),
             profile,
             cgroup: Some(self.new_cgroup_rel(name)),
+            nat: None,
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -347,15 +397,27 @@ impl Runtime {
         Ok(rec)
     }
 
+    /// `rec` with its current `nat` lease (the runtime's, which every new incarnation
+    /// updates: callers' copies of a record may predate it).
+    fn with_lease(&self, rec: &SandboxRecord) -> SandboxRecord {
+        let mut rec = rec.clone();
+        if rec.net == NetMode::Nat {
+            rec.nat = self.nat.lease(&rec.name).or(rec.nat);
+        }
+        rec
+    }
+
     /// Persist a record.
     pub fn save(&self, rec: &SandboxRecord) -> Result<()> {
+        let rec = self.with_lease(rec);
         let bytes =
-            serde_json::to_vec_pretty(rec).map_err(|e| SandboxError::Other(e.to_string()))?;
+            serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
         write_atomic(&self.cfg.state.sandbox_record(&rec.name), &bytes)
     }
 
     /// Replace the in-memory and on-disk record (used after a restore re-creates the init).
     pub fn update(&self, rec: SandboxRecord) -> Result<()> {
+        let rec = self.with_lease(&rec);
         self.save(&rec)?;
         self.lock().insert(rec.name.clone(), rec);
         Ok(())
@@ -399,6 +461,17 @@ impl Runtime {
         let start = process_start_time(pid).ok_or_else(|| {
             SandboxError::Other(format!("sandbox init {pid} died right after start"))
         })?;
+        if net == NetMode::Nat {
+            if self.nat.lease(name).is_none() {
+                self.nat.allocate(name, None)?;
+            }
+            if let Err(e) = self.nat.attach(name, pid) {
+                if let Err(k) = cg.kill_all() {
+                    tracing::warn!(sandbox = name, error = %k, "cannot kill an init left without network");
+                }
+                return Err(e);
+            }
+        }
         Ok((pid, start))
     }
 
@@ -421,6 +494,7 @@ impl Runtime {
             }
         }
         self.cgroup(name).destroy()?;
+        self.nat.release(name);
         self.lock().remove(name);
         self.discard(name);
         tracing::info!(sandbox = name, "sandbox removed");
@@ -429,6 +503,7 @@ impl Runtime {
 
     /// Best-effort removal of everything a sandbox owns on the host.
     fn discard(&self, name: &str) {
+        self.nat.release(name);
         let cg = self.cgroup(name);
         if let Err(e) = cg.destroy() {
             tracing::warn!(sandbox = name, error = %e, "could not remove cgroup");
@@ -602,6 +677,21 @@ fn install_init_in(root: &InRoot) -> Result<()> {
         return Ok(());
     }
     root.write(Path::new(INIT_PATH), INIT_BINARY, 0o755)
+}
+
+fn net_links() -> Vec<String> {
+    fs::read_dir("/sys/class/net")
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+fn nft_table_exists(table: &str) -> bool {
+    Command::new("nft")
+        .args(["list", "table", "inet", table])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// A random `u32` from the kernel.

@@ -140,7 +140,7 @@ pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
         flags |= CloneFlags::CLONE_NEWCGROUP;
     }
     nix::sched::unshare(flags).map_err(err("unshare namespaces"))?;
-    if spec.net == NetMode::Private {
+    if matches!(spec.net, NetMode::Private | NetMode::Nat) {
         set_loopback_up().map_err(err("bring up lo"))?;
     }
     if spec.net != NetMode::Host && !spec.profile.privileged {

@@ -37,6 +37,7 @@ pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxI
         image: image.to_string(),
         name: Some(name.to_string()),
         net: Default::default(),
+        nat_range: None,
         limits: Default::default(),
         privileged: false,
     };

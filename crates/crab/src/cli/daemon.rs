@@ -41,6 +41,10 @@ pub(super) struct DaemonArgs {
     /// Key file (64 hex digits) encrypting the remote store at rest.
     #[arg(long, requires = "remote")]
     remote_key: Option<std::path::PathBuf>,
+    /// Private IPv4 range (CIDR) that `--network nat` sandboxes get addresses from (the
+    /// first address is their gateway on the host ends; a sandbox may ask for another range).
+    #[arg(long, env = "CRAB_NAT_RANGE", default_value = crab_sandbox::net::DEFAULT_NAT_RANGE)]
+    nat_range: String,
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -62,7 +66,14 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         key_file: a.remote_key,
         bandwidth_bps: a.remote_bandwidth,
     });
-    let opts = DaemonOptions { state, pool_size: a.pool_size, proxy, engine, remote };
+    let opts = DaemonOptions {
+        state,
+        pool_size: a.pool_size,
+        proxy,
+        engine,
+        remote,
+        nat_range: a.nat_range,
+    };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or
         // the kernel's teardown of BPF links would only delay a restart.

@@ -45,17 +45,38 @@ struct ExecResult {
 
 pub(super) async fn run(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
     let stdin_b64 = if a.interactive {
-        let mut buf = Vec::new();
-        if let Err(e) = std::io::stdin().read_to_end(&mut buf) {
-            print_error(&ApiError::invalid(format!("reading stdin: {e}"), ""));
-            return ExitCode::from(125);
+        match stdin_b64() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                print_error(&e);
+                return ExitCode::from(125);
+            }
         }
-        Some(base64::engine::general_purpose::STANDARD.encode(buf))
     } else {
         None
     };
     let req =
         ExecRequest { cmd: a.cmd, env: a.env, workdir: a.workdir, timeout_s: a.timeout, stdin_b64 };
+    exec_streaming(client, &a.sandbox, req, json).await
+}
+
+/// Read all of standard input as base64 (for `-i`).
+pub(super) fn stdin_b64() -> Result<String, ApiError> {
+    let mut buf = Vec::new();
+    std::io::stdin()
+        .read_to_end(&mut buf)
+        .map_err(|e| ApiError::invalid(format!("reading stdin: {e}"), ""))?;
+    Ok(base64::engine::general_purpose::STANDARD.encode(buf))
+}
+
+/// Run one exec request, copying its output to ours as it arrives; the exit code is the
+/// command's (125 when Crab itself failed).
+pub(super) async fn exec_streaming(
+    client: &Client,
+    sandbox: &str,
+    req: ExecRequest,
+    json: bool,
+) -> ExitCode {
     let b64 = base64::engine::general_purpose::STANDARD;
     let mut res = ExecResult {
         stdout: String::new(),
@@ -67,7 +88,7 @@ pub(super) async fn run(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
     let mut failure: Option<ApiError> = None;
     let mut got_exit = false;
     let streamed = client
-        .stream(&format!("/v1/sandboxes/{}/exec", a.sandbox), &req, |f: ExecFrame| match f {
+        .stream(&format!("/v1/sandboxes/{sandbox}/exec"), &req, |f: ExecFrame| match f {
             ExecFrame::Stdout { d } => {
                 let bytes = b64.decode(d).unwrap_or_default();
                 if json {

@@ -9,6 +9,7 @@ mod bench;
 mod checkpoint;
 mod conversation;
 mod daemon;
+mod docker;
 mod exec;
 mod image;
 mod remote;
@@ -86,6 +87,10 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// A docker-CLI front for harnesses that shell out to `docker` (run, exec, stop, start,
+    /// kill, rm, ps, inspect); also reached as `crab-docker`, a link to this binary.
+    #[command(subcommand)]
+    Docker(docker::DockerCmd),
 }
 
 pub(super) fn parse_size(s: &str) -> Result<u64, String> {
@@ -101,9 +106,18 @@ pub(super) fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
-/// Entry point of the CLI (after helper dispatch).
+/// Entry point of the CLI (after helper dispatch). Called as `crab-docker` (a link), the
+/// arguments are those of `crab docker`.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let invoked_as = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .map(|n| n.to_string_lossy().into_owned());
+    if invoked_as.as_deref() == Some("crab-docker") {
+        args.insert(1, "docker".into());
+    }
+    let cli = Cli::parse_from(args);
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -150,6 +164,7 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Image(c) => image::run(&client, c, json).await,
         Cmd::Sandbox(c) => sandbox::run(&client, c, json).await,
         Cmd::Exec(a) => return exec::run(&client, a, json).await,
+        Cmd::Docker(c) => return docker::run(&client, c, json).await,
         #[cfg(feature = "bench")]
         Cmd::Bench(b) => bench::run(&client, &state, b, json).await,
         #[cfg(not(feature = "bench"))]

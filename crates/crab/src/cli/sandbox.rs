@@ -27,9 +27,15 @@ pub(super) enum SandboxCmd {
         /// Sandbox name (generated when absent).
         #[arg(long)]
         name: Option<String>,
-        /// Network: private (own namespace, lo up), host, or none.
+        /// Network: private (own namespace, lo up), nat (own namespace with a veth pair,
+        /// an address from a private range and masqueraded egress; no access to the host,
+        /// its loopback services or other sandboxes), none (lo down), or host.
         #[arg(long, visible_alias = "network", default_value = "private")]
         net: NetMode,
+        /// With --network nat: the private IPv4 range (CIDR) to take the address from
+        /// (default: the daemon's --nat-range).
+        #[arg(long, value_name = "CIDR")]
+        nat_range: Option<String>,
         /// Memory limit, e.g. 512M.
         #[arg(long, value_parser = parse_size)]
         memory: Option<u64>,
@@ -88,6 +94,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             fs_only,
             name,
             net,
+            nat_range,
             memory,
             pids,
             cpus,
@@ -101,6 +108,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                 image: image.unwrap_or_default(),
                 name,
                 net,
+                nat_range,
                 limits: Limits {
                     memory_bytes: memory,
                     pids_max: pids,

@@ -34,6 +34,8 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/sandboxes", get(sandboxes::list).post(sandboxes::create))
         .route("/v1/sandboxes/{name}", get(sandboxes::get).delete(sandboxes::remove))
         .route("/v1/sandboxes/{name}/exec", post(sandboxes::exec))
+        .route("/v1/sandboxes/{name}/stop", post(sandboxes::stop))
+        .route("/v1/sandboxes/{name}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{name}/inspect", get(inspect::peek).post(inspect::close))
         .route("/v1/sandboxes/{name}/checkpoints", get(checkpoints::list).post(checkpoints::create))
         .route("/v1/sandboxes/{name}/checkpoints/prune", post(checkpoints::prune))

@@ -42,6 +42,8 @@ pub struct DaemonOptions {
     pub engine: EngineConfig,
     /// The durable tier (`--remote`), if any.
     pub remote: Option<RemoteOptions>,
+    /// Default address range of `nat` sandboxes (`--nat-range`).
+    pub nat_range: String,
 }
 
 /// Run the daemon until SIGINT or SIGTERM.
@@ -58,6 +60,7 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         proxy: opts.proxy.clone(),
         engine: opts.engine.clone(),
         remote: opts.remote.clone(),
+        nat_range: Some(opts.nat_range.clone()),
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

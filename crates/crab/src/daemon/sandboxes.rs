@@ -1,4 +1,4 @@
-//! Sandbox routes: create, list, describe, remove, exec (streamed).
+//! Sandbox routes: create, list, describe, remove, stop, start, exec (streamed).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,10 +7,10 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
 
-use crab_common::api::{ExecRequest, SandboxCreateRequest};
+use crab_common::api::{ExecRequest, SandboxCreateRequest, StopRequest};
 use crab_host::{Action, Host};
 
-use super::api::{err, parse, render};
+use super::api::{err, parse, parse_or_default, render};
 
 pub async fn list(State(h): State<Arc<Host>>) -> Response {
     render(h.execute(Action::ListSandboxes).await)
@@ -43,4 +43,16 @@ pub async fn exec(State(h): State<Arc<Host>>, Path(name): Path<String>, body: By
         Err(e) => return err(e),
     };
     render(h.execute(Action::Exec { name, req }).await)
+}
+
+pub async fn stop(State(h): State<Arc<Host>>, Path(name): Path<String>, body: Bytes) -> Response {
+    let req: StopRequest = match parse_or_default(&body) {
+        Ok(r) => r,
+        Err(e) => return err(e.into_api()),
+    };
+    render(h.execute(Action::Stop { name, checkpoint: req.checkpoint }).await)
+}
+
+pub async fn start(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
+    render(h.execute(Action::Start { name }).await)
 }

@@ -1,0 +1,83 @@
+"""crab-sandbox: the Python SDK of Crab, a checkpoint/restore runtime for AI-agent sandboxes.
+
+A thin client of the Crab daemon's HTTP API on its unix socket (``$CRAB_STATE_DIR/crab.sock``,
+default ``/var/lib/crab/crab.sock``, or ``socket=``). Blocking::
+
+    from crab_sandbox import Sandbox
+
+    with Sandbox.create("debian") as sb:
+        sb.write_file("/work/a.txt", "hello")
+        print(sb.exec("cat /work/a.txt").stdout)
+        p = sb.checkpoint()                 # kind="auto": the inspector decides
+        sb.exec("rm /work/a.txt")
+        sb.restore(p)                       # files, processes, conversation back
+        branches = sb.fork(4, p)            # four new sandboxes from p
+
+and the same with ``await`` on :class:`AsyncSandbox`. Errors are the daemon's codes as
+exception classes (:mod:`crab_sandbox.errors`), each with a ``hint``.
+"""
+
+from ._async import AsyncDaemon, AsyncSandbox, default_async_daemon
+from ._common import IN_SANDBOX_LLM_BASE_URL, socket_path
+from ._sync import Daemon, Sandbox, default_daemon
+from .errors import (
+    CapabilityError,
+    CheckpointNotFoundError,
+    CommandError,
+    CommandTimeoutError,
+    ConflictError,
+    CorruptCheckpointError,
+    CrabError,
+    CriuFailedError,
+    DaemonUnavailableError,
+    HostUnsupportedError,
+    ImageNotFoundError,
+    InternalError,
+    InvalidRequestError,
+    NameConflictError,
+    NotFoundError,
+    PoolFullError,
+    SandboxNotFoundError,
+    UnsafeArchiveError,
+    UpstreamError,
+)
+from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncDaemon",
+    "AsyncSandbox",
+    "Capabilities",
+    "CapabilityError",
+    "CheckpointNotFoundError",
+    "CommandError",
+    "CommandTimeoutError",
+    "ConflictError",
+    "CorruptCheckpointError",
+    "CrabError",
+    "CriuFailedError",
+    "Daemon",
+    "DaemonUnavailableError",
+    "ExecEvent",
+    "ExecResult",
+    "HostUnsupportedError",
+    "IN_SANDBOX_LLM_BASE_URL",
+    "ImageNotFoundError",
+    "InternalError",
+    "InvalidRequestError",
+    "NameConflictError",
+    "NotFoundError",
+    "Point",
+    "PoolFullError",
+    "RestoreReport",
+    "Sandbox",
+    "SandboxInfo",
+    "SandboxNotFoundError",
+    "Turn",
+    "UnsafeArchiveError",
+    "UpstreamError",
+    "default_async_daemon",
+    "default_daemon",
+    "socket_path",
+]

@@ -1,0 +1,290 @@
+"""The asyncio client: :class:`AsyncDaemon` and :class:`AsyncSandbox`, the same API as the
+blocking one (``_sync``) with coroutines, built on the same helpers (``_common``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import weakref
+from pathlib import Path
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+
+import httpx
+
+from . import _common as c
+from .errors import CapabilityError, NotFoundError
+from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
+
+__all__ = ["AsyncDaemon", "AsyncSandbox", "default_async_daemon"]
+
+PointRef = Union[None, str, Point]
+S = TypeVar("S", bound="AsyncSandbox")
+
+
+def _point_id(point: PointRef) -> Optional[str]:
+    return point.id if isinstance(point, Point) else point
+
+
+class AsyncDaemon:
+    """A connection to one Crab daemon over its unix socket, for one event loop."""
+
+    def __init__(self, socket: Optional[c.PathLike] = None) -> None:
+        self.socket = c.socket_path(socket)
+        self._http = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=self.socket),
+            base_url=c.BASE_URL,
+            timeout=c.HTTP_TIMEOUT,
+        )
+        self._caps: Optional[Capabilities] = None
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        params: Optional[Mapping[str, Any]] = None,
+    ) -> Any:
+        """One API call; returns the decoded JSON answer or raises the daemon's error."""
+        try:
+            r = await self._http.request(method, path, json=body, params=params)
+        except httpx.TransportError as e:
+            raise c.unavailable(self.socket, e) from e
+        return c.check_response(r.status_code, r.content)
+
+    async def frames(self, path: str, body: Any) -> AsyncIterator[Dict[str, Any]]:
+        """A streamed (NDJSON) call: yields each frame; closing early kills a running command."""
+        try:
+            async with self._http.stream("POST", path, json=body) as r:
+                if r.status_code >= 300:
+                    c.check_response(r.status_code, await r.aread())
+                async for line in r.aiter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.TransportError as e:
+            raise c.unavailable(self.socket, e) from e
+
+    async def version(self) -> Dict[str, Any]:
+        v: Dict[str, Any] = await self.request("GET", "/v1/version")
+        return v
+
+    async def capabilities(self, refresh: bool = False) -> Capabilities:
+        """What the daemon can do (cached after the first call)."""
+        if self._caps is None or refresh:
+            self._caps = Capabilities.from_version(await self.version())
+        return self._caps
+
+    async def sandboxes(self) -> List[SandboxInfo]:
+        return [SandboxInfo.from_json(v) for v in await self.request("GET", "/v1/sandboxes")]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncDaemon":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+_defaults: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[str, AsyncDaemon]]" = weakref.WeakKeyDictionary()
+
+
+def default_async_daemon(socket: Optional[c.PathLike] = None) -> AsyncDaemon:
+    """The :class:`AsyncDaemon` of the running event loop for a socket (created on first use)."""
+    loop = asyncio.get_running_loop()
+    path = c.socket_path(socket)
+    per_loop = _defaults.setdefault(loop, {})
+    d = per_loop.get(path)
+    if d is None:
+        d = per_loop[path] = AsyncDaemon(path)
+    return d
+
+
+def _pick(socket: Optional[c.PathLike], daemon: Optional[AsyncDaemon]) -> AsyncDaemon:
+    return daemon if daemon is not None else default_async_daemon(socket)
+
+
+class AsyncSandbox:
+    """The asyncio twin of :class:`crab_sandbox.Sandbox` (same methods, awaited; the
+    capability flags and ``llm_base_url`` are coroutines because they may ask the daemon)."""
+
+    def __init__(self, name: str, daemon: AsyncDaemon) -> None:
+        self.name = name
+        self.daemon = daemon
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.name!r})"
+
+    @property
+    def _base(self) -> str:
+        return f"/v1/sandboxes/{c.seg(self.name)}"
+
+    @classmethod
+    async def create(
+        cls: Type[S],
+        image: str = "debian",
+        name: Optional[str] = None,
+        memory: Union[None, int, str] = None,
+        cpus: Optional[float] = None,
+        network: str = "private",
+        *,
+        pids: Optional[int] = None,
+        privileged: bool = False,
+        socket: Optional[c.PathLike] = None,
+        daemon: Optional[AsyncDaemon] = None,
+    ) -> S:
+        """See :meth:`crab_sandbox.Sandbox.create`."""
+        d = _pick(socket, daemon)
+        body = c.create_body(image, name, memory, cpus, network, pids, privileged)
+        info = await d.request("POST", "/v1/sandboxes", body)
+        return cls(str(info["name"]), d)
+
+    @classmethod
+    async def connect(
+        cls: Type[S], name: str, *, socket: Optional[c.PathLike] = None, daemon: Optional[AsyncDaemon] = None
+    ) -> S:
+        d = _pick(socket, daemon)
+        await d.request("GET", f"/v1/sandboxes/{c.seg(name)}")
+        return cls(name, d)
+
+    @classmethod
+    async def from_remote(
+        cls: Type[S],
+        ref: Union[str, Point],
+        *,
+        name: Optional[str] = None,
+        fs_only: bool = False,
+        socket: Optional[c.PathLike] = None,
+        daemon: Optional[AsyncDaemon] = None,
+    ) -> S:
+        d = _pick(socket, daemon)
+        source = ref.ref if isinstance(ref, Point) else ref
+        body = {"source": source, "names": [name] if name else None, "count": 1, "fs_only": fs_only}
+        v = await d.request("POST", "/v1/remote/restore", body)
+        return cls(str(v["branches"][0]["sandbox"]), d)
+
+    async def info(self) -> SandboxInfo:
+        return SandboxInfo.from_json(await self.daemon.request("GET", self._base))
+
+    async def restores_processes(self) -> bool:
+        return (await self.daemon.capabilities()).restores_processes
+
+    async def durable(self) -> bool:
+        return (await self.daemon.capabilities()).durable
+
+    async def llm_base_url(self) -> str:
+        listen = (await self.daemon.capabilities()).proxy_listen or "127.0.0.1:7431"
+        return f"http://{listen}/s/{self.name}/v1"
+
+    async def exec_stream(
+        self,
+        cmd: c.Cmd,
+        cwd: Optional[str] = None,
+        env: c.Env = None,
+        timeout: Optional[float] = None,
+        *,
+        stdin: Union[None, bytes, str] = None,
+    ) -> AsyncIterator[ExecEvent]:
+        async for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, stdin)):
+            yield c.event_of(frame)
+
+    async def exec(
+        self,
+        cmd: c.Cmd,
+        cwd: Optional[str] = None,
+        env: c.Env = None,
+        timeout: Optional[float] = None,
+        *,
+        stdin: Union[None, bytes, str] = None,
+    ) -> ExecResult:
+        col = c.Collector()
+        async for ev in self.exec_stream(cmd, cwd, env, timeout, stdin=stdin):
+            col.feed(ev)
+        return col.result()
+
+    async def write_file(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> None:
+        r = await self.exec(c.write_argv(path, mode), stdin=data if isinstance(data, bytes) else data.encode())
+        if r.exit_code != 0:
+            raise c.file_failed("writing", path, r)
+
+    async def read_file(self, path: str) -> bytes:
+        r = await self.exec(c.READ_ARGV + [path])
+        if r.exit_code != 0:
+            raise c.file_failed("reading", path, r)
+        return r.stdout_bytes
+
+    async def upload(self, local: c.PathLike, remote: str) -> None:
+        src = Path(local)
+        if src.is_dir():
+            r = await self.exec(["sh", "-c", c.UNTAR_SH, "crab-upload", remote], stdin=c.tar_of_dir(src))
+            if r.exit_code != 0:
+                raise c.file_failed("unpacking into", remote, r)
+        else:
+            await self.write_file(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
+
+    async def download(self, remote: str, local: c.PathLike) -> None:
+        r = await self.exec(["sh", "-c", c.DOWNLOAD_SH, "crab-download", remote])
+        if r.exit_code != 0:
+            raise c.file_failed("reading", remote, r)
+        dest = Path(local)
+        if r.stderr.startswith("crab:dir"):
+            c.untar_into(r.stdout_bytes, dest)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(r.stdout_bytes)
+
+    async def checkpoint(self, kind: str = "auto", durable: bool = False, *, durable_timeout: float = 600.0) -> Point:
+        if durable and not await self.durable():
+            raise CapabilityError(
+                "durable=True, but this daemon has no remote store",
+                "start the daemon with `crab daemon --remote file:///DIR` (or s3://...)",
+            )
+        v = await self.daemon.request("POST", f"{self._base}/checkpoints", {"kind": kind})
+        raw = dict(v["point"])
+        raw.update({k: v[k] for k in ("verdict", "reasons", "queue_ms") if k in v})
+        p = Point.from_json(self.name, raw)
+        if durable:
+            await self.daemon.request(
+                "GET",
+                "/v1/remote/wait",
+                params={"sandbox": self.name, "point": p.id, "timeout_s": durable_timeout},
+            )
+            return p.with_remote_state("durable")
+        return p
+
+    async def points(self) -> List[Point]:
+        return [Point.from_json(self.name, v) for v in await self.daemon.request("GET", f"{self._base}/checkpoints")]
+
+    async def restore(self, point: PointRef = None) -> RestoreReport:
+        v = await self.daemon.request("POST", f"{self._base}/restore", {"checkpoint": _point_id(point)})
+        return RestoreReport.from_json(v)
+
+    async def fork(
+        self, count: int, point: PointRef = None, *, names: Optional[Sequence[str]] = None
+    ) -> List["AsyncSandbox"]:
+        body = {"checkpoint": _point_id(point), "count": count, "names": list(names) if names else None}
+        v = await self.daemon.request("POST", f"{self._base}/fork", body)
+        return [type(self)(str(b["sandbox"]), self.daemon) for b in v]
+
+    async def conversation(self, at: PointRef = None) -> List[Dict[str, Any]]:
+        at_id = _point_id(at)
+        params = {"at": at_id} if at_id else None
+        v: List[Dict[str, Any]] = await self.daemon.request("GET", f"{self._base}/conversation", params=params)
+        return v
+
+    async def turn(self) -> Turn:
+        v = await self.daemon.request("POST", f"{self._base}/turns")
+        return Turn(turn=int(v["turn"]), checkpoint=str(v["checkpoint"]))
+
+    async def kill(self) -> None:
+        await self.daemon.request("DELETE", self._base, params={"force": "true"})
+
+    async def __aenter__(self: S) -> S:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.kill()
+        except NotFoundError:
+            pass

@@ -1,0 +1,237 @@
+"""What the sync and async clients share: the socket's location, request bodies, frame
+decoding, and the shell snippets and tar handling behind the file helpers.
+
+Nothing here does I/O with the daemon; ``_sync`` and ``_async`` do, with the same helpers, so
+the two front ends cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import tarfile
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from urllib.parse import quote
+
+import httpx
+
+from .errors import (
+    CommandError,
+    CommandTimeoutError,
+    CrabError,
+    DaemonUnavailableError,
+    InternalError,
+    error_from_body,
+)
+from .models import ExecEvent, ExecResult
+
+DEFAULT_STATE_DIR = "/var/lib/crab"
+#: Where an agent *inside* a sandbox reaches the LLM proxy (its own network namespace).
+IN_SANDBOX_LLM_BASE_URL = "http://127.0.0.1:7431/v1"
+#: Seconds to wait for the socket to accept a connection; operations themselves have no limit
+#: (a fork or a restore from a remote store may take minutes; pass ``timeout=`` to exec).
+CONNECT_TIMEOUT_S = 10.0
+HTTP_TIMEOUT = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+BASE_URL = "http://crab"
+
+Cmd = Union[str, Sequence[str]]
+Env = Optional[Mapping[str, str]]
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def socket_path(socket: Optional[PathLike] = None) -> str:
+    """The daemon's socket: ``socket`` if given, else ``$CRAB_STATE_DIR/crab.sock``, else
+    ``/var/lib/crab/crab.sock``."""
+    if socket is not None:
+        return os.fspath(socket)
+    state = os.environ.get("CRAB_STATE_DIR") or DEFAULT_STATE_DIR
+    return os.path.join(state, "crab.sock")
+
+
+def unavailable(socket: str, e: BaseException) -> DaemonUnavailableError:
+    if not os.path.exists(socket):
+        why = f"no daemon socket at {socket}"
+    else:
+        why = f"cannot talk to the daemon at {socket}: {e}"
+    return DaemonUnavailableError(
+        why,
+        "start it (as root) with `crab daemon --state-dir DIR`, or pass socket= / set CRAB_STATE_DIR",
+    )
+
+
+def seg(name: str) -> str:
+    """A path segment (sandbox names are validated by the daemon; quote anyway)."""
+    return quote(name, safe="")
+
+
+def check_response(status: int, content: bytes) -> Any:
+    """The decoded JSON body of a 2xx answer; otherwise raise the daemon's error."""
+    try:
+        body = json.loads(content) if content else None
+    except ValueError:
+        body = content.decode("utf-8", "replace")
+    if 200 <= status < 300:
+        return body
+    raise error_from_body(body, status)
+
+
+def parse_memory(memory: Union[None, int, str]) -> Optional[int]:
+    """``512M`` / ``2G`` / a byte count -> bytes."""
+    if memory is None or isinstance(memory, int):
+        return memory
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KkMmGgTt]?)i?[Bb]?\s*", memory)
+    if not m:
+        raise CrabError(
+            f"memory={memory!r} is not a size", "pass bytes or a size like '512M' or '2G'", code="invalid_request"
+        )
+    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * mult)
+
+
+def create_body(
+    image: str,
+    name: Optional[str],
+    memory: Union[None, int, str],
+    cpus: Optional[float],
+    network: str,
+    pids: Optional[int],
+    privileged: bool,
+) -> Dict[str, Any]:
+    return {
+        "image": image,
+        "name": name,
+        "net": network,
+        "limits": {
+            "memory_bytes": parse_memory(memory),
+            "pids_max": pids,
+            "cpu_millis": None if cpus is None else int(round(cpus * 1000)),
+        },
+        "privileged": privileged,
+    }
+
+
+def argv(cmd: Cmd) -> List[str]:
+    """A string runs through ``sh -c``; a sequence is the argv itself."""
+    if isinstance(cmd, str):
+        return ["sh", "-c", cmd]
+    out = [str(c) for c in cmd]
+    if not out:
+        raise CrabError("empty command", "pass a string (run by sh -c) or a non-empty argv list", code="invalid_request")
+    return out
+
+
+def exec_body(
+    cmd: Cmd,
+    cwd: Optional[str] = None,
+    env: Env = None,
+    timeout: Optional[float] = None,
+    stdin: Union[None, bytes, str] = None,
+) -> Dict[str, Any]:
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    return {
+        "cmd": argv(cmd),
+        "env": [f"{k}={v}" for k, v in (env or {}).items()],
+        "workdir": cwd,
+        "timeout_s": timeout,
+        "stdin_b64": None if stdin is None else base64.b64encode(stdin).decode("ascii"),
+    }
+
+
+def event_of(frame: Mapping[str, Any]) -> ExecEvent:
+    """One exec frame as an event; an ``error`` frame raises the daemon's error."""
+    t = frame.get("t")
+    if t in ("stdout", "stderr"):
+        return ExecEvent(kind=str(t), data=base64.b64decode(frame.get("d", "")))
+    if t == "exit":
+        return ExecEvent(
+            kind="exit",
+            exit_code=int(frame.get("code", -1)),
+            timed_out=bool(frame.get("timed_out")),
+            duration_ms=float(frame.get("duration_ms") or 0.0),
+        )
+    if t == "error":
+        raise error_from_body(frame.get("error"))
+    raise InternalError(f"unknown exec frame from the daemon: {frame!r:.200}")
+
+
+class Collector:
+    """Accumulates exec events into an :class:`ExecResult`."""
+
+    def __init__(self) -> None:
+        self.out: List[bytes] = []
+        self.err: List[bytes] = []
+        self.exit: Optional[ExecEvent] = None
+
+    def feed(self, ev: ExecEvent) -> None:
+        if ev.kind == "stdout":
+            self.out.append(ev.data)
+        elif ev.kind == "stderr":
+            self.err.append(ev.data)
+        elif ev.kind == "exit":
+            self.exit = ev
+
+    def result(self, raise_on_timeout: bool = True) -> ExecResult:
+        if self.exit is None:
+            raise InternalError("the daemon ended the exec without an exit status", "see the daemon's log")
+        o, e = b"".join(self.out), b"".join(self.err)
+        r = ExecResult(
+            exit_code=int(self.exit.exit_code if self.exit.exit_code is not None else -1),
+            stdout=o.decode("utf-8", "replace"),
+            stderr=e.decode("utf-8", "replace"),
+            duration_ms=float(self.exit.duration_ms or 0.0),
+            timed_out=self.exit.timed_out,
+            stdout_bytes=o,
+            stderr_bytes=e,
+        )
+        if r.timed_out and raise_on_timeout:
+            raise CommandTimeoutError(
+                f"the command ran past its timeout ({r.duration_ms / 1e3:.1f} s) and was killed",
+                "raise timeout=, or run it in the background; the output so far is in e.result",
+                result=r,
+            )
+        return r
+
+
+# --- files ------------------------------------------------------------------------------------
+
+WRITE_SH = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+CHMOD_SH = ' && chmod "$2" "$1"'
+READ_ARGV = ["cat", "--"]
+#: Download: a directory comes back as a tar of its contents (marked on stderr), a file as is.
+DOWNLOAD_SH = 'if [ -d "$1" ]; then echo crab:dir >&2; cd "$1" && exec tar -c -f - .; else exec cat -- "$1"; fi'
+UNTAR_SH = 'mkdir -p -- "$1" && exec tar -x --no-same-owner -f - -C "$1"'
+
+
+def write_argv(path: str, mode: Optional[int]) -> List[str]:
+    if mode is None:
+        return ["sh", "-c", WRITE_SH, "crab-write", path]
+    return ["sh", "-c", WRITE_SH + CHMOD_SH, "crab-write", path, format(mode, "o")]
+
+
+def file_failed(op: str, path: str, r: ExecResult) -> CommandError:
+    err = r.stderr.strip()
+    hint = "check the path inside the sandbox"
+    if "No such file" in err or "Not a directory" in err:
+        hint = "the path does not exist in the sandbox"
+    return CommandError(f"{op} {path!r} failed (exit {r.exit_code}): {err}", hint, exit_code=r.exit_code, stderr=err)
+
+
+def tar_of_dir(local: Path) -> bytes:
+    """The contents of a local directory as an in-memory tar (names relative to it)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for child in sorted(local.iterdir()):
+            tf.add(str(child), arcname=child.name)
+    return buf.getvalue()
+
+
+def untar_into(data: bytes, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+        # 'data' refuses absolute names, '..', links out of dest and device files.
+        tf.extractall(str(dest), filter="data")

@@ -1,0 +1,363 @@
+"""The blocking client: :class:`Daemon` (one daemon's socket) and :class:`Sandbox`.
+
+Every method is one or two calls of the daemon's HTTP API (``docs/api.md``); the daemon does
+the work. File helpers run ``cat``/``tar`` in the sandbox through ``exec``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+
+import httpx
+
+from . import _common as c
+from .errors import CapabilityError, NotFoundError
+from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
+
+__all__ = ["Daemon", "Sandbox", "default_daemon"]
+
+PointRef = Union[None, str, Point]
+S = TypeVar("S", bound="Sandbox")
+
+
+def _point_id(point: PointRef) -> Optional[str]:
+    return point.id if isinstance(point, Point) else point
+
+
+class Daemon:
+    """A connection to one Crab daemon over its unix socket (thread-safe; reuse it).
+
+    Args:
+        socket: the daemon's socket; default ``$CRAB_STATE_DIR/crab.sock``, else
+            ``/var/lib/crab/crab.sock``.
+    """
+
+    def __init__(self, socket: Optional[c.PathLike] = None) -> None:
+        self.socket = c.socket_path(socket)
+        self._http = httpx.Client(
+            transport=httpx.HTTPTransport(uds=self.socket),
+            base_url=c.BASE_URL,
+            timeout=c.HTTP_TIMEOUT,
+        )
+        self._caps: Optional[Capabilities] = None
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        params: Optional[Mapping[str, Any]] = None,
+    ) -> Any:
+        """One API call; returns the decoded JSON answer or raises the daemon's error."""
+        try:
+            r = self._http.request(method, path, json=body, params=params)
+        except httpx.TransportError as e:
+            raise c.unavailable(self.socket, e) from e
+        return c.check_response(r.status_code, r.content)
+
+    def frames(self, path: str, body: Any) -> Iterator[Dict[str, Any]]:
+        """A streamed (NDJSON) call: yields each frame. Closing the iterator early closes the
+        connection, which makes the daemon kill a running command."""
+        try:
+            with self._http.stream("POST", path, json=body) as r:
+                if r.status_code >= 300:
+                    c.check_response(r.status_code, r.read())
+                for line in r.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.TransportError as e:
+            raise c.unavailable(self.socket, e) from e
+
+    def version(self) -> Dict[str, Any]:
+        """``GET /v1/version``."""
+        v: Dict[str, Any] = self.request("GET", "/v1/version")
+        return v
+
+    def capabilities(self, refresh: bool = False) -> Capabilities:
+        """What the daemon can do (cached after the first call)."""
+        if self._caps is None or refresh:
+            self._caps = Capabilities.from_version(self.version())
+        return self._caps
+
+    def sandboxes(self) -> List[SandboxInfo]:
+        """Every sandbox of the daemon."""
+        return [SandboxInfo.from_json(v) for v in self.request("GET", "/v1/sandboxes")]
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Daemon":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_defaults: Dict[str, Daemon] = {}
+_defaults_lock = threading.Lock()
+
+
+def default_daemon(socket: Optional[c.PathLike] = None) -> Daemon:
+    """The process-wide :class:`Daemon` for a socket (created on first use)."""
+    path = c.socket_path(socket)
+    with _defaults_lock:
+        d = _defaults.get(path)
+        if d is None:
+            d = _defaults[path] = Daemon(path)
+        return d
+
+
+def _pick(socket: Optional[c.PathLike], daemon: Optional[Daemon]) -> Daemon:
+    return daemon if daemon is not None else default_daemon(socket)
+
+
+class Sandbox:
+    """A Crab sandbox: run commands, move files, checkpoint, restore and fork it.
+
+    Get one with :meth:`create`, :meth:`connect`, :meth:`from_remote` or :meth:`fork`. As a
+    context manager it is removed (with its restore points) on exit.
+    """
+
+    def __init__(self, name: str, daemon: Daemon) -> None:
+        self.name = name
+        self.daemon = daemon
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sandbox) and other.name == self.name and other.daemon.socket == self.daemon.socket
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.daemon.socket))
+
+    @property
+    def _base(self) -> str:
+        return f"/v1/sandboxes/{c.seg(self.name)}"
+
+    # --- getting one --------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls: Type[S],
+        image: str = "debian",
+        name: Optional[str] = None,
+        memory: Union[None, int, str] = None,
+        cpus: Optional[float] = None,
+        network: str = "private",
+        *,
+        pids: Optional[int] = None,
+        privileged: bool = False,
+        socket: Optional[c.PathLike] = None,
+        daemon: Optional[Daemon] = None,
+    ) -> S:
+        """Create and start a sandbox from an image.
+
+        Args:
+            image: a daemon image (``crab image ls``).
+            name: the sandbox's name; generated when None.
+            memory: memory limit, bytes or ``"512M"``.
+            cpus: CPU limit in cores (``0.5``).
+            network: ``private`` (own namespace, lo up), ``nat`` (masqueraded egress), ``none`` or ``host``.
+            pids: maximum number of tasks.
+            privileged: UNSAFE, no security profile (see ``crab sandbox create --privileged``).
+        """
+        d = _pick(socket, daemon)
+        body = c.create_body(image, name, memory, cpus, network, pids, privileged)
+        info = d.request("POST", "/v1/sandboxes", body)
+        return cls(str(info["name"]), d)
+
+    @classmethod
+    def connect(cls: Type[S], name: str, *, socket: Optional[c.PathLike] = None, daemon: Optional[Daemon] = None) -> S:
+        """An existing sandbox (raises :class:`SandboxNotFoundError` if there is none)."""
+        d = _pick(socket, daemon)
+        d.request("GET", f"/v1/sandboxes/{c.seg(name)}")
+        return cls(name, d)
+
+    @classmethod
+    def from_remote(
+        cls: Type[S],
+        ref: Union[str, Point],
+        *,
+        name: Optional[str] = None,
+        fs_only: bool = False,
+        socket: Optional[c.PathLike] = None,
+        daemon: Optional[Daemon] = None,
+    ) -> S:
+        """A new sandbox from a point of the daemon's ``--remote`` store: ``ref`` is ``SB`` (its
+        newest point), ``SB@c7`` or a durable :class:`Point`. Works on any daemon sharing the
+        store, without the original host. ``fs_only``: files and conversation, a fresh init."""
+        d = _pick(socket, daemon)
+        source = ref.ref if isinstance(ref, Point) else ref
+        body = {"source": source, "names": [name] if name else None, "count": 1, "fs_only": fs_only}
+        v = d.request("POST", "/v1/remote/restore", body)
+        return cls(str(v["branches"][0]["sandbox"]), d)
+
+    # --- state --------------------------------------------------------------------------------
+
+    def info(self) -> SandboxInfo:
+        """The daemon's description of the sandbox."""
+        return SandboxInfo.from_json(self.daemon.request("GET", self._base))
+
+    @property
+    def restores_processes(self) -> bool:
+        """Restore points of this daemon hold processes (CRIU works on its host). False: a
+        restore gives back files only, with a fresh init. See also :attr:`Point.restores_processes`."""
+        return self.daemon.capabilities().restores_processes
+
+    @property
+    def durable(self) -> bool:
+        """The daemon exports points to a ``--remote`` store (``checkpoint(durable=True)``)."""
+        return self.daemon.capabilities().durable
+
+    @property
+    def llm_base_url(self) -> str:
+        """The LLM proxy's base URL for an agent on the host working in this sandbox: its
+        requests become this sandbox's turn boundaries. (An agent *inside* the sandbox uses
+        :data:`crab_sandbox.IN_SANDBOX_LLM_BASE_URL`.)"""
+        listen = self.daemon.capabilities().proxy_listen or "127.0.0.1:7431"
+        return f"http://{listen}/s/{self.name}/v1"
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def exec_stream(
+        self,
+        cmd: c.Cmd,
+        cwd: Optional[str] = None,
+        env: c.Env = None,
+        timeout: Optional[float] = None,
+        *,
+        stdin: Union[None, bytes, str] = None,
+    ) -> Iterator[ExecEvent]:
+        """Run a command, yielding its output as it arrives and, last, an ``exit`` event.
+        Stopping early (``break``, closing the generator) kills the command."""
+        for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, stdin)):
+            yield c.event_of(frame)
+
+    def exec(
+        self,
+        cmd: c.Cmd,
+        cwd: Optional[str] = None,
+        env: c.Env = None,
+        timeout: Optional[float] = None,
+        *,
+        stdin: Union[None, bytes, str] = None,
+    ) -> ExecResult:
+        """Run a command to its end. A string runs through ``sh -c``; a list is the argv.
+        A non-zero exit is *not* an error (see ``ExecResult.exit_code``); a timeout raises
+        :class:`CommandTimeoutError` with the output so far in ``e.result``."""
+        col = c.Collector()
+        for ev in self.exec_stream(cmd, cwd, env, timeout, stdin=stdin):
+            col.feed(ev)
+        return col.result()
+
+    # --- files --------------------------------------------------------------------------------
+
+    def write_file(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> None:
+        """Write ``data`` to ``path`` in the sandbox (parents created; ``mode`` e.g. ``0o755``)."""
+        r = self.exec(c.write_argv(path, mode), stdin=data if isinstance(data, bytes) else data.encode())
+        if r.exit_code != 0:
+            raise c.file_failed("writing", path, r)
+
+    def read_file(self, path: str) -> bytes:
+        """The bytes of a file in the sandbox."""
+        r = self.exec(c.READ_ARGV + [path])
+        if r.exit_code != 0:
+            raise c.file_failed("reading", path, r)
+        return r.stdout_bytes
+
+    def upload(self, local: c.PathLike, remote: str) -> None:
+        """Copy a local file or directory tree to ``remote`` in the sandbox."""
+        src = Path(local)
+        if src.is_dir():
+            r = self.exec(["sh", "-c", c.UNTAR_SH, "crab-upload", remote], stdin=c.tar_of_dir(src))
+            if r.exit_code != 0:
+                raise c.file_failed("unpacking into", remote, r)
+        else:
+            self.write_file(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
+
+    def download(self, remote: str, local: c.PathLike) -> None:
+        """Copy a file or directory tree from the sandbox to ``local``."""
+        r = self.exec(["sh", "-c", c.DOWNLOAD_SH, "crab-download", remote])
+        if r.exit_code != 0:
+            raise c.file_failed("reading", remote, r)
+        dest = Path(local)
+        if r.stderr.startswith("crab:dir"):
+            c.untar_into(r.stdout_bytes, dest)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(r.stdout_bytes)
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint(self, kind: str = "auto", durable: bool = False, *, durable_timeout: float = 600.0) -> Point:
+        """Publish a restore point. ``kind``: ``auto`` (the inspector decides from what the turn
+        changed), ``skip``, ``fs``, ``process`` or ``full``. ``durable=True`` returns only once
+        the point is in the daemon's ``--remote`` store (raises :class:`CapabilityError` at once,
+        before checkpointing, when the daemon has no store)."""
+        if durable and not self.durable:
+            raise CapabilityError(
+                "durable=True, but this daemon has no remote store",
+                "start the daemon with `crab daemon --remote file:///DIR` (or s3://...)",
+            )
+        v = self.daemon.request("POST", f"{self._base}/checkpoints", {"kind": kind})
+        raw = dict(v["point"])
+        raw.update({k: v[k] for k in ("verdict", "reasons", "queue_ms") if k in v})
+        p = Point.from_json(self.name, raw)
+        if durable:
+            self.daemon.request(
+                "GET",
+                "/v1/remote/wait",
+                params={"sandbox": self.name, "point": p.id, "timeout_s": durable_timeout},
+            )
+            return p.with_remote_state("durable")
+        return p
+
+    def points(self) -> List[Point]:
+        """The sandbox's restore points, oldest first."""
+        return [Point.from_json(self.name, v) for v in self.daemon.request("GET", f"{self._base}/checkpoints")]
+
+    def restore(self, point: PointRef = None) -> RestoreReport:
+        """Roll the sandbox back in place to a point (the newest when None): files, processes
+        (when the point has them) and the conversation."""
+        v = self.daemon.request("POST", f"{self._base}/restore", {"checkpoint": _point_id(point)})
+        return RestoreReport.from_json(v)
+
+    def fork(self, count: int, point: PointRef = None, *, names: Optional[Sequence[str]] = None) -> List["Sandbox"]:
+        """``count`` new sandboxes from a point (the newest when None), each with the point's
+        files, processes and conversation."""
+        body = {"checkpoint": _point_id(point), "count": count, "names": list(names) if names else None}
+        v = self.daemon.request("POST", f"{self._base}/fork", body)
+        return [type(self)(str(b["sandbox"]), self.daemon) for b in v]
+
+    def conversation(self, at: PointRef = None) -> List[Dict[str, Any]]:
+        """The conversation the LLM proxy recorded for this sandbox, up to point ``at`` (all
+        when None); records as in ``docs/conversation-log.md``."""
+        at_id = _point_id(at)
+        params = {"at": at_id} if at_id else None
+        v: List[Dict[str, Any]] = self.daemon.request("GET", f"{self._base}/conversation", params=params)
+        return v
+
+    def turn(self) -> Turn:
+        """Mark a turn boundary explicitly (for harnesses that do not go through the LLM
+        proxy); returns once the turn's restore point is published."""
+        v = self.daemon.request("POST", f"{self._base}/turns")
+        return Turn(turn=int(v["turn"]), checkpoint=str(v["checkpoint"]))
+
+    # --- the end ------------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """Remove the sandbox: kill its processes, delete its files and restore points."""
+        self.daemon.request("DELETE", self._base, params={"force": "true"})
+
+    def __enter__(self: S) -> S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.kill()
+        except NotFoundError:
+            pass

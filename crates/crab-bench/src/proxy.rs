@@ -2,7 +2,10 @@
 //! upstream, measured side by side in one run (interleaved, alternating which goes first, so
 //! machine noise hits all alike). Each proxied request is a new turn (distinct body), so the
 //! figure includes attribution, hashing, the boundary hook (an instantly published ticket) and
-//! the conversation-log append — with and without fsync, as two interleaved arms.
+//! the conversation-log append — with and without fsync, as two interleaved arms — and a
+//! fourth arm with the proxy's bounds switched off ([`ProxyConfig::unbounded`]: no connection
+//! caps, no header or body timeouts, no memory budgets), so their cost is measured side by side
+//! against [`BOUNDS_BUDGET_RATIO`].
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -23,6 +26,10 @@ use crab_testkit::upstream::{InstantHooks, MemoryDirectory, StubConfig, StubUpst
 
 /// Budget from the issue: proxy overhead p50 over a direct call.
 pub const OVERHEAD_BUDGET_P50_MS: f64 = 0.5;
+
+/// Budget from the hostile-sandbox issue: the bounded proxy's p50 latency within this factor
+/// of the same proxy without bounds.
+pub const BOUNDS_BUDGET_RATIO: f64 = 1.1;
 
 /// Options of the proxy benchmark.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -60,6 +67,14 @@ pub struct ProxyBenchReport {
     pub proxied: LatencySummary,
     /// Through the proxy, log written without fsync.
     pub proxied_no_fsync: LatencySummary,
+    /// Through the proxy with its bounds off (log fsynced): the baseline of the bounds' cost.
+    pub proxied_unbounded: LatencySummary,
+    /// Median of per-iteration ratios proxied / proxied-unbounded.
+    pub bounds_ratio_p50: f64,
+    /// [`BOUNDS_BUDGET_RATIO`].
+    pub bounds_budget_ratio: f64,
+    /// Whether `bounds_ratio_p50` is within [`BOUNDS_BUDGET_RATIO`].
+    pub bounds_within_budget: bool,
     /// Median of per-iteration differences proxied − direct (ms).
     pub overhead_p50_ms: f64,
     /// Median of per-iteration differences proxied-without-fsync − direct (ms).
@@ -139,7 +154,9 @@ pub async fn bench_proxy(opts: ProxyBenchOptions) -> Result<ProxyBenchReport, Be
     };
     let mut servers = Vec::new();
     let mut hooks_all = Vec::new();
-    for (name, fsync) in [("sync", true), ("nosync", false)] {
+    for (name, fsync, bounded) in
+        [("sync", true, true), ("nosync", false, true), ("unbounded", true, false)]
+    {
         let dir = MemoryDirectory::new(root.join(name), &["bench"]);
         let hooks = InstantHooks::new();
         let cfg = ProxyConfig {
@@ -149,6 +166,7 @@ pub async fn bench_proxy(opts: ProxyBenchOptions) -> Result<ProxyBenchReport, Be
             fsync_log: fsync,
             ..Default::default()
         };
+        let cfg = if bounded { cfg } else { cfg.unbounded() };
         let coord = Coordinator::new(cfg, dir, hooks.clone())?;
         servers.push(coord.bind().await?);
         hooks_all.push(hooks);
@@ -161,32 +179,38 @@ pub async fn bench_proxy(opts: ProxyBenchOptions) -> Result<ProxyBenchReport, Be
     let direct_url = format!("{}/v1/chat/completions", stub.url());
     let sync_url = format!("http://{}/s/bench/v1/chat/completions", servers[0].local_addr());
     let nosync_url = format!("http://{}/s/bench/v1/chat/completions", servers[1].local_addr());
+    let unbounded_url = format!("http://{}/s/bench/v1/chat/completions", servers[2].local_addr());
     let pad = "x".repeat(opts.body_bytes.saturating_sub(120));
     let body = |i: usize| {
         Bytes::from(format!(
             "{{\"model\":\"stub\",\"messages\":[{{\"role\":\"user\",\"content\":\"turn {i} {pad}\"}}]}}"
         ))
     };
-    let (mut d, mut p, mut q) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut dp, mut dq) = (Vec::new(), Vec::new());
+    let (mut d, mut p, mut q, mut u) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut dp, mut dq, mut pu) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..opts.warmup + opts.iterations {
         let b = body(i);
-        // Rotate the order of the three arms.
-        let mut t = [0.0f64; 3];
-        for k in 0..3 {
-            let arm = (i + k) % 3;
+        // Rotate the order of the four arms.
+        let mut t = [0.0f64; 4];
+        for k in 0..4 {
+            let arm = (i + k) % 4;
             t[arm] = match arm {
                 0 => post(&client, &direct_url, b.clone(), "direct").await?,
                 1 => post(&client, &sync_url, b.clone(), "proxy").await?,
-                _ => post(&client, &nosync_url, b.clone(), "proxy").await?,
+                2 => post(&client, &nosync_url, b.clone(), "proxy").await?,
+                _ => post(&client, &unbounded_url, b.clone(), "proxy").await?,
             };
         }
         if i >= opts.warmup {
             d.push(t[0]);
             p.push(t[1]);
             q.push(t[2]);
+            u.push(t[3]);
             dp.push(t[1] - t[0]);
             dq.push(t[2] - t[0]);
+            if t[3] > 0.0 {
+                pu.push(t[1] / t[3]);
+            }
         }
     }
     let boundaries = hooks_all[0].boundaries().len();
@@ -194,12 +218,17 @@ pub async fn bench_proxy(opts: ProxyBenchOptions) -> Result<ProxyBenchReport, Be
         s.shutdown().await;
     }
     let overhead_p50_ms = LatencySummary::of(&dp).p50;
+    let bounds_ratio_p50 = LatencySummary::of(&pu).p50;
     Ok(ProxyBenchReport {
         log_dir: root.display().to_string(),
         options: opts,
         direct: LatencySummary::of(&d),
         proxied: LatencySummary::of(&p),
         proxied_no_fsync: LatencySummary::of(&q),
+        proxied_unbounded: LatencySummary::of(&u),
+        bounds_ratio_p50,
+        bounds_budget_ratio: BOUNDS_BUDGET_RATIO,
+        bounds_within_budget: bounds_ratio_p50 <= BOUNDS_BUDGET_RATIO,
         overhead_p50_ms,
         overhead_no_fsync_p50_ms: LatencySummary::of(&dq).p50,
         budget_p50_ms: OVERHEAD_BUDGET_P50_MS,

@@ -777,7 +777,12 @@ impl Checkpointer {
         // Every precondition is checked while the sandbox still runs: the init goes into the
         // staged root (a write that needs space), and the pool must keep room for the swap,
         // the cgroup and CRIU's work. A failure here leaves the sandbox untouched.
-        let pre = install_init(&staged)
+        // The sandbox's disk quota goes with it onto the staged root (a new subvolume), before
+        // anything is written there.
+        let pre = self
+            .rt
+            .limit_disk(&staged, &rec.limits)
+            .and_then(|()| install_init(&staged))
             .map_err(sandbox_err(sandbox))
             .and_then(|()| self.check_room(sandbox, "restore"));
         if let Err(e) = pre {
@@ -1244,6 +1249,8 @@ impl Checkpointer {
         self.fs
             .snapshot(&store.fs_path(fs.id), &rootfs, false)
             .map_err(|e| CheckpointError::io("snapshot", &rootfs, e))?;
+        // A branch inherits its source's disk quota (its record carries `src.limits`).
+        self.rt.limit_disk(&rootfs, &src.limits).map_err(sandbox_err(name))?;
         personalize(&rootfs, name).map_err(sandbox_err(name))?;
         let mut meta = src.clone();
         meta.name = name.to_owned();

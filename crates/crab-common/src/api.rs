@@ -130,6 +130,11 @@ pub struct Limits {
     pub pids_max: Option<u64>,
     /// CPU quota in milli-CPUs (1000 = one core).
     pub cpu_millis: Option<u64>,
+    /// Disk quota in bytes (`--disk`): a btrfs qgroup limit on the sandbox's root subvolume,
+    /// carried to every root a restore or fork gives it. Past it, writes inside fail with
+    /// EDQUOT; the sandbox keeps running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
 }
 
 /// `POST /v1/sandboxes`.
@@ -192,6 +197,9 @@ pub struct SandboxInfo {
     /// simple-quota accounting of the sandbox's subvolume); `None` where the pool has no quota
     /// support.
     pub bytes_written: Option<u64>,
+    /// Its disk quota (`limits.disk_bytes`), against which `bytes_written` counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_limit_bytes: Option<u64>,
     /// Network mode.
     pub net: NetMode,
     /// Hostname inside.

@@ -37,6 +37,12 @@ pub enum ErrorCode {
     Timeout,
     /// An upstream service (LLM endpoint) failed.
     Upstream,
+    /// A request body is larger than the server accepts.
+    TooLarge,
+    /// A client did not send its request (head or body) in time.
+    RequestTimeout,
+    /// A bound is reached (connections, request bytes in memory); retry shortly.
+    Busy,
     /// Anything else; the message says what.
     Internal,
 }
@@ -53,6 +59,9 @@ impl ErrorCode {
             ErrorCode::CorruptCheckpoint => 422,
             ErrorCode::Timeout => 504,
             ErrorCode::Upstream => 502,
+            ErrorCode::TooLarge => 413,
+            ErrorCode::RequestTimeout => 408,
+            ErrorCode::Busy => 503,
             ErrorCode::HostUnsupported => 501,
             ErrorCode::PoolFull => 507,
             ErrorCode::CriuFailed | ErrorCode::Internal => 500,
@@ -75,6 +84,9 @@ impl ErrorCode {
             ErrorCode::CriuFailed => "criu_failed",
             ErrorCode::Timeout => "timeout",
             ErrorCode::Upstream => "upstream",
+            ErrorCode::TooLarge => "too_large",
+            ErrorCode::RequestTimeout => "request_timeout",
+            ErrorCode::Busy => "busy",
             ErrorCode::Internal => "internal",
         }
     }

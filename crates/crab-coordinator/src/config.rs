@@ -36,6 +36,36 @@ pub struct ProxyConfig {
     /// Whether conversation-log appends are fsynced (always on in production; benchmarks
     /// measure both).
     pub fsync_log: bool,
+    /// Longest a client may take to send a request's head; also how long a kept-alive
+    /// connection may sit idle between requests (`--proxy-header-timeout`). `None`: no limit.
+    pub header_read_timeout: Option<Duration>,
+    /// Longest a client may take to send a request's body, from its head on. `None`: no limit.
+    pub body_read_timeout: Option<Duration>,
+    /// Concurrent connections to one sandbox's private (in-sandbox) endpoint
+    /// (`--proxy-max-connections-per-sandbox`); `0` = no cap.
+    pub max_sandbox_connections: usize,
+    /// Concurrent connections over all the proxy's listeners; `0` = no cap. The daemon lowers
+    /// it to its file-descriptor budget ([`crate::FdBudget`]).
+    pub max_connections: usize,
+    /// Bytes of turn-request bodies one sandbox may have in memory at once (at least
+    /// `max_request_bytes`); `0` = no budget.
+    pub max_sandbox_buffered_bytes: usize,
+    /// Bytes of turn-request bodies in memory at once over all sandboxes; `0` = no budget.
+    pub max_buffered_bytes: usize,
+}
+
+impl ProxyConfig {
+    /// The same configuration without any of the connection, time and memory bounds (the
+    /// proxy as it was before they existed; the benchmark's baseline arm).
+    pub fn unbounded(mut self) -> ProxyConfig {
+        self.header_read_timeout = None;
+        self.body_read_timeout = None;
+        self.max_sandbox_connections = 0;
+        self.max_connections = 0;
+        self.max_sandbox_buffered_bytes = 0;
+        self.max_buffered_bytes = 0;
+        self
+    }
 }
 
 impl Default for ProxyConfig {
@@ -51,6 +81,12 @@ impl Default for ProxyConfig {
             stream_idle_timeout: Duration::from_secs(600),
             gate_timeout: Duration::from_secs(600),
             fsync_log: true,
+            header_read_timeout: Some(Duration::from_secs(10)),
+            body_read_timeout: Some(Duration::from_secs(60)),
+            max_sandbox_connections: 256,
+            max_connections: 16384,
+            max_sandbox_buffered_bytes: 32 << 20,
+            max_buffered_bytes: 96 << 20,
         }
     }
 }

@@ -7,7 +7,10 @@
 //! [`BoundaryTicket`] is published, so the checkpoint hides behind the model's thinking time.
 //! Every request/response pair goes into the sandbox's [`ConversationLog`] before release.
 //! The proxy knows nothing of the engine or the inspector: the host implements the hooks.
-//! (Its stub upstream lives in `crab-testkit`, its benchmarks in `crab-bench`.)
+//! [`limits`] bounds what one client (a hostile sandbox) can hold: connections per sandbox
+//! endpoint and in all, header and body read time, request bytes in memory, sized by the
+//! process's file-descriptor budget. (Its stub upstream lives in `crab-testkit`, its
+//! benchmarks in `crab-bench`.)
 //!
 //! # Wiring it into the daemon
 //!
@@ -30,6 +33,7 @@
 mod config;
 pub mod convlog;
 mod hooks;
+pub mod limits;
 mod netns;
 mod proxy;
 
@@ -39,6 +43,7 @@ pub use hooks::{
     Boundary, BoundaryTicket, BoxFuture, Provider, Published, ReadyTicket, SandboxDirectory,
     TurnHooks,
 };
+pub use limits::FdBudget;
 pub use netns::{bind_in_netns, NetnsError};
 pub use proxy::{
     BoxError, CoordError, Coordinator, ProxyBody, ProxyServer, SandboxProxyStats, REPLAYED_HEADER,

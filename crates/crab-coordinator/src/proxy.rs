@@ -2,7 +2,8 @@
 //! gating on the turn's checkpoint, the conversation log, and pass-through of everything else.
 //!
 //! A turn request (`POST /v1/chat/completions`, `/v1/responses`, `/v1/messages`) is read whole
-//! (up to `max_request_bytes`), hashed, and classified: a replay (after a restore, its response
+//! (up to `max_request_bytes`, within `body_read_timeout`, its bytes held against the sandbox's
+//! and the proxy's memory budgets), hashed, and classified: a replay (after a restore, its response
 //! is in the log), a retry (same body as the previous request, or `x-stainless-retry-count` > 0:
 //! same turn, same ticket), or a new boundary ([`TurnHooks::on_boundary`]). It is forwarded at
 //! once. When the upstream's response head arrives the gate waits for the ticket (promoting it
@@ -10,27 +11,33 @@
 //! stream is released head-first and passed through frame by frame, its log record written
 //! before the final chunk. Each request runs in its own task, so a client that goes away never
 //! cancels a gate or a log write.
+//!
+//! Connections are admitted through [`crate::limits::ConnGate`]s — one per in-sandbox endpoint
+//! (`max_sandbox_connections`) and one over all listeners (`max_connections`); a connection
+//! past either gets a JSON 503 and is closed at once, so a sandbox flooding its endpoint holds
+//! at most its cap of the daemon's descriptors. A client that does not finish a request head
+//! within `header_read_timeout` (or sits idle that long between requests) is disconnected.
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -40,6 +47,7 @@ use crab_common::ErrorCode;
 use crate::config::{ConfigError, ProxyConfig, Upstream};
 use crate::convlog::{sha256_hex, ConversationLog, LogError, LogRecord};
 use crate::hooks::{Boundary, BoundaryTicket, Provider, ReadyTicket, SandboxDirectory, TurnHooks};
+use crate::limits::{read_body, BodyHold, BodyReadError, ByteBudget, ConnGate, DeadlineBody};
 
 /// Error type of proxied bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -114,6 +122,12 @@ pub struct SandboxProxyStats {
     pub log_errors: u64,
     /// The last failure.
     pub last_error: Option<String>,
+    /// Connections to its in-sandbox endpoint refused because a connection cap was reached.
+    #[serde(default)]
+    pub refused_connections: u64,
+    /// Requests refused for their body: too large, too slow, or no memory budget left.
+    #[serde(default)]
+    pub refused_requests: u64,
 }
 
 struct TurnState {
@@ -130,6 +144,8 @@ struct Slot {
     turn: tokio::sync::Mutex<TurnState>,
     force_full: AtomicBool,
     stats: Mutex<SandboxProxyStats>,
+    /// Turn-request bytes this sandbox has in memory.
+    bodies: ByteBudget,
 }
 
 impl Slot {
@@ -172,6 +188,13 @@ pub struct Coordinator {
     hooks: Arc<dyn TurnHooks>,
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     held_samples: Mutex<VecDeque<f64>>,
+    /// Connections over all listeners.
+    conns: ConnGate,
+    /// Turn-request bytes in memory over all sandboxes.
+    bodies: ByteBudget,
+    /// Connections refused at accept, per in-sandbox endpoint name ("" = host listeners).
+    refused: Mutex<HashMap<String, u64>>,
+    refused_total: AtomicU64,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -222,9 +245,9 @@ impl Coordinator {
         let conn = connector(&[&openai, &anthropic])?;
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(64)
             .build(conn);
         Ok(Arc::new(Coordinator {
-            cfg,
             openai,
             anthropic,
             client,
@@ -232,6 +255,11 @@ impl Coordinator {
             hooks,
             slots: Mutex::new(HashMap::new()),
             held_samples: Mutex::new(VecDeque::new()),
+            conns: ConnGate::new(cfg.max_connections),
+            bodies: ByteBudget::new(cfg.max_buffered_bytes),
+            refused: Mutex::new(HashMap::new()),
+            refused_total: AtomicU64::new(0),
+            cfg,
         }))
     }
 
@@ -277,8 +305,12 @@ impl Coordinator {
             .map_err(|source| CoordError::Bind { addr: self.cfg.listen, source })?;
         let (stop, mut stopped) = oneshot::channel::<()>();
         let me = self.clone();
+        // In-sandbox endpoints have a cap of their own; host listeners share the global one.
+        let local =
+            ConnGate::new(if fixed.is_some() { self.cfg.max_sandbox_connections } else { 0 });
         let task = tokio::spawn(async move {
             tracing::info!(%addr, sandbox = fixed.as_deref().unwrap_or("*"), "LLM proxy listening");
+            let mut last_warn: Option<Instant> = None;
             loop {
                 let accepted = tokio::select! {
                     _ = &mut stopped => break,
@@ -292,10 +324,19 @@ impl Coordinator {
                         continue;
                     }
                 };
+                let permits = match (local.try_enter(), me.conns.try_enter()) {
+                    (Some(a), Some(b)) => (a, b),
+                    (a, _) => {
+                        me.refuse(&stream, fixed.as_deref(), a.is_none(), &local, &mut last_warn);
+                        continue;
+                    }
+                };
                 let _ = stream.set_nodelay(true);
                 let me = me.clone();
                 let fixed = fixed.clone();
                 tokio::spawn(async move {
+                    let _permits = permits;
+                    let header_timeout = me.cfg.header_read_timeout;
                     let svc = hyper::service::service_fn(move |req| {
                         let me = me.clone();
                         let fixed = fixed.clone();
@@ -303,6 +344,8 @@ impl Coordinator {
                     });
                     if let Err(e) = hyper::server::conn::http1::Builder::new()
                         .keep_alive(true)
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(header_timeout)
                         .serve_connection(TokioIo::new(stream), svc)
                         .await
                     {
@@ -312,6 +355,40 @@ impl Coordinator {
             }
         });
         Ok(ProxyServer { addr, stop: Some(stop), task })
+    }
+
+    /// Answer a connection past a cap with a JSON 503 and close it (it never gets a task).
+    fn refuse(
+        &self,
+        stream: &tokio::net::TcpStream,
+        sandbox: Option<&str>,
+        local_full: bool,
+        local: &ConnGate,
+        last_warn: &mut Option<Instant>,
+    ) {
+        let (message, hint) = if local_full {
+            (
+                format!(
+                    "sandbox {:?} has {} connections open to the LLM proxy, its limit",
+                    sandbox.unwrap_or(""),
+                    local.limit()
+                ),
+                "close idle connections (or reuse them: keep-alive) and retry",
+            )
+        } else {
+            (
+                format!("the LLM proxy has {} connections open, its limit", self.conns.limit()),
+                "retry shortly",
+            )
+        };
+        let body = error_json(ErrorCode::Busy, &message, hint).to_string();
+        let _ = stream.try_write(&crate::limits::refusal_bytes(&body));
+        self.refused_total.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.refused).entry(sandbox.unwrap_or("").to_string()).or_insert(0) += 1;
+        if last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+            *last_warn = Some(Instant::now());
+            tracing::warn!(sandbox = sandbox.unwrap_or("*"), %message, "LLM proxy refused connections (security event when it is one sandbox)");
+        }
     }
 
     /// Handle one request (what the listener calls; public for embedding in another server).
@@ -423,6 +500,11 @@ impl Coordinator {
             }),
             turn: tokio::sync::Mutex::new(state),
             force_full: AtomicBool::new(false),
+            bodies: ByteBudget::new(if self.cfg.max_sandbox_buffered_bytes == 0 {
+                0
+            } else {
+                self.cfg.max_sandbox_buffered_bytes.max(self.cfg.max_request_bytes)
+            }),
         });
         Ok(lock(&self.slots).entry(name.to_string()).or_insert(slot).clone())
     }
@@ -599,20 +681,19 @@ impl Coordinator {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > limit as u64) {
+            slot.stats().refused_requests += 1;
             return too_large(limit);
         }
-        let body = match Limited::new(body, limit).collect().await {
-            Ok(c) => c.to_bytes(),
-            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_large(limit),
-            Err(e) => {
-                return error_response(
-                    StatusCode::BAD_REQUEST,
-                    ErrorCode::InvalidRequest,
-                    format!("reading the request body failed: {e}"),
-                    "",
-                )
-            }
-        };
+        let (body, hold) =
+            match read_body(body, limit, self.cfg.body_read_timeout, &[&slot.bodies, &self.bodies])
+                .await
+            {
+                Ok(x) => x,
+                Err(e) => {
+                    slot.stats().refused_requests += 1;
+                    return body_error(e, &slot.name);
+                }
+            };
         if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&body) {
             return error_response(
                 StatusCode::BAD_REQUEST,
@@ -746,6 +827,7 @@ impl Coordinator {
             rec.checkpoint_error = gi.error;
             rec.responded_at_ms = now_ms();
             self.append_log(&slot, rec).await;
+            drop(hold);
             let mut resp = Response::new(full(bytes));
             *resp.status_mut() = rparts.status;
             *resp.headers_mut() = headers;
@@ -755,6 +837,7 @@ impl Coordinator {
         // after the gate; the log record is written before the body's end is.
         let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(64);
         let (gate_tx, gate_rx) = oneshot::channel::<GateInfo>();
+        let hold: BodyHold = hold;
         let me = self.clone();
         let pslot = slot.clone();
         let idle = self.cfg.stream_idle_timeout;
@@ -800,6 +883,7 @@ impl Coordinator {
             rec.checkpoint_error = gi.error;
             rec.responded_at_ms = now_ms();
             me.append_log(&pslot, rec).await;
+            drop(hold);
             drop(tx);
         });
         let gi = self.gate(&slot, &ticket).await;
@@ -842,7 +926,7 @@ impl Coordinator {
     ) -> Response<ProxyBody> {
         let (parts, body) = req.into_parts();
         let upstream = self.upstream(provider).clone();
-        let body = body.map_err(BoxError::from).boxed_unsync();
+        let body = DeadlineBody::new(body, self.cfg.body_read_timeout).boxed_unsync();
         let upstream_req = match build_upstream_request(
             &upstream,
             &parts.method,
@@ -984,6 +1068,7 @@ impl Coordinator {
             .map(|s| {
                 let mut st = s.stats().clone();
                 st.conversation_offset = lock(&s.log).offset();
+                st.refused_connections = lock(&self.refused).get(&s.name).copied().unwrap_or(0);
                 st
             })
             .collect();
@@ -1000,7 +1085,7 @@ impl Coordinator {
     pub fn metrics_text(&self) -> String {
         let stats = self.stats();
         let mut out = String::new();
-        let series: [Series; 10] = [
+        let series: [Series; 12] = [
             ("crab_proxy_requests_total", "counter", "Requests proxied.", |s| s.requests as f64),
             ("crab_proxy_turns_total", "counter", "Turn boundaries marked.", |s| s.turns as f64),
             ("crab_proxy_retries_total", "counter", "Retries recognised as the same turn.", |s| {
@@ -1033,6 +1118,18 @@ impl Coordinator {
             ("crab_proxy_conversation_records", "gauge", "Records in the conversation log.", |s| {
                 s.conversation_offset as f64
             }),
+            (
+                "crab_proxy_refused_connections_total",
+                "counter",
+                "Connections to the sandbox's endpoint refused at a connection cap.",
+                |s| s.refused_connections as f64,
+            ),
+            (
+                "crab_proxy_refused_requests_total",
+                "counter",
+                "Requests refused for their body (too large, too slow, no memory budget).",
+                |s| s.refused_requests as f64,
+            ),
         ];
         for (name, kind, help, f) in series {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -1040,6 +1137,16 @@ impl Coordinator {
                 let _ = writeln!(out, "{name}{{sandbox=\"{}\"}} {}", s.sandbox, f(s));
             }
         }
+        let _ = writeln!(
+            out,
+            "# HELP crab_proxy_connections Open LLM-proxy connections (all listeners).\n# TYPE crab_proxy_connections gauge\ncrab_proxy_connections {}",
+            self.conns.in_use()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP crab_proxy_connections_refused_total Connections refused at a connection cap (all listeners).\n# TYPE crab_proxy_connections_refused_total counter\ncrab_proxy_connections_refused_total {}",
+            self.refused_total.load(Ordering::Relaxed)
+        );
         out
     }
 }
@@ -1206,10 +1313,36 @@ pub(crate) fn full(b: impl Into<Bytes>) -> ProxyBody {
 fn too_large(limit: usize) -> Response<ProxyBody> {
     error_response(
         StatusCode::PAYLOAD_TOO_LARGE,
-        ErrorCode::InvalidRequest,
+        ErrorCode::TooLarge,
         format!("the request body exceeds the proxy's limit of {limit} bytes"),
         "shorten the conversation or raise the proxy's max_request_bytes",
     )
+}
+
+fn body_error(e: BodyReadError, sandbox: &str) -> Response<ProxyBody> {
+    match e {
+        BodyReadError::TooLarge(limit) => too_large(limit),
+        BodyReadError::Timeout(t) => error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            ErrorCode::RequestTimeout,
+            format!("the request body did not arrive within {t:?}"),
+            "send the whole body at once",
+        ),
+        BodyReadError::Busy => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::Busy,
+            format!(
+                "sandbox {sandbox:?} (or the proxy as a whole) has its budget of request bytes in memory in use"
+            ),
+            "wait for the requests in flight to finish, then retry",
+        ),
+        BodyReadError::Read(m) => error_response(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidRequest,
+            format!("reading the request body failed: {m}"),
+            "",
+        ),
+    }
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -1222,18 +1355,26 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// An error answer in a shape both SDK families parse: `{"type":"error","error":{...}}` with
-/// `message` (what failed), `type`/`code` (the stable Crab code) and `hint`.
+/// An error body that is both the project's `ApiError` (top-level `code`, `message`, `hint`)
+/// and the shape both SDK families parse (`{"type":"error","error":{...}}`).
+fn error_json(code: ErrorCode, message: &str, hint: &str) -> serde_json::Value {
+    serde_json::json!({
+        "code": code.as_str(),
+        "message": message,
+        "hint": hint,
+        "type": "error",
+        "error": {"type": code.as_str(), "code": code.as_str(), "message": message, "hint": hint},
+    })
+}
+
+/// An error answer ([`error_json`]) with its status.
 pub(crate) fn error_response(
     status: StatusCode,
     code: ErrorCode,
     message: String,
     hint: &str,
 ) -> Response<ProxyBody> {
-    let body = serde_json::json!({
-        "type": "error",
-        "error": {"type": code.as_str(), "code": code.as_str(), "message": message, "hint": hint},
-    });
+    let body = error_json(code, &message, hint);
     let mut resp = Response::new(full(body.to_string()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));

@@ -58,6 +58,8 @@ pub struct HostOptions {
     /// Default address range of `nat` sandboxes (`crab daemon --nat-range`); `None` keeps
     /// [`crab_sandbox::net::DEFAULT_NAT_RANGE`].
     pub nat_range: Option<String>,
+    /// Disk quota of sandboxes created without one (`crab daemon --default-disk`).
+    pub default_disk: Option<u64>,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -108,6 +110,10 @@ impl Host {
                 )
             })?;
         }
+        runtime.set_default_disk(opts.default_disk).map_err(|e| {
+            let e: ApiError = e.into();
+            HostError::invalid(format!("--default-disk: {}", e.message), e.hint)
+        })?;
         let inspector = tokio::task::spawn_blocking(Inspector::load)
             .await
             .map_err(|e| HostError::internal(format!("inspector start-up panicked: {e}")))?

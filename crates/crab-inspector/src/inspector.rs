@@ -501,6 +501,34 @@ impl Inner {
         Ok(handle)
     }
 
+    /// Checks that what [`Inspector::attach`] registered for `h` is still in the kernel: its
+    /// cgroup id in `cgmap`, pointing at its key (a process that can call `bpf(2)` — a
+    /// `--privileged` sandbox, or one that escaped — could delete it, and every later turn
+    /// would then look unchanged). Missing or altered: put it back and say what was found.
+    fn check_registration(&self, h: &SandboxHandle) -> Option<String> {
+        let cg = h.cgroup_id.to_ne_bytes();
+        let found = match self.cgmap.lookup(&cg, MapFlags::ANY) {
+            Ok(Some(v)) if v.len() >= 4 => {
+                let mut b = [0u8; 4];
+                b.copy_from_slice(&v[..4]);
+                let k = u32::from_ne_bytes(b);
+                if k == h.key {
+                    return None;
+                }
+                format!("cgroup id {} maps to key {k}, not {}", h.cgroup_id, h.key)
+            }
+            Ok(_) => format!("cgroup id {} was removed from the cgroup map", h.cgroup_id),
+            Err(e) => {
+                format!("the cgroup map entry of cgroup id {} is unreadable: {e}", h.cgroup_id)
+            }
+        };
+        if let Err(e) = maps::update(&self.cgmap, "cgmap", &cg, &h.key.to_ne_bytes(), MapFlags::ANY)
+        {
+            tracing::error!(sandbox = %h.sandbox, error = %e, "could not repair the inspector's cgroup map entry");
+        }
+        Some(found)
+    }
+
     fn detach_key(&mut self, h: &SandboxHandle) {
         if let Err(e) = self.cgmap.delete(&h.cgroup_id.to_ne_bytes()) {
             tracing::warn!(sandbox = %h.sandbox, error = %e, "cgroup id was not registered");
@@ -529,6 +557,24 @@ impl Inner {
     ) -> Result<Verdict, InspectorError> {
         let key = reg.handle.key;
         let mut carry = reg.carry.clone();
+        if let Some(what) = self.check_registration(&reg.handle) {
+            let m = format!(
+                "the inspector's registration of this sandbox was altered ({what}); changes since the last boundary may have gone unrecorded"
+            );
+            tracing::warn!(
+                security_event = true,
+                sandbox,
+                cgroup_id = reg.handle.cgroup_id,
+                key,
+                %what,
+                "inspector registration tampered with: repaired, verdict full"
+            );
+            if !close {
+                // A peek repairs it; the turn's closing verdict must still say so.
+                reg.carry.push(m.clone());
+            }
+            carry.push(m);
+        }
         let bss = &self.bss;
         let epoch_w = bss.sstate(key, SS_EPOCH);
         let e = if close {

@@ -39,6 +39,48 @@ nix::ioctl_readwrite!(ioc_quota_ctl, BTRFS_IOCTL_MAGIC, 40, QuotaCtlArgs);
 nix::ioctl_readwrite!(ioc_ino_lookup, BTRFS_IOCTL_MAGIC, 18, InoLookupArgs);
 nix::ioctl_read!(ioc_fs_info, BTRFS_IOCTL_MAGIC, 31, FsInfoArgs);
 
+/// `struct btrfs_qgroup_limit`.
+#[repr(C)]
+struct QgroupLimit {
+    flags: u64,
+    max_rfer: u64,
+    max_excl: u64,
+    rsv_rfer: u64,
+    rsv_excl: u64,
+}
+
+/// `struct btrfs_ioctl_qgroup_limit_args`.
+#[repr(C)]
+struct QgroupLimitArgs {
+    qgroupid: u64,
+    lim: QgroupLimit,
+}
+
+const BTRFS_QGROUP_LIMIT_MAX_RFER: u64 = 1 << 0;
+const BTRFS_QGROUP_LIMIT_MAX_EXCL: u64 = 1 << 1;
+
+nix::ioctl_read!(ioc_qgroup_limit, BTRFS_IOCTL_MAGIC, 43, QgroupLimitArgs);
+
+/// Limit the bytes subvolume `path` may allocate to `bytes` (`None`: no limit), on its level-0
+/// qgroup. With simple quotas every extent is charged to the subvolume that wrote it, so the
+/// limit bounds what the sandbox's own writes hold — including data its checkpoints still
+/// reference after it deleted it — and a write past it fails with EDQUOT.
+pub fn set_limit(path: &Path, bytes: Option<u64>) -> std::io::Result<()> {
+    let f = File::open(path)?;
+    let (flags, max) = match bytes {
+        Some(b) => (BTRFS_QGROUP_LIMIT_MAX_RFER | BTRFS_QGROUP_LIMIT_MAX_EXCL, b),
+        None => (BTRFS_QGROUP_LIMIT_MAX_RFER | BTRFS_QGROUP_LIMIT_MAX_EXCL, u64::MAX),
+    };
+    let mut args = QgroupLimitArgs {
+        // 0: the qgroup of the subvolume the fd is on.
+        qgroupid: 0,
+        lim: QgroupLimit { flags, max_rfer: max, max_excl: max, rsv_rfer: 0, rsv_excl: 0 },
+    };
+    // SAFETY: `f` is an open fd on a btrfs subvolume; `args` is a valid
+    // `btrfs_ioctl_qgroup_limit_args` that the kernel only reads.
+    unsafe { ioc_qgroup_limit(f.as_raw_fd(), &mut args) }.map(|_| ()).map_err(std::io::Error::from)
+}
+
 fn fsid(f: &File) -> Option<String> {
     let mut args = FsInfoArgs { max_id: 0, num_devices: 0, fsid: [0; 16], rest: [0; 992] };
     // SAFETY: `f` is an open fd on btrfs; `args` is a zeroed `btrfs_ioctl_fs_info_args`.

@@ -88,6 +88,8 @@ pub struct Runtime {
     cfg: RuntimeConfig,
     hier: Hierarchy,
     quota: bool,
+    /// Disk quota of sandboxes created without one (`crab daemon --default-disk`); 0 = none.
+    default_disk: std::sync::atomic::AtomicU64,
     nat: Nat,
     sandboxes: Mutex<HashMap<String, SandboxRecord>>,
     /// Names being created right now (reserved against clashes).
@@ -147,6 +149,7 @@ impl Runtime {
             cfg,
             hier,
             quota,
+            default_disk: std::sync::atomic::AtomicU64::new(0),
             nat,
             sandboxes: Mutex::new(HashMap::new()),
             creating: Mutex::new(Vec::new()),
@@ -164,6 +167,29 @@ impl Runtime {
     /// The `nat` network state of this daemon (leases, host interfaces, its nftables table).
     pub fn nat(&self) -> &Nat {
         &self.nat
+    }
+
+    /// The disk quota of sandboxes created without one (`None`: unlimited).
+    pub fn set_default_disk(&self, bytes: Option<u64>) -> Result<()> {
+        if let Some(b) = bytes {
+            validate_limits(&Limits { disk_bytes: Some(b), ..Default::default() })?;
+            if !self.quota {
+                return Err(quota_unavailable());
+            }
+        }
+        self.default_disk.store(bytes.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Put `limits.disk_bytes` on the root subvolume `rootfs` (a new sandbox's, or the root a
+    /// restore or fork is about to give it), so the quota follows the sandbox to every root.
+    pub fn limit_disk(&self, rootfs: &Path, limits: &Limits) -> Result<()> {
+        let Some(b) = limits.disk_bytes else { return Ok(()) };
+        if !self.quota {
+            return Err(quota_unavailable());
+        }
+        quota::set_limit(rootfs, Some(b))
+            .map_err(SandboxError::io("setting the disk quota (BTRFS_IOC_QGROUP_LIMIT) of", rootfs))
     }
 
     /// Reconcile `nat` networking with the adopted records: leases of live sandboxes are
@@ -274,6 +300,7 @@ impl Runtime {
             init_pid: rec.init_pid,
             processes,
             bytes_written,
+            disk_limit_bytes: rec.limits.disk_bytes,
             net: rec.net,
             hostname: rec.hostname.clone(),
             cgroup_id: cg.id().unwrap_or(0),
@@ -331,6 +358,14 @@ impl Runtime {
             None => self.generate_name(),
         };
         validate_limits(&req.limits)?;
+        let mut limits = req.limits.clone();
+        if limits.disk_bytes.is_none() {
+            let d = self.default_disk.load(std::sync::atomic::Ordering::Relaxed);
+            limits.disk_bytes = (d > 0).then_some(d);
+        }
+        if limits.disk_bytes.is_some() && !self.quota {
+            return Err(quota_unavailable());
+        }
         if req.nat_range.is_some() && req.net != NetMode::Nat {
             return Err(SandboxError::Invalid(
                 "nat_range applies to the nat network mode only; add --network nat or drop --nat-range"
@@ -348,7 +383,7 @@ impl Runtime {
             _ => Ok(()),
         }
         .and_then(|()| {
-            self.create_reserved(&name, &req.image, &image_root, req.net, &req.limits, profile)
+            self.create_reserved(&name, &req.image, &image_root, req.net, &limits, profile)
         });
         if result.is_err() {
             self.discard(&name);
@@ -388,6 +423,7 @@ impl Runtime {
         claim_dir(&self.cfg.state, &rec)?;
         let rootfs = self.cfg.state.sandbox_rootfs(name);
         btrfs::snapshot(image_root, &rootfs, false)?;
+        self.limit_disk(&rootfs, limits)?;
         personalize(&rootfs, name)?;
         let (init_pid, init_start) = self.start_init(name, net, limits, profile)?;
         rec.init_pid = init_pid;
@@ -572,6 +608,8 @@ impl Runtime {
 
 /// Smallest memory limit a sandbox can start with (its init and one command need a few MiB).
 pub const MIN_MEMORY_BYTES: u64 = 8 << 20;
+/// Smallest disk quota: a root's own metadata and a few files.
+pub const MIN_DISK_BYTES: u64 = 64 << 20;
 /// Smallest pids limit: the init and one command.
 pub const MIN_PIDS: u64 = 2;
 /// Smallest CPU quota (milli-CPUs; the kernel's minimum quota is 1 ms per 100 ms period).
@@ -595,6 +633,11 @@ pub fn validate_limits(l: &Limits) -> Result<()> {
     if let Some(p) = l.pids_max {
         if p < MIN_PIDS || p > i32::MAX as u64 {
             return bad("pids_max", p, format!("{MIN_PIDS} to {}", i32::MAX));
+        }
+    }
+    if let Some(d) = l.disk_bytes {
+        if !(MIN_DISK_BYTES..=i64::MAX as u64).contains(&d) {
+            return bad("disk_bytes", d, format!("{MIN_DISK_BYTES} (64 MiB) to {}", i64::MAX));
         }
     }
     if let Some(c) = l.cpu_millis {
@@ -703,4 +746,11 @@ pub fn rand_u32() -> u32 {
         return std::process::id() ^ (now() as u32);
     }
     u32::from_ne_bytes(b)
+}
+
+fn quota_unavailable() -> SandboxError {
+    SandboxError::Host {
+        what: "disk quotas need btrfs simple quotas on the pool (kernel 6.7 or newer), which this pool refused".into(),
+        hint: "drop --disk (and --default-disk), or put the state directory on a newer kernel".into(),
+    }
 }

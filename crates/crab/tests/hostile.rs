@@ -300,3 +300,222 @@ fn a_mount_criu_refuses_still_publishes_the_filesystem() {
     crab_ok(&["restore", &sb.name]);
     assert_eq!(sb.sh_ok("cat /root/file").trim(), "kept");
 }
+
+/// Run inside a sandbox: open `N` connections to the in-sandbox proxy, send a partial request
+/// head on the first `L` and a byte more on each every second (slow loris), hold them `H`
+/// seconds, then report how the proxy treated them. Bounded: it stops by itself.
+const FLOOD: &str = r#"
+import json, socket, sys, time
+n, loris, hold = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+socks, failed = [], 0
+for i in range(n):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect(("127.0.0.1", 7431))
+        socks.append(s)
+    except OSError:
+        failed += 1
+for s in socks[:loris]:
+    try: s.send(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    except OSError: pass
+open("/tmp/flooded", "w").write(str(len(socks)))
+t0 = time.time()
+while time.time() - t0 < hold:
+    for s in socks[:loris]:
+        try: s.send(b"x")
+        except OSError: pass
+    time.sleep(1)
+refused = closed = still_open = 0
+for s in socks:
+    s.setblocking(False)
+    try:
+        d = s.recv(4096)
+        if d.startswith(b"HTTP/1.1 503") and b'"code":"busy"' in d: refused += 1
+        else: closed += 1
+    except BlockingIOError: still_open += 1
+    except OSError: closed += 1
+print(json.dumps({"connected": len(socks), "connect_failed": failed, "refused": refused,
+                  "closed": closed, "open": still_open}))
+"#;
+
+fn daemon_fds() -> usize {
+    let pid = std::fs::read_to_string(common::state_dir().join("daemon.pid")).unwrap();
+    std::fs::read_dir(format!("/proc/{}/fd", pid.trim())).unwrap().count()
+}
+
+/// `curl` inside a sandbox against its own proxy endpoint with a 40 MB body announced: the
+/// answer is the JSON 413.
+fn assert_proxy_413(sb: &Sandbox) {
+    let t = Instant::now();
+    let out = sb.sh_ok(
+        "curl -s -m 5 -X POST -H 'content-type: application/json' -H 'content-length: 40000000' \
+         -w '\\n%{http_code}' http://127.0.0.1:7431/v1/chat/completions",
+    );
+    let (body, code) = out.trim().rsplit_once('\n').unwrap();
+    assert_eq!(code, "413", "{out}");
+    let e: crab_common::ApiError = serde_json::from_str(body).unwrap();
+    assert_eq!(e.code, crab_common::ErrorCode::TooLarge, "{body}");
+    assert!(t.elapsed() < Duration::from_secs(2), "the proxy took {:?}", t.elapsed());
+}
+
+#[test]
+fn a_connection_flood_from_inside_leaves_the_cli_and_other_sandboxes_answering() {
+    let attacker = Sandbox::new("t-hostile-flood");
+    let other = Sandbox::new("t-hostile-bystander");
+    let fds_before = daemon_fds();
+    let name = attacker.name.clone();
+    // 3000 connections, 300 of them slow-loris heads, held 13 s (past the 10 s header timeout).
+    let flood = std::thread::spawn(move || {
+        crab(&["exec", &name, "--", "python3", "-c", FLOOD, "3000", "300", "13"])
+    });
+    assert!(
+        common::wait_until(60.0, || attacker.sh("test -f /tmp/flooded").2 == 0),
+        "the flood never got going"
+    );
+    // While it holds: the daemon holds at most the per-sandbox cap of connections for it.
+    let fds_during = daemon_fds();
+    assert!(
+        fds_during < fds_before + 256 + 64,
+        "the daemon's descriptors grew from {fds_before} to {fds_during}: the flood is not capped"
+    );
+    // The CLI, another sandbox's exec and another sandbox's proxy answer at once.
+    for _ in 0..3 {
+        let t = Instant::now();
+        assert_eq!(other.sh_ok("echo up").trim(), "up");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "exec took {:?} during the flood",
+            t.elapsed()
+        );
+    }
+    crab_ok(&["sandbox", "ls"]);
+    assert_proxy_413(&other);
+    let out = flood.join().unwrap();
+    assert!(out.status.success(), "flood: {}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let connected = r["connected"].as_u64().unwrap();
+    assert!(connected >= 2900, "the flood could not even connect: {r}");
+    // Past the cap, connections were refused with the JSON 503 (most of them: while the
+    // daemon works through its accept queue, the first admitted ones may already have been cut
+    // off, freeing places); the admitted ones (idle or slow-loris) were cut off by the header
+    // timeout: none is still open.
+    assert!(r["refused"].as_u64().unwrap() >= connected / 2, "{r}");
+    assert_eq!(r["open"], 0, "connections outlived the header timeout: {r}");
+    // And the attacker's own endpoint works again.
+    assert_proxy_413(&attacker);
+}
+
+/// Fill `/root/fill` with up to 200 MiB; returns dd's output and exit code.
+fn fill(sb: &Sandbox) -> (String, i32) {
+    let (out, err, code) =
+        sb.sh("dd if=/dev/zero of=/root/fill bs=1M count=200 2>&1; rc=$?; sync; exit $rc");
+    (format!("{out}{err}"), code)
+}
+
+#[test]
+fn a_sandbox_at_its_disk_quota_gets_edquot_and_its_checkpoints_restores_and_forks_keep_the_quota() {
+    const DISK: u64 = 96 << 20;
+    let full = Sandbox::with_args("t-hostile-quota", &["--disk", "96M"]);
+    let other = Sandbox::new("t-hostile-quota-other");
+    assert_eq!(full.info()["disk_limit_bytes"], DISK, "{}", full.info());
+    let ls = crab_ok(&["sandbox", "ls"]);
+    assert!(ls.lines().any(|l| l.contains(&full.name) && l.contains("96.0 MiB")), "{ls}");
+    full.sh_ok("echo keep > /root/keep");
+    crab_ok(&["checkpoint", &full.name, "--kind", "full"]);
+    // Filling the quota: ENOSPC/EDQUOT inside, the sandbox keeps running.
+    let (out, code) = fill(&full);
+    assert_ne!(code, 0, "200 MiB fit in a 96 MiB quota: {out}");
+    assert!(out.contains("quota") || out.contains("space"), "{out}");
+    let written: u64 = full.sh_ok("stat -c %s /root/fill").trim().parse().unwrap();
+    assert!(written <= DISK, "{written} bytes written past the quota");
+    assert_eq!(full.info()["state"], "running");
+    let (_, err, code) = full.sh("echo more > /root/more");
+    assert_ne!(code, 0, "a write past the quota succeeded");
+    assert!(err.contains("quota") || err.contains("space"), "{err}");
+    // Another sandbox writes past that size and checkpoints as usual.
+    other.sh_ok("dd if=/dev/zero of=/root/x bs=1M count=150 status=none && sync");
+    crab_ok(&["checkpoint", &other.name, "--kind", "fs"]);
+    // The full sandbox itself still checkpoints, and a restore while full works and leaves it
+    // running with the point's files.
+    crab_ok(&["checkpoint", &full.name, "--kind", "full"]);
+    crab_ok(&["restore", &full.name, "1"]);
+    assert_eq!(full.info()["state"], "running");
+    assert_eq!(full.sh_ok("cat /root/keep").trim(), "keep");
+    full.sh_ok("test ! -e /root/fill");
+    // The quota followed the sandbox onto its new root.
+    assert_eq!(full.info()["disk_limit_bytes"], DISK);
+    let (out, code) = fill(&full);
+    assert_ne!(code, 0, "after restore the quota is gone: {out}");
+    // And a fork branch has it too.
+    let branch = unique("t-hostile-quota-branch");
+    crab_ok(&["fork", &full.name, "1", "--names", &branch]);
+    let branch = Sandbox { name: branch };
+    assert_eq!(branch.info()["disk_limit_bytes"], DISK, "{}", branch.info());
+    let (out, code) = fill(&branch);
+    assert_ne!(code, 0, "the fork branch has no quota: {out}");
+    assert_eq!(branch.info()["state"], "running");
+}
+
+#[test]
+fn a_disk_quota_out_of_range_is_refused_naming_the_field() {
+    common::ensure_daemon();
+    let name = unique("t-hostile-disk");
+    let o = crab(&["sandbox", "create", "debian", "--name", &name, "--disk", "1M"]);
+    let _cleanup = Sandbox { name: name.clone() };
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "--disk 1M was accepted");
+    assert!(err.contains("disk_bytes") && err.contains("allowed"), "{err}");
+}
+
+/// Delete cgroup id `id` from every inspector `cgmap` on this host (only the daemon that
+/// attached it has the key), as a process with `bpf(2)` could.
+fn delete_from_cgmaps(id: u64) -> usize {
+    let out = Command::new("bpftool").args(["-j", "map", "show"]).output().unwrap();
+    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+    let maps: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let key: Vec<String> = id.to_ne_bytes().iter().map(|b| format!("0x{b:02x}")).collect();
+    let mut deleted = 0;
+    for m in maps.as_array().unwrap() {
+        if m["name"] != "cgmap" {
+            continue;
+        }
+        let mid = m["id"].as_u64().unwrap().to_string();
+        let o = Command::new("bpftool")
+            .args(["map", "delete", "id", &mid, "key"])
+            .args(&key)
+            .stderr(Stdio::null())
+            .output()
+            .unwrap();
+        if o.status.success() {
+            deleted += 1;
+        }
+    }
+    deleted
+}
+
+#[test]
+fn a_tampered_inspector_map_makes_the_next_checkpoint_full() {
+    let sb = Sandbox::new("t-hostile-tamper");
+    crab_ok(&["checkpoint", &sb.name]);
+    let id = sb.info()["cgroup_id"].as_u64().unwrap();
+    assert_eq!(delete_from_cgmaps(id), 1, "the daemon's cgmap had no entry for {id}");
+    // Unseen by the inspector now: a file and a server.
+    sb.sh_ok("echo secret > /root/after && (sleep 1000 >/dev/null 2>&1 &)");
+    let out = crab_ok(&["--json", "checkpoint", &sb.name]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["verdict"]["kind"], "full", "a tampered registration gave {v}");
+    assert_eq!(v["point"]["kind"], "full", "{v}");
+    let reasons = v["verdict"]["reasons"].to_string();
+    assert!(reasons.contains("registration"), "no reason given: {v}");
+    // Repaired: the next turn is tracked again (a file change is seen).
+    sb.sh_ok("echo again > /root/again");
+    let out = crab_ok(&["--json", "checkpoint", &sb.name]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["verdict"]["kind"], "fs", "tracking did not resume: {v}");
+    // And what the tampered turn did is in its restore point.
+    sb.sh_ok("rm /root/after /root/again");
+    crab_ok(&["restore", &sb.name, "2"]);
+    assert_eq!(sb.sh_ok("cat /root/after").trim(), "secret");
+    assert!(sb.sh_ok("ps -eo args").contains("sleep 1000"), "the server was lost");
+}

@@ -179,6 +179,7 @@ pub(super) async fn run(
                         ("direct", &r.direct),
                         ("proxied (fsync)", &r.proxied),
                         ("proxied (no fsync)", &r.proxied_no_fsync),
+                        ("proxied, bounds off", &r.proxied_unbounded),
                     ],
                     3,
                 );
@@ -188,6 +189,12 @@ pub(super) async fn run(
                     r.overhead_no_fsync_p50_ms,
                     r.budget_p50_ms,
                     if r.within_budget { "met" } else { "MISSED" }
+                );
+                println!(
+                    "bounded / bounds-off p50 ratio: {:.3} (budget {}x): {}",
+                    r.bounds_ratio_p50,
+                    r.bounds_budget_ratio,
+                    if r.bounds_within_budget { "met" } else { "MISSED" }
                 );
             }
         }

@@ -19,6 +19,14 @@ pub(super) struct DaemonArgs {
     /// Let the LLM proxy listen beyond loopback (it carries API keys).
     #[arg(long)]
     proxy_allow_remote: bool,
+    /// Seconds an LLM-proxy client may take to send a request head (and may sit idle between
+    /// requests) before it is disconnected.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    proxy_header_timeout: u64,
+    /// Connections one sandbox may have open to its in-sandbox LLM proxy at once (lowered to a
+    /// quarter of the daemon's file-descriptor budget for the proxy if that is less).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    proxy_max_connections_per_sandbox: u64,
     /// OpenAI-style upstream base URL, without /v1.
     #[arg(long, env = "CRAB_UPSTREAM_OPENAI", default_value = "https://api.openai.com")]
     upstream_openai: String,
@@ -45,6 +53,11 @@ pub(super) struct DaemonArgs {
     /// first address is their gateway on the host ends; a sandbox may ask for another range).
     #[arg(long, env = "CRAB_NAT_RANGE", default_value = crab_sandbox::net::DEFAULT_NAT_RANGE)]
     nat_range: String,
+    /// Disk quota of sandboxes created without `--disk` (e.g. 20G); none by default. Keep it
+    /// below the pool's size so one sandbox cannot take the room every other sandbox's
+    /// checkpoints need.
+    #[arg(long, env = "CRAB_DEFAULT_DISK", value_parser = parse_size)]
+    default_disk: Option<u64>,
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -54,6 +67,8 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         allow_remote: a.proxy_allow_remote,
         upstream_openai: a.upstream_openai,
         upstream_anthropic: a.upstream_anthropic,
+        header_read_timeout: Some(std::time::Duration::from_secs(a.proxy_header_timeout)),
+        max_sandbox_connections: a.proxy_max_connections_per_sandbox as usize,
         ..Default::default()
     };
     let engine = crab_engine::EngineConfig {
@@ -73,6 +88,7 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         engine,
         remote,
         nat_range: a.nat_range,
+        default_disk: a.default_disk,
     };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or

@@ -358,6 +358,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
             memory_bytes: a.memory,
             pids_max: a.pids_limit,
             cpu_millis: a.cpus.map(|c| (c * 1000.0) as u64),
+            ..Default::default()
         },
         privileged: a.privileged,
         nat_range: None,

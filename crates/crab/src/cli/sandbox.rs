@@ -45,6 +45,11 @@ pub(super) enum SandboxCmd {
         /// CPU limit in cores, e.g. 0.5.
         #[arg(long)]
         cpus: Option<f64>,
+        /// Disk quota, e.g. 10G: what the sandbox's own writes may hold in the pool (btrfs
+        /// qgroup; past it, writes inside fail with EDQUOT). Default: the daemon's
+        /// --default-disk.
+        #[arg(long, value_parser = parse_size)]
+        disk: Option<u64>,
         /// UNSAFE: run without the default security profile (all capabilities, no seccomp,
         /// no masked paths, no cgroup namespace, every device). Code in the sandbox can then
         /// take over the host. For trusted workloads and benchmarks only.
@@ -79,12 +84,13 @@ fn sandbox_rows(v: &[SandboxInfo]) -> Vec<Vec<String>> {
                 age(s.created_at),
                 s.processes.to_string(),
                 s.bytes_written.map(human_bytes).unwrap_or_else(|| "-".into()),
+                s.disk_limit_bytes.map(human_bytes).unwrap_or_else(|| "-".into()),
             ]
         })
         .collect()
 }
 
-const SANDBOX_HEADER: [&str; 6] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WRITTEN"];
+const SANDBOX_HEADER: [&str; 7] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WRITTEN", "DISK"];
 
 pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitCode, ApiError> {
     match c {
@@ -98,6 +104,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             memory,
             pids,
             cpus,
+            disk,
             privileged,
         } => {
             if let Some(src) = from_remote {
@@ -113,6 +120,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                     memory_bytes: memory,
                     pids_max: pids,
                     cpu_millis: cpus.map(|c| (c * 1000.0) as u64),
+                    disk_bytes: disk,
                 },
                 privileged,
             };

@@ -15,6 +15,7 @@ mod images;
 mod inspect;
 mod remote;
 mod sandboxes;
+pub mod serve;
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -44,11 +45,25 @@ pub struct DaemonOptions {
     pub remote: Option<RemoteOptions>,
     /// Default address range of `nat` sandboxes (`--nat-range`).
     pub nat_range: String,
+    /// `--default-disk`: the disk quota of sandboxes created without `--disk`.
+    pub default_disk: Option<u64>,
 }
 
 /// Run the daemon until SIGINT or SIGTERM.
-pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
+pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
     let state = opts.state.clone();
+    // Size every connection cap by the descriptors this process has, so no flood of
+    // connections (a hostile sandbox's, to its in-sandbox proxy) can take the ones the API and
+    // the checkpoint work need.
+    let fds = crab_coordinator::FdBudget::of_process();
+    let proxy_cap = if opts.proxy.max_connections == 0 {
+        fds.proxy_connections
+    } else {
+        opts.proxy.max_connections.min(fds.proxy_connections)
+    };
+    opts.proxy.max_connections = proxy_cap;
+    opts.proxy.max_sandbox_connections =
+        opts.proxy.max_sandbox_connections.min((proxy_cap / 4).max(8));
     let exe = std::env::current_exe().context("locating the crab binary")?;
     std::fs::create_dir_all(state.root())
         .with_context(|| format!("creating {}", state.root().display()))?;
@@ -61,6 +76,7 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         engine: opts.engine.clone(),
         remote: opts.remote.clone(),
         nat_range: Some(opts.nat_range.clone()),
+        default_disk: opts.default_disk,
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -91,16 +107,13 @@ pub async fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     // On SIGTERM/SIGINT stop accepting, let in-flight requests finish for a moment, then go:
     // a long exec stream must not keep the daemon (and its state-directory lock) alive.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-        let mut rx = stop_rx;
-        let _ = rx.wait_for(|s| *s).await;
-    });
-    let server = tokio::spawn(async move { serve.await });
+    let limits = serve::ApiLimits::new(fds.api_connections);
+    let server = tokio::spawn(serve::serve(listener, app, limits, stop_rx));
     shutdown_signal().await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     match tokio::time::timeout(std::time::Duration::from_secs(2), server).await {
-        Ok(Ok(r)) => r.context("serving the API")?,
+        Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(e).context("the API server task failed"),
         Err(_) => tracing::warn!("in-flight requests did not finish within 2 s; leaving anyway"),
     }

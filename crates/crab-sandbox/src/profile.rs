@@ -182,7 +182,10 @@ fn drop_bounding(keep: &CapsHashSet) -> Result<(), String> {
 /// Drop capabilities, set `no_new_privs` and install the seccomp filter, in that order (the
 /// bounding set first, while `CAP_SETPCAP` is held; the filter before the last capset, which
 /// the filter allows). Called right before `execve`, in a single-threaded process.
-pub fn restrict_process(p: &SecurityProfile) -> Result<(), String> {
+pub fn restrict_process(
+    p: &SecurityProfile,
+    filters: Option<&crate::seccomp::CompiledFilters>,
+) -> Result<(), String> {
     if p.privileged {
         return Ok(());
     }
@@ -191,7 +194,7 @@ pub fn restrict_process(p: &SecurityProfile) -> Result<(), String> {
     drop_bounding(&keep)?;
     caps::set(None, CapSet::Inheritable, &keep).map_err(err("set inheritable capabilities"))?;
     // seccompiler sets no_new_privs itself before installing the filter.
-    crate::seccomp::install().map_err(err("install seccomp filter"))?;
+    crate::seccomp::install(filters).map_err(err("install seccomp filter"))?;
     caps::set(None, CapSet::Effective, &keep).map_err(err("set effective capabilities"))?;
     caps::set(None, CapSet::Permitted, &keep).map_err(err("set permitted capabilities"))?;
     Ok(())

@@ -476,6 +476,7 @@ impl Runtime {
             net,
             cgroup: cgroup_paths(&cg),
             profile,
+            seccomp: compiled_filters(&profile)?,
         };
         let json = serde_json::to_string(&spec).map_err(|e| SandboxError::Other(e.to_string()))?;
         let out = Command::new(&self.cfg.helper_exe)
@@ -597,6 +598,7 @@ impl Runtime {
             workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
             stdin: req.stdin_b64.is_some(),
             profile: rec.profile,
+            seccomp: compiled_filters(&rec.profile)?,
         })
     }
 
@@ -686,6 +688,17 @@ pub fn claim_dir(state: &StateDir, rec: &SandboxRecord) -> Result<()> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// The seccomp filters a helper installs for `profile` (none when privileged), compiled once
+/// per daemon.
+fn compiled_filters(profile: &SecurityProfile) -> Result<Option<crate::seccomp::CompiledFilters>> {
+    if profile.privileged {
+        return Ok(None);
+    }
+    crate::seccomp::compiled()
+        .map(|c| Some(c.clone()))
+        .map_err(|e| SandboxError::Other(format!("compiling the seccomp filter: {e}")))
 }
 
 /// The cgroup paths a helper joins.

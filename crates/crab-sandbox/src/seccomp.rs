@@ -10,6 +10,10 @@
 //! `scripts/gen-seccomp-table.py`); the argument-filtered rules are below.
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
 
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -94,9 +98,77 @@ pub fn programs() -> Result<[BpfProgram; 2], SeccompError> {
     Ok([allow, clone3])
 }
 
-/// Install the default profile's filters on the calling thread (sets `no_new_privs`).
-pub fn install() -> Result<(), SeccompError> {
-    for p in programs()? {
+/// The default profile's filters, compiled (by the daemon, once) and carried to the helpers in
+/// their spec: each program is the base64 of its `sock_filter` array (8 bytes per instruction:
+/// code u16, jt u8, jf u8, k u32, little-endian), so an exec only decodes and installs it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompiledFilters {
+    /// The programs in installation order.
+    pub programs: Vec<String>,
+}
+
+impl CompiledFilters {
+    fn encode(progs: &[BpfProgram]) -> Self {
+        let programs = progs
+            .iter()
+            .map(|p| {
+                let mut b = Vec::with_capacity(p.len() * 8);
+                for i in p {
+                    b.extend_from_slice(&i.code.to_le_bytes());
+                    b.push(i.jt);
+                    b.push(i.jf);
+                    b.extend_from_slice(&i.k.to_le_bytes());
+                }
+                base64::engine::general_purpose::STANDARD.encode(b)
+            })
+            .collect();
+        CompiledFilters { programs }
+    }
+
+    fn decode(&self) -> Result<Vec<BpfProgram>, SeccompError> {
+        self.programs
+            .iter()
+            .map(|s| {
+                let b = base64::engine::general_purpose::STANDARD
+                    .decode(s)
+                    .map_err(e("decode compiled seccomp filter"))?;
+                if b.is_empty() || b.len() % 8 != 0 {
+                    return Err(SeccompError(format!(
+                        "compiled seccomp filter has {} bytes, not a whole number of instructions",
+                        b.len()
+                    )));
+                }
+                Ok(b.chunks_exact(8)
+                    .map(|c| seccompiler::sock_filter {
+                        code: u16::from_le_bytes([c[0], c[1]]),
+                        jt: c[2],
+                        jf: c[3],
+                        k: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+                    })
+                    .collect())
+            })
+            .collect()
+    }
+}
+
+/// The default profile's filters, compiled on the first call of this process and cached.
+pub fn compiled() -> Result<&'static CompiledFilters, SeccompError> {
+    static CACHE: OnceLock<CompiledFilters> = OnceLock::new();
+    if let Some(c) = CACHE.get() {
+        return Ok(c);
+    }
+    let c = CompiledFilters::encode(&programs()?);
+    Ok(CACHE.get_or_init(|| c))
+}
+
+/// Install the default profile's filters on the calling thread (sets `no_new_privs`): the
+/// precompiled `filters` from the spec when given, else compiled here.
+pub fn install(filters: Option<&CompiledFilters>) -> Result<(), SeccompError> {
+    let progs = match filters {
+        Some(f) => f.decode()?,
+        None => programs()?.to_vec(),
+    };
+    for p in progs {
         seccompiler::apply_filter(&p).map_err(e("seccomp(SECCOMP_SET_MODE_FILTER)"))?;
     }
     Ok(())
@@ -164,5 +236,21 @@ mod tests {
         assert!(a.len() > 300 && a.len() < u16::MAX as usize, "{}", a.len());
         assert!(!b.is_empty());
         assert_eq!(a[2].k, libc::SECCOMP_RET_ERRNO | EPERM);
+    }
+
+    #[test]
+    fn compiled_filters_round_trip() {
+        let progs = programs().expect("compile");
+        let c = compiled().expect("compiled");
+        let back = c.decode().expect("decode");
+        assert_eq!(back.len(), 2);
+        for (a, b) in progs.iter().zip(&back) {
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!((x.code, x.jt, x.jf, x.k), (y.code, y.jt, y.jf, y.k));
+            }
+        }
+        let bad = CompiledFilters { programs: vec!["AAAA".into()] };
+        assert!(bad.decode().is_err(), "3 bytes are not an instruction");
     }
 }

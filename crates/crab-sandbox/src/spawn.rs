@@ -93,6 +93,9 @@ pub struct StartSpec {
     /// Security profile of every process in the sandbox.
     #[serde(default)]
     pub profile: SecurityProfile,
+    /// The profile's seccomp filters, compiled by the daemon (compiled here when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seccomp: Option<crate::seccomp::CompiledFilters>,
 }
 
 /// What the exec helper needs.
@@ -113,6 +116,10 @@ pub struct ExecSpec {
     /// Security profile the command runs under.
     #[serde(default)]
     pub profile: SecurityProfile,
+    /// The profile's seccomp filters, compiled once by the daemon: the helper only installs
+    /// them (compiled here when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seccomp: Option<crate::seccomp::CompiledFilters>,
 }
 
 /// The path of the init binary inside every sandbox root.
@@ -293,7 +300,7 @@ fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String
     }
     redirect_stdio(true)?;
     // Before closing fds: a failure must still reach the starter through the error pipe.
-    profile::restrict_process(&spec.profile)?;
+    profile::restrict_process(&spec.profile, spec.seccomp.as_ref())?;
     close_fds_above_2();
     let init = CString::new(format!("/{INIT_PATH}")).map_err(err("init path"))?;
     let argv = [CString::new("crab-init").map_err(err("argv"))?];
@@ -403,7 +410,7 @@ fn exec_child(spec: &ExecSpec, argv: &[CString], envp: &[CString]) -> i32 {
     if let Err(e) = nix::unistd::chdir(spec.workdir.as_str()) {
         return fail(format!("cannot enter working directory {}: {e}", spec.workdir), 126);
     }
-    if let Err(e) = profile::restrict_process(&spec.profile) {
+    if let Err(e) = profile::restrict_process(&spec.profile, spec.seccomp.as_ref()) {
         return fail(e, 126);
     }
     close_fds_above_2();

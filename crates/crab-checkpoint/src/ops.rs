@@ -1021,13 +1021,30 @@ impl Checkpointer {
         names: Option<Vec<String>>,
         progress: &dyn Progress,
     ) -> Result<Vec<ForkBranch>> {
+        self.fork_files_or_all(sandbox, point, count, names, false, progress)
+    }
+
+    /// [`Checkpointer::fork_with_progress`]; with `fs_only`, the branches get the point's files
+    /// and a fresh init, not its processes (an E2B filesystem snapshot).
+    pub fn fork_files_or_all(
+        &self,
+        sandbox: &str,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+        fs_only: bool,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
         if count == 0 || count > 256 {
             return Err(CheckpointError::Invalid("--count must be between 1 and 256".into()));
         }
         let store = self.store(sandbox)?;
-        let m = store.resolve(point)?;
+        let mut m = store.resolve(point)?;
         progress.stage("verify", None);
         store.verify(&m)?;
+        if fs_only {
+            m.procs = None;
+        }
         let fs = m.fs.clone().ok_or_else(|| {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
         })?;

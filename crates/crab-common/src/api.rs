@@ -366,6 +366,9 @@ pub struct ForkRequest {
     /// Names of the branches (one per branch); generated when absent.
     #[serde(default)]
     pub names: Option<Vec<String>>,
+    /// Files only: the branches start a fresh init instead of the point's processes.
+    #[serde(default)]
+    pub fs_only: bool,
 }
 
 /// `POST /v1/sandboxes/{name}/checkpoints/prune`.

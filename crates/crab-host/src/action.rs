@@ -125,6 +125,20 @@ pub enum Action {
         /// Point, count, branch names.
         req: ForkRequest,
     },
+    /// Fork the sandbox as it is now: a `full` restore point, then `names.len()` branches from
+    /// it (E2B's fork; `Fork` forks an existing point).
+    ForkLive {
+        /// Source sandbox.
+        name: String,
+        /// Branch names.
+        names: Vec<String>,
+    },
+    /// Pause: a `full` restore point, then every process of the sandbox is stopped (its memory
+    /// freed; files and record stay). `Restore` of the point resumes it in place.
+    Pause {
+        /// Sandbox name.
+        name: String,
+    },
     /// The sandbox's conversation log, up to a restore point's offset.
     Conversation {
         /// Sandbox name.
@@ -194,6 +208,8 @@ impl Action {
             Action::Prune { .. } => "prune",
             Action::Restore { .. } => "restore",
             Action::Fork { .. } => "fork",
+            Action::ForkLive { .. } => "fork_live",
+            Action::Pause { .. } => "pause",
             Action::Conversation { .. } => "conversation",
             Action::Turn { .. } => "turn",
             Action::Metrics => "metrics",

@@ -84,6 +84,25 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The id of the `full` point a checkpoint answered, or why it holds no processes (a dump that
+/// fell back to the filesystem), as a `criu_failed` error saying what was not done.
+fn full_point(o: &Outcome, what: &str) -> Result<String, HostError> {
+    match o {
+        Outcome::Taken(t) => match &t.point.procs_missing {
+            None => Ok(t.point.id.clone()),
+            Some(why) => Err(HostError(ApiError::new(
+                crab_common::ErrorCode::CriuFailed,
+                format!(
+                    "no {what}: the processes could not be dumped ({why}); restore point {} holds the files only",
+                    t.point.id
+                ),
+                "the sandbox was left running as it was",
+            ))),
+        },
+        _ => Err(HostError::internal("the checkpoint answered no restore point")),
+    }
+}
+
 /// Run a blocking call off the async threads.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, HostError> + Send + 'static,
@@ -352,6 +371,8 @@ impl Host {
                 })
                 .await
             }
+            Action::ForkLive { name, names } => self.fork_live(name, names).await,
+            Action::Pause { name } => self.pause(name).await,
             Action::Checkpoint { name, kind, turn, conversation_offset } => {
                 self.checkpoint(name, kind, turn, conversation_offset).await
             }
@@ -642,6 +663,46 @@ impl Host {
         Ok(Outcome::Restored(report))
     }
 
+    /// A `full` point of `name` now, then branches `names` from it.
+    async fn fork_live(
+        self: &Arc<Self>,
+        name: String,
+        names: Vec<String>,
+    ) -> Result<Outcome, HostError> {
+        if names.is_empty() {
+            return Err(HostError::invalid(
+                "a fork needs at least one branch",
+                "ask for count >= 1",
+            ));
+        }
+        let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
+        let point = full_point(&taken, "fork")?;
+        let req = crab_common::api::ForkRequest {
+            checkpoint: Some(point),
+            count: names.len(),
+            names: Some(names),
+            fs_only: false,
+        };
+        self.fork(name, req).await
+    }
+
+    /// A `full` point of `name`, then its processes are stopped.
+    async fn pause(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
+        // Stopping processes that the point does not hold would lose them: refuse instead.
+        full_point(&taken, "pause")?;
+        let h = self.clone();
+        let n = name.clone();
+        blocking(move || {
+            h.detach(&n);
+            Ok(h.runtime.stop(&n)?)
+        })
+        .await?;
+        self.close_sandbox_proxy(&name).await;
+        tracing::info!(sandbox = %name, "paused");
+        Ok(taken)
+    }
+
     async fn fork(
         self: &Arc<Self>,
         name: String,
@@ -651,8 +712,14 @@ impl Host {
         let n = name.clone();
         let (branches, offset) = blocking(move || {
             let offset = h.point_offset(&n, req.checkpoint.as_deref())?;
-            let branches =
-                h.checkpointer.fork(&n, req.checkpoint.as_deref(), req.count, req.names)?;
+            let branches = h.checkpointer.fork_files_or_all(
+                &n,
+                req.checkpoint.as_deref(),
+                req.count,
+                req.names,
+                req.fs_only,
+                &crab_common::NoProgress,
+            )?;
             for b in &branches {
                 h.attach(&b.sandbox);
             }

@@ -301,6 +301,7 @@ pub fn build_debian(
     }
     progress.stage("finalize", None);
     quiet_login_shells(&staging.path)?;
+    add_e2b_user(&staging.path)?;
     // Apt lists and caches are not part of the image's job.
     for d in ["var/cache/apt/archives", "var/lib/apt/lists"] {
         let p = staging.path.join(d);
@@ -361,6 +362,48 @@ fn quiet_login_shells(root: &Path) -> Result<()> {
         fs::write(&profile, cleaned).map_err(SandboxError::io("write", &profile))?;
     }
     Ok(())
+}
+
+/// E2B's templates' default account: `user` (uid/gid 1000, home `/home/user`, bash), which
+/// the E2B front door runs commands as unless a call asks for root. Added by editing the
+/// image's account files (no chroot); a second call changes nothing.
+fn add_e2b_user(root: &Path) -> Result<()> {
+    use std::io::Write;
+    let append = |rel: &str, line: &str| -> Result<()> {
+        let p = root.join(rel);
+        let text = fs::read_to_string(&p).unwrap_or_default();
+        if text.lines().any(|l| l.split(':').next() == Some("user")) {
+            return Ok(());
+        }
+        let mut f =
+            fs::OpenOptions::new().append(true).open(&p).map_err(SandboxError::io("open", &p))?;
+        let sep = if text.is_empty() || text.ends_with('\n') { "" } else { "\n" };
+        writeln!(f, "{sep}{line}").map_err(SandboxError::io("write", &p))
+    };
+    append("etc/passwd", "user:x:1000:1000:E2B user:/home/user:/bin/bash")?;
+    append("etc/group", "user:x:1000:")?;
+    if root.join("etc/shadow").exists() {
+        append("etc/shadow", "user:*:19000:0:99999:7:::")?;
+    }
+    if root.join("etc/gshadow").exists() {
+        append("etc/gshadow", "user:!::")?;
+    }
+    let home = root.join("home/user");
+    fs::create_dir_all(&home).map_err(SandboxError::io("create", &home))?;
+    if let Ok(rd) = fs::read_dir(root.join("etc/skel")) {
+        for e in rd.flatten() {
+            let to = home.join(e.file_name());
+            if e.file_type().map(|t| t.is_file()).unwrap_or(false) && !to.exists() {
+                fs::copy(e.path(), &to).map_err(SandboxError::io("copy", &to))?;
+                std::os::unix::fs::chown(&to, Some(1000), Some(1000))
+                    .map_err(SandboxError::io("chown", &to))?;
+            }
+        }
+    }
+    std::os::unix::fs::chown(&home, Some(1000), Some(1000))
+        .map_err(SandboxError::io("chown", &home))?;
+    fs::set_permissions(&home, std::os::unix::fs::PermissionsExt::from_mode(0o750))
+        .map_err(SandboxError::io("chmod", &home))
 }
 
 /// Import a root filesystem from a directory or a tar archive (plain or gzip).

@@ -38,6 +38,30 @@ pub(super) enum BenchCmd {
         #[arg(long, default_value = "../shared/traces/mini-swe-agent")]
         traces: std::path::PathBuf,
     },
+    /// The e2b SDK through the daemon's E2B API (`Sandbox.create` + `commands.run("true")` +
+    /// `kill`) vs the same through the crab CLI, interleaved; create-from-snapshot and
+    /// fork(8). Needs a daemon with --e2b-listen and the SDK venv
+    /// (scripts/install-test-servers.sh).
+    E2b {
+        /// The daemon's E2B API.
+        #[arg(long, env = "CRAB_E2B_LISTEN", default_value = "127.0.0.1:3000")]
+        listen: String,
+        /// An API key whose digest is in the daemon's --e2b-keys.
+        #[arg(long, env = "E2B_API_KEY")]
+        key: String,
+        /// Rounds of each arm.
+        #[arg(long, default_value_t = 20)]
+        rounds: usize,
+        /// Rounds of the restore paths (create from snapshot, fork of 8).
+        #[arg(long, default_value_t = 3)]
+        fork_rounds: usize,
+        /// Image (E2B template) to create from.
+        #[arg(long, default_value = "debian")]
+        image: String,
+        /// Python with the `e2b` SDK.
+        #[arg(long, default_value = "/opt/crab/test-servers/venv/bin/python")]
+        python: std::path::PathBuf,
+    },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
         /// Image to create sandboxes from.
@@ -204,6 +228,9 @@ pub(super) async fn run(
                 );
             }
         }
+        BenchCmd::E2b { listen, key, rounds, fork_rounds, image, python } => {
+            bench_e2b(&exe, state, &listen, &key, rounds, fork_rounds, &image, &python, json)?;
+        }
         BenchCmd::Foundation { image, creates, execs, privileged } => {
             eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
             let r = crab_bench::foundation::run(
@@ -262,6 +289,87 @@ impl crab_common::Progress for DrawProgress<'_> {
 }
 
 /// A table of latency summaries (ms) with `decimals` digits.
+/// The SDK side of `crab bench e2b` (it also drives the CLI arm, so both interleave).
+const BENCH_E2B_PY: &str = include_str!("../../../crab-bench/e2b/bench_e2b.py");
+
+#[allow(clippy::too_many_arguments)]
+fn bench_e2b(
+    exe: &std::path::Path,
+    state: &StateDir,
+    listen: &str,
+    key: &str,
+    rounds: usize,
+    fork_rounds: usize,
+    image: &str,
+    python: &std::path::Path,
+    json: bool,
+) -> Result<(), ApiError> {
+    use crab_common::stats::Summary;
+    let script = std::env::temp_dir().join(format!("crab-bench-e2b-{}.py", std::process::id()));
+    std::fs::write(&script, BENCH_E2B_PY)
+        .map_err(|e| ApiError::internal(format!("writing {}: {e}", script.display())))?;
+    eprintln!(
+        "bench e2b: {rounds} rounds per arm, {fork_rounds} restore rounds, image {image} ..."
+    );
+    let url = format!("http://{listen}");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", key)
+        .env("CRAB_BIN", exe)
+        .env("CRAB_STATE_DIR", state.root())
+        .env("ROUNDS", rounds.to_string())
+        .env("FORK_ROUNDS", fork_rounds.to_string())
+        .env("IMAGE", image)
+        .stderr(std::process::Stdio::inherit())
+        .output();
+    let _ = std::fs::remove_file(&script);
+    let out = out.map_err(|e| {
+        ApiError::invalid(
+            format!("running {}: {e}", python.display()),
+            "install the SDK venv with scripts/install-test-servers.sh or pass --python",
+        )
+    })?;
+    if !out.status.success() {
+        return Err(ApiError::internal(format!("the e2b benchmark failed ({})", out.status)));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| ApiError::internal(format!("the e2b benchmark printed no JSON: {e}")))?;
+    if json {
+        print_json(&v);
+        return Ok(());
+    }
+    let series = |path: &[&str]| -> Summary {
+        let mut x = &v;
+        for p in path {
+            x = &x[*p];
+        }
+        let s: Vec<f64> =
+            x.as_array().map(|a| a.iter().filter_map(|n| n.as_f64()).collect()).unwrap_or_default();
+        Summary::of(&s)
+    };
+    let rows: Vec<(&str, Summary)> = vec![
+        ("e2b SDK Sandbox.create", series(&["sdk", "create"])),
+        ("crab sandbox create", series(&["cli", "create"])),
+        ("e2b SDK commands.run(true)", series(&["sdk", "run_true"])),
+        ("crab exec -- true", series(&["cli", "run_true"])),
+        ("e2b SDK kill", series(&["sdk", "kill"])),
+        ("crab sandbox rm -f", series(&["cli", "kill"])),
+        ("e2b SDK create+run+kill", series(&["sdk", "total"])),
+        ("crab CLI create+exec+rm", series(&["cli", "total"])),
+        ("e2b SDK create(snapshot)", series(&["restore", "sdk_create_from_snapshot"])),
+        ("crab fork --count 1", series(&["restore", "cli_fork_1"])),
+        ("e2b SDK fork(count=8)", series(&["restore", "sdk_fork_8"])),
+        ("crab checkpoint+fork 8", series(&["restore", "cli_checkpoint_fork_8"])),
+    ];
+    let refs: Vec<(&str, &Summary)> = rows.iter().map(|(n, s)| (*n, s)).collect();
+    latency_table(&refs, 1);
+    let (a, b) = (series(&["sdk", "total"]).p50, series(&["cli", "total"]).p50);
+    println!("e2b SDK / crab CLI, create+run+kill p50: {:.2}x ({a:.1} ms vs {b:.1} ms)", a / b);
+    Ok(())
+}
+
 fn latency_table(rows: &[(&str, &crab_common::stats::Summary)], decimals: usize) {
     let rows: Vec<Vec<String>> = rows
         .iter()

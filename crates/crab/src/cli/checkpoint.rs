@@ -237,8 +237,12 @@ pub(super) async fn fork(client: &Client, a: ForkArgs, json: bool) -> Result<Exi
         return super::remote::from_remote(client, src, names, count, fs_only, json).await;
     }
     let sandbox = sandbox.unwrap_or_default();
-    let req =
-        ForkRequest { checkpoint, count, names: if names.is_empty() { None } else { Some(names) } };
+    let req = ForkRequest {
+        checkpoint,
+        count,
+        names: if names.is_empty() { None } else { Some(names) },
+        fs_only: false,
+    };
     let v: Vec<crab_checkpoint::ForkBranch> =
         client.call(Method::POST, &format!("/v1/sandboxes/{sandbox}/fork"), Some(&req)).await?;
     if json {

@@ -49,6 +49,17 @@ pub(super) struct DaemonArgs {
     /// Key file (64 hex digits) encrypting the remote store at rest.
     #[arg(long, requires = "remote")]
     remote_key: Option<std::path::PathBuf>,
+    /// Serve the E2B-compatible API (REST + envd) here, e.g. 127.0.0.1:3000 (loopback only
+    /// unless --e2b-allow-remote); point E2B_API_URL and E2B_SANDBOX_URL at it.
+    #[arg(long, env = "CRAB_E2B_LISTEN", requires = "e2b_keys")]
+    e2b_listen: Option<std::net::SocketAddr>,
+    /// Let the E2B API listen beyond loopback (plain HTTP: put TLS in front of it).
+    #[arg(long, requires = "e2b_listen")]
+    e2b_allow_remote: bool,
+    /// Accepted E2B API keys: a file of SHA-256 digests (hex), one per line
+    /// (`printf %s KEY | sha256sum`).
+    #[arg(long, env = "CRAB_E2B_KEYS", requires = "e2b_listen")]
+    e2b_keys: Option<std::path::PathBuf>,
     /// Private IPv4 range (CIDR) that `--network nat` sandboxes get addresses from (the
     /// first address is their gateway on the host ends; a sandbox may ask for another range).
     #[arg(long, env = "CRAB_NAT_RANGE", default_value = crab_sandbox::net::DEFAULT_NAT_RANGE)]
@@ -81,6 +92,25 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         key_file: a.remote_key,
         bandwidth_bps: a.remote_bandwidth,
     });
+    let e2b = match (a.e2b_listen, a.e2b_keys) {
+        (Some(listen), Some(keys)) => {
+            if !listen.ip().is_loopback() && !a.e2b_allow_remote {
+                eprintln!(
+                    "error: --e2b-listen {listen} is not a loopback address; the E2B API grants \
+                     root-equivalent control of sandboxes, so add --e2b-allow-remote to mean it"
+                );
+                return ExitCode::FAILURE;
+            }
+            match crab_e2b::Keys::load(&keys) {
+                Ok(keys) => Some(daemon::E2bOptions { listen, keys }),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        _ => None,
+    };
     let opts = DaemonOptions {
         state,
         pool_size: a.pool_size,
@@ -88,6 +118,7 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         engine,
         remote,
         nat_range: a.nat_range,
+        e2b,
         default_disk: a.default_disk,
     };
     match daemon::run(opts).await {

@@ -11,6 +11,7 @@
 
 mod api;
 mod checkpoints;
+mod e2b;
 mod images;
 mod inspect;
 mod remote;
@@ -45,8 +46,19 @@ pub struct DaemonOptions {
     pub remote: Option<RemoteOptions>,
     /// Default address range of `nat` sandboxes (`--nat-range`).
     pub nat_range: String,
+    /// The E2B-compatible API (`--e2b-listen`), if any.
+    pub e2b: Option<E2bOptions>,
     /// `--default-disk`: the disk quota of sandboxes created without `--disk`.
     pub default_disk: Option<u64>,
+}
+
+/// Where and for whom the E2B-compatible API is served.
+#[derive(Debug, Clone)]
+pub struct E2bOptions {
+    /// Listen address.
+    pub listen: std::net::SocketAddr,
+    /// Accepted API keys.
+    pub keys: crab_e2b::Keys,
 }
 
 /// Run the daemon until SIGINT or SIGTERM.
@@ -103,6 +115,22 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         sandboxes = host.sandbox_count(),
         "crab daemon ready"
     );
+    let e2b_server = match &opts.e2b {
+        Some(o) => {
+            let l = tokio::net::TcpListener::bind(o.listen)
+                .await
+                .with_context(|| format!("binding the E2B API on {}", o.listen))?;
+            let front = crab_e2b::E2b::new(
+                std::sync::Arc::new(e2b::HostBackend(host.clone())),
+                crab_e2b::Config { keys: o.keys.clone(), default_image: "debian".into() },
+            );
+            front.spawn_watchdog(std::time::Duration::from_secs(1));
+            let router = front.router();
+            tracing::info!(listen = %o.listen, "E2B-compatible API ready");
+            Some(tokio::spawn(async move { axum::serve(l, router).await }))
+        }
+        None => None,
+    };
     let app = api::router(host.clone());
     // On SIGTERM/SIGINT stop accepting, let in-flight requests finish for a moment, then go:
     // a long exec stream must not keep the daemon (and its state-directory lock) alive.
@@ -118,6 +146,9 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         Err(_) => tracing::warn!("in-flight requests did not finish within 2 s; leaving anyway"),
     }
     let _ = std::fs::remove_file(&sock);
+    if let Some(s) = e2b_server {
+        s.abort();
+    }
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), host.shutdown()).await;
     tracing::info!("crab daemon stopped; sandboxes keep running");
     Ok(())

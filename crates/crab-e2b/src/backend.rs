@@ -1,0 +1,52 @@
+//! [`Backend`]: the host actions the E2B front door translates into — one method per action,
+//! implemented by the daemon over `crab_host::Host::execute`. The front door never chains
+//! lifecycle steps: a create from a snapshot is one fork, a pause one pause action.
+
+use std::future::Future;
+
+use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
+use crab_common::ApiError;
+use tokio::sync::mpsc;
+
+/// What the front door asks of the host.
+pub trait Backend: Send + Sync + 'static {
+    /// Create and start a sandbox.
+    fn create(
+        &self,
+        req: SandboxCreateRequest,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Remove a sandbox (killing what runs in it) and its restore points.
+    fn remove(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Run a command; the receiver yields its frames and dropping it kills the command.
+    fn exec(
+        &self,
+        name: String,
+        req: ExecRequest,
+    ) -> impl Future<Output = Result<mpsc::Receiver<ExecFrame>, ApiError>> + Send;
+    /// Take a restore point of `kind` (`full` or `fs`) now; answers its id.
+    fn checkpoint(
+        &self,
+        name: String,
+        kind: &'static str,
+    ) -> impl Future<Output = Result<String, ApiError>> + Send;
+    /// New sandboxes `names` from restore point `point` of `name` — files only with `fs_only`
+    /// — or, when `point` is `None`, from a `full` point of the sandbox as it is now; answers,
+    /// per name, the branch or why it failed.
+    fn fork(
+        &self,
+        name: String,
+        point: Option<String>,
+        names: Vec<String>,
+        fs_only: bool,
+    ) -> impl Future<Output = Result<Vec<Result<String, ApiError>>, ApiError>> + Send;
+    /// Pause: a `full` restore point, then the sandbox's processes stop (memory freed).
+    fn pause(&self, name: String) -> impl Future<Output = Result<String, ApiError>> + Send;
+    /// Resume a paused sandbox in place from its pause point, processes included.
+    fn resume(
+        &self,
+        name: String,
+        point: String,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Names of the images (E2B templates).
+    fn images(&self) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
+}

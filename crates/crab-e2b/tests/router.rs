@@ -1,0 +1,193 @@
+//! The front door's routing, auth, framing and status codes over a fake host (no sandboxes):
+//! what the real SDK test (crates/crab/tests/e2b.rs) relies on, checked byte for byte.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
+use crab_common::{ApiError, ErrorCode};
+use crab_e2b::{Backend, Config, E2b, Keys};
+use http_body_util::BodyExt;
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+
+#[derive(Debug, Default)]
+struct Fake {
+    sandboxes: Mutex<Vec<String>>,
+    execs: Mutex<Vec<ExecRequest>>,
+}
+
+impl Backend for Fake {
+    async fn create(&self, req: SandboxCreateRequest) -> Result<(), ApiError> {
+        self.sandboxes.lock().unwrap().push(req.name.unwrap());
+        Ok(())
+    }
+    async fn remove(&self, name: String) -> Result<(), ApiError> {
+        let mut s = self.sandboxes.lock().unwrap();
+        let n = s.len();
+        s.retain(|x| *x != name);
+        if s.len() == n {
+            return Err(ApiError::new(ErrorCode::SandboxNotFound, "gone", ""));
+        }
+        Ok(())
+    }
+    async fn exec(
+        &self,
+        _name: String,
+        req: ExecRequest,
+    ) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
+        self.execs.lock().unwrap().push(req);
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(ExecFrame::Stdout { d: "aGkK".into() }).await.unwrap();
+        tx.send(ExecFrame::Exit { code: 0, timed_out: false, duration_ms: 1.0 }).await.unwrap();
+        Ok(rx)
+    }
+    async fn checkpoint(&self, _name: String, _kind: &'static str) -> Result<String, ApiError> {
+        Ok("c000001".into())
+    }
+    async fn fork(
+        &self,
+        _name: String,
+        _point: Option<String>,
+        names: Vec<String>,
+        _fs_only: bool,
+    ) -> Result<Vec<Result<String, ApiError>>, ApiError> {
+        Ok(names.into_iter().map(Ok).collect())
+    }
+    async fn pause(&self, _name: String) -> Result<String, ApiError> {
+        Ok("c000002".into())
+    }
+    async fn resume(&self, _name: String, _point: String) -> Result<(), ApiError> {
+        Ok(())
+    }
+    async fn images(&self) -> Result<Vec<String>, ApiError> {
+        Ok(vec!["debian".into()])
+    }
+}
+
+const KEY: &str = "e2b_test";
+
+fn front() -> (Arc<E2b<Fake>>, Arc<Fake>) {
+    let digest = hex::encode(Sha256::digest(KEY.as_bytes()));
+    let keys = Keys::parse(&digest, "test").unwrap();
+    let fake = Arc::new(Fake::default());
+    (E2b::new(fake.clone(), Config { keys, default_image: "debian".into() }), fake)
+}
+
+async fn call(e2b: &Arc<E2b<Fake>>, req: Request<Body>) -> (StatusCode, Vec<u8>) {
+    let r = e2b.router().oneshot(req).await.unwrap();
+    let s = r.status();
+    (s, r.into_body().collect().await.unwrap().to_bytes().to_vec())
+}
+
+fn json(b: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(b).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(b)))
+}
+
+#[tokio::test]
+async fn lifecycle_auth_and_envd_stream() {
+    let (e2b, fake) = front();
+    let post = |uri: &str, key: Option<&str>, body: &str| {
+        let mut b = Request::post(uri).header("content-type", "application/json");
+        if let Some(k) = key {
+            b = b.header("x-api-key", k);
+        }
+        b.body(Body::from(body.to_string())).unwrap()
+    };
+    // No key / wrong key: 401 in E2B's error shape.
+    let (s, b) = call(&e2b, post("/v2/sandboxes", None, r#"{"templateID":"base"}"#)).await;
+    assert_eq!(s, 401);
+    assert_eq!(json(&b)["code"], 401);
+    let (s, _) = call(&e2b, post("/v2/sandboxes", Some("nope"), r#"{"templateID":"base"}"#)).await;
+    assert_eq!(s, 401);
+    // Unknown template: 404 naming the images.
+    let (s, b) = call(&e2b, post("/v2/sandboxes", Some(KEY), r#"{"templateID":"zzz"}"#)).await;
+    assert_eq!(s, 404);
+    assert!(json(&b)["message"].as_str().unwrap().contains("debian"));
+    // base → the default image.
+    let (s, b) = call(
+        &e2b,
+        post("/v2/sandboxes", Some(KEY), r#"{"templateID":"base","envVars":{"A":"1"}}"#),
+    )
+    .await;
+    assert_eq!(s, 201);
+    let created = json(&b);
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    let token = created["envdAccessToken"].as_str().unwrap().to_string();
+    assert_eq!(*fake.sandboxes.lock().unwrap(), vec![id.clone()]);
+    // envd with a wrong token: 401 unauthenticated; unknown sandbox: unavailable, "was not found".
+    let stat = |sid: &str, tok: &str| {
+        Request::post("/filesystem.Filesystem/Stat")
+            .header("content-type", "application/json")
+            .header("e2b-sandbox-id", sid)
+            .header("x-access-token", tok)
+            .body(Body::from(r#"{"path":"/"}"#))
+            .unwrap()
+    };
+    let (s, b) = call(&e2b, stat(&id, "bad")).await;
+    assert_eq!((s, json(&b)["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthenticated")));
+    let (s, b) = call(&e2b, stat("e2b-unknown", &token)).await;
+    assert_eq!(s, 503);
+    assert!(json(&b)["message"].as_str().unwrap().contains("was not found"));
+    // Start: enveloped start, data, end events, then the end-of-stream envelope.
+    let msg = br#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo hi"]}}"#;
+    let mut framed = vec![0u8];
+    framed.extend((msg.len() as u32).to_be_bytes());
+    framed.extend(msg);
+    let req = Request::post("/process.Process/Start")
+        .header("content-type", "application/connect+json")
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .body(Body::from(framed))
+        .unwrap();
+    let (s, body) = call(&e2b, req).await;
+    assert_eq!(s, 200);
+    let mut frames = Vec::new();
+    let mut rest = &body[..];
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+        frames.push((rest[0], json(&rest[5..5 + len])));
+        rest = &rest[5 + len..];
+    }
+    assert!(rest.is_empty());
+    assert_eq!(frames[0].1["event"]["start"]["pid"], 1);
+    assert_eq!(frames[1].1["event"]["data"]["stdout"], "aGkK");
+    assert_eq!(frames[2].1["event"]["end"]["exitCode"], 0);
+    assert_eq!(frames[3], (2, serde_json::json!({})));
+    // The command ran as `user` with the sandbox's envs, in the user's home.
+    let exec = fake.execs.lock().unwrap()[0].clone();
+    assert_eq!(exec.cmd[0], "setpriv");
+    assert!(exec.cmd.contains(&"A=1".to_string()), "{:?}", exec.cmd);
+    assert_eq!(exec.workdir.as_deref(), Some("/home/user"));
+    // Snapshot, then create from it: a fork, not a create.
+    let (s, b) = call(&e2b, post(&format!("/sandboxes/{id}/snapshots"), Some(KEY), "{}")).await;
+    assert_eq!(s, 201);
+    assert_eq!(json(&b)["snapshotID"], format!("{id}:c000001"));
+    let body = format!(r#"{{"templateID":"{id}:c000001"}}"#);
+    let (s, _) = call(&e2b, post("/v2/sandboxes", Some(KEY), &body)).await;
+    assert_eq!(s, 201);
+    assert_eq!(
+        fake.sandboxes.lock().unwrap().len(),
+        1,
+        "a snapshot create must not create from an image"
+    );
+    // Pause twice: 204 then 409; connect resumes.
+    let (s, _) = call(&e2b, post(&format!("/sandboxes/{id}/pause"), Some(KEY), "{}")).await;
+    assert_eq!(s, 204);
+    let (s, _) = call(&e2b, post(&format!("/sandboxes/{id}/pause"), Some(KEY), "{}")).await;
+    assert_eq!(s, 409);
+    let (s, _) = call(&e2b, post(&format!("/v2/sandboxes/{id}/connect"), Some(KEY), "{}")).await;
+    assert_eq!(s, 201);
+    // Kill: 204, then 404.
+    let del = |k: &str| {
+        Request::delete(format!("/sandboxes/{id}"))
+            .header("x-api-key", k)
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(call(&e2b, del(KEY)).await.0, 204);
+    assert_eq!(call(&e2b, del(KEY)).await.0, 404);
+}

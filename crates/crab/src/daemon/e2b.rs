@@ -1,0 +1,112 @@
+//! The E2B front door's [`Backend`]: each method is one `Host::execute` of one action.
+
+use std::sync::Arc;
+
+use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
+use crab_common::ApiError;
+use crab_e2b::Backend;
+use crab_engine::JobKind;
+use crab_host::{Action, Host, Outcome};
+use tokio::sync::mpsc;
+
+/// The host, as the E2B front door sees it.
+#[derive(Debug)]
+pub struct HostBackend(pub Arc<Host>);
+
+fn unexpected(action: &str) -> ApiError {
+    ApiError::internal(format!("the host answered {action} with an unexpected outcome"))
+}
+
+impl HostBackend {
+    async fn run(&self, a: Action) -> Result<Outcome, ApiError> {
+        self.0.execute(a).await.map_err(|e| e.into_api())
+    }
+}
+
+impl Backend for HostBackend {
+    async fn create(&self, req: SandboxCreateRequest) -> Result<(), ApiError> {
+        self.run(Action::Create(req)).await.map(|_| ())
+    }
+
+    async fn remove(&self, name: String) -> Result<(), ApiError> {
+        self.run(Action::Remove { name, force: true }).await.map(|_| ())
+    }
+
+    async fn exec(
+        &self,
+        name: String,
+        req: ExecRequest,
+    ) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
+        match self.run(Action::Exec { name, req }).await? {
+            Outcome::Exec(rx) => Ok(rx),
+            _ => Err(unexpected("exec")),
+        }
+    }
+
+    async fn checkpoint(&self, name: String, kind: &'static str) -> Result<String, ApiError> {
+        let job = match kind {
+            "fs" => JobKind::Fs,
+            _ => JobKind::Full,
+        };
+        let a = Action::Checkpoint { name, kind: Some(job), turn: None, conversation_offset: None };
+        match self.run(a).await? {
+            // A memory snapshot that holds no processes is not what was asked for: say so
+            // (the files-only point stays published).
+            Outcome::Taken(t) => match (&t.point.procs_missing, job) {
+                (Some(why), JobKind::Full) => Err(ApiError::new(
+                    crab_common::ErrorCode::CriuFailed,
+                    format!(
+                        "the memory snapshot holds no processes: {why} (point {} has the files only)",
+                        t.point.id
+                    ),
+                    "take a filesystem snapshot (mode=\"filesystem\") or see the CRIU log named above",
+                )),
+                _ => Ok(t.point.id.clone()),
+            },
+            _ => Err(unexpected("checkpoint")),
+        }
+    }
+
+    async fn fork(
+        &self,
+        name: String,
+        point: Option<String>,
+        names: Vec<String>,
+        fs_only: bool,
+    ) -> Result<Vec<Result<String, ApiError>>, ApiError> {
+        let a = match point {
+            Some(p) => Action::Fork {
+                name,
+                req: crab_common::api::ForkRequest {
+                    checkpoint: Some(p),
+                    count: names.len(),
+                    names: Some(names),
+                    fs_only,
+                },
+            },
+            None => Action::ForkLive { name, names },
+        };
+        match self.run(a).await? {
+            Outcome::Forked(b) => Ok(b.into_iter().map(|b| Ok(b.sandbox)).collect()),
+            _ => Err(unexpected("fork")),
+        }
+    }
+
+    async fn pause(&self, name: String) -> Result<String, ApiError> {
+        match self.run(Action::Pause { name }).await? {
+            Outcome::Taken(t) => Ok(t.point.id.clone()),
+            _ => Err(unexpected("pause")),
+        }
+    }
+
+    async fn resume(&self, name: String, point: String) -> Result<(), ApiError> {
+        self.run(Action::Restore { name, checkpoint: Some(point) }).await.map(|_| ())
+    }
+
+    async fn images(&self) -> Result<Vec<String>, ApiError> {
+        match self.run(Action::ListImages).await? {
+            Outcome::Images(v) => Ok(v.into_iter().map(|i| i.name).collect()),
+            _ => Err(unexpected("list_images")),
+        }
+    }
+}

@@ -1,0 +1,310 @@
+"""The unmodified `e2b` SDK (2.x) against Crab's E2B-compatible API.
+
+Run by crates/crab/tests/e2b.rs with E2B_API_URL / E2B_SANDBOX_URL pointing at the daemon's
+--e2b-listen address and E2B_API_KEY set to a key whose digest is in --e2b-keys. Each check
+prints `ok NAME`; the first failure raises (non-zero exit). Every sandbox made here is killed
+at the end, pass or fail. `CRAB_E2B_ONLY=name,name` runs a subset.
+"""
+
+import asyncio
+import os
+import sys
+import time
+import traceback
+
+import httpx
+from e2b import AsyncSandbox, Sandbox, SandboxQuery
+from e2b.exceptions import (
+    AuthenticationException,
+    InvalidArgumentException,
+    NotFoundException,
+    SandboxException,
+)
+from e2b.sandbox.commands.command_handle import CommandExitException
+
+API = os.environ["E2B_API_URL"]
+KEY = os.environ["E2B_API_KEY"]
+TEMPLATE = os.environ.get("CRAB_E2B_TEMPLATE", "base")
+ONLY = [s for s in os.environ.get("CRAB_E2B_ONLY", "").split(",") if s]
+
+made = []
+
+
+def create(template=TEMPLATE, **kw):
+    sb = Sandbox.create(template, **kw)
+    made.append(sb.sandbox_id)
+    return sb
+
+
+def check_create_run_files():
+    sb = create(metadata={"suite": "crab-e2b"}, envs={"SB_ENV": "from-create"})
+    assert sb.is_running()
+    # Foreground: output, exit code, the default user and home.
+    r = sb.commands.run("echo hello; echo oops >&2; whoami; pwd")
+    assert r.exit_code == 0, r
+    assert r.stdout == "hello\nuser\n/home/user\n", repr(r.stdout)
+    assert r.stderr == "oops\n", repr(r.stderr)
+    # Non-zero exit raises with the code and output.
+    try:
+        sb.commands.run("echo partial; exit 3")
+        raise AssertionError("exit 3 did not raise")
+    except CommandExitException as e:
+        assert e.exit_code == 3 and e.stdout == "partial\n", (e.exit_code, e.stdout)
+    # envs (create-time and per-call), cwd, user.
+    r = sb.commands.run("echo $SB_ENV $CALL_ENV; pwd", envs={"CALL_ENV": "per-call"}, cwd="/tmp")
+    assert r.stdout == "from-create per-call\n/tmp\n", repr(r.stdout)
+    assert sb.commands.run("whoami", user="root").stdout == "root\n"
+    # Streaming callbacks see the output as it comes.
+    seen = []
+    r = sb.commands.run("for i in 1 2 3; do echo line$i; sleep 0.2; done", on_stdout=seen.append)
+    assert "".join(seen) == "line1\nline2\nline3\n", seen
+    # Files: write / read / list / exists / make_dir / rename / remove.
+    info = sb.files.write("notes/a.txt", "alpha\n")
+    assert info.path == "/home/user/notes/a.txt", info
+    assert sb.files.read("/home/user/notes/a.txt") == "alpha\n"
+    sb.files.write("/tmp/bin.dat", b"\x00\x01\xff")
+    assert bytes(sb.files.read("/tmp/bin.dat", format="bytes")) == b"\x00\x01\xff"
+    names = sorted(e.name for e in sb.files.list("/home/user/notes"))
+    assert names == ["a.txt"], names
+    assert sb.files.exists("/home/user/notes/a.txt")
+    assert not sb.files.exists("/home/user/notes/missing")
+    assert sb.files.make_dir("/home/user/d1/d2")
+    assert not sb.files.make_dir("/home/user/d1/d2")  # exists already
+    sb.files.rename("/home/user/notes/a.txt", "/home/user/d1/b.txt")
+    assert sb.files.read("/home/user/d1/b.txt") == "alpha\n"
+    # The owner is the user: a command sees it like any file.
+    assert sb.commands.run("stat -c %U /home/user/d1/b.txt").stdout == "user\n"
+    sb.files.remove("/home/user/d1")
+    assert not sb.files.exists("/home/user/d1")
+    try:
+        sb.files.read("/nope/none")
+        raise AssertionError("reading a missing file did not raise")
+    except NotFoundException:
+        pass
+    # Info and list with a metadata filter.
+    info = sb.get_info()
+    assert info.sandbox_id == sb.sandbox_id and info.metadata == {"suite": "crab-e2b"}, info
+    listed = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"suite": "crab-e2b"})).next_items()]
+    assert sb.sandbox_id in listed, listed
+    assert sb.kill()
+    assert not sb.is_running() or True  # envd answers 502/not found once killed
+    try:
+        Sandbox.connect(sb.sandbox_id)
+        raise AssertionError("connect to a killed sandbox did not raise")
+    except SandboxException:
+        pass
+
+
+def check_background():
+    sb = create()
+    h = sb.commands.run("echo started; sleep 600", background=True)
+    assert h.pid > 0
+    pids = [p.pid for p in sb.commands.list()]
+    assert h.pid in pids, pids
+    assert sb.commands.kill(h.pid)
+    try:
+        h.wait()
+        raise AssertionError("a killed command did not raise")
+    except CommandExitException:
+        pass
+    assert h.pid not in [p.pid for p in sb.commands.list()]
+    # The process is gone from the sandbox too.
+    r = sb.commands.run("pgrep -x sleep || echo none")
+    assert r.stdout.strip() == "none", r.stdout
+    # A background server keeps running after its starting call returns.
+    sb.commands.run("python3 -m http.server 8000 >/dev/null 2>&1 &", timeout=10)
+    r = sb.commands.run("for i in $(seq 50); do curl -sf -o /dev/null localhost:8000 && echo up && break; sleep 0.1; done")
+    assert r.stdout == "up\n", r.stdout
+    sb.kill()
+
+
+def check_snapshots_and_fork():
+    sb = create()
+    sb.files.write("/home/user/state.txt", "before-snapshot")
+    # A server with in-memory state, started before the full snapshot. As root: CRIU cannot dump
+    # another uid's process on a host whose capability set lacks CAP_SYS_RESOURCE (docs/e2b.md).
+    sb.commands.run(
+        "nohup python3 -c \"import http.server as h, itertools\n"
+        "c = itertools.count(1)\n"
+        "class H(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(s):\n"
+        "        b = str(next(c)).encode(); s.send_response(200); s.end_headers(); s.wfile.write(b)\n"
+        "    def log_message(s, *a): pass\n"
+        "h.HTTPServer(('127.0.0.1', 8001), H).serve_forever()\" >/dev/null 2>&1 &",
+        user="root",
+    )
+    hit = "for i in $(seq 50); do curl -sf localhost:8001 && exit 0; sleep 0.1; done; exit 1"
+    assert sb.commands.run(hit).stdout == "1"
+    assert sb.commands.run(hit).stdout == "2"
+    full = sb.create_snapshot()
+    fs = sb.create_snapshot(mode="filesystem")
+    sb.files.write("/home/user/state.txt", "after-snapshot")
+    # full: files and the process with its counter.
+    child = create(full.snapshot_id)
+    assert child.files.read("/home/user/state.txt") == "before-snapshot"
+    assert child.commands.run(hit).stdout == "3", "the server's in-memory counter did not survive"
+    # filesystem: files, no processes.
+    cold = create(fs.snapshot_id)
+    assert cold.files.read("/home/user/state.txt") == "before-snapshot"
+    r = cold.commands.run("curl -s localhost:8001 || echo down")
+    assert r.stdout.strip() == "down", r.stdout
+    # fork(count=3): three children of the sandbox as it is now.
+    kids = sb.fork(count=3)
+    assert len(kids) == 3, kids
+    for k in kids:
+        made.append(k.sandbox_id)
+        assert k.files.read("/home/user/state.txt") == "after-snapshot"
+        assert k.commands.run(hit).stdout == "3", "fork branch lost the server's memory"
+    assert len({k.sandbox_id for k in kids}) == 3
+    # The parent went on independently.
+    assert sb.commands.run(hit).stdout == "3"
+    for x in [child, cold, *kids, sb]:
+        x.kill()
+
+
+def check_pause_connect():
+    sb = create()
+    sb.commands.run(
+        "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/tick; sleep 0.1; done' >/dev/null 2>&1 &",
+        user="root",
+    )
+    time.sleep(0.5)
+    assert sb.pause()
+    assert sb.get_info().state.value == "paused"
+    assert not sb.pause()  # already paused: 409 → False
+    again = Sandbox.connect(sb.sandbox_id)
+    assert again.get_info().state.value == "running"
+    a = int(again.commands.run("cat /tmp/tick").stdout)
+    time.sleep(0.4)
+    b = int(again.commands.run("cat /tmp/tick").stdout)
+    assert b > a, (a, b)  # the loop came back with the sandbox
+    again.kill()
+
+
+def check_timeout():
+    sb = create(timeout=3)
+    assert sb.commands.run("echo alive").stdout == "alive\n"
+    sb.set_timeout(2)
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            Sandbox.get_info(sb.sandbox_id)
+        except NotFoundException:
+            return
+        except SandboxException as e:
+            if "404" in str(e) or "not found" in str(e):
+                return
+            raise
+        time.sleep(0.5)
+    raise AssertionError("the sandbox outlived its timeout")
+
+
+def check_errors():
+    # Wrong API key: 401.
+    try:
+        Sandbox.create(TEMPLATE, api_key="e2b_wrong_key")
+        raise AssertionError("a wrong API key was accepted")
+    except AuthenticationException:
+        pass
+    r = httpx.get(f"{API}/v2/sandboxes")
+    assert r.status_code == 401 and "X-API-Key" in r.json()["message"], r.text
+    # Unknown ids: 404.
+    r = httpx.get(f"{API}/sandboxes/e2b-nope", headers={"X-API-Key": KEY})
+    assert r.status_code == 404 and r.json()["code"] == 404, r.text
+    assert not Sandbox.kill("e2b-nope")
+    try:
+        Sandbox.create("no-such-template")
+        raise AssertionError("an unknown template was accepted")
+    except (NotFoundException, SandboxException) as e:
+        assert "not found" in str(e), e
+    sb = create()
+    sid = sb.sandbox_id
+    # Wrong access token: 401 from envd, the sandbox untouched.
+    h = {"E2b-Sandbox-Id": sid, "X-Access-Token": "wrong", "Content-Type": "application/json"}
+    r = httpx.post(f"{API}/filesystem.Filesystem/Stat", headers=h, content=b'{"path":"/"}')
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
+    token = sb._envd_access_token
+    # Malformed Connect frames: invalid_argument in the end-of-stream message.
+    h = {"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": "application/connect+json"}
+    r = httpx.post(f"{API}/process.Process/Start", headers=h, content=b"\x00\x00\x00\x00\x40{}")
+    assert r.status_code == 200 and b"invalid_argument" in r.content, r.content
+    r = httpx.post(f"{API}/process.Process/Start", headers=h, content=b"xx")
+    assert b"invalid_argument" in r.content and b"envelope" in r.content, r.content
+    # Binary protobuf is refused by name.
+    h2 = {"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": "application/proto"}
+    r = httpx.post(f"{API}/filesystem.Filesystem/Stat", headers=h2, content=b"\x0a\x01/")
+    assert r.status_code == 400 and "JSON codec" in r.json()["message"], r.text
+    # Oversized upload: 413, nothing written.
+    big = b"x" * (100 * 1024 * 1024 + 1)
+    r = httpx.post(
+        f"{API}/files",
+        params={"path": "/tmp/big"},
+        headers={"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": "application/octet-stream"},
+        content=big,
+        timeout=120,
+    )
+    assert r.status_code == 413 and "limit" in r.json()["message"], (r.status_code, r.text[:200])
+    assert not sb.files.exists("/tmp/big")
+    # Unsupported calls answer unimplemented with a reason.
+    try:
+        sb.pty.create(size=__import__("e2b").PtySize(rows=24, cols=80))
+        raise AssertionError("a PTY was created")
+    except SandboxException as e:
+        assert "PTY" in str(e), e
+    # Paused sandbox: 409 on a second pause is covered in pause_connect; the sandbox still works.
+    assert sb.commands.run("echo still-fine").stdout == "still-fine\n"
+    sb.kill()
+
+
+async def check_async():
+    sb = await AsyncSandbox.create(TEMPLATE)
+    made.append(sb.sandbox_id)
+    r = await sb.commands.run("echo async; exit 0")
+    assert r.stdout == "async\n"
+    out = []
+    await sb.commands.run("echo a; sleep 0.1; echo b", on_stdout=out.append)
+    assert "".join(out) == "a\nb\n", out
+    await sb.files.write("/tmp/x.txt", "async-file")
+    assert await sb.files.read("/tmp/x.txt") == "async-file"
+    assert [e.name for e in await sb.files.list("/tmp") if e.name == "x.txt"] == ["x.txt"]
+    h = await sb.commands.run("sleep 600", background=True)
+    assert await sb.commands.kill(h.pid)
+    assert await sb.kill()
+
+
+CHECKS = [
+    ("create_run_files", check_create_run_files),
+    ("background", check_background),
+    ("async", lambda: asyncio.run(check_async())),
+    ("errors", check_errors),
+    ("snapshots_fork", check_snapshots_and_fork),
+    ("pause_connect", check_pause_connect),
+    ("timeout", check_timeout),
+]
+
+
+def main():
+    failed = 0
+    try:
+        for name, f in CHECKS:
+            if ONLY and name not in ONLY:
+                continue
+            t = time.time()
+            try:
+                f()
+                print(f"ok {name} ({time.time() - t:.1f} s)", flush=True)
+            except Exception:
+                failed += 1
+                print(f"FAILED {name}", flush=True)
+                traceback.print_exc()
+    finally:
+        for sid in made:
+            try:
+                Sandbox.kill(sid)
+            except Exception as e:  # noqa: BLE001 - cleanup is best effort, reported
+                print(f"cleanup of {sid}: {e}", file=sys.stderr)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,8 @@
 SHELL := /bin/bash
 export CRAB_STATE_DIR ?= /var/lib/crab
 CARGO ?= cargo
+# `crab bench` lives behind the crab binary's `bench` feature (the daemon does not need it).
+FEATURES := --features crab/bench
 
 .PHONY: demo test test-python setup build build-release image lint bench clean-state
 
@@ -15,7 +17,7 @@ setup:
 	@scripts/setup.sh
 
 build: setup
-	$(CARGO) build --workspace --all-targets
+	$(CARGO) build --workspace --all-targets $(FEATURES)
 
 build-release: setup
 	$(CARGO) build --release -p crab
@@ -31,7 +33,7 @@ demo: build-release
 
 lint:
 	$(CARGO) fmt --all --check
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
 
 # Tests that need root or a kernel feature fail (not skip) when they cannot run.
 test: export CRAB_REQUIRE_PRIVILEGED = 1
@@ -41,7 +43,7 @@ test: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys
 test: build lint
 	@scripts/daemon.sh restart target/debug/crab
 	@$(MAKE) --no-print-directory image-debug
-	$(CARGO) test --workspace -- --test-threads=4
+	$(CARGO) test --workspace $(FEATURES) -- --test-threads=4
 	@$(MAKE) --no-print-directory test-python
 	@scripts/daemon.sh stop
 
@@ -52,14 +54,15 @@ test-python:
 
 bench: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
 bench: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys
-bench: build-release
+bench: setup
+	$(CARGO) build --release -p crab -p crab-bench --features crab/bench
 	@scripts/daemon.sh restart target/release/crab
 	@$(MAKE) --no-print-directory image-release
 	target/release/crab bench foundation
 	target/release/crab bench proxy
 	target/release/crab bench turns --time-scale 0.1
 	E2B_API_KEY=e2b_crab_test_key target/release/crab bench e2b
-	$(CARGO) run --release -p crab-inspector --bin crab-inspector-bench -- --rounds 5
-	CRAB_BIN=$(CURDIR)/target/release/crab $(CARGO) test --release -p crab-checkpoint --test real_flows -- --ignored --nocapture --test-threads=1 bench
+	target/release/crab-inspector-bench --rounds 5
+	target/release/crab bench lifecycle --rounds 10 --fork 8
 	$$(scripts/install-python-sdk.sh | tail -n 1) python/bench_sdk.py --crab target/release/crab
 	target/release/crab bench replay --traces examples/traces --llm-latency scale:0.2 --json-out target/bench-replay.json --svg target/bench-replay.svg

@@ -14,7 +14,6 @@
 //! `rename`, `fsync` of the directory).
 
 use std::fmt;
-use std::io::Write as _;
 use std::path::Path;
 use std::str::FromStr;
 
@@ -340,27 +339,18 @@ pub fn read(path: &Path) -> Result<Manifest> {
     decode(&bytes, path)
 }
 
-/// fsync a directory.
-pub fn fsync_dir(dir: &Path) -> Result<()> {
-    let f = std::fs::File::open(dir).map_err(|e| CheckpointError::io("open", dir, e))?;
-    f.sync_all().map_err(|e| CheckpointError::io("fsync", dir, e))
+fn atomic_err(e: crab_common::fsutil::AtomicWriteError) -> CheckpointError {
+    CheckpointError::io(e.op, &e.path, e.source)
 }
 
-/// Write `bytes` to `path` atomically and durably: `<path>.tmp`, fsync, rename, fsync of the
-/// directory.
+/// fsync a directory.
+pub fn fsync_dir(dir: &Path) -> Result<()> {
+    crab_common::fsutil::fsync_dir(dir).map_err(atomic_err)
+}
+
+/// Write `bytes` to `path` atomically and durably ([`crab_common::fsutil::write_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    {
-        let mut f =
-            std::fs::File::create(&tmp).map_err(|e| CheckpointError::io("create", &tmp, e))?;
-        f.write_all(bytes).map_err(|e| CheckpointError::io("write", &tmp, e))?;
-        f.sync_all().map_err(|e| CheckpointError::io("fsync", &tmp, e))?;
-    }
-    std::fs::rename(&tmp, path).map_err(|e| CheckpointError::io("rename", &tmp, e))?;
-    fsync_dir(dir)
+    crab_common::fsutil::write_atomic(path, bytes).map_err(atomic_err)
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ use std::io::Read as _;
 use std::os::fd::AsRawFd as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use sha2::{Digest as _, Sha256};
 
@@ -41,13 +41,7 @@ use crate::snapfs::SnapshotFs;
 /// How long start-up recovery waits for an orphaned writer to leave a staged leftover.
 const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Milliseconds since the epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
+pub use crab_common::clock::now_ms;
 
 fn us(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)

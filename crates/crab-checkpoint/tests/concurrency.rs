@@ -32,11 +32,6 @@ const SANDBOXES: usize = 4;
 const ROUNDS: usize = 10;
 const BRANCHES: usize = 2;
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 fn config() -> RuntimeConfig {
     let state = StateDir::new(
         std::env::var_os("CRAB_STATE_DIR")
@@ -145,13 +140,7 @@ fn rounds(rt: &Runtime, ck: &Checkpointer, name: &str, ops: &AtomicUsize) -> Res
 
 #[test]
 fn concurrent_checkpoint_restore_fork_beside_another_process() {
-    if !is_root() {
-        if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
-            panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: needs root");
-        }
-        eprintln!("skipped: needs root");
-        return;
-    }
+    crab_testkit::require_root!();
     let cfg = config();
     let rt = Arc::new(Runtime::open(cfg.clone()).unwrap());
     let ck = Checkpointer::new(rt.clone(), Config::default());

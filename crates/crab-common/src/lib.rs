@@ -4,15 +4,19 @@
 //! on-disk layout of the state directory ([`paths`]), the stable error codes of the daemon's API
 //! ([`error`]), the request and response bodies of that API ([`api`]), and the [`progress`] trait
 //! through which long operations report what they are doing (only the CLI draws it), and the
-//! percentile [`stats`] every benchmark reports with. It has no I/O of its own beyond path
-//! arithmetic.
+//! percentile [`stats`] every benchmark reports with; and the three helpers every crate shares
+//! instead of copying: the poison-tolerant [`sync::lock`], the wall clock [`clock::now_ms`], and
+//! the atomic durable write [`fsutil::write_atomic`] (its only I/O).
 
 pub mod api;
+pub mod clock;
 pub mod error;
+pub mod fsutil;
 pub mod names;
 pub mod paths;
 pub mod progress;
 pub mod stats;
+pub mod sync;
 
 pub use error::{ApiError, ErrorCode};
 pub use progress::{NoProgress, Progress};

@@ -1,8 +1,8 @@
 //! The seams between the proxy and the rest of Crab: which sandboxes exist
 //! ([`SandboxDirectory`]), what happens at a turn boundary ([`TurnHooks`]), and the handle on the
-//! turn's checkpoint that gates the response ([`BoundaryTicket`]). The daemon implements the
-//! first two; [`EngineTicket`] adapts a `crab-engine` job to the third, and [`ReadyTicket`] is a
-//! ticket that is already settled.
+//! turn's checkpoint that gates the response ([`BoundaryTicket`]). The host implements all
+//! three (`crab-host`: a ticket is an engine job); [`ReadyTicket`] is a ticket that is already
+//! settled.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -11,8 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-
-use crab_engine::{Changeset, Engine, JobHandle};
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -118,47 +116,4 @@ impl BoundaryTicket for ReadyTicket {
         Box::pin(async move { r })
     }
     fn promote(&self) {}
-}
-
-/// A `crab-engine` job as a boundary ticket: waiting waits for the job, promoting promotes it,
-/// and the held time goes into the engine's exposed-latency metrics.
-pub struct EngineTicket<P: Changeset> {
-    engine: Engine<P>,
-    handle: JobHandle,
-    sandbox: String,
-}
-
-impl<P: Changeset> std::fmt::Debug for EngineTicket<P> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineTicket").field("job", &self.handle.id()).finish_non_exhaustive()
-    }
-}
-
-impl<P: Changeset> EngineTicket<P> {
-    /// Wrap the handle of a job submitted for `sandbox` (return it as
-    /// `Arc::new(EngineTicket::new(..))` from [`TurnHooks::on_boundary`]).
-    pub fn new(engine: Engine<P>, handle: JobHandle, sandbox: impl Into<String>) -> Self {
-        EngineTicket { engine, handle, sandbox: sandbox.into() }
-    }
-}
-
-impl<P: Changeset> BoundaryTicket for EngineTicket<P> {
-    fn is_published(&self) -> bool {
-        self.handle.try_result().is_some()
-    }
-    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
-        Box::pin(async move {
-            self.handle
-                .wait()
-                .await
-                .map(|f| Published { checkpoint_id: f.outcome.checkpoint_id })
-                .map_err(|e| e.to_string())
-        })
-    }
-    fn promote(&self) {
-        self.engine.promote(self.handle.id());
-    }
-    fn record_exposed(&self, held: Duration) {
-        self.engine.record_exposed(self.handle.id(), &self.sandbox, held);
-    }
 }

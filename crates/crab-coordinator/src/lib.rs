@@ -6,19 +6,19 @@
 //! forwards the request at once, and holds the upstream response until the turn's
 //! [`BoundaryTicket`] is published, so the checkpoint hides behind the model's thinking time.
 //! Every request/response pair goes into the sandbox's [`ConversationLog`] before release.
+//! The proxy knows nothing of the engine or the inspector: the host implements the hooks.
 //! [`limits`] bounds what one client (a hostile sandbox) can hold: connections per sandbox
 //! endpoint and in all, header and body read time, request bytes in memory, sized by the
-//! process's file-descriptor budget. [`stub`] is a small configurable upstream for tests and [`mod@bench`] measures the proxy's
-//! overhead against it.
+//! process's file-descriptor budget. (Its stub upstream lives in `crab-testkit`, its
+//! benchmarks in `crab-bench`.)
 //!
 //! # Wiring it into the daemon
 //!
 //! 1. Implement [`SandboxDirectory`] (`exists`, `conversation_log_path`) over the runtime.
 //! 2. Implement [`TurnHooks::on_boundary`]: read the inspector's verdict for
-//!    `boundary.sandbox` (use `full` when `boundary.force_full`), submit
-//!    `crab_engine::JobSpec::checkpoint(sandbox, kind, changeset, boundary.turn)` to the engine
-//!    (record `boundary.conversation_offset` in the restore point), and return
-//!    `Arc::new(EngineTicket::new(engine.clone(), handle, sandbox))`.
+//!    `boundary.sandbox` (use `full` when `boundary.force_full`), start the turn's checkpoint
+//!    (recording `boundary.conversation_offset` in the restore point), and return a
+//!    [`BoundaryTicket`] on it (`crab-host` submits an engine job and returns a `JobTicket`).
 //! 3. `let coord = Coordinator::new(ProxyConfig { listen, upstream_openai, upstream_anthropic,
 //!    ..Default::default() }, directory, hooks)?; let server = coord.bind().await?;` — and
 //!    `server.shutdown().await` on exit. For agents inside a sandbox:
@@ -30,20 +30,18 @@
 //!    [`Coordinator::metrics_text`] + `Engine::metrics_text`, `crab top` from
 //!    [`Coordinator::stats`] + `Engine::stats`.
 
-pub mod bench;
 mod config;
 pub mod convlog;
 mod hooks;
 pub mod limits;
 mod netns;
 mod proxy;
-pub mod stub;
 
 pub use config::{ConfigError, ProxyConfig, DEFAULT_LISTEN};
 pub use convlog::{ConversationLog, LogError, LogRecord};
 pub use hooks::{
-    Boundary, BoundaryTicket, BoxFuture, EngineTicket, Provider, Published, ReadyTicket,
-    SandboxDirectory, TurnHooks,
+    Boundary, BoundaryTicket, BoxFuture, Provider, Published, ReadyTicket, SandboxDirectory,
+    TurnHooks,
 };
 pub use limits::FdBudget;
 pub use netns::{bind_in_netns, NetnsError};

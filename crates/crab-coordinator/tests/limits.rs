@@ -12,8 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crab_common::{ApiError, ErrorCode};
-use crab_coordinator::stub::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 use crab_coordinator::{Coordinator, ProxyConfig, ProxyServer};
+use crab_testkit::upstream::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 
 struct H {
     _stub: StubUpstream,

@@ -7,8 +7,8 @@ use std::os::fd::AsFd;
 use std::process::Command;
 use std::sync::Arc;
 
-use crab_coordinator::stub::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 use crab_coordinator::{bind_in_netns, Coordinator, ProxyConfig};
+use crab_testkit::upstream::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 
 struct Netns(String);
 
@@ -43,13 +43,7 @@ fn request_inside(ns: &str, port: u16, path: &str, body: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_inside_its_namespace_reaches_the_proxy_on_loopback() {
     if !nix::unistd::geteuid().is_root() || Command::new("ip").arg("-V").output().is_err() {
-        if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
-            panic!(
-                "cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: needs root and iproute2"
-            );
-        }
-        eprintln!("skipped: needs root and iproute2");
-        return;
+        return crab_testkit::privilege::cannot_run("needs root and iproute2");
     }
     let name = format!("crab-coord-test-{}", std::process::id());
     assert!(Command::new("ip").args(["netns", "add", &name]).status().unwrap().success());

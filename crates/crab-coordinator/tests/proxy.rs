@@ -13,12 +13,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
-use crab_coordinator::stub::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
 use crab_coordinator::{
-    Boundary, BoundaryTicket, BoxFuture, Coordinator, EngineTicket, ProxyConfig, ProxyServer,
-    Published, TurnHooks, REPLAYED_HEADER,
+    Boundary, BoundaryTicket, BoxFuture, Coordinator, ProxyConfig, ProxyServer, Published,
+    TurnHooks, REPLAYED_HEADER,
 };
 use crab_engine::{Engine, EngineConfig, Job, JobKind, JobOutcome, JobSpec};
+use crab_testkit::upstream::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
 
 // ---------- fake checkpoint tickets ----------
 
@@ -315,7 +315,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
                 urgent: false,
             });
             let t: Arc<dyn BoundaryTicket> =
-                Arc::new(EngineTicket::new(self.0.clone(), h, b.sandbox));
+                Arc::new(crab_host::glue::JobTicket::new(self.0.clone(), h, b.sandbox));
             Box::pin(async move { Ok(t) })
         }
     }
@@ -759,37 +759,4 @@ async fn https_upstreams_use_tls() {
     assert_eq!(r.status, StatusCode::BAD_GATEWAY);
     let msg = json(&r)["error"]["message"].as_str().unwrap().to_string();
     assert!(msg.contains("https://127.0.0.1"), "{msg}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_benchmark_runs() {
-    let rep = crab_coordinator::bench::bench_proxy(crab_coordinator::bench::ProxyBenchOptions {
-        iterations: 60,
-        warmup: 10,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    assert_eq!(rep.direct.n, 60);
-    assert_eq!(rep.boundaries, 70);
-    assert!(rep.proxied.p50 > 0.0 && rep.direct.p50 > 0.0);
-    if std::env::var_os("CRAB_PRINT_BENCH").is_some() {
-        println!("{}", serde_json::to_string_pretty(&rep).unwrap());
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_turn_benchmark_runs() {
-    use crab_coordinator::bench::{bench_turns, TurnBenchOptions};
-    let rep = bench_turns(TurnBenchOptions {
-        sandboxes: 4,
-        turns: 3,
-        llm_latency_ms: vec![1000.0, 3000.0],
-        time_scale: 0.05,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    assert_eq!(rep.exposed.n, 12);
-    assert_eq!(rep.verdicts.iter().sum::<u64>(), 12);
 }

@@ -11,22 +11,7 @@ use std::time::{Duration, Instant};
 
 use crab_criu::{phase, Criu, CriuError, DumpOpts, RestoreOpts};
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-macro_rules! require_root {
-    () => {
-        if !is_root() {
-            if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
-                panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: needs root");
-            }
-            eprintln!("skipped: needs root");
-            return;
-        }
-    };
-}
+use crab_testkit::require_root;
 
 fn criu() -> Criu {
     Criu::locate().unwrap_or_else(|e| panic!("{e}; hint: {}", e.hint()))
@@ -297,11 +282,7 @@ fn cgroup2_mount() -> Option<PathBuf> {
 fn restore_into_other_cgroup_with_join_and_ignore() {
     require_root!();
     let Some(cg2) = cgroup2_mount() else {
-        if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
-            panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: no cgroup2 mount");
-        }
-        eprintln!("skipped: no cgroup2 mount");
-        return;
+        return crab_testkit::privilege::cannot_run("no cgroup2 mount");
     };
     let c = criu();
     let d = dirs();

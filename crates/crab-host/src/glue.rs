@@ -151,27 +151,28 @@ impl TurnHooks for Hooks {
 }
 
 /// An engine job as a boundary ticket: waiting waits for the job, promoting promotes it, and the
-/// held time goes into the engine's exposed-latency metrics.
-pub struct JobTicket {
-    engine: Engine<Payload>,
+/// held time goes into the engine's exposed-latency metrics. Generic over the engine's payload
+/// (the host's is [`Payload`]; the turn benchmark's is `()`).
+pub struct JobTicket<P: crab_engine::Changeset = Payload> {
+    engine: Engine<P>,
     handle: JobHandle,
     sandbox: String,
 }
 
-impl std::fmt::Debug for JobTicket {
+impl<P: crab_engine::Changeset> std::fmt::Debug for JobTicket<P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("JobTicket").field("job", &self.handle.id()).finish_non_exhaustive()
     }
 }
 
-impl JobTicket {
+impl<P: crab_engine::Changeset> JobTicket<P> {
     /// Wrap the handle of a job submitted for `sandbox`.
-    pub fn new(engine: Engine<Payload>, handle: JobHandle, sandbox: impl Into<String>) -> Self {
+    pub fn new(engine: Engine<P>, handle: JobHandle, sandbox: impl Into<String>) -> Self {
         JobTicket { engine, handle, sandbox: sandbox.into() }
     }
 }
 
-impl BoundaryTicket for JobTicket {
+impl<P: crab_engine::Changeset> BoundaryTicket for JobTicket<P> {
     fn is_published(&self) -> bool {
         self.handle.try_result().is_some()
     }

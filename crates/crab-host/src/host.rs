@@ -80,9 +80,7 @@ pub struct Host {
     remote: Option<Arc<RemoteTier>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crab_common::sync::lock;
 
 /// The id of the `full` point a checkpoint answered, or why it holds no processes (a dump that
 /// fell back to the filesystem), as a `criu_failed` error saying what was not done.

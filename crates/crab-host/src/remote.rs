@@ -143,9 +143,7 @@ pub fn remote_error(e: RemoteError) -> HostError {
     })
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crab_common::sync::lock;
 
 impl RemoteTier {
     /// Open the repository (creating it when new).

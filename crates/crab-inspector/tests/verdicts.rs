@@ -14,12 +14,8 @@ use crab_inspector::{ChangeOp, Inspector, Verdict, VerdictKind};
 fn inspector() -> Option<&'static Inspector> {
     static I: OnceLock<Option<Inspector>> = OnceLock::new();
     I.get_or_init(|| {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
- panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: the inspector tests need root");
- }
- eprintln!("skipped: the inspector tests need root");
+        if !crab_testkit::privilege::is_root() {
+            crab_testkit::privilege::cannot_run("the inspector tests need root");
             return None;
         }
         match Inspector::load() {

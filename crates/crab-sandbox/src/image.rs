@@ -10,7 +10,6 @@ use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -118,9 +117,7 @@ fn ignore_missing(e: std::io::Error) -> std::io::Result<()> {
     }
 }
 
-fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
+use crab_common::clock::now_s as now;
 
 /// A staging subvolume under the pool's `tmp/`, deleted on drop unless committed.
 struct Staging {

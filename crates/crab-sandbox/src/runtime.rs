@@ -9,11 +9,9 @@
 
 use std::collections::HashMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -98,9 +96,7 @@ pub struct Runtime {
     creating: Mutex<Vec<String>>,
 }
 
-fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
+use crab_common::clock::now_s as now;
 
 /// Start time of `pid` in clock ticks since boot, if it exists.
 pub fn process_start_time(pid: u32) -> Option<u64> {
@@ -124,19 +120,11 @@ pub fn init_alive(pid: u32, start: u64) -> bool {
     rest.nth(18).and_then(|s| s.parse::<u64>().ok()) == Some(start)
 }
 
-/// Write `bytes` to `path` atomically: temp file, fsync, rename, fsync of the directory.
+/// Write `bytes` to `path` atomically and durably ([`crab_common::fsutil::write_atomic`]; a
+/// failed directory fsync is an error).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = fs::File::create(&tmp).map_err(SandboxError::io("create", &tmp))?;
-    f.write_all(bytes).map_err(SandboxError::io("write", &tmp))?;
-    f.sync_all().map_err(SandboxError::io("fsync", &tmp))?;
-    fs::rename(&tmp, path).map_err(SandboxError::io("rename", &tmp))?;
-    if let Some(dir) = path.parent() {
-        if let Ok(d) = fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
-    Ok(())
+    crab_common::fsutil::write_atomic(path, bytes)
+        .map_err(|e| SandboxError::io(e.op, e.path)(e.source))
 }
 
 impl SandboxRecord {

@@ -33,10 +33,7 @@ pub fn human_bytes(n: u64) -> String {
 
 /// `3m`, `2h`-style age of a unix timestamp.
 pub fn age(created_at: u64) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let now = crab_common::clock::now_s();
     let s = now.saturating_sub(created_at);
     match s {
         0..=59 => format!("{s}s"),

@@ -1,7 +1,7 @@
 //! End-to-end checkpoint, restore and fork through the real CLI, daemon and CRIU (root).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use common::{cgroup_parent, crab, crab_ok, wait_until, Sandbox};
 

@@ -4,7 +4,7 @@
 //! Kept in its own test binary: it takes the daemon down, which would disturb other tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use common::{crab, state_dir, wait_until, Sandbox};
 

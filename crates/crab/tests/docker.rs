@@ -4,7 +4,7 @@
 //! does with the result: `ps`, `inspect -f`, `start`, `kill`, `rm`. Real daemon, real CRIU (root).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::io::Write;
 use std::path::PathBuf;

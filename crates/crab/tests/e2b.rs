@@ -5,7 +5,7 @@
 //! CRAB_REQUIRE_PRIVILEGED=1 it fails when it cannot run, otherwise it says why and passes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -13,12 +13,7 @@ use std::process::Command;
 /// The key whose SHA-256 is in `tests/e2b/test-keys`.
 const TEST_KEY: &str = "e2b_crab_test_key";
 
-fn cannot_run(why: &str) {
-    if std::env::var("CRAB_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
-        panic!("cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: {why}");
-    }
-    eprintln!("skipping the E2B SDK test: {why}");
-}
+use crab_testkit::privilege::cannot_run;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")

@@ -7,7 +7,7 @@
 //! with a small pool, and stop it and unmount its pool when they end.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

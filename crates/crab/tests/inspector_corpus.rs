@@ -5,7 +5,7 @@
 //! Runs without the libtest harness so its report is printed even when it passes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::time::Duration;
 

@@ -8,7 +8,7 @@
 //! Needs root, CRIU and the default image (as every test of this crate).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
@@ -263,7 +263,7 @@ fn start_servers(sb: &Sandbox) {
 
 #[test]
 fn escape_corpus_fails_fresh_restored_and_forked() {
-    assert!(nix_is_root(), "the escape corpus needs root (CRAB_REQUIRE_PRIVILEGED)");
+    crab_testkit::require_root!();
     let listener = TcpListener::bind("0.0.0.0:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let victim = Sandbox::new("t-iso-victim");
@@ -318,7 +318,7 @@ fn escape_corpus_fails_fresh_restored_and_forked() {
 /// tell an escape from a refusal; and a privileged sandbox's exec runs unrestricted.
 #[test]
 fn privileged_sandbox_opts_out() {
-    assert!(nix_is_root(), "needs root (CRAB_REQUIRE_PRIVILEGED)");
+    crab_testkit::require_root!();
     let sb = Sandbox::with_args("t-iso-priv", &["--privileged"]);
     prepare(&sb);
     assert_eq!(sb.info()["profile"]["name"], "privileged");
@@ -338,9 +338,4 @@ fn privileged_sandbox_opts_out() {
     let s = sb.sh_ok("grep -E '^(CapEff|Seccomp):' /proc/self/status");
     assert!(s.contains("Seccomp:\t0"), "{s}");
     assert!(!s.contains("00000000a80405fb"), "{s}");
-}
-
-fn nix_is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
 }

@@ -9,7 +9,7 @@
 //! Needs root, CRIU, iproute2, nftables and the default image.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};

@@ -6,7 +6,7 @@
 //! The image daemon A needs is imported from the test daemon's state dir (`make test` builds it).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

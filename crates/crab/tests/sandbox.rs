@@ -1,7 +1,7 @@
 //! Integration tests of the native sandbox runtime through the real CLI and daemon (root).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crab_testkit::daemon as common;
 
 use std::path::Path;
 

@@ -574,10 +574,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         _ => format!("{}/chat/completions", ctx.llm.base_url()),
     };
     // Files changed since (a margin before) this moment are never taken from the hash cache.
-    let fresh_after = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64 - 2)
-        .unwrap_or(0);
+    let fresh_after = i64::try_from(crab_common::clock::now_s()).unwrap_or(i64::MAX) - 2;
     if job.pass == Pass::Reference {
         if let Ok(mut m) = ctx.ref_started.lock() {
             m.insert(job.traj, std::time::SystemTime::now());

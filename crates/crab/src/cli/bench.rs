@@ -1,4 +1,5 @@
-//! `crab bench …`: benchmarks run against the running daemon.
+//! `crab bench …`: benchmarks run against the running daemon (built with the `bench` feature;
+//! without it the subcommand says how to get it).
 
 use std::process::ExitCode;
 
@@ -37,6 +38,22 @@ pub(super) enum BenchCmd {
         /// Directory of traces to draw LLM latencies from.
         #[arg(long, default_value = "../shared/traces/mini-swe-agent")]
         traces: std::path::PathBuf,
+    },
+    /// Checkpoint (fs, full), in-place restore and a fork of N through the daemon, on a
+    /// sandbox running an HTTP server and a counter loop (state checked after each).
+    Lifecycle {
+        /// Image of the sandboxes.
+        #[arg(long, default_value = "debian")]
+        image: String,
+        /// Measured rounds (fs checkpoint, full checkpoint, restore each).
+        #[arg(long, default_value_t = 10)]
+        rounds: usize,
+        /// Branches of the fork.
+        #[arg(long = "fork", default_value_t = 8)]
+        fork_count: usize,
+        /// Also checkpoint a process holding this many MiB (0 = no).
+        #[arg(long, default_value_t = 0)]
+        big_mib: usize,
     },
     /// The e2b SDK through the daemon's E2B API (`Sandbox.create` + `commands.run("true")` +
     /// `kill`) vs the same through the crab CLI, interleaved; create-from-snapshot and
@@ -174,9 +191,8 @@ pub(super) async fn run(
             }
         }
         BenchCmd::Proxy { iterations } => {
-            let opts =
-                crab_coordinator::bench::ProxyBenchOptions { iterations, ..Default::default() };
-            let r = crab_coordinator::bench::bench_proxy(opts)
+            let opts = crab_bench::proxy::ProxyBenchOptions { iterations, ..Default::default() };
+            let r = crab_bench::proxy::bench_proxy(opts)
                 .await
                 .map_err(|e| ApiError::internal(e.to_string()))?;
             if json {
@@ -207,15 +223,15 @@ pub(super) async fn run(
             }
         }
         BenchCmd::Turns { sandboxes, turns, time_scale, traces } => {
-            let lat = crab_coordinator::bench::load_llm_latencies(&traces).unwrap_or_default();
-            let opts = crab_coordinator::bench::TurnBenchOptions {
+            let lat = crab_bench::proxy::load_llm_latencies(&traces).unwrap_or_default();
+            let opts = crab_bench::proxy::TurnBenchOptions {
                 sandboxes,
                 turns,
                 llm_latency_ms: lat,
                 time_scale,
                 ..Default::default()
             };
-            let r = crab_coordinator::bench::bench_turns(opts)
+            let r = crab_bench::proxy::bench_turns(opts)
                 .await
                 .map_err(|e| ApiError::internal(e.to_string()))?;
             if json {
@@ -226,6 +242,31 @@ pub(super) async fn run(
                     r.sandboxes, r.turns, r.latency_samples, r.time_scale, r.exposed.p50, r.exposed.p95, r.exposed.p99, r.exposed.max,
                     100.0 * r.held_fraction, r.wall_s
                 );
+            }
+        }
+        BenchCmd::Lifecycle { image, rounds, fork_count, big_mib } => {
+            eprintln!("bench lifecycle: {rounds} rounds, a fork of {fork_count} ...");
+            let opts =
+                crab_bench::lifecycle::LifecycleOptions { image, rounds, fork_count, big_mib };
+            let r = crab_bench::lifecycle::run(client, &opts).await?;
+            if json {
+                print_json(&r);
+            } else {
+                latency_table(
+                    &[
+                        ("checkpoint fs", &r.checkpoint_fs_ms),
+                        ("checkpoint full", &r.checkpoint_full_ms),
+                        ("restore (full point)", &r.restore_ms),
+                    ],
+                    1,
+                );
+                println!(
+                    "full point: {} bytes; fork of {}: {:.1} ms",
+                    r.full_point_bytes, fork_count, r.fork_ms
+                );
+                if let Some(b) = r.big_full_ms {
+                    println!("full checkpoint of a {big_mib} MiB process: {b:.1} ms");
+                }
             }
         }
         BenchCmd::E2b { listen, key, rounds, fork_rounds, image, python } => {

@@ -4,6 +4,7 @@
 //! (`CRAB_STATE_DIR`). Errors print as `error: …` and `hint: …` and exit 1; `crab exec` exits
 //! with the command's own code (125 when Crab itself failed, like `docker exec`).
 
+#[cfg(feature = "bench")]
 mod bench;
 mod checkpoint;
 mod conversation;
@@ -76,8 +77,16 @@ enum Cmd {
     /// Show the daemon's version and state directory.
     Version,
     /// Run a benchmark against the running daemon.
+    #[cfg(feature = "bench")]
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Run a benchmark (this crab was built without them: `--features bench`).
+    #[cfg(not(feature = "bench"))]
+    Bench {
+        /// The benchmark and its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// A docker-CLI front for harnesses that shell out to `docker` (run, exec, stop, start,
     /// kill, rm, ps, inspect); also reached as `crab-docker`, a link to this binary.
     #[command(subcommand)]
@@ -156,7 +165,13 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Sandbox(c) => sandbox::run(&client, c, json).await,
         Cmd::Exec(a) => return exec::run(&client, a, json).await,
         Cmd::Docker(c) => return docker::run(&client, c, json).await,
+        #[cfg(feature = "bench")]
         Cmd::Bench(b) => bench::run(&client, &state, b, json).await,
+        #[cfg(not(feature = "bench"))]
+        Cmd::Bench { .. } => Err(ApiError::invalid(
+            "this crab binary was built without the benchmarks",
+            "build it with `cargo build --release -p crab --features bench` (or `make bench`)",
+        )),
         Cmd::Inspect(a) => turn::inspect(&client, a, json).await,
         Cmd::Checkpoint(a) => checkpoint::checkpoint(&client, a, json).await,
         Cmd::Checkpoints(a) => checkpoint::checkpoints(&client, a, json).await,

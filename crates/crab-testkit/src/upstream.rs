@@ -1,5 +1,5 @@
-//! Test doubles for the proxy, shared by its tests, its benchmark and the daemon's integration
-//! tests: a stub LLM upstream (a real HTTP server with configurable delay, status and SSE
+//! Test doubles for the LLM proxy, shared by its tests, the proxy benchmarks and the daemon's
+//! integration tests: a stub LLM upstream (a real HTTP server with configurable delay, status and SSE
 //! streaming, recording what it received), an in-memory [`SandboxDirectory`], and
 //! [`InstantHooks`], boundary hooks whose checkpoints are published at once.
 
@@ -17,9 +17,15 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-use crate::convlog::sha256_hex;
-use crate::hooks::{Boundary, BoundaryTicket, BoxFuture, ReadyTicket, SandboxDirectory, TurnHooks};
-use crate::proxy::{full, BoxError, ProxyBody};
+use crab_coordinator::convlog::sha256_hex;
+use crab_coordinator::{
+    Boundary, BoundaryTicket, BoxError, BoxFuture, ProxyBody, ReadyTicket, SandboxDirectory,
+    TurnHooks,
+};
+
+fn full(b: impl Into<Bytes>) -> ProxyBody {
+    http_body_util::Full::new(b.into()).map_err(|never: Infallible| match never {}).boxed_unsync()
+}
 
 /// Request header overriding the stub's head delay for one request, in milliseconds.
 pub const DELAY_HEADER: &str = "x-stub-delay-ms";
@@ -79,7 +85,7 @@ struct StubState {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    crab_common::sync::lock(m)
 }
 
 /// A stub LLM upstream on `127.0.0.1:<ephemeral>`.

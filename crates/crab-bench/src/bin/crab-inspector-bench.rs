@@ -7,7 +7,7 @@
 //! 2. Verdict latency: 64 registered sandboxes, each with an open turn of ~20 file changes;
 //!    p50/p95/p99 of `take()` (and `peek()`) on one sandbox after a small turn.
 //!
-//! Usage: `cargo run --release -p crab-inspector --bin crab-inspector-bench [-- --rounds N]`.
+//! Usage: `cargo run --release -p crab-bench --bin crab-inspector-bench [-- --rounds N]`.
 //! The same binary is its own workload: `--loop DIR CGROUP_PROCS|-` runs the syscall loop and
 //! prints `write_ns create_ns`; `--touch DIR PREFIX N CGROUP_PROCS` creates N files.
 

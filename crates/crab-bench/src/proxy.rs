@@ -18,9 +18,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 
-use crate::config::ProxyConfig;
-use crate::proxy::{CoordError, Coordinator};
-use crate::stub::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
+use crab_coordinator::{
+    Boundary, BoundaryTicket, BoxFuture, CoordError, Coordinator, ProxyConfig, TurnHooks,
+};
+use crab_host::glue::JobTicket;
+use crab_testkit::upstream::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 
 /// Budget from the issue: proxy overhead p50 over a direct call.
 pub const OVERHEAD_BUDGET_P50_MS: f64 = 0.5;
@@ -390,12 +392,11 @@ struct EngineHooks {
     mix: [f64; 4],
 }
 
-impl crate::hooks::TurnHooks for EngineHooks {
+impl TurnHooks for EngineHooks {
     fn on_boundary(
         &self,
-        b: crate::hooks::Boundary,
-    ) -> crate::hooks::BoxFuture<'_, Result<std::sync::Arc<dyn crate::hooks::BoundaryTicket>, String>>
-    {
+        b: Boundary,
+    ) -> BoxFuture<'_, Result<std::sync::Arc<dyn BoundaryTicket>, String>> {
         use crab_engine::JobKind;
         // Deterministic pseudo-random verdict per (sandbox, turn).
         let mut x: u64 = 0xcbf2_9ce4_8422_2325;
@@ -423,8 +424,8 @@ impl crate::hooks::TurnHooks for EngineHooks {
             turn: b.turn,
             urgent: false,
         });
-        let t: std::sync::Arc<dyn crate::hooks::BoundaryTicket> =
-            std::sync::Arc::new(crate::hooks::EngineTicket::new(self.engine.clone(), h, b.sandbox));
+        let t: std::sync::Arc<dyn BoundaryTicket> =
+            std::sync::Arc::new(JobTicket::new(self.engine.clone(), h, b.sandbox));
         Box::pin(async move { Ok(t) })
     }
 }
@@ -480,7 +481,7 @@ pub async fn bench_turns(opts: TurnBenchOptions) -> Result<TurnBenchReport, Benc
                     .method(Method::POST)
                     .uri(&url)
                     .header("content-type", "application/json")
-                    .header(crate::stub::DELAY_HEADER, format!("{}", model_ms.round() as u64))
+                    .header(crab_testkit::upstream::DELAY_HEADER, format!("{}", model_ms.round() as u64))
                     .body(Full::new(Bytes::from(body)))
                     .map_err(|e| BenchError::Request { target: "proxy", message: e.to_string() })?;
                 let start = Instant::now();

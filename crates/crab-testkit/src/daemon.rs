@@ -1,6 +1,8 @@
-//! Test support: run the real `crab` binary against the real daemon (started here if it is not
-//! running), and sandboxes that remove themselves when a test ends, pass or fail.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! The real-daemon test harness: run the real `crab` binary against the daemon of
+//! `CRAB_STATE_DIR` (started here if none answers), and sandboxes that remove themselves when a
+//! test ends, pass or fail. The binary is `$CRAB_BIN`, or the `crab` next to the test binary's
+//! `deps/` directory (where cargo puts it for the package's own integration tests).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -15,8 +17,24 @@ pub fn cgroup_parent() -> String {
     crab_common::paths::StateDir::new(state_dir()).cgroup_parent()
 }
 
+/// The `crab` binary under test.
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_crab")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(b) = std::env::var_os("CRAB_BIN") {
+            return b.to_string_lossy().into_owned();
+        }
+        let exe = std::env::current_exe().expect("locating the test binary");
+        let dir = exe.parent().expect("test binary has a directory");
+        let dir = if dir.ends_with("deps") { dir.parent().unwrap_or(dir) } else { dir };
+        let crab = dir.join("crab");
+        assert!(
+            crab.exists(),
+            "no crab binary at {} (build it: cargo build -p crab, or set CRAB_BIN)",
+            crab.display()
+        );
+        crab.to_string_lossy().into_owned()
+    })
 }
 
 pub fn crab(args: &[&str]) -> Output {
@@ -86,6 +104,7 @@ fn getrandom(b: &mut [u8]) {
 }
 
 /// A sandbox created from the default image, removed (forcefully) on drop.
+#[derive(Debug)]
 pub struct Sandbox {
     pub name: String,
 }

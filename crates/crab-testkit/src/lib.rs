@@ -1,0 +1,15 @@
+//! `crab-testkit`: what Crab's tests and benchmarks share, kept out of every product crate
+//! (`publish = false`; only dev-dependencies and `crab-bench` use it).
+//!
+//! * [`upstream`]: a stub LLM upstream (a real HTTP server on loopback with configurable delay,
+//!   status and SSE streaming), an in-memory sandbox directory and instantly-publishing turn
+//!   hooks — the doubles around the proxy.
+//! * [`daemon`]: runs the real `crab` binary against the real daemon of `CRAB_STATE_DIR`
+//!   (started if none answers) and sandboxes that remove themselves when a test ends.
+//! * [`privilege`]: the one probe for root-only tests: they fail loudly when
+//!   `CRAB_REQUIRE_PRIVILEGED=1` (CI, `make test`) and they cannot run, instead of passing as
+//!   "skipped".
+
+pub mod daemon;
+pub mod privilege;
+pub mod upstream;

@@ -55,11 +55,20 @@ def _up(d: Daemon) -> bool:
 
 
 def start_daemon(state: str, *extra: str) -> None:
-    """Start ``crab daemon`` on ``state`` (detached, logging to its logs/daemon.log)."""
+    """Start ``crab daemon`` on ``state`` (detached, logging to its logs/daemon.log).
+
+    Only the main test daemon serves the E2B API (``make test`` exports CRAB_E2B_LISTEN for
+    it): a second daemon must not try to bind the same address, so it gets no E2B variables.
+    """
     os.makedirs(os.path.join(state, "logs"), exist_ok=True)
     log = open(os.path.join(state, "logs", "daemon.log"), "ab")
+    env = dict(os.environ)
+    if state != state_dir():
+        env.pop("CRAB_E2B_LISTEN", None)
+        env.pop("CRAB_E2B_KEYS", None)
     subprocess.Popen(
         ["setsid", "-f", crab_bin(), "daemon", "--state-dir", state, *extra],
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=log,

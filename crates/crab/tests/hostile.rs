@@ -124,6 +124,9 @@ impl OtherDaemon {
             .arg(common::bin())
             .args(["daemon", "--state-dir", state.to_str().unwrap(), "--pool-size", pool_size])
             .args(["--proxy-listen", &format!("127.0.0.1:{port}")])
+            // Only the main test daemon serves the E2B API (make test exports its address).
+            .env_remove("CRAB_E2B_LISTEN")
+            .env_remove("CRAB_E2B_KEYS")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

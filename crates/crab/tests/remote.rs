@@ -49,6 +49,9 @@ impl Host {
             .args(["daemon", "--state-dir", state.to_str().unwrap(), "--pool-size", "8G"])
             .args(["--proxy-listen", &format!("127.0.0.1:{port}"), "--remote", remote])
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            // Only the main test daemon serves the E2B API (make test exports its address).
+            .env_remove("CRAB_E2B_LISTEN")
+            .env_remove("CRAB_E2B_KEYS")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

@@ -372,12 +372,12 @@ impl crab_engine::Executor<()> for SleepExecutor {
         &self,
         job: &crab_engine::Job<()>,
     ) -> Result<crab_engine::JobOutcome, std::convert::Infallible> {
-        use crab_engine::JobKind;
+        use crab_common::CheckpointKind;
         let ms = match job.kind {
-            JobKind::Skip => self.0.skip_ms,
-            JobKind::Fs => self.0.fs_ms,
-            JobKind::Process => self.0.process_ms,
-            JobKind::Full => self.0.full_ms,
+            CheckpointKind::Skip => self.0.skip_ms,
+            CheckpointKind::Fs => self.0.fs_ms,
+            CheckpointKind::Process => self.0.process_ms,
+            CheckpointKind::Full => self.0.full_ms,
         };
         std::thread::sleep(Duration::from_secs_f64(ms.max(0.0) / 1e3));
         Ok(crab_engine::JobOutcome {
@@ -397,7 +397,7 @@ impl TurnHooks for EngineHooks {
         &self,
         b: Boundary,
     ) -> BoxFuture<'_, Result<std::sync::Arc<dyn BoundaryTicket>, String>> {
-        use crab_engine::JobKind;
+        use crab_common::CheckpointKind;
         // Deterministic pseudo-random verdict per (sandbox, turn).
         let mut x: u64 = 0xcbf2_9ce4_8422_2325;
         for byte in b.sandbox.bytes().chain(b.turn.to_le_bytes()) {
@@ -405,8 +405,8 @@ impl TurnHooks for EngineHooks {
         }
         let total: f64 = self.mix.iter().sum::<f64>().max(f64::MIN_POSITIVE);
         let mut r = (x >> 11) as f64 / (1u64 << 53) as f64 * total;
-        let mut kind = JobKind::Full;
-        for (k, w) in JobKind::ALL.iter().zip(self.mix) {
+        let mut kind = CheckpointKind::Full;
+        for (k, w) in CheckpointKind::ALL.iter().zip(self.mix) {
             if r < w {
                 kind = *k;
                 break;
@@ -414,7 +414,7 @@ impl TurnHooks for EngineHooks {
             r -= w;
         }
         if b.force_full {
-            kind = JobKind::Full;
+            kind = CheckpointKind::Full;
         }
         let h = self.engine.submit(crab_engine::JobSpec {
             op: crab_engine::JobOp::Checkpoint,
@@ -513,7 +513,7 @@ pub async fn bench_turns(opts: TurnBenchOptions) -> Result<TurnBenchReport, Benc
     let mut verdicts = [0u64; 4];
     let mut coalesced = 0;
     for s in &stats.sandboxes {
-        for (i, k) in crab_engine::JobKind::ALL.iter().enumerate() {
+        for (i, k) in crab_common::CheckpointKind::ALL.iter().enumerate() {
             verdicts[i] += s.stats.submitted.get(k.as_str()).copied().unwrap_or(0);
         }
         coalesced += s.stats.coalesced;

@@ -13,11 +13,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
+use crab_common::CheckpointKind;
 use crab_coordinator::{
     Boundary, BoundaryTicket, BoxFuture, Coordinator, ProxyConfig, ProxyServer, Published,
     TurnHooks, REPLAYED_HEADER,
 };
-use crab_engine::{Engine, EngineConfig, Job, JobKind, JobOutcome, JobSpec};
+use crab_engine::{Engine, EngineConfig, Job, JobOutcome, JobSpec};
 use crab_testkit::upstream::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
 
 // ---------- fake checkpoint tickets ----------
@@ -305,7 +306,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
             &self,
             b: Boundary,
         ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
-            let kind = if b.force_full { JobKind::Full } else { JobKind::Fs };
+            let kind = if b.force_full { CheckpointKind::Full } else { CheckpointKind::Fs };
             let h = self.0.submit(JobSpec {
                 op: crab_engine::JobOp::Checkpoint,
                 sandbox: b.sandbox.clone(),
@@ -325,7 +326,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
     let blocker = engine.submit(JobSpec {
         op: crab_engine::JobOp::Checkpoint,
         sandbox: "blocker".into(),
-        kind: JobKind::Full,
+        kind: CheckpointKind::Full,
         payload: (),
         turn: 1,
         urgent: false,
@@ -339,7 +340,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
             engine.submit(JobSpec {
                 op: crab_engine::JobOp::Checkpoint,
                 sandbox: s.to_string(),
-                kind: JobKind::Fs,
+                kind: CheckpointKind::Fs,
                 payload: (),
                 turn: 1,
                 urgent: false,

@@ -14,7 +14,7 @@ mod metrics;
 
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats, JobHandle, SandboxView};
 pub use job::{
-    Changeset, ExecError, Executor, Finished, FnExecutor, Job, JobError, JobId, JobKind, JobOp,
-    JobOutcome, JobSpec,
+    Changeset, ExecError, Executor, Finished, FnExecutor, Job, JobError, JobId, JobOp, JobOutcome,
+    JobSpec,
 };
 pub use metrics::{JobRecord, SandboxStats};

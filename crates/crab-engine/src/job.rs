@@ -51,36 +51,6 @@ impl Changeset for () {
     fn merge(&mut self, _later: Self) {}
 }
 
-/// JSON changesets merge structurally: arrays concatenate (duplicates dropped), objects merge key
-/// by key recursively, `null` yields to the other side, and any other pair keeps the later value.
-impl Changeset for serde_json::Value {
-    fn merge(&mut self, later: Self) {
-        use serde_json::Value;
-        match (self, later) {
-            (_, Value::Null) => {}
-            (this @ Value::Null, later) => *this = later,
-            (Value::Array(a), Value::Array(b)) => {
-                for v in b {
-                    if !a.contains(&v) {
-                        a.push(v);
-                    }
-                }
-            }
-            (Value::Object(a), Value::Object(b)) => {
-                for (k, v) in b {
-                    match a.get_mut(&k) {
-                        Some(existing) => existing.merge(v),
-                        None => {
-                            a.insert(k, v);
-                        }
-                    }
-                }
-            }
-            (this, later) => *this = later,
-        }
-    }
-}
-
 /// What a caller submits.
 #[derive(Debug, Clone)]
 pub struct JobSpec<P> {
@@ -273,26 +243,5 @@ impl JobError {
             JobError::Failed { source, .. } => source.downcast_ref::<E>(),
             _ => None,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn json_changesets_merge() {
-        let mut a = json!({"written": ["/a", "/b"], "procs": {"born": [1]}, "n": 1});
-        a.merge(json!({"written": ["/b", "/c"], "procs": {"died": [2]}, "n": 2}));
-        assert_eq!(
-            a,
-            json!({"written": ["/a", "/b", "/c"], "procs": {"born": [1], "died": [2]}, "n": 2})
-        );
-        let mut n = serde_json::Value::Null;
-        n.merge(json!([1]));
-        assert_eq!(n, json!([1]));
-        n.merge(serde_json::Value::Null);
-        assert_eq!(n, json!([1]));
     }
 }

@@ -7,10 +7,33 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crab_common::CheckpointKind;
-use crab_engine::{Engine, EngineConfig, Executor, Job, JobError, JobHandle, JobOutcome, JobSpec};
-use serde_json::{json, Value};
+use crab_engine::{
+    Changeset, Engine, EngineConfig, Executor, Job, JobError, JobHandle, JobOutcome, JobSpec,
+};
 
-type Started = (String, CheckpointKind, u64, u64, Value);
+/// The fake's typed payload: written paths and born pids, merged like the host's changeset.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Changes {
+    written: Vec<String>,
+    born: Vec<u32>,
+}
+
+impl Changeset for Changes {
+    fn merge(&mut self, later: Self) {
+        for w in later.written {
+            if !self.written.contains(&w) {
+                self.written.push(w);
+            }
+        }
+        self.born.extend(later.born);
+    }
+}
+
+fn written(paths: &[&str]) -> Changes {
+    Changes { written: paths.iter().map(|p| p.to_string()).collect(), born: vec![] }
+}
+
+type Started = (String, CheckpointKind, u64, u64, Changes);
 
 /// Records every job it runs; jobs of sandbox "blocker" wait until `release()`.
 #[derive(Default)]
@@ -58,9 +81,9 @@ impl std::fmt::Display for FakeError {
 
 impl std::error::Error for FakeError {}
 
-impl Executor<Value> for Fake {
+impl Executor<Changes> for Fake {
     type Error = FakeError;
-    fn run(&self, job: &Job<Value>) -> Result<JobOutcome, FakeError> {
+    fn run(&self, job: &Job<Changes>) -> Result<JobOutcome, FakeError> {
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_running.fetch_max(now, Ordering::SeqCst);
         if job.kind.dumps_processes() {
@@ -95,8 +118,8 @@ impl Executor<Value> for Fake {
     }
 }
 
-fn spec(sb: &str, kind: CheckpointKind, turn: u64) -> JobSpec<Value> {
-    JobSpec::checkpoint(sb, kind, Value::Null, turn)
+fn spec(sb: &str, kind: CheckpointKind, turn: u64) -> JobSpec<Changes> {
+    JobSpec::checkpoint(sb, kind, Changes::default(), turn)
 }
 
 fn one_worker(k: u32) -> EngineConfig {
@@ -181,11 +204,11 @@ async fn queued_jobs_of_a_sandbox_coalesce() {
     let first = eng.submit(spec("blocker", CheckpointKind::Skip, 1));
     fake.wait_started(1);
     let h2 = eng.submit(JobSpec {
-        payload: json!({"written": ["/a"]}),
+        payload: written(&["/a"]),
         ..spec("blocker", CheckpointKind::Fs, 2)
     });
     let h3 = eng.submit(JobSpec {
-        payload: json!({"written": ["/b"], "born": [42]}),
+        payload: Changes { born: vec![42], ..written(&["/b"]) },
         ..spec("blocker", CheckpointKind::Process, 3)
     });
     let h4 = eng.submit(spec("blocker", CheckpointKind::Skip, 4));
@@ -201,7 +224,7 @@ async fn queued_jobs_of_a_sandbox_coalesce() {
     assert_eq!(started.len(), 2, "three submissions ran as one job");
     let (_, kind, first_turn, turn, payload) = &started[1];
     assert_eq!((*kind, *first_turn, *turn), (CheckpointKind::Full, 2, 4));
-    assert_eq!(payload, &json!({"written": ["/a", "/b"], "born": [42]}));
+    assert_eq!(payload, &Changes { born: vec![42], ..written(&["/a", "/b"]) });
     let done = h2.wait().await.unwrap();
     assert_eq!(done.outcome.checkpoint_id, "blocker-4");
     assert_eq!(h4.wait().await.unwrap(), done);
@@ -319,11 +342,11 @@ async fn exposed_latency_and_job_metrics_are_recorded() {
 #[test]
 fn engine_needs_a_runtime_and_sane_limits() {
     let fake = Fake::with(Duration::ZERO, 0);
-    assert!(Engine::<Value>::new(EngineConfig::default(), fake.clone()).is_err());
+    assert!(Engine::<Changes>::new(EngineConfig::default(), fake.clone()).is_err());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let _g = rt.enter();
     let bad = EngineConfig { max_concurrent_dumps: 0, ..Default::default() };
-    assert!(Engine::<Value>::new(bad, fake).is_err());
+    assert!(Engine::<Changes>::new(bad, fake).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -334,7 +357,7 @@ async fn restores_keep_per_sandbox_order_and_never_coalesce() {
     fake.wait_started(1);
     // Queued behind the running job: checkpoint, restore, checkpoint, checkpoint.
     let c1 = eng.submit(spec("blocker", CheckpointKind::Fs, 2));
-    let r = eng.submit(JobSpec::restore("blocker", CheckpointKind::Full, json!({"to": "ckpt-1"})));
+    let r = eng.submit(JobSpec::restore("blocker", CheckpointKind::Full, written(&["ckpt-1"])));
     let c2 = eng.submit(spec("blocker", CheckpointKind::Process, 3));
     let c3 = eng.submit(spec("blocker", CheckpointKind::Fs, 4));
     assert_ne!(c1.id(), c2.id(), "no merge across a restore");

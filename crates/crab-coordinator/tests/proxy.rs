@@ -19,6 +19,7 @@ use crab_coordinator::{
     TurnHooks, REPLAYED_HEADER,
 };
 use crab_engine::{Engine, EngineConfig, Job, JobOutcome, JobSpec};
+use crab_testkit::engine::EngineHooks;
 use crab_testkit::upstream::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
 
 // ---------- fake checkpoint tickets ----------
@@ -300,26 +301,6 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
             Ok(JobOutcome { checkpoint_id: format!("{}-{}", job.sandbox, job.turn), bytes: 0 })
         }
     }
-    struct EngineHooks(Engine<()>);
-    impl TurnHooks for EngineHooks {
-        fn on_boundary(
-            &self,
-            b: Boundary,
-        ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
-            let kind = if b.force_full { CheckpointKind::Full } else { CheckpointKind::Fs };
-            let h = self.0.submit(JobSpec {
-                op: crab_engine::JobOp::Checkpoint,
-                sandbox: b.sandbox.clone(),
-                kind,
-                payload: (),
-                turn: b.turn,
-                urgent: false,
-            });
-            let t: Arc<dyn BoundaryTicket> =
-                Arc::new(crab_host::glue::JobTicket::new(self.0.clone(), h, b.sandbox));
-            Box::pin(async move { Ok(t) })
-        }
-    }
     let exec = Arc::new(Exec(Mutex::new(Vec::new())));
     let engine =
         Engine::new(EngineConfig { workers: 1, ..Default::default() }, exec.clone()).unwrap();
@@ -348,7 +329,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
         })
         .collect();
     let h = harness(
-        Arc::new(EngineHooks(engine.clone())),
+        EngineHooks::new(engine.clone(), |_: &Boundary| CheckpointKind::Fs),
         StubConfig { delay: Duration::from_millis(50), ..Default::default() },
         |_| {},
     )

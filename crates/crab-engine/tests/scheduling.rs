@@ -203,10 +203,8 @@ async fn queued_jobs_of_a_sandbox_coalesce() {
     // "blocker" is running, so its later submissions queue behind it and merge.
     let first = eng.submit(spec("blocker", CheckpointKind::Skip, 1));
     fake.wait_started(1);
-    let h2 = eng.submit(JobSpec {
-        payload: written(&["/a"]),
-        ..spec("blocker", CheckpointKind::Fs, 2)
-    });
+    let h2 =
+        eng.submit(JobSpec { payload: written(&["/a"]), ..spec("blocker", CheckpointKind::Fs, 2) });
     let h3 = eng.submit(JobSpec {
         payload: Changes { born: vec![42], ..written(&["/b"]) },
         ..spec("blocker", CheckpointKind::Process, 3)

@@ -260,7 +260,7 @@ impl<B: Backend> E2b<B> {
                 me.expire().await;
                 n += 1;
                 // Sandboxes removed through the CLI disappear from the E2B API too.
-                if n % 10 == 0 {
+                if n.is_multiple_of(10) {
                     me.reconcile(false).await;
                 }
             }

@@ -244,6 +244,7 @@ impl Host {
         if let Some(p) = proxy {
             p.shutdown().await;
         }
+        self.runtime.release_cgroup_parent();
     }
 
     /// The turn policy.

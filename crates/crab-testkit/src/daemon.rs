@@ -163,39 +163,38 @@ pub fn wait_until(secs: f64, mut f: impl FnMut() -> bool) -> bool {
     f()
 }
 
-/// A second daemon on a state directory of its own (`/var/lib/<prefix>-<random>`), with its
-/// own proxy port and `extra` arguments; it gets none of the `CRAB_E2B_*` variables (only the
-/// main test daemon serves E2B from the environment: pass `--e2b-listen` in `extra`). It can
-/// be stopped and started again on the same state; on drop its sandboxes are removed, the
-/// daemon stopped and its state directory deleted.
+/// A second daemon ("another host") on its own state directory, pool and proxy port, for
+/// tests that need a daemon of their own (hostile neighbours, cross-host restores, crashes).
+/// It never reads the main test daemon's `CRAB_E2B_*` variables. On drop it removes its
+/// sandboxes, stops, unmounts its pool and deletes its state directory.
 #[derive(Debug)]
 pub struct OtherDaemon {
+    /// Its state directory.
     pub state: PathBuf,
+    /// Its LLM proxy port.
+    pub port: u16,
     args: Vec<String>,
-}
-
-/// A free-looking loopback port in 20000..40000 (random; tests run in parallel).
-pub fn random_port() -> u16 {
-    let mut b = [0u8; 2];
-    getrandom(&mut b);
-    20000 + u16::from_ne_bytes(b) % 20000
+    env: Vec<(String, String)>,
 }
 
 impl OtherDaemon {
-    /// Start one with a `pool_size` pool and `extra` daemon arguments.
-    pub fn start(prefix: &str, pool_size: &str, extra: &[&str]) -> OtherDaemon {
-        let state = PathBuf::from("/var/lib").join(unique(prefix));
-        std::fs::create_dir_all(state.join("logs")).unwrap();
-        let mut args: Vec<String> = vec!["--pool-size".into(), pool_size.into()];
-        args.extend(["--proxy-listen".into(), format!("127.0.0.1:{}", random_port())]);
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let d = OtherDaemon { state, args };
-        d.up();
+    /// Start `crab daemon --state-dir STATE --proxy-listen 127.0.0.1:<free port> ARGS…` with
+    /// `env` added, and wait until it answers.
+    pub fn start(state: &std::path::Path, args: &[&str], env: &[(String, String)]) -> OtherDaemon {
+        // A port of its own (tests run in parallel; 0 is refused by the proxy's loopback check).
+        let port = 20000 + (u32::from_str_radix(&unique("p")[2..], 16).unwrap() % 20000) as u16;
+        let d = OtherDaemon {
+            state: state.to_path_buf(),
+            port,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            env: env.to_vec(),
+        };
+        d.launch();
         d
     }
 
-    /// Start the daemon process (again) and wait until it answers.
-    pub fn up(&self) {
+    fn launch(&self) {
+        std::fs::create_dir_all(self.state.join("logs")).unwrap();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -205,10 +204,12 @@ impl OtherDaemon {
             .arg("-f")
             .arg(bin())
             .args(["daemon", "--state-dir", self.state.to_str().unwrap()])
+            .args(["--proxy-listen", &format!("127.0.0.1:{}", self.port)])
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            // Only the main test daemon serves the E2B API (make test exports its address).
             .env_remove("CRAB_E2B_LISTEN")
             .env_remove("CRAB_E2B_KEYS")
-            .env_remove("CRAB_PROXY_LISTEN")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -219,45 +220,26 @@ impl OtherDaemon {
         while !self.crab(&["version"]).status.success() {
             assert!(
                 start.elapsed() < Duration::from_secs(30),
-                "the daemon on {} did not come up: {}",
+                "daemon on {} did not come up (log {}/logs/daemon.log)",
                 self.state.display(),
-                self.log_tail()
+                self.state.display()
             );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
 
-    /// Stop the daemon (SIGTERM) and wait until its process is gone; sandboxes keep running.
-    pub fn down(&self) {
-        if let Ok(pid) = std::fs::read_to_string(self.state.join("daemon.pid")) {
-            if let Ok(pid) = pid.trim().parse::<i32>() {
-                let _ = Command::new("kill").arg(pid.to_string()).status();
-                let start = Instant::now();
-                while std::path::Path::new(&format!("/proc/{pid}")).exists()
-                    && start.elapsed() < Duration::from_secs(20)
-                {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        }
-    }
-
-    /// The last lines of its log.
-    pub fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.state.join("logs/daemon.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
+    /// Run the CLI against this daemon.
     pub fn crab(&self, args: &[&str]) -> Output {
         Command::new(bin())
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .output()
             .unwrap()
     }
 
+    /// Like [`OtherDaemon::crab`], asserting success and returning stdout.
     pub fn crab_ok(&self, args: &[&str]) -> String {
         let o = self.crab(args);
         assert!(
@@ -270,30 +252,72 @@ impl OtherDaemon {
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
-    /// Import the main test daemon's `debian` image (`make test` builds it) as `debian`.
-    pub fn import_debian(&self) {
-        let src = crab_common::paths::StateDir::new(state_dir()).image_rootfs("debian");
-        assert!(
-            src.is_dir(),
-            "no debian image in the test daemon's state dir ({}): run `crab image build debian`",
-            src.display()
-        );
-        self.crab_ok(&["image", "import", "debian", src.to_str().unwrap()]);
+    /// `crab --json ARGS…` parsed.
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        serde_json::from_str(&self.crab_ok(&a)).unwrap()
+    }
+
+    /// Its pid, while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        let pid = std::fs::read_to_string(self.state.join("daemon.pid")).ok()?;
+        let pid: i32 = pid.trim().parse().ok()?;
+        std::path::Path::new(&format!("/proc/{pid}")).exists().then_some(pid)
+    }
+
+    fn wait_gone(&self, pid: i32) {
+        let start = Instant::now();
+        while std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && start.elapsed() < Duration::from_secs(20)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stop it (SIGTERM) and wait until it is gone; its sandboxes keep running.
+    pub fn stop(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            self.wait_gone(pid);
+        }
+    }
+
+    /// Kill it with SIGKILL (a crash: nothing runs on the way out).
+    pub fn kill9(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            self.wait_gone(pid);
+        }
+    }
+
+    /// Start it again with the same arguments (after [`OtherDaemon::stop`] or a crash).
+    pub fn restart(&self) {
+        self.launch();
+    }
+
+    /// Remove its sandboxes, stop it, unmount its pool and delete its state directory.
+    pub fn destroy(&self) {
+        if self.pid().is_some() {
+            let names = self.crab(&["sandbox", "ls", "--json"]);
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&names.stdout) {
+                for sb in v.as_array().into_iter().flatten() {
+                    if let Some(n) = sb["name"].as_str() {
+                        let _ = self.crab(&["sandbox", "rm", "--force", n]);
+                    }
+                }
+            }
+        }
+        self.stop();
+        let _ = Command::new("umount").arg("-l").arg(self.state.join("pool")).status();
+        let _ = std::fs::remove_dir_all(&self.state);
     }
 }
 
 impl Drop for OtherDaemon {
     fn drop(&mut self) {
-        let names = self.crab(&["sandbox", "ls", "--json"]);
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&names.stdout) {
-            for sb in v.as_array().into_iter().flatten() {
-                if let Some(n) = sb["name"].as_str() {
-                    let _ = self.crab(&["sandbox", "rm", "--force", n]);
-                }
-            }
+        if self.state.exists() {
+            self.destroy();
         }
-        self.down();
-        let _ = Command::new("umount").arg("-l").arg(self.state.join("pool")).status();
-        let _ = std::fs::remove_dir_all(&self.state);
     }
 }

@@ -131,24 +131,30 @@ fn sdk_state_survives_a_daemon_restart() {
         Err(e) => return cannot_run(&e),
     };
     common::ensure_daemon();
-    let port = common::random_port();
+    let image = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
+    assert!(
+        image.is_dir(),
+        "no debian image in the test daemon's state dir ({}): run `crab image build debian`",
+        image.display()
+    );
+    let port = 20000 + (u32::from_str_radix(&common::unique("p")[2..], 16).unwrap() % 20000);
     let listen = format!("127.0.0.1:{port}");
     let keys = repo().join("crates/crab/tests/e2b/test-keys");
     let d = common::OtherDaemon::start(
-        "crab-e2b-restart",
-        "4G",
-        &["--e2b-listen", &listen, "--e2b-keys", keys.to_str().unwrap()],
+        &PathBuf::from("/var/lib").join(common::unique("crab-e2b-restart")),
+        &["--pool-size", "4G", "--e2b-listen", &listen, "--e2b-keys", keys.to_str().unwrap()],
+        &[],
     );
-    d.import_debian();
+    d.crab_ok(&["image", "import", "debian", image.to_str().unwrap()]);
     let url = format!("http://{listen}");
     let state = d.state.join("restart-flows.json");
     let st = state.to_str().unwrap();
     let out = run_sdk(&python, &url, "restart_flows.py", &["before", st], &[]);
     assert!(out.contains("ok before"), "{out}");
-    d.down();
-    d.up();
+    d.stop();
+    d.restart();
     let out = run_sdk(&python, &url, "restart_flows.py", &["after", st], &[]);
-    assert!(out.contains("ok after"), "{out}\n{}", d.log_tail());
+    assert!(out.contains("ok after"), "{out}");
     // Everything the script made is gone from the host too.
     let ls: serde_json::Value =
         serde_json::from_str(&d.crab_ok(&["sandbox", "ls", "--json"])).unwrap();

@@ -22,9 +22,10 @@ build: setup
 build-release: setup
 	$(CARGO) build --release -p crab
 
-# The default image, built once per state directory (cached afterwards).
+# The default image, built once per state directory (cached afterwards; rebuilt when the
+# state directory holds one from an older recipe, as a CI machine that keeps its state does).
 image-%:
-	@target/$*/crab image build debian
+	@target/$*/crab image build debian --rebuild-stale
 
 demo: build-release
 	@scripts/daemon.sh restart target/release/crab

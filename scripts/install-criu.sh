@@ -25,7 +25,7 @@
 #
 # Idempotent: if /opt/crab/criu/bin/criu reports 4.2.1 and the stamp matches the
 # lock, it exits immediately.
-# Measured here (2 cores, kernel 6.18, deb.debian.org): cold (no /opt/crab at
+# Measured here (2 cores, kernel 6.18, the host's configured Debian archive): cold (no /opt/crab at
 # all) 2.5-4 s, most of it `apt-get update` of forky's Packages index (~10 MB);
 # reinstall with cached lists/debs ≈ 1.7 s; warm no-op ≈ 10 ms.
 # Disk: 30 MB in /opt/crab/criu + ~30 MB in /opt/crab/criu-apt (lists + .debs).
@@ -39,7 +39,8 @@
 #   CRAB_CRIU_PREFIX   (default /opt/crab/criu)
 #   CRAB_CRIU_APT_DIR  (default <prefix>-apt)
 #   CRAB_CRIU_SUITE    suite used by --refresh-lock (default forky; sid also works)
-#   CRAB_DEBIAN_MIRROR (default http://deb.debian.org/debian)
+#   CRAB_DEBIAN_MIRROR (default: the Debian archive in the host's own apt sources,
+#                       as `apt-get indextargets` lists it)
 set -euo pipefail
 
 CRIU_VERSION=4.2.1
@@ -48,7 +49,17 @@ LOCK_FILE="$SCRIPT_DIR/criu-packages.lock"
 PREFIX=${CRAB_CRIU_PREFIX:-/opt/crab/criu}
 PREFIX=${PREFIX%/}
 APT_DIR=${CRAB_CRIU_APT_DIR:-$PREFIX-apt}
-MIRROR=${CRAB_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# The Debian archive: the host's own apt configuration decides (both sources.list styles, via
+# apt itself), preferring the repository that serves the host's bookworm suite.
+host_debian_mirror() {
+    apt-get indextargets --format '$(REPO_URI) $(RELEASE) $(TARGET_OF)' 2>/dev/null | awk '
+        $3 != "deb" || $1 !~ /^https?:\/\// { next }
+        { sub(/\/$/, "", $1) }
+        $2 == "bookworm" { print $1; found = 1; exit }
+        !any && $2 ~ /^(bullseye|trixie|forky|sid|oldstable|stable|testing|unstable)$/ { any = $1 }
+        END { if (!found && any) print any }'
+}
+MIRROR=${CRAB_DEBIAN_MIRROR:-$(host_debian_mirror)}
 KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 LIBDIR_REL=usr/lib/x86_64-linux-gnu
 
@@ -138,6 +149,7 @@ fi
 
 write_apt_config() {
     local etc="$APT_DIR/etc"
+    [[ -n "$MIRROR" ]] || die "no Debian archive in this host's apt sources (apt-get indextargets lists no deb repository for a Debian suite); add one to /etc/apt/sources.list(.d) or set CRAB_DEBIAN_MIRROR"
     mkdir -p "$etc/sources.list.d" "$etc/apt.conf.d" "$etc/preferences.d" "$etc/trusted.gpg.d" \
         "$APT_DIR/state/lists/partial" "$APT_DIR/cache/archives/partial" "$APT_DIR/log" "$APT_DIR/debs"
     [[ -f "$APT_DIR/state/status" ]] || : >"$APT_DIR/state/status"

@@ -1059,13 +1059,22 @@ impl Checkpointer {
                     n.len()
                 )))
             }
-            None => (1..=count)
-                .map(|i| {
+            // `<sandbox>-<point>-<i>`, skipping the i of branches an earlier fork of the
+            // same point made (a second unnamed fork would otherwise collide with the first).
+            None => {
+                let mut out = Vec::with_capacity(count);
+                let mut i = 0usize;
+                while out.len() < count {
+                    i += 1;
                     let suffix = format!("-{}-{i}", m.id);
                     let keep = crab_common::names::MAX_NAME_LEN.saturating_sub(suffix.len());
-                    format!("{}{suffix}", &sandbox[..sandbox.len().min(keep)])
-                })
-                .collect(),
+                    let n = format!("{}{suffix}", &sandbox[..sandbox.len().min(keep)]);
+                    if self.rt.record(&n).is_err() {
+                        out.push(n);
+                    }
+                }
+                out
+            }
         };
         for n in &names {
             crab_common::names::validate("sandbox", n)

@@ -79,6 +79,10 @@ pub struct ImageBuildRequest {
     /// Extra packages on top of the default set.
     #[serde(default)]
     pub include: Vec<String>,
+    /// Rebuild (and swap in) an existing image of that name built from another recipe,
+    /// instead of refusing it.
+    #[serde(default)]
+    pub rebuild_stale: bool,
 }
 
 /// `POST /v1/images/import` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).

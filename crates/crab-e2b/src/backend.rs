@@ -47,6 +47,10 @@ pub trait Backend: Send + Sync + 'static {
         name: String,
         point: String,
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Every sandbox on the host: its name and whether its init is alive.
+    fn sandboxes(&self) -> impl Future<Output = Result<Vec<(String, bool)>, ApiError>> + Send;
+    /// The ids of sandbox `name`'s restore points.
+    fn points(&self, name: String) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
     /// Names of the images (E2B templates).
     fn images(&self) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
 }

@@ -13,7 +13,9 @@ pub mod envd;
 pub mod rest;
 pub mod server;
 pub mod shell;
+pub mod store;
 
 pub use auth::{Keys, KeysError};
 pub use backend::Backend;
 pub use server::{Config, E2b};
+pub use store::Store;

@@ -1,12 +1,13 @@
 //! The E2B front door's HTTP server: one axum router for the REST control plane (API key) and
 //! envd (routed by `E2b-Sandbox-Id`, authorised by the sandbox's `X-Access-Token`), the
-//! front door's own state (tokens, metadata, timeouts, the processes started through envd),
-//! and the timeout watchdog. Every lifecycle step is one [`Backend`] call.
+//! front door's own state (tokens, metadata, timeouts, snapshots, the processes started through
+//! envd) — persisted through [`Store`] so a daemon restart keeps it, and reconciled against the
+//! host's sandboxes — and the timeout watchdog. Every lifecycle step is one [`Backend`] call.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, FromRequest, Multipart, Path, Query, Request, State};
@@ -25,6 +26,7 @@ use crate::connect::{self, CallKind, Code, ConnectError};
 use crate::envd::{self, DataEvent, EndEvent, EventResponse, ProcessConfig, ProcessEvent};
 use crate::rest::{self, ApiErrorBody};
 use crate::shell::{self, FsFailure};
+use crate::store::{SandboxFile, Store, StoredSnapshot, StoredState};
 
 /// The envd protocol version Crab answers as (the SDK enables features by it: default user,
 /// octet-stream uploads, file metadata).
@@ -43,6 +45,8 @@ pub struct Config {
     pub keys: Keys,
     /// The image behind E2B's default template `base` when no image is named `base`.
     pub default_image: String,
+    /// Where the front door's state persists (and the secret its access tokens derive from).
+    pub store: Store,
 }
 
 /// The front door: its configuration, the host actions, and what it remembers per sandbox.
@@ -56,6 +60,10 @@ pub struct E2b<B> {
 
 #[derive(Debug, Clone)]
 struct Snapshot {
+    /// Its id (`<sandbox>:<point>`).
+    id: String,
+    /// Names given at creation.
+    names: Vec<String>,
     sandbox: String,
     point: String,
     /// A filesystem snapshot: sandboxes made from it get its files, not its processes.
@@ -66,6 +74,8 @@ struct Snapshot {
 enum RunState {
     Running,
     Paused,
+    /// Killed while it held snapshots: hidden, processes stopped, restore points kept.
+    Killed,
 }
 
 /// One E2B sandbox: a Crab sandbox plus what E2B adds to it.
@@ -78,6 +88,8 @@ struct Sb {
     envs: HashMap<String, String>,
     started_at: SystemTime,
     auto_pause: bool,
+    /// When this front door learnt of it (reconciliation leaves younger ones alone).
+    known_since: Instant,
     life: Mutex<Life>,
     procs: Mutex<HashMap<u32, Arc<Proc>>>,
     next_pid: AtomicU32,
@@ -107,6 +119,14 @@ struct Proc {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn from_ms(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -233,10 +253,16 @@ impl<B: Backend> E2b<B> {
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             let mut t = tokio::time::interval(period);
+            let mut n: u64 = 0;
             loop {
                 t.tick().await;
                 let Some(me) = weak.upgrade() else { return };
                 me.expire().await;
+                n += 1;
+                // Sandboxes removed through the CLI disappear from the E2B API too.
+                if n.is_multiple_of(10) {
+                    me.reconcile(false).await;
+                }
             }
         });
     }
@@ -244,8 +270,183 @@ impl<B: Backend> E2b<B> {
     fn sandbox(&self, id: &str) -> Result<Arc<Sb>, RestError> {
         lock(&self.sandboxes)
             .get(id)
+            .filter(|s| lock(&s.life).state != RunState::Killed)
             .cloned()
             .ok_or_else(|| RestError::new(404, format!("sandbox {id:?} not found")))
+    }
+
+    /// What sandbox `sb` persists as.
+    fn file_of(&self, sb: &Sb) -> SandboxFile {
+        let (state, end_at, pause_point) = {
+            let l = lock(&sb.life);
+            (l.state, l.end_at, l.pause_point.clone())
+        };
+        let mut snapshots: Vec<StoredSnapshot> = lock(&self.snapshots)
+            .iter()
+            .filter(|(k, s)| s.sandbox == sb.id && **k == s.id)
+            .map(|(_, s)| StoredSnapshot {
+                id: s.id.clone(),
+                point: s.point.clone(),
+                fs_only: s.fs_only,
+                names: s.names.clone(),
+            })
+            .collect();
+        snapshots.sort_by(|a, b| a.id.cmp(&b.id));
+        SandboxFile {
+            format: crate::store::FORMAT,
+            id: sb.id.clone(),
+            template: sb.template.clone(),
+            metadata: sb.metadata.clone(),
+            envs: sb.envs.clone(),
+            started_at_ms: ms(sb.started_at),
+            end_at_ms: ms(end_at),
+            auto_pause: sb.auto_pause,
+            state: match state {
+                RunState::Running => StoredState::Running,
+                RunState::Paused => StoredState::Paused,
+                RunState::Killed => StoredState::Killed,
+            },
+            pause_point,
+            snapshots,
+        }
+    }
+
+    /// Write `sb`'s state file. A failure is logged, not answered: the sandbox works on, but a
+    /// daemon restart would forget it.
+    fn persist(&self, sb: &Sb) {
+        if let Err(e) = self.cfg.store.save(&self.file_of(sb)) {
+            tracing::error!(sandbox = %sb.id, error = %e, "cannot persist the E2B state of the sandbox; a daemon restart will forget it (check the state directory's disk)");
+        }
+    }
+
+    /// Drop every trace of sandbox `id` from the front door (memory and state file).
+    fn forget(&self, id: &str) {
+        lock(&self.sandboxes).remove(id);
+        lock(&self.snapshots).retain(|_, s| s.sandbox != id);
+        if let Err(e) = self.cfg.store.delete(id) {
+            tracing::error!(sandbox = %id, error = %e, "cannot delete the E2B state file; remove it by hand");
+        }
+    }
+
+    fn insert_snapshot(&self, snap: Snapshot) {
+        let mut m = lock(&self.snapshots);
+        for n in &snap.names {
+            m.insert(n.clone(), snap.clone());
+        }
+        m.insert(snap.id.clone(), snap);
+    }
+
+    /// Load the persisted state (call once, before serving): every readable sandbox file
+    /// becomes an E2B sandbox again, with its token (derived, not stored), absolute deadline,
+    /// snapshots and run state; then reconcile it with the host's sandboxes and points.
+    pub async fn restore_state(self: &Shared<B>) {
+        let files = self.cfg.store.load();
+        let n = files.len();
+        for f in files {
+            let sb = Arc::new(Sb {
+                id: f.id.clone(),
+                template: f.template,
+                token: self.cfg.store.token(&f.id),
+                metadata: f.metadata,
+                envs: f.envs,
+                started_at: from_ms(f.started_at_ms),
+                auto_pause: f.auto_pause,
+                known_since: Instant::now(),
+                life: Mutex::new(Life {
+                    state: match f.state {
+                        StoredState::Running => RunState::Running,
+                        StoredState::Paused => RunState::Paused,
+                        StoredState::Killed => RunState::Killed,
+                    },
+                    end_at: from_ms(f.end_at_ms),
+                    pause_point: f.pause_point,
+                }),
+                procs: Mutex::new(HashMap::new()),
+                next_pid: AtomicU32::new(1),
+                lifecycle: tokio::sync::Mutex::new(()),
+            });
+            for s in f.snapshots {
+                self.insert_snapshot(Snapshot {
+                    id: s.id,
+                    names: s.names,
+                    sandbox: f.id.clone(),
+                    point: s.point,
+                    fs_only: s.fs_only,
+                });
+            }
+            lock(&self.sandboxes).insert(f.id, sb);
+        }
+        if n > 0 {
+            self.reconcile(true).await;
+            tracing::info!(
+                loaded = n,
+                kept = lock(&self.sandboxes).len(),
+                "E2B front-door state restored"
+            );
+        }
+    }
+
+    /// Match what the front door remembers with the host: a sandbox gone from the host (removed
+    /// through the CLI) is forgotten; a paused one that runs again (restored through the CLI)
+    /// is running; with `points`, snapshots whose restore point is gone are dropped, and a
+    /// killed snapshot holder left without snapshots is removed.
+    pub async fn reconcile(self: &Shared<B>, points: bool) {
+        if lock(&self.sandboxes).is_empty() {
+            return;
+        }
+        let asked = Instant::now();
+        let host: HashMap<String, bool> = match self.backend.sandboxes().await {
+            Ok(v) => v.into_iter().collect(),
+            Err(e) => {
+                tracing::warn!(error = %e.message, "E2B reconcile: cannot list the host's sandboxes");
+                return;
+            }
+        };
+        let known: Vec<Arc<Sb>> =
+            lock(&self.sandboxes).values().filter(|s| s.known_since < asked).cloned().collect();
+        for sb in known {
+            // One busy with a lifecycle step is looked at next time.
+            let Ok(_g) = sb.lifecycle.try_lock() else { continue };
+            let Some(&running) = host.get(&sb.id) else {
+                tracing::info!(sandbox = %sb.id, "E2B sandbox no longer exists on the host (removed outside the E2B API); forgetting it");
+                self.forget(&sb.id);
+                continue;
+            };
+            let mut changed = false;
+            {
+                let mut l = lock(&sb.life);
+                if l.state == RunState::Paused && running {
+                    l.state = RunState::Running;
+                    l.pause_point = None;
+                    changed = true;
+                }
+            }
+            if points {
+                let has = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
+                if has {
+                    match self.backend.points(sb.id.clone()).await {
+                        Ok(p) => {
+                            let mut m = lock(&self.snapshots);
+                            let before = m.len();
+                            m.retain(|k, s| {
+                                let keep = s.sandbox != sb.id || p.contains(&s.point);
+                                if !keep && *k == s.id {
+                                    tracing::warn!(sandbox = %sb.id, snapshot = %s.id, "E2B snapshot dropped: its restore point is gone");
+                                }
+                                keep
+                            });
+                            changed |= m.len() != before;
+                        }
+                        Err(e) => {
+                            tracing::warn!(sandbox = %sb.id, error = %e.message, "E2B reconcile: cannot list restore points")
+                        }
+                    }
+                }
+            }
+            if changed {
+                self.persist(&sb);
+            }
+        }
     }
 
     fn created(&self, sb: &Sb) -> rest::Created {
@@ -269,11 +470,12 @@ impl<B: Backend> E2b<B> {
         let sb = Arc::new(Sb {
             id: id.clone(),
             template,
-            token: random_hex(24),
+            token: self.cfg.store.token(&id),
             metadata: req.metadata.clone().unwrap_or_default(),
             envs: req.env_vars.clone().unwrap_or_default(),
             started_at: now,
             auto_pause: req.auto_pause.unwrap_or(false),
+            known_since: Instant::now(),
             life: Mutex::new(Life {
                 state: RunState::Running,
                 end_at: now + Duration::from_secs(timeout_s),
@@ -284,6 +486,7 @@ impl<B: Backend> E2b<B> {
             lifecycle: tokio::sync::Mutex::new(()),
         });
         lock(&self.sandboxes).insert(id, sb.clone());
+        self.persist(&sb);
         sb
     }
 
@@ -293,8 +496,7 @@ impl<B: Backend> E2b<B> {
             p.kill();
         }
         let r = self.backend.remove(sb.id.clone()).await;
-        lock(&self.sandboxes).remove(&sb.id);
-        lock(&self.snapshots).retain(|_, s| s.sandbox != sb.id);
+        self.forget(&sb.id);
         match r {
             Ok(()) => Ok(()),
             Err(e) if e.code == ErrorCode::SandboxNotFound => Ok(()),
@@ -312,9 +514,12 @@ impl<B: Backend> E2b<B> {
             p.detach();
         }
         let point = self.backend.pause(sb.id.clone()).await?;
-        let mut l = lock(&sb.life);
-        l.state = RunState::Paused;
-        l.pause_point = Some(point);
+        {
+            let mut l = lock(&sb.life);
+            l.state = RunState::Paused;
+            l.pause_point = Some(point);
+        }
+        self.persist(sb);
         Ok(())
     }
 }
@@ -479,7 +684,7 @@ fn detail_of(sb: &Sb, with_token: bool) -> rest::Detail {
         disk_size_mb: 1024,
         state: match l.state {
             RunState::Running => "running".into(),
-            RunState::Paused => "paused".into(),
+            RunState::Paused | RunState::Killed => "paused".into(),
         },
         metadata: sb.metadata.clone(),
         envd_access_token: with_token.then(|| sb.token.clone()),
@@ -526,6 +731,7 @@ async fn list<B: Backend>(
     };
     let mut all: Vec<rest::Detail> = lock(&e2b.sandboxes)
         .values()
+        .filter(|sb| lock(&sb.life).state != RunState::Killed)
         .map(|sb| detail_of(sb, false))
         .filter(|d| filter.iter().all(|(k, v)| d.metadata.get(k) == Some(v)))
         .filter(|d| states.is_empty() || states.contains(&d.state.as_str()))
@@ -567,6 +773,7 @@ async fn set_timeout<B: Backend>(
         ));
     }
     lock(&sb.life).end_at = SystemTime::now() + Duration::from_secs(req.timeout);
+    e2b.persist(&sb);
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -609,15 +816,21 @@ async fn connect_sb<B: Backend>(
         let paused = point.is_some();
         if let Some(point) = point {
             e2b.backend.resume(sb.id.clone(), point).await?;
-            let mut l = lock(&sb.life);
-            l.state = RunState::Running;
-            l.end_at = SystemTime::now() + Duration::from_secs(timeout);
-        } else if req.timeout.is_some() {
-            let mut l = lock(&sb.life);
-            let new = SystemTime::now() + Duration::from_secs(timeout);
-            if new > l.end_at {
-                l.end_at = new;
+            {
+                let mut l = lock(&sb.life);
+                l.state = RunState::Running;
+                l.end_at = SystemTime::now() + Duration::from_secs(timeout);
             }
+            e2b.persist(&sb);
+        } else if req.timeout.is_some() {
+            {
+                let mut l = lock(&sb.life);
+                let new = SystemTime::now() + Duration::from_secs(timeout);
+                if new > l.end_at {
+                    l.end_at = new;
+                }
+            }
+            e2b.persist(&sb);
         }
         paused
     };
@@ -640,20 +853,14 @@ async fn snapshot<B: Backend>(
     let point = e2b.backend.checkpoint(id.clone(), kind).await?;
     let snapshot_id = format!("{id}:{point}");
     let names: Vec<String> = req.name.into_iter().collect();
-    lock(&e2b.snapshots).insert(
-        snapshot_id.clone(),
-        Snapshot { sandbox: id.clone(), point, fs_only: kind == CheckpointKind::Fs },
-    );
-    for n in &names {
-        lock(&e2b.snapshots).insert(
-            n.clone(),
-            Snapshot {
-                sandbox: id.clone(),
-                point: snapshot_id[id.len() + 1..].to_string(),
-                fs_only: kind == CheckpointKind::Fs,
-            },
-        );
-    }
+    e2b.insert_snapshot(Snapshot {
+        id: snapshot_id.clone(),
+        names: names.clone(),
+        sandbox: id.clone(),
+        point,
+        fs_only: kind == CheckpointKind::Fs,
+    });
+    e2b.persist(&sb);
     tracing::info!(sandbox = %id, snapshot = %snapshot_id, %kind, "E2B snapshot");
     Ok((StatusCode::CREATED, Json(rest::SnapshotInfo { snapshot_id, names })).into_response())
 }
@@ -713,9 +920,13 @@ fn envd_sandbox<B: Backend>(e2b: &E2b<B>, headers: &HeaderMap) -> Result<Arc<Sb>
             "missing E2b-Sandbox-Id header: point E2B_SANDBOX_URL at this daemon's E2B listener",
         )
     })?;
-    let sb = lock(&e2b.sandboxes).get(id).cloned().ok_or_else(|| {
-        ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found"))
-    })?;
+    let sb = lock(&e2b.sandboxes)
+        .get(id)
+        .filter(|s| lock(&s.life).state != RunState::Killed)
+        .cloned()
+        .ok_or_else(|| {
+            ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found"))
+        })?;
     let token = headers.get("x-access-token").and_then(|v| v.to_str().ok()).unwrap_or("");
     if !ct_eq(token.as_bytes(), sb.token.as_bytes()) {
         return Err(ConnectError::new(

@@ -63,6 +63,12 @@ impl Backend for Fake {
     async fn resume(&self, _name: String, _point: String) -> Result<(), ApiError> {
         Ok(())
     }
+    async fn sandboxes(&self) -> Result<Vec<(String, bool)>, ApiError> {
+        Ok(self.sandboxes.lock().unwrap().iter().map(|n| (n.clone(), true)).collect())
+    }
+    async fn points(&self, _name: String) -> Result<Vec<String>, ApiError> {
+        Ok(vec!["c000001".into(), "c000002".into()])
+    }
     async fn images(&self) -> Result<Vec<String>, ApiError> {
         Ok(vec!["debian".into()])
     }
@@ -74,7 +80,13 @@ fn front() -> (Arc<E2b<Fake>>, Arc<Fake>) {
     let digest = hex::encode(Sha256::digest(KEY.as_bytes()));
     let keys = Keys::parse(&digest, "test").unwrap();
     let fake = Arc::new(Fake::default());
-    (E2b::new(fake.clone(), Config { keys, default_image: "debian".into() }), fake)
+    (
+        E2b::new(
+            fake.clone(),
+            Config { keys, default_image: "debian".into(), store: crab_e2b::Store::memory() },
+        ),
+        fake,
+    )
 }
 
 async fn call(e2b: &Arc<E2b<Fake>>, req: Request<Body>) -> (StatusCode, Vec<u8>) {
@@ -190,4 +202,66 @@ async fn lifecycle_auth_and_envd_stream() {
     };
     assert_eq!(call(&e2b, del(KEY)).await.0, 204);
     assert_eq!(call(&e2b, del(KEY)).await.0, 404);
+}
+
+/// A second front door over the same state directory (a daemon restart) knows the sandboxes
+/// the first made — same token, metadata, deadline, snapshots — skips a corrupt file without
+/// losing the others, and forgets a sandbox the host no longer has.
+#[tokio::test]
+async fn state_survives_a_restart_and_is_reconciled() {
+    let dir = std::env::temp_dir().join(format!("crab-e2b-router-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let digest = hex::encode(Sha256::digest(KEY.as_bytes()));
+    let keys = Keys::parse(&digest, "test").unwrap();
+    let fake = Arc::new(Fake::default());
+    let open = |fake: &Arc<Fake>| {
+        let store = crab_e2b::Store::open(&dir).unwrap();
+        E2b::new(fake.clone(), Config { keys: keys.clone(), default_image: "debian".into(), store })
+    };
+    let post = |uri: &str, body: &str| {
+        Request::post(uri)
+            .header("content-type", "application/json")
+            .header("x-api-key", KEY)
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let get = |uri: &str| Request::get(uri).header("x-api-key", KEY).body(Body::empty()).unwrap();
+    let first = open(&fake);
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let (s, b) = call(
+            &first,
+            post("/v2/sandboxes", r#"{"templateID":"base","timeout":600,"metadata":{"k":"v"}}"#),
+        )
+        .await;
+        assert_eq!(s, 201);
+        ids.push(json(&b)["sandboxID"].as_str().unwrap().to_string());
+    }
+    let (s, snap) = call(&first, post(&format!("/sandboxes/{}/snapshots", ids[0]), "{}")).await;
+    assert_eq!(s, 201);
+    let snap = json(&snap)["snapshotID"].as_str().unwrap().to_string();
+    let (_, before) = call(&first, get(&format!("/sandboxes/{}", ids[0]))).await;
+    let before = json(&before);
+    drop(first);
+    std::fs::write(dir.join("sandboxes/e2b-corrupt.json"), b"{\"format\": 1,").unwrap();
+
+    let second = open(&fake);
+    second.restore_state().await;
+    let (s, after) = call(&second, get(&format!("/sandboxes/{}", ids[0]))).await;
+    assert_eq!(s, 200);
+    let after = json(&after);
+    for k in ["envdAccessToken", "endAt", "startedAt", "metadata", "state"] {
+        assert_eq!(before[k], after[k], "{k} changed across the restart");
+    }
+    let (s, _) =
+        call(&second, post("/v2/sandboxes", &format!(r#"{{"templateID":"{snap}"}}"#))).await;
+    assert_eq!(s, 201, "the snapshot id was forgotten");
+    // The host lost the second sandbox (removed through the CLI): the E2B API forgets it.
+    fake.sandboxes.lock().unwrap().retain(|n| *n != ids[1]);
+    second.reconcile(false).await;
+    let (s, _) = call(&second, get(&format!("/sandboxes/{}", ids[1]))).await;
+    assert_eq!(s, 404);
+    assert!(!dir.join(format!("sandboxes/{}.json", ids[1])).exists());
+    assert!(dir.join("sandboxes/e2b-corrupt.json").exists(), "the corrupt file was not kept");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

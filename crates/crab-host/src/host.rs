@@ -245,6 +245,7 @@ impl Host {
         if let Some(p) = proxy {
             p.shutdown().await;
         }
+        self.runtime.release_cgroup_parent();
     }
 
     /// The turn policy.
@@ -321,7 +322,13 @@ impl Host {
                 let state = self.state().clone();
                 let name = req.name.clone().unwrap_or_else(|| req.distro.clone());
                 blocking(move || {
-                    let i = image::build_debian(&state, &name, &req.include, progress.as_ref())?;
+                    let i = image::build_debian(
+                        &state,
+                        &name,
+                        &req.include,
+                        req.rebuild_stale,
+                        progress.as_ref(),
+                    )?;
                     Ok(Outcome::Image(i))
                 })
                 .await

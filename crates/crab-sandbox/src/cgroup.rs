@@ -89,6 +89,22 @@ impl Hierarchy {
         Ok(Hierarchy { v2: v2.ok_or(CgroupError::NoCgroup2)?, v1 })
     }
 
+    /// Remove the (parent) cgroup `rel` from every hierarchy where it is empty: a directory
+    /// with child cgroups or processes stays (rmdir refuses it). Returns how many went.
+    pub fn remove_if_empty(&self, rel: &str) -> usize {
+        let mut removed = 0;
+        let dirs =
+            std::iter::once(self.v2.join(rel)).chain(self.v1.iter().map(|(_, m)| m.join(rel)));
+        for d in dirs {
+            match fs::remove_dir(&d) {
+                Ok(()) => removed += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::debug!(path = %d.display(), error = %e, "cgroup stays"),
+            }
+        }
+        removed
+    }
+
     /// The cgroup at `rel` (e.g. `crab-<instance>/<name>`) in every hierarchy.
     pub fn sandbox(&self, rel: &str) -> SandboxCgroup {
         SandboxCgroup {

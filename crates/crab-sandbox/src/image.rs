@@ -133,18 +133,51 @@ impl Staging {
     }
 
     /// Finish: install the init, make it read-only, move it into place, write the record.
-    fn commit(mut self, state: &StateDir, name: &str, source: String) -> Result<ImageInfo> {
+    /// With `replace`, an existing image of that name is moved aside first and deleted only
+    /// once the new one and its record are in place; any failure puts the old one back.
+    fn commit(
+        mut self,
+        state: &StateDir,
+        name: &str,
+        source: String,
+        replace: bool,
+    ) -> Result<ImageInfo> {
         runtime::install_init(&self.path)?;
         let size_bytes = du(&self.path);
         let dst = state.image_rootfs(name);
+        let mut aside: Option<PathBuf> = None;
         if dst.exists() {
-            return Err(SandboxError::NameTaken { kind: "image", name: name.to_string() });
+            if !replace {
+                return Err(SandboxError::NameTaken { kind: "image", name: name.to_string() });
+            }
+            let to = state.tmp().join(format!("image-{name}-old-{:08x}", runtime::rand_u32()));
+            btrfs::set_readonly(&dst, false)?;
+            if let Err(e) = fs::rename(&dst, &to) {
+                let _ = btrfs::set_readonly(&dst, true);
+                return Err(SandboxError::io("rename", &dst)(e));
+            }
+            aside = Some(to);
         }
+        // Put the old image back (used on every failure below).
+        let restore_old = |aside: &Option<PathBuf>| {
+            if let Some(old) = aside {
+                if let Err(e) = fs::rename(old, &dst) {
+                    tracing::error!(from = %old.display(), to = %dst.display(), error = %e,
+                        "cannot put the previous image back");
+                } else {
+                    let _ = btrfs::set_readonly(&dst, true);
+                }
+            }
+        };
         // Rename first: a read-only subvolume cannot be moved (its `..` entry would change).
-        fs::rename(&self.path, &dst).map_err(SandboxError::io("rename", &self.path))?;
+        if let Err(e) = fs::rename(&self.path, &dst) {
+            restore_old(&aside);
+            return Err(SandboxError::io("rename", &self.path)(e));
+        }
         self.committed = true;
         if let Err(e) = btrfs::set_readonly(&dst, true) {
             let _ = btrfs::remove_tree(&dst);
+            restore_old(&aside);
             return Err(e.into());
         }
         let rec = ImageRecord {
@@ -158,7 +191,13 @@ impl Staging {
             serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
         if let Err(e) = runtime::write_atomic(&state.image_record(name), &bytes) {
             let _ = btrfs::remove_tree(&dst);
+            restore_old(&aside);
             return Err(e);
+        }
+        if let Some(old) = aside {
+            if let Err(e) = btrfs::remove_tree(&old) {
+                tracing::warn!(path = %old.display(), error = %e, "cannot delete the replaced image");
+            }
         }
         Ok(rec.into())
     }
@@ -201,6 +240,11 @@ fn check_new_name(state: &StateDir, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Version of what a debian build does after debootstrap (quiet login shells, E2B's `user`
+/// account, ...). It is part of the recipe, so an image built by an older finalize step is
+/// stale: `image build --rebuild-stale` replaces it, a plain `image build` names it.
+pub const DEBIAN_FINALIZE: u32 = 2;
+
 /// The recipe string of a debian build (stored as the image's source).
 fn debian_recipe(include: &[String]) -> String {
     let mut pkgs: Vec<String> = DEBIAN_PACKAGES.iter().map(|s| s.to_string()).collect();
@@ -209,15 +253,19 @@ fn debian_recipe(include: &[String]) -> String {
             pkgs.push(p.clone());
         }
     }
-    format!("debootstrap bookworm minbase +{}", pkgs.join(","))
+    format!("debootstrap bookworm minbase +{}; finalize {DEBIAN_FINALIZE}", pkgs.join(","))
 }
 
 /// Build a Debian bookworm image with debootstrap. When an image of that name with the same
-/// recipe exists, it is returned as is (cached).
+/// recipe exists, it is returned as is (cached). One built from another recipe (other
+/// packages, an older finalize step) is refused, or with `rebuild_stale` rebuilt and swapped
+/// in once the new one is complete (sandboxes made from the old one are independent
+/// snapshots and keep running).
 pub fn build_debian(
     state: &StateDir,
     name: &str,
     include: &[String],
+    rebuild_stale: bool,
     progress: &dyn Progress,
 ) -> Result<ImageInfo> {
     for p in include {
@@ -226,26 +274,36 @@ pub fn build_debian(
         }
     }
     let recipe = debian_recipe(include);
+    let mut replace = false;
     if let Some(r) = read_record(state, name) {
         if r.source == recipe && btrfs::is_subvolume(&state.image_rootfs(name)) {
             progress.message(&format!("image {name} is already built ({recipe})"));
             return Ok(r.into());
         }
-        return Err(SandboxError::Conflict(format!(
-            "image {name:?} exists but was built from another recipe ({}); remove it with \
-             `crab image rm {name}` to rebuild, or pick another --name",
+        if !rebuild_stale {
+            let named = if name == "debian" { String::new() } else { format!(" --name {name}") };
+            return Err(SandboxError::Conflict(format!(
+                "image {name:?} exists but was built from another recipe ({}; this build's is \
+                 {recipe}); rebuild it in place with `crab image build debian{named} \
+                 --rebuild-stale`, remove it with `crab image rm {name}`, or pick another --name",
+                r.source
+            )));
+        }
+        progress.message(&format!(
+            "image {name} is stale (built from {}); rebuilding it from {recipe}",
             r.source
-        )));
+        ));
+        replace = true;
+    } else {
+        check_new_name(state, name)?;
     }
-    check_new_name(state, name)?;
     let Some(debootstrap) = pool::which("debootstrap") else {
         return Err(SandboxError::Host {
             what: "debootstrap is not installed".into(),
             hint: "install it with `apt-get install debootstrap` (`make setup` does it)".into(),
         });
     };
-    let mirror = std::env::var("CRAB_DEBIAN_MIRROR")
-        .unwrap_or_else(|_| "http://deb.debian.org/debian".into());
+    let mirror = debian_mirror()?;
     let staging = Staging::new(state, name)?;
     let cache = state.root().join("cache/debootstrap");
     fs::create_dir_all(&cache).map_err(SandboxError::io("create", &cache))?;
@@ -310,7 +368,63 @@ pub fn build_debian(
             }
         }
     }
-    staging.commit(state, name, recipe)
+    staging.commit(state, name, recipe, replace)
+}
+
+/// The Debian archive debootstrap fetches from: `CRAB_DEBIAN_MIRROR` when set, else the host's
+/// own apt configuration (`apt-get indextargets`, which reads both `sources.list` styles): the
+/// repository that serves the host's `bookworm` suite, or failing that any Debian one.
+pub fn debian_mirror() -> Result<String> {
+    if let Ok(m) = std::env::var("CRAB_DEBIAN_MIRROR") {
+        if !m.is_empty() {
+            return Ok(m);
+        }
+    }
+    let out = Command::new("apt-get")
+        .args(["indextargets", "--format", "$(REPO_URI) $(RELEASE) $(TARGET_OF)"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output();
+    let text = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        _ => String::new(),
+    };
+    pick_mirror(&text).ok_or_else(|| SandboxError::Host {
+        what: "no Debian archive in this host's apt sources (`apt-get indextargets` lists no \
+               `deb` repository for bookworm)"
+            .into(),
+        hint: "add Debian's archive to /etc/apt/sources.list(.d), or set CRAB_DEBIAN_MIRROR to \
+               the archive's URL"
+            .into(),
+    })
+}
+
+/// From `apt-get indextargets` lines (`URI RELEASE TARGET_OF`), the archive serving
+/// `bookworm` itself (not `-security`/`-updates`, which debootstrap cannot bootstrap from),
+/// else one serving another Debian suite.
+fn pick_mirror(text: &str) -> Option<String> {
+    let mut any = None;
+    for line in text.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(uri), Some(release), Some(of)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        if of != "deb" || !(uri.starts_with("http://") || uri.starts_with("https://")) {
+            continue;
+        }
+        let uri = uri.trim_end_matches('/').to_string();
+        if release == "bookworm" {
+            return Some(uri);
+        }
+        // Another Debian suite of the same archive (a trixie host's mirror also serves
+        // bookworm).
+        const DEBIAN_SUITES: &[&str] =
+            &["bullseye", "trixie", "forky", "sid", "oldstable", "stable", "testing", "unstable"];
+        if any.is_none() && DEBIAN_SUITES.contains(&release) {
+            any = Some(uri);
+        }
+    }
+    any
 }
 
 /// A bind mount of a directory onto itself with `dev,suid`, detached on drop.
@@ -430,12 +544,44 @@ pub fn import(
                 detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
             });
         }
-        staging.commit(state, name, format!("import {}", path.display()))
+        staging.commit(state, name, format!("import {}", path.display()), false)
     } else {
         let entries = archive::check_tar(path)?;
         let staging = Staging::new(state, name)?;
         progress.stage("unpack", Some(entries));
         archive::unpack_tar(path, &staging.path, progress)?;
-        staging.commit(state, name, format!("import {}", path.display()))
+        staging.commit(state, name, format!("import {}", path.display()), false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mirror_is_the_archive_serving_bookworm() {
+        let text = "http://a.example/debian-security/ bookworm-security deb\n\
+                    http://a.example/debian/ bookworm-updates deb\n\
+                    http://a.example/debian/ bookworm deb\n\
+                    http://a.example/debian/ bookworm deb-src\n";
+        assert_eq!(pick_mirror(text).as_deref(), Some("http://a.example/debian"));
+    }
+
+    #[test]
+    fn mirror_falls_back_to_another_debian_suite_but_not_to_third_party_repos() {
+        let text = "https://third.example/node nodistro deb\nhttp://m.example/d/ trixie deb\n";
+        assert_eq!(pick_mirror(text).as_deref(), Some("http://m.example/d"));
+        assert_eq!(pick_mirror("https://third.example/node nodistro deb\n"), None);
+        assert_eq!(pick_mirror("file:/srv/debian bookworm deb\n"), None);
+        assert_eq!(pick_mirror(""), None);
+    }
+
+    #[test]
+    fn recipe_names_the_finalize_version_and_extra_packages() {
+        let r = debian_recipe(&["vim".into(), "git".into()]);
+        assert!(r.starts_with("debootstrap bookworm minbase +python3,git,"), "{r}");
+        assert!(r.ends_with(&format!(",vim; finalize {DEBIAN_FINALIZE}")), "{r}");
+        // An image built before the finalize step was versioned is stale.
+        assert_ne!(r, format!("debootstrap bookworm minbase +{}", DEBIAN_PACKAGES.join(",")));
     }
 }

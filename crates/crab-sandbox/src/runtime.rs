@@ -213,6 +213,17 @@ impl Runtime {
         }
     }
 
+    /// When this daemon has no sandboxes left, remove its instance's parent cgroup
+    /// (`crab-<instance>`) from every hierarchy, so a stopped daemon leaves no empty groups
+    /// behind. Called on shutdown; a sandbox created meanwhile recreates it.
+    pub fn release_cgroup_parent(&self) {
+        if !self.lock().is_empty() {
+            return;
+        }
+        let n = self.hier.remove_if_empty(&self.cfg.state.cgroup_parent());
+        tracing::debug!(removed = n, "released the instance's parent cgroup");
+    }
+
     /// The host's cgroup hierarchy.
     pub fn hierarchy(&self) -> &Hierarchy {
         &self.hier

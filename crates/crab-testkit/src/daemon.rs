@@ -162,3 +162,162 @@ pub fn wait_until(secs: f64, mut f: impl FnMut() -> bool) -> bool {
     }
     f()
 }
+
+/// A second daemon ("another host") on its own state directory, pool and proxy port, for
+/// tests that need a daemon of their own (hostile neighbours, cross-host restores, crashes).
+/// It never reads the main test daemon's `CRAB_E2B_*` variables. On drop it removes its
+/// sandboxes, stops, unmounts its pool and deletes its state directory.
+#[derive(Debug)]
+pub struct OtherDaemon {
+    /// Its state directory.
+    pub state: PathBuf,
+    /// Its LLM proxy port.
+    pub port: u16,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl OtherDaemon {
+    /// Start `crab daemon --state-dir STATE --proxy-listen 127.0.0.1:<free port> ARGS…` with
+    /// `env` added, and wait until it answers.
+    pub fn start(state: &std::path::Path, args: &[&str], env: &[(String, String)]) -> OtherDaemon {
+        // A port of its own (tests run in parallel; 0 is refused by the proxy's loopback check).
+        let port = 20000 + (u32::from_str_radix(&unique("p")[2..], 16).unwrap() % 20000) as u16;
+        let d = OtherDaemon {
+            state: state.to_path_buf(),
+            port,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            env: env.to_vec(),
+        };
+        d.launch();
+        d
+    }
+
+    fn launch(&self) {
+        std::fs::create_dir_all(self.state.join("logs")).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state.join("logs/daemon.log"))
+            .unwrap();
+        let status = Command::new("setsid")
+            .arg("-f")
+            .arg(bin())
+            .args(["daemon", "--state-dir", self.state.to_str().unwrap()])
+            .args(["--proxy-listen", &format!("127.0.0.1:{}", self.port)])
+            .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            // Only the main test daemon serves the E2B API (make test exports its address).
+            .env_remove("CRAB_E2B_LISTEN")
+            .env_remove("CRAB_E2B_KEYS")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let start = Instant::now();
+        while !self.crab(&["version"]).status.success() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "daemon on {} did not come up (log {}/logs/daemon.log)",
+                self.state.display(),
+                self.state.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Run the CLI against this daemon.
+    pub fn crab(&self, args: &[&str]) -> Output {
+        Command::new(bin())
+            .args(["--state-dir", self.state.to_str().unwrap()])
+            .args(args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// Like [`OtherDaemon::crab`], asserting success and returning stdout.
+    pub fn crab_ok(&self, args: &[&str]) -> String {
+        let o = self.crab(args);
+        assert!(
+            o.status.success(),
+            "crab {args:?} on {} failed: {}{}",
+            self.state.display(),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// `crab --json ARGS…` parsed.
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        serde_json::from_str(&self.crab_ok(&a)).unwrap()
+    }
+
+    /// Its pid, while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        let pid = std::fs::read_to_string(self.state.join("daemon.pid")).ok()?;
+        let pid: i32 = pid.trim().parse().ok()?;
+        std::path::Path::new(&format!("/proc/{pid}")).exists().then_some(pid)
+    }
+
+    fn wait_gone(&self, pid: i32) {
+        let start = Instant::now();
+        while std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && start.elapsed() < Duration::from_secs(20)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stop it (SIGTERM) and wait until it is gone; its sandboxes keep running.
+    pub fn stop(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+            self.wait_gone(pid);
+        }
+    }
+
+    /// Kill it with SIGKILL (a crash: nothing runs on the way out).
+    pub fn kill9(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            self.wait_gone(pid);
+        }
+    }
+
+    /// Start it again with the same arguments (after [`OtherDaemon::stop`] or a crash).
+    pub fn restart(&self) {
+        self.launch();
+    }
+
+    /// Remove its sandboxes, stop it, unmount its pool and delete its state directory.
+    pub fn destroy(&self) {
+        if self.pid().is_some() {
+            let names = self.crab(&["sandbox", "ls", "--json"]);
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&names.stdout) {
+                for sb in v.as_array().into_iter().flatten() {
+                    if let Some(n) = sb["name"].as_str() {
+                        let _ = self.crab(&["sandbox", "rm", "--force", n]);
+                    }
+                }
+            }
+        }
+        self.stop();
+        let _ = Command::new("umount").arg("-l").arg(self.state.join("pool")).status();
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+impl Drop for OtherDaemon {
+    fn drop(&mut self) {
+        if self.state.exists() {
+            self.destroy();
+        }
+    }
+}

@@ -107,6 +107,16 @@ fn forks_diverge() {
     }
     assert_eq!(ids.len(), 3, "branches share a machine-id or hostname");
     assert_eq!(hit(&sb), "2", "the source sandbox was affected by its forks");
+    // A second unnamed fork of the same point picks names the first did not take.
+    let out = crab_ok(&["--json", "fork", &sb.name, p["id"].as_str().unwrap(), "--count", "2"]);
+    let again: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let again: Vec<Sandbox> =
+        again.iter().map(|b| Sandbox { name: b["sandbox"].as_str().unwrap().into() }).collect();
+    assert_eq!(again.len(), 2);
+    for a in &again {
+        assert!(forks.iter().all(|f| f.name != a.name), "{} reused a branch name", a.name);
+        assert_eq!(hit(a), "2", "branch {}", a.name);
+    }
 }
 
 #[test]

@@ -3,6 +3,9 @@
 //! `--e2b-listen` address (CRAB_E2B_LISTEN, with CRAB_E2B_KEYS holding the test key's digest —
 //! `make test` sets both). Needs root and a daemon serving E2B: under
 //! CRAB_REQUIRE_PRIVILEGED=1 it fails when it cannot run, otherwise it says why and passes.
+//! `sdk_state_survives_a_daemon_restart` runs `tests/e2b/restart_flows.py` against a second
+//! daemon of its own (its own state dir, proxy port and `--e2b-listen` port), which it restarts
+//! between the script's two phases; the shared test daemon is never restarted.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crab_testkit::daemon as common;
@@ -35,6 +38,40 @@ fn sdk_python() -> Result<PathBuf, String> {
     Ok(PathBuf::from(root).join("venv/bin/python"))
 }
 
+/// Run the SDK `script` with `args` against the E2B API at `url`; answers its stdout, failing
+/// the test (with both outputs) when it fails.
+fn run_sdk(
+    python: &PathBuf,
+    url: &str,
+    script: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> String {
+    let script = repo().join("crates/crab/tests/e2b").join(script);
+    // A hung SDK call must fail the test, not hang `make test`.
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", "600"])
+        .arg(python)
+        .arg(&script)
+        .args(args)
+        .env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .env("E2B_API_KEY", TEST_KEY)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the SDK script");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}{stderr}");
+    assert!(
+        out.status.success(),
+        "the e2b SDK script {} {args:?} failed ({}):\n{stdout}\n{stderr}",
+        script.display(),
+        out.status
+    );
+    stdout
+}
+
 fn run_flows(only: &str) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -60,22 +97,7 @@ fn run_flows(only: &str) {
         Ok(p) => p,
         Err(e) => return cannot_run(&e),
     };
-    let script = repo().join("crates/crab/tests/e2b/sdk_flows.py");
-    // A hung SDK call must fail the test, not hang `make test`.
-    let out = Command::new("timeout")
-        .args(["--kill-after=10", "600"])
-        .arg(&python)
-        .arg(&script)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", TEST_KEY)
-        .env("CRAB_E2B_ONLY", only)
-        .output()
-        .expect("run the SDK script");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}{stderr}");
-    assert!(out.status.success(), "the e2b SDK flows failed ({}):\n{stdout}\n{stderr}", out.status);
+    let stdout = run_sdk(&python, &url, "sdk_flows.py", &[], &[("CRAB_E2B_ONLY", only)]);
     for name in only.split(',') {
         assert!(stdout.contains(&format!("ok {name}")), "check {name} did not pass:\n{stdout}");
     }
@@ -94,4 +116,47 @@ fn sdk_snapshots_fork_pause() {
 #[test]
 fn sdk_errors_and_timeout() {
     run_flows("errors,timeout");
+}
+
+/// Front-door state survives a restart of the daemon: tokens, metadata, envs, the absolute
+/// timeout (the watchdog fires it after the restart), and snapshots (docs/e2b.md).
+#[test]
+fn sdk_state_survives_a_daemon_restart() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return cannot_run("needs root");
+    }
+    let python = match sdk_python() {
+        Ok(p) => p,
+        Err(e) => return cannot_run(&e),
+    };
+    common::ensure_daemon();
+    let image = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
+    assert!(
+        image.is_dir(),
+        "no debian image in the test daemon's state dir ({}): run `crab image build debian`",
+        image.display()
+    );
+    let port = 20000 + (u32::from_str_radix(&common::unique("p")[2..], 16).unwrap() % 20000);
+    let listen = format!("127.0.0.1:{port}");
+    let keys = repo().join("crates/crab/tests/e2b/test-keys");
+    let d = common::OtherDaemon::start(
+        &PathBuf::from("/var/lib").join(common::unique("crab-e2b-restart")),
+        &["--pool-size", "4G", "--e2b-listen", &listen, "--e2b-keys", keys.to_str().unwrap()],
+        &[],
+    );
+    d.crab_ok(&["image", "import", "debian", image.to_str().unwrap()]);
+    let url = format!("http://{listen}");
+    let state = d.state.join("restart-flows.json");
+    let st = state.to_str().unwrap();
+    let out = run_sdk(&python, &url, "restart_flows.py", &["before", st], &[]);
+    assert!(out.contains("ok before"), "{out}");
+    d.stop();
+    d.restart();
+    let out = run_sdk(&python, &url, "restart_flows.py", &["after", st], &[]);
+    assert!(out.contains("ok after"), "{out}");
+    // Everything the script made is gone from the host too.
+    let ls: serde_json::Value =
+        serde_json::from_str(&d.crab_ok(&["sandbox", "ls", "--json"])).unwrap();
+    assert_eq!(ls.as_array().map(Vec::len), Some(0), "left behind: {ls}");
 }

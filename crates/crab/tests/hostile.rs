@@ -10,11 +10,11 @@
 use crab_testkit::daemon as common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{crab, crab_ok, unique, Sandbox};
+use common::{crab, crab_ok, unique, OtherDaemon, Sandbox};
 
 /// Host files a hostile sandbox points its symlinks at; checked untouched at the end.
 struct Canary {
@@ -107,110 +107,34 @@ fn image_made_symlinks_never_reach_the_host_at_create() {
     let _ = std::fs::remove_dir_all(&src);
 }
 
-/// A second daemon on its own state directory and a small pool, stopped on drop.
-struct OtherDaemon {
-    state: PathBuf,
+/// A second daemon on its own state directory and a small pool, removed on drop.
+fn other_daemon(pool_size: &str) -> OtherDaemon {
+    let state = PathBuf::from("/var/lib").join(unique("crab-hostile"));
+    OtherDaemon::start(&state, &["--pool-size", pool_size], &[])
 }
 
-impl OtherDaemon {
-    fn start(pool_size: &str) -> OtherDaemon {
-        let state = PathBuf::from("/var/lib").join(unique("crab-hostile"));
-        std::fs::create_dir_all(state.join("logs")).unwrap();
-        let log = std::fs::File::create(state.join("logs/daemon.log")).unwrap();
-        // A port of its own (tests run in parallel; 0 is refused by the proxy's loopback check).
-        let port = 20000 + u32::from_str_radix(&unique("p")[2..], 16).unwrap() % 20000;
-        let status = Command::new("setsid")
-            .arg("-f")
-            .arg(common::bin())
-            .args(["daemon", "--state-dir", state.to_str().unwrap(), "--pool-size", pool_size])
-            .args(["--proxy-listen", &format!("127.0.0.1:{port}")])
-            // Only the main test daemon serves the E2B API (make test exports its address).
-            .env_remove("CRAB_E2B_LISTEN")
-            .env_remove("CRAB_E2B_KEYS")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let d = OtherDaemon { state };
-        let start = Instant::now();
-        while !d.crab(&["version"]).status.success() {
-            assert!(start.elapsed() < Duration::from_secs(30), "second daemon did not come up");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        d
-    }
-
-    fn crab(&self, args: &[&str]) -> Output {
-        Command::new(common::bin())
-            .args(["--state-dir", self.state.to_str().unwrap()])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    }
-
-    fn crab_ok(&self, args: &[&str]) -> String {
-        let o = self.crab(args);
-        assert!(
-            o.status.success(),
-            "crab {args:?} on {} failed: {}",
-            self.state.display(),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    /// An image with nothing but the init the daemon installs.
-    fn empty_image(&self) -> String {
-        let src = self.state.join("empty-root");
-        std::fs::create_dir_all(&src).unwrap();
-        self.crab_ok(&["image", "import", "empty", src.to_str().unwrap()]);
-        "empty".into()
-    }
-
-    fn info(&self, name: &str) -> serde_json::Value {
-        serde_json::from_str(&self.crab_ok(&["sandbox", "inspect", name])).unwrap()
-    }
+/// An image with nothing but the init the daemon installs.
+fn empty_image(d: &OtherDaemon) -> String {
+    let src = d.state.join("empty-root");
+    std::fs::create_dir_all(&src).unwrap();
+    d.crab_ok(&["image", "import", "empty", src.to_str().unwrap()]);
+    "empty".into()
 }
 
-impl Drop for OtherDaemon {
-    fn drop(&mut self) {
-        let names = self.crab(&["sandbox", "ls", "--json"]);
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&names.stdout) {
-            for sb in v.as_array().into_iter().flatten() {
-                if let Some(n) = sb["name"].as_str() {
-                    let _ = self.crab(&["sandbox", "rm", "--force", n]);
-                }
-            }
-        }
-        if let Ok(pid) = std::fs::read_to_string(self.state.join("daemon.pid")) {
-            if let Ok(pid) = pid.trim().parse::<i32>() {
-                let _ = Command::new("kill").arg(pid.to_string()).status();
-                let start = Instant::now();
-                while Path::new(&format!("/proc/{pid}")).exists()
-                    && start.elapsed() < Duration::from_secs(10)
-                {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        }
-        let _ = Command::new("umount").arg(self.state.join("pool")).status();
-        let _ = std::fs::remove_dir_all(&self.state);
-    }
+fn info(d: &OtherDaemon, name: &str) -> serde_json::Value {
+    serde_json::from_str(&d.crab_ok(&["sandbox", "inspect", name])).unwrap()
 }
 
 #[test]
 fn two_daemons_with_the_same_sandbox_name_never_touch_each_other() {
     let mine = Sandbox::new("t-hostile-twin");
     mine.sh_ok("sleep 1000 >/dev/null 2>&1 &");
-    let other = OtherDaemon::start("512M");
-    let image = other.empty_image();
+    let other = other_daemon("512M");
+    let image = empty_image(&other);
     other.crab_ok(&["sandbox", "create", &image, "--name", &mine.name]);
     // Different cgroups for the same name.
     let a = mine.info()["cgroup_id"].as_u64().unwrap();
-    let b = other.info(&mine.name)["cgroup_id"].as_u64().unwrap();
+    let b = info(&other, &mine.name)["cgroup_id"].as_u64().unwrap();
     assert_ne!(a, b, "both daemons put sandbox {} in one cgroup", mine.name);
     other.crab_ok(&["sandbox", "rm", "--force", &mine.name]);
     let info = mine.info();
@@ -221,12 +145,12 @@ fn two_daemons_with_the_same_sandbox_name_never_touch_each_other() {
 
 #[test]
 fn restore_with_a_full_pool_leaves_the_sandbox_running() {
-    let other = OtherDaemon::start("512M");
-    let image = other.empty_image();
+    let other = other_daemon("512M");
+    let image = empty_image(&other);
     let name = unique("t-hostile-full");
     other.crab_ok(&["sandbox", "create", &image, "--name", &name]);
     other.crab_ok(&["checkpoint", &name, "--kind", "fs"]);
-    let before = other.info(&name);
+    let before = info(&other, &name);
     // Fill the pool from the host side until it refuses.
     let filler = other.state.join("pool/tmp/filler");
     let _ = Command::new("dd")
@@ -241,13 +165,13 @@ fn restore_with_a_full_pool_leaves_the_sandbox_running() {
     // The runtime's code survives the checkpointer and the host: `pool_full`, not `internal`.
     let json = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(json.contains("\"pool_full\""), "a full pool is not reported as pool_full: {json}");
-    let after = other.info(&name);
+    let after = info(&other, &name);
     assert_eq!(after["state"], "running", "restore left the sandbox dead: {after}");
     assert_eq!(after["init_pid"], before["init_pid"], "the sandbox's processes were stopped");
     let _ = std::fs::remove_file(&filler);
     // With room again, the same restore works.
     other.crab_ok(&["restore", &name]);
-    assert_eq!(other.info(&name)["state"], "running");
+    assert_eq!(info(&other, &name)["state"], "running");
 }
 
 #[test]

@@ -8,88 +8,10 @@
 
 use crab_testkit::daemon as common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
 
-struct Host {
-    state: PathBuf,
-    env: Vec<(String, String)>,
-}
-
-impl Host {
-    fn crab(&self, args: &[&str]) -> Output {
-        Command::new(common::bin())
-            .args(["--state-dir", self.state.to_str().unwrap()])
-            .args(args)
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            .output()
-            .expect("run crab")
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let o = self.crab(args);
-        assert!(
-            o.status.success(),
-            "crab {args:?} on {}: {}{}",
-            self.state.display(),
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8(o.stdout).unwrap()
-    }
-
-    fn start(state: &Path, port: u16, remote: &str, env: &[(String, String)]) -> Host {
-        std::fs::create_dir_all(state.join("logs")).unwrap();
-        let log = std::fs::File::create(state.join("logs/daemon.log")).unwrap();
-        let st = Command::new("setsid")
-            .arg("-f")
-            .arg(common::bin())
-            .args(["daemon", "--state-dir", state.to_str().unwrap(), "--pool-size", "8G"])
-            .args(["--proxy-listen", &format!("127.0.0.1:{port}"), "--remote", remote])
-            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            // Only the main test daemon serves the E2B API (make test exports its address).
-            .env_remove("CRAB_E2B_LISTEN")
-            .env_remove("CRAB_E2B_KEYS")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .status()
-            .unwrap();
-        assert!(st.success());
-        let h = Host { state: state.to_path_buf(), env: env.to_vec() };
-        let t0 = Instant::now();
-        while !h.crab(&["version"]).status.success() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "daemon on {} did not come up",
-                state.display()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        h
-    }
-
-    fn stop(&self) {
-        let pid = std::fs::read_to_string(self.state.join("daemon.pid")).unwrap_or_default();
-        if let Ok(pid) = pid.trim().parse::<i32>() {
-            let _ = Command::new("kill").arg(pid.to_string()).status();
-            let t0 = Instant::now();
-            while self.crab(&["version"]).status.success() && t0.elapsed() < Duration::from_secs(20)
-            {
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-    }
-
-    /// Stop the daemon and delete everything of this "host".
-    fn destroy(&self) {
-        self.stop();
-        let _ = Command::new("umount").arg("-l").arg(self.state.join("pool")).status();
-        let _ = std::fs::remove_dir_all(&self.state);
-    }
-}
+use common::OtherDaemon;
 
 #[test]
 fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
@@ -120,11 +42,15 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
         image.display()
     );
 
-    let a = Host::start(&tmp.path().join("host-a"), base + 20, &remote, &env);
-    a.ok(&["image", "import", "debian", image.to_str().unwrap()]);
+    let a = OtherDaemon::start(
+        &tmp.path().join("host-a"),
+        &["--pool-size", "8G", "--remote", &remote],
+        &env,
+    );
+    a.crab_ok(&["image", "import", "debian", image.to_str().unwrap()]);
     let name = common::unique("t-xhost");
-    a.ok(&["sandbox", "create", "debian", "--name", &name]);
-    a.ok(&[
+    a.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
+    a.crab_ok(&[
         "exec",
         &name,
         "--",
@@ -132,7 +58,7 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
         "-c",
         "echo from-host-a > /root/state.txt; nohup sleep 4242 >/dev/null 2>&1 &",
     ]);
-    let taken: serde_json::Value = serde_json::from_str(&a.ok(&[
+    let taken: serde_json::Value = serde_json::from_str(&a.crab_ok(&[
         "--json",
         "checkpoint",
         &name,
@@ -142,22 +68,26 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
     ]))
     .unwrap();
     assert!(taken["durable"]["uploaded_bytes"].as_u64().unwrap() > 1_000_000, "{taken}");
-    let listed = a.ok(&["checkpoints", &name]);
+    let listed = a.crab_ok(&["checkpoints", &name]);
     assert!(listed.contains("durable"), "{listed}");
-    a.ok(&["sandbox", "rm", "--force", &name]);
+    a.crab_ok(&["sandbox", "rm", "--force", &name]);
     a.destroy();
     assert!(!a.state.exists());
 
-    let b = Host::start(&tmp.path().join("host-b"), base + 22, &remote, &env);
-    let ls = b.ok(&["remote", "ls"]);
+    let b = OtherDaemon::start(
+        &tmp.path().join("host-b"),
+        &["--pool-size", "8G", "--remote", &remote],
+        &env,
+    );
+    let ls = b.crab_ok(&["remote", "ls"]);
     assert!(ls.contains(&name), "{ls}");
     let copy = common::unique("t-xcopy");
-    b.ok(&["sandbox", "create", "--from-remote", &name, "--name", &copy]);
-    let file = b.ok(&["exec", &copy, "--", "cat", "/root/state.txt"]);
+    b.crab_ok(&["sandbox", "create", "--from-remote", &name, "--name", &copy]);
+    let file = b.crab_ok(&["exec", &copy, "--", "cat", "/root/state.txt"]);
     assert_eq!(file, "from-host-a\n");
-    let ps = b.ok(&["exec", &copy, "--", "sh", "-c", "ps -eo args || ls /proc"]);
+    let ps = b.crab_ok(&["exec", &copy, "--", "sh", "-c", "ps -eo args || ls /proc"]);
     assert!(ps.contains("sleep 4242"), "the process did not come back: {ps}");
-    b.ok(&["remote", "check"]);
+    b.crab_ok(&["remote", "check"]);
     let _ = b.crab(&["sandbox", "rm", "--force", &copy]);
     b.destroy();
     // The server this test started (its own process group).

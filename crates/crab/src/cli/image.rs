@@ -22,6 +22,10 @@ pub(super) enum ImageCmd {
         /// Extra packages, comma-separated.
         #[arg(long, value_delimiter = ',')]
         include: Vec<String>,
+        /// If an image of that name was built from another recipe (other packages, an older
+        /// build step), rebuild it and swap it in once complete instead of refusing.
+        #[arg(long)]
+        rebuild_stale: bool,
     },
     /// Import a root filesystem from a directory or a tar archive.
     Import {
@@ -60,8 +64,8 @@ pub(super) async fn run(client: &Client, c: ImageCmd, json: bool) -> Result<Exit
         Ok(ExitCode::SUCCESS)
     };
     match c {
-        ImageCmd::Build { distro, name, include } => {
-            let req = ImageBuildRequest { distro, name, include };
+        ImageCmd::Build { distro, name, include, rebuild_stale } => {
+            let req = ImageBuildRequest { distro, name, include, rebuild_stale };
             show_one(long_op(client, "/v1/images/build", &req, json).await?)
         }
         ImageCmd::Import { name, path } => {

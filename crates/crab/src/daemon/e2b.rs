@@ -99,6 +99,23 @@ impl Backend for HostBackend {
         self.run(Action::Restore { name, checkpoint: Some(point) }).await.map(|_| ())
     }
 
+    async fn sandboxes(&self) -> Result<Vec<(String, bool)>, ApiError> {
+        match self.run(Action::ListSandboxes).await? {
+            Outcome::Sandboxes(v) => Ok(v
+                .into_iter()
+                .map(|s| (s.name, s.state == crab_common::api::SandboxState::Running))
+                .collect()),
+            _ => Err(unexpected("list_sandboxes")),
+        }
+    }
+
+    async fn points(&self, name: String) -> Result<Vec<String>, ApiError> {
+        match self.run(Action::ListCheckpoints { name }).await? {
+            Outcome::Points(v) => Ok(v.into_iter().map(|p| p.point.id).collect()),
+            _ => Err(unexpected("list_checkpoints")),
+        }
+    }
+
     async fn images(&self) -> Result<Vec<String>, ApiError> {
         match self.run(Action::ListImages).await? {
             Outcome::Images(v) => Ok(v.into_iter().map(|i| i.name).collect()),

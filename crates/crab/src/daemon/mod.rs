@@ -120,10 +120,20 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
             let l = tokio::net::TcpListener::bind(o.listen)
                 .await
                 .with_context(|| format!("binding the E2B API on {}", o.listen))?;
+            let dir = state.root().join("e2b");
+            let store = crab_e2b::Store::open(&dir).unwrap_or_else(|e| {
+                tracing::error!(
+                    error = %e,
+                    "the E2B front-door state cannot be used; serving E2B without persistence this run (fix {} and restart)",
+                    dir.display()
+                );
+                crab_e2b::Store::memory()
+            });
             let front = crab_e2b::E2b::new(
                 std::sync::Arc::new(e2b::HostBackend(host.clone())),
-                crab_e2b::Config { keys: o.keys.clone(), default_image: "debian".into() },
+                crab_e2b::Config { keys: o.keys.clone(), default_image: "debian".into(), store },
             );
+            front.restore_state().await;
             front.spawn_watchdog(std::time::Duration::from_secs(1));
             let router = front.router();
             tracing::info!(listen = %o.listen, "E2B-compatible API ready");

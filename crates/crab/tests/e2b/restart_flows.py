@@ -1,0 +1,119 @@
+"""The unmodified `e2b` SDK across a restart of the daemon that serves it.
+
+Run by crates/crab/tests/e2b.rs (`sdk_state_survives_a_daemon_restart`) against a second daemon of
+its own, in two phases: `restart_flows.py before STATE.json` (before the restart: makes sandboxes
+and a snapshot, writes what it made to STATE.json) and `restart_flows.py after STATE.json` (after
+it: the same sandboxes answer). Prints `ok PHASE`; any failure raises (non-zero exit).
+"""
+
+import json
+import os
+import sys
+import time
+
+import httpx
+from e2b import Sandbox
+from e2b.exceptions import NotFoundException, SandboxException
+
+API = os.environ["E2B_API_URL"]
+KEY = os.environ["E2B_API_KEY"]
+# Seconds the timeout sandbox lives: long enough to outlive phase 1 and the restart.
+TIMEOUT_S = int(os.environ.get("CRAB_E2B_RESTART_TIMEOUT", "25"))
+
+
+def rest(method, path, **kw):
+    return httpx.request(method, API + path, headers={"X-API-Key": KEY}, timeout=60, **kw)
+
+
+def detail(sid):
+    r = rest("GET", f"/sandboxes/{sid}")
+    assert r.status_code == 200, (r.status_code, r.text)
+    return r.json()
+
+
+def envd_stat(sid, token, path):
+    """An envd call with a token handed out before the restart (as an old SDK handle sends it)."""
+    return httpx.post(
+        API + "/filesystem.Filesystem/Stat",
+        headers={"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": "application/json"},
+        json={"path": path},
+        timeout=30,
+    )
+
+
+def gone(sid):
+    try:
+        Sandbox.get_info(sid)
+        return False
+    except NotFoundException:
+        return True
+    except SandboxException as e:
+        if "404" in str(e) or "not found" in str(e):
+            return True
+        raise
+
+
+def before(state_path):
+    worker = Sandbox.create("base", metadata={"role": "worker"}, envs={"FROM_CREATE": "kept"})
+    worker.files.write("/home/user/notes.txt", "written before the restart")
+    worker.commands.run("echo 41 > /tmp/counter")
+    timer = Sandbox.create("base", timeout=TIMEOUT_S)
+    source = Sandbox.create("base")
+    source.files.write("/home/user/snap.txt", "in the snapshot")
+    # A process with in-memory state, dumped into the full snapshot (as root: see docs/e2b.md).
+    source.commands.run("nohup sleep 1000 >/dev/null 2>&1 &", user="root")
+    snap = source.create_snapshot()
+    child = Sandbox.create(snap.snapshot_id)
+    assert child.files.read("/home/user/snap.txt") == "in the snapshot"
+    assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
+    child.kill()
+    state = {
+        "worker": worker.sandbox_id,
+        "worker_token": detail(worker.sandbox_id)["envdAccessToken"],
+        "timer": timer.sandbox_id,
+        "timer_end": detail(timer.sandbox_id)["endAt"],
+        "source": source.sandbox_id,
+        "snapshot": snap.snapshot_id,
+    }
+    with open(state_path, "w") as f:
+        json.dump(state, f)
+    print("ok before", flush=True)
+
+
+def after(state_path):
+    with open(state_path) as f:
+        st = json.load(f)
+    # The timeout sandbox is still there, with the deadline it had (absolute, not re-armed).
+    assert not gone(st["timer"]), "the timeout sandbox was forgotten (or expired early)"
+    assert detail(st["timer"])["endAt"] == st["timer_end"], "the deadline moved across the restart"
+    # The worker: the token handed out before the restart still opens envd, connect works, and
+    # so do commands (with the create-time envs) and files.
+    d = detail(st["worker"])
+    assert d["envdAccessToken"] == st["worker_token"], "the access token changed"
+    assert d["metadata"] == {"role": "worker"}, d["metadata"]
+    r = envd_stat(st["worker"], st["worker_token"], "/home/user/notes.txt")
+    assert r.status_code == 200, (r.status_code, r.text)
+    assert envd_stat(st["worker"], "wrong", "/home/user").status_code == 401
+    sb = Sandbox.connect(st["worker"])
+    assert sb.files.read("/home/user/notes.txt") == "written before the restart"
+    r = sb.commands.run("cat /tmp/counter; echo $FROM_CREATE")
+    assert r.stdout == "41\nkept\n", repr(r.stdout)
+    listed = [s.sandbox_id for s in Sandbox.list().next_items()]
+    assert st["worker"] in listed and st["timer"] in listed, listed
+    # The snapshot taken before the restart still makes sandboxes after it.
+    child = Sandbox.create(st["snapshot"])
+    assert child.files.read("/home/user/snap.txt") == "in the snapshot"
+    assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
+    child.kill()
+    # The watchdog resumed with the persisted deadline: the timer dies on time.
+    end = time.time() + TIMEOUT_S + 10
+    while not gone(st["timer"]):
+        assert time.time() < end, "the timeout did not fire after the restart"
+        time.sleep(0.5)
+    sb.kill()
+    Sandbox.kill(st["source"])
+    print("ok after", flush=True)
+
+
+if __name__ == "__main__":
+    {"before": before, "after": after}[sys.argv[1]](sys.argv[2])

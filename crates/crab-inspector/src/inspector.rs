@@ -317,11 +317,6 @@ impl Inspector {
         let mut g = self.lock()?;
         g.verdict(sandbox, true)
     }
-
-    /// Closes the current turn without needing its verdict (a checkpoint was taken anyway).
-    pub fn mark_checkpointed(&self, sandbox: &str) -> Result<(), InspectorError> {
-        self.take(sandbox).map(|_| ())
-    }
 }
 
 /// The `.bss` offsets user space writes must match the compiled object's.

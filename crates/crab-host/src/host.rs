@@ -359,6 +359,7 @@ impl Host {
             Action::Create(req) => self.create(req).await,
             Action::Remove { name, force } => self.remove(name, force).await,
             Action::Stop { name, checkpoint } => self.stop(name, checkpoint).await,
+            Action::Retire { name, why } => self.retire(name, why).await,
             Action::Start { name } => self.start(name).await,
             Action::Exec { name, req } => {
                 // Unknown sandboxes are refused before the stream starts.
@@ -513,6 +514,22 @@ impl Host {
         Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Dead }))
     }
 
+    async fn retire(self: &Arc<Self>, name: String, why: String) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        self.detach(&name);
+        self.close_sandbox_proxy(&name).await;
+        let rt = self.runtime.clone();
+        let n = name.clone();
+        blocking(move || {
+            rt.stop(&n)?;
+            Ok(rt.hold(&n, Some(why))?)
+        })
+        .await?;
+        self.policy.clear(&name);
+        tracing::info!(sandbox = %name, "sandbox stopped and kept for its restore points");
+        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point: None, state: SandboxState::Dead }))
+    }
+
     async fn start(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
         if self.running(&name).await? {
             return Ok(Outcome::Lifecycle(Lifecycle {
@@ -655,7 +672,10 @@ impl Host {
             // Whatever happened, the sandbox's (possibly new) cgroup is tracked again.
             h.attach(&n);
             h.policy.clear(&n);
-            Ok((r?, offset))
+            let r = r?;
+            // It runs again: no longer only a holder of restore points.
+            h.runtime.hold(&n, None)?;
+            Ok((r, offset))
         })
         .await?;
         if let Some(off) = offset {

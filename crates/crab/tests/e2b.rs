@@ -151,6 +151,14 @@ fn sdk_state_survives_a_daemon_restart() {
     let st = state.to_str().unwrap();
     let out = run_sdk(&python, &url, "restart_flows.py", &["before", st], &[]);
     assert!(out.contains("ok before"), "{out}");
+    // The killed source of a live snapshot is a stopped snapshot holder on the host.
+    let made: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    let source = made["source"].as_str().unwrap();
+    let ls = d.crab_ok(&["sandbox", "ls"]);
+    let row = ls.lines().find(|l| l.starts_with(source)).unwrap_or_else(|| panic!("{ls}"));
+    assert!(row.contains("snapshot holder"), "{ls}");
+    let info = d.crab_ok(&["sandbox", "inspect", source]);
+    assert!(info.contains("\"held\"") && info.contains("delete_snapshot"), "{info}");
     d.stop();
     d.restart();
     let out = run_sdk(&python, &url, "restart_flows.py", &["after", st], &[]);

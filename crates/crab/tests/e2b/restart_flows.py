@@ -63,6 +63,10 @@ def before(state_path):
     # A process with in-memory state, dumped into the full snapshot (as root: see docs/e2b.md).
     source.commands.run("nohup sleep 1000 >/dev/null 2>&1 &", user="root")
     snap = source.create_snapshot()
+    # E2B semantics: a snapshot outlives its sandbox.
+    source.kill()
+    assert gone(source.sandbox_id), "a killed sandbox is still listed"
+    assert source.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
     child = Sandbox.create(snap.snapshot_id)
     assert child.files.read("/home/user/snap.txt") == "in the snapshot"
     assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
@@ -100,18 +104,25 @@ def after(state_path):
     assert r.stdout == "41\nkept\n", repr(r.stdout)
     listed = [s.sandbox_id for s in Sandbox.list().next_items()]
     assert st["worker"] in listed and st["timer"] in listed, listed
-    # The snapshot taken before the restart still makes sandboxes after it.
+    # The snapshot taken before the kill still makes sandboxes after the restart; its killed
+    # source stays hidden.
+    assert st["source"] not in listed and gone(st["source"])
     child = Sandbox.create(st["snapshot"])
     assert child.files.read("/home/user/snap.txt") == "in the snapshot"
     assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
     child.kill()
+    snaps = [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=st["source"]).next_items()]
+    assert snaps == [st["snapshot"]], snaps
+    # Deleting the last snapshot removes the killed source for good (the test checks the host).
+    assert Sandbox.delete_snapshot(st["snapshot"]) is True
+    assert Sandbox.delete_snapshot(st["snapshot"]) is False
+    assert Sandbox.list_snapshots(sandbox_id=st["source"]).next_items() == []
     # The watchdog resumed with the persisted deadline: the timer dies on time.
     end = time.time() + TIMEOUT_S + 10
     while not gone(st["timer"]):
         assert time.time() < end, "the timeout did not fire after the restart"
         time.sleep(0.5)
     sb.kill()
-    Sandbox.kill(st["source"])
     print("ok after", flush=True)
 
 

@@ -160,6 +160,22 @@ def check_snapshots_and_fork():
     assert sb.commands.run(hit).stdout == "3"
     for x in [child, cold, *kids, sb]:
         x.kill()
+    # A snapshot outlives its sandbox (E2B semantics): the killed source is hidden, its
+    # snapshots still make sandboxes, and deleting the last one removes it.
+    assert sb.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
+    listed = {s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=sb.sandbox_id).next_items()}
+    assert listed == {full.snapshot_id, fs.snapshot_id}, listed
+    late = create(full.snapshot_id)
+    assert late.commands.run(hit).stdout == "3", "the snapshot did not outlive its sandbox"
+    late.kill()
+    assert Sandbox.delete_snapshot(fs.snapshot_id) is True
+    assert Sandbox.delete_snapshot(fs.snapshot_id) is False
+    assert Sandbox.delete_snapshot(full.snapshot_id) is True
+    try:
+        create(full.snapshot_id)
+        raise AssertionError("a deleted snapshot still made a sandbox")
+    except (NotFoundException, SandboxException) as e:
+        assert "not found" in str(e), e
 
 
 def check_pause_connect():

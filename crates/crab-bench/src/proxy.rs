@@ -18,10 +18,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 
-use crab_coordinator::{
-    Boundary, BoundaryTicket, BoxFuture, CoordError, Coordinator, ProxyConfig, TurnHooks,
-};
-use crab_host::glue::JobTicket;
+use crab_common::CheckpointKind;
+use crab_coordinator::{Boundary, CoordError, Coordinator, ProxyConfig};
+use crab_testkit::engine::EngineHooks;
 use crab_testkit::upstream::{InstantHooks, MemoryDirectory, StubConfig, StubUpstream};
 
 /// Budget from the issue: proxy overhead p50 over a direct call.
@@ -372,12 +371,11 @@ impl crab_engine::Executor<()> for SleepExecutor {
         &self,
         job: &crab_engine::Job<()>,
     ) -> Result<crab_engine::JobOutcome, std::convert::Infallible> {
-        use crab_engine::JobKind;
         let ms = match job.kind {
-            JobKind::Skip => self.0.skip_ms,
-            JobKind::Fs => self.0.fs_ms,
-            JobKind::Process => self.0.process_ms,
-            JobKind::Full => self.0.full_ms,
+            CheckpointKind::Skip => self.0.skip_ms,
+            CheckpointKind::Fs => self.0.fs_ms,
+            CheckpointKind::Process => self.0.process_ms,
+            CheckpointKind::Full => self.0.full_ms,
         };
         std::thread::sleep(Duration::from_secs_f64(ms.max(0.0) / 1e3));
         Ok(crab_engine::JobOutcome {
@@ -387,46 +385,22 @@ impl crab_engine::Executor<()> for SleepExecutor {
     }
 }
 
-struct EngineHooks {
-    engine: crab_engine::Engine<()>,
-    mix: [f64; 4],
-}
-
-impl TurnHooks for EngineHooks {
-    fn on_boundary(
-        &self,
-        b: Boundary,
-    ) -> BoxFuture<'_, Result<std::sync::Arc<dyn BoundaryTicket>, String>> {
-        use crab_engine::JobKind;
-        // Deterministic pseudo-random verdict per (sandbox, turn).
+/// The verdict mix as a deterministic pseudo-random kind per (sandbox, turn).
+fn mixed_verdict(mix: [f64; 4]) -> impl Fn(&Boundary) -> CheckpointKind + Send + Sync + 'static {
+    move |b: &Boundary| {
         let mut x: u64 = 0xcbf2_9ce4_8422_2325;
         for byte in b.sandbox.bytes().chain(b.turn.to_le_bytes()) {
             x = (x ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
         }
-        let total: f64 = self.mix.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+        let total: f64 = mix.iter().sum::<f64>().max(f64::MIN_POSITIVE);
         let mut r = (x >> 11) as f64 / (1u64 << 53) as f64 * total;
-        let mut kind = JobKind::Full;
-        for (k, w) in JobKind::ALL.iter().zip(self.mix) {
+        for (k, w) in CheckpointKind::ALL.into_iter().zip(mix) {
             if r < w {
-                kind = *k;
-                break;
+                return k;
             }
             r -= w;
         }
-        if b.force_full {
-            kind = JobKind::Full;
-        }
-        let h = self.engine.submit(crab_engine::JobSpec {
-            op: crab_engine::JobOp::Checkpoint,
-            sandbox: b.sandbox.clone(),
-            kind,
-            payload: (),
-            turn: b.turn,
-            urgent: false,
-        });
-        let t: std::sync::Arc<dyn BoundaryTicket> =
-            std::sync::Arc::new(JobTicket::new(self.engine.clone(), h, b.sandbox));
-        Box::pin(async move { Ok(t) })
+        CheckpointKind::Full
     }
 }
 
@@ -448,7 +422,7 @@ pub async fn bench_turns(opts: TurnBenchOptions) -> Result<TurnBenchReport, Benc
         std::sync::Arc::new(SleepExecutor(opts.job_costs.clone())),
     )
     .map_err(|e| BenchError::Setup(e.to_string()))?;
-    let hooks = std::sync::Arc::new(EngineHooks { engine: engine.clone(), mix: opts.verdict_mix });
+    let hooks = EngineHooks::new(engine.clone(), mixed_verdict(opts.verdict_mix));
     let cfg = ProxyConfig {
         listen: "127.0.0.1:0".parse().map_err(|_| BenchError::Setup("address".into()))?,
         upstream_openai: stub.url(),
@@ -513,7 +487,7 @@ pub async fn bench_turns(opts: TurnBenchOptions) -> Result<TurnBenchReport, Benc
     let mut verdicts = [0u64; 4];
     let mut coalesced = 0;
     for s in &stats.sandboxes {
-        for (i, k) in crab_engine::JobKind::ALL.iter().enumerate() {
+        for (i, k) in CheckpointKind::ALL.iter().enumerate() {
             verdicts[i] += s.stats.submitted.get(k.as_str()).copied().unwrap_or(0);
         }
         coalesced += s.stats.coalesced;

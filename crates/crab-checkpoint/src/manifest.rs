@@ -17,6 +17,7 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
+use crab_common::PointKind;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
@@ -97,53 +98,6 @@ seq_id!(
     FsId,
     'f'
 );
-
-/// What a checkpoint newly captured.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Kind {
-    /// Nothing: the point references its parent's parts.
-    Skip,
-    /// A new filesystem snapshot; the process image is the parent's.
-    Fs,
-    /// A new process image; the filesystem snapshot is the parent's.
-    Process,
-    /// A new filesystem snapshot and a new process image, taken under one freeze.
-    Full,
-    /// Nothing new: the sandbox was restored to the parent point, whose parts this point
-    /// references. Published by every restore, so that the newest point always describes the
-    /// live sandbox (after a rollback, the abandoned future is no longer the newest).
-    Restore,
-}
-
-impl Kind {
-    /// Lower-case name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Kind::Skip => "skip",
-            Kind::Fs => "fs",
-            Kind::Process => "process",
-            Kind::Full => "full",
-            Kind::Restore => "restore",
-        }
-    }
-}
-
-impl FromStr for Kind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "skip" => Ok(Kind::Skip),
-            "fs" => Ok(Kind::Fs),
-            "process" => Ok(Kind::Process),
-            "full" => Ok(Kind::Full),
-            "restore" => Ok(Kind::Restore),
-            other => {
-                Err(format!("unknown checkpoint kind {other:?}; use skip, fs, process or full"))
-            }
-        }
-    }
-}
 
 /// A filesystem snapshot `F_k`: the read-only subvolume `fs/<id>`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,8 +180,9 @@ pub struct Manifest {
     pub sandbox: String,
     /// Agent turn number.
     pub turn: u64,
-    /// What this point newly captured.
-    pub kind: Kind,
+    /// What this point newly captured (`skip`, `fs`, `process`, `full`), or `restore` for the
+    /// marker a restore publishes.
+    pub kind: PointKind,
     /// The previous point of this sandbox, if any.
     pub parent: Option<PointId>,
     /// For the first point of a forked sandbox: where it was forked from.
@@ -362,7 +317,7 @@ mod tests {
             id: PointId(7),
             sandbox: "sb1".into(),
             turn: 7,
-            kind: Kind::Full,
+            kind: PointKind::FULL,
             parent: Some(PointId(6)),
             origin: None,
             created_at_ms: 1_700_000_000_000,
@@ -409,6 +364,24 @@ mod tests {
         assert!(text.starts_with("crab-restore-point 1\n{"));
         assert!(text.lines().last().unwrap().starts_with("sha256 "));
         assert_eq!(decode(&bytes, Path::new("x")).unwrap(), m);
+    }
+
+    /// Manifests already on disk spell the kind as one lower-case word (docs/format.md).
+    #[test]
+    fn kind_spelling_is_the_persisted_one() {
+        for (kind, word) in [
+            (PointKind::SKIP, "skip"),
+            (PointKind::FS, "fs"),
+            (PointKind::PROCESS, "process"),
+            (PointKind::FULL, "full"),
+            (PointKind::Restore, "restore"),
+        ] {
+            let m = Manifest { kind, ..sample() };
+            let bytes = encode(&m);
+            let text = String::from_utf8(bytes.clone()).unwrap();
+            assert!(text.contains(&format!("\"kind\": \"{word}\"")), "{text}");
+            assert_eq!(decode(&bytes, Path::new("x")).unwrap().kind, kind);
+        }
     }
 
     #[test]

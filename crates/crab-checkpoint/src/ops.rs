@@ -30,13 +30,13 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::NetMode;
-use crab_common::{NoProgress, Progress};
+use crab_common::{CheckpointKind, NoProgress, PointKind, Progress};
 use crab_criu::{phase, CgroupMode, Criu, DumpOpts, NetworkLockMethod, RestoreOpts};
 use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_start_time};
 use crab_sandbox::{btrfs, Runtime, SandboxRecord};
 
 use crate::error::{CheckpointError, Result};
-use crate::manifest::{Kind, Manifest, Origin};
+use crate::manifest::{Manifest, Origin};
 use crate::snapfs::SnapshotFs;
 use crate::store::{now_ms, Draft, PruneReport, Store};
 
@@ -96,7 +96,7 @@ impl Default for Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointRequest {
     /// What to capture.
-    pub kind: Kind,
+    pub kind: CheckpointKind,
     /// Turn number; default: the parent's plus one (0 for the first point).
     pub turn: Option<u64>,
     /// Conversation offset, when the caller knows it.
@@ -452,14 +452,8 @@ impl Checkpointer {
         let mut staging = store.begin();
 
         match req.kind {
-            Kind::Restore => {
-                return Err(CheckpointError::Invalid(
-                    "restore points are published by restores; ask for skip, fs, process or full"
-                        .into(),
-                ))
-            }
-            Kind::Skip => {}
-            Kind::Fs => {
+            CheckpointKind::Skip => {}
+            CheckpointKind::Fs => {
                 let t0 = Instant::now();
                 let frozen = if alive && self.cfg.freeze_fs_snapshots {
                     Some(Freeze::new(&cg, sandbox)?)
@@ -479,7 +473,7 @@ impl Checkpointer {
                     draft.no_procs = true;
                 }
             }
-            Kind::Process | Kind::Full => {
+            CheckpointKind::Process | CheckpointKind::Full => {
                 if !alive {
                     return Err(CheckpointError::Sandbox {
                         sandbox: sandbox.to_owned(),
@@ -513,7 +507,7 @@ impl Checkpointer {
                     opts.freeze_cgroup = Some(cg.v2.clone());
                 }
                 opts.manage_cgroups = Some(CgroupMode::Ignore);
-                let full = req.kind == Kind::Full;
+                let full = req.kind == CheckpointKind::Full;
                 let fs_path = if full { Some(staging.fs_path()) } else { None };
                 let mut snap_us = None;
                 let mut snap_err = None;
@@ -575,7 +569,7 @@ impl Checkpointer {
                             f.thaw()?;
                         }
                         snap?;
-                        draft.kind = Kind::Fs;
+                        draft.kind = PointKind::FS;
                         draft.no_procs = true;
                         draft.procs_missing = Some(reason);
                         staging_fallback = true;
@@ -826,7 +820,7 @@ impl Checkpointer {
         // The live sandbox is now point m: say so with a new newest point referencing m's
         // parts, so that the next checkpoint builds on m and a crash-restore of "the newest"
         // does not resurrect the abandoned future.
-        let mut marker = Draft::new(Kind::Restore, m.turn);
+        let mut marker = Draft::new(PointKind::Restore, m.turn);
         marker.base = Some(m.id);
         marker.conversation_offset = m.conversation_offset;
         marker.no_procs = m.procs.is_none();
@@ -1236,7 +1230,8 @@ impl Checkpointer {
     ) -> Result<Manifest> {
         let mut staging = branch.begin();
         staging.snapshot_fs(rootfs)?;
-        let mut draft = Draft::new(if m.procs.is_some() { Kind::Full } else { Kind::Fs }, m.turn);
+        let mut draft =
+            Draft::new(if m.procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
         if let Some(p) = &m.procs {
             let dir = staging.proc_dir()?;
             let src_dir = src_store.proc_dir(p.id);
@@ -1383,6 +1378,6 @@ fn ensure_thawed(cg: &crab_sandbox::cgroup::SandboxCgroup, sandbox: &str) -> Res
     Ok(())
 }
 
-fn staging_has_fs(kind: Kind) -> bool {
-    matches!(kind, Kind::Fs | Kind::Full)
+fn staging_has_fs(kind: PointKind) -> bool {
+    kind.new_fs()
 }

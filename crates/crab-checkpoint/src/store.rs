@@ -29,11 +29,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crab_common::PointKind;
 use sha2::{Digest as _, Sha256};
 
 use crate::error::{CheckpointError, Result};
 use crate::manifest::{
-    self, FsId, FsPart, ImageFile, Kind, Manifest, Origin, PointId, ProcId, ProcPart, Timings,
+    self, FsId, FsPart, ImageFile, Manifest, Origin, PointId, ProcId, ProcPart, Timings,
     MANIFEST_SUFFIX,
 };
 use crate::snapfs::SnapshotFs;
@@ -73,7 +74,7 @@ fn flock(file: &std::fs::File, op: libc::c_int) -> std::io::Result<()> {
 #[derive(Debug, Clone)]
 pub struct Draft {
     /// What the checkpoint captured; must agree with the staged parts.
-    pub kind: Kind,
+    pub kind: PointKind,
     /// Agent turn number.
     pub turn: u64,
     /// Conversation offset, when known.
@@ -110,7 +111,8 @@ pub struct Draft {
 
 impl Draft {
     /// A draft of `kind` at `turn` with everything else empty.
-    pub fn new(kind: Kind, turn: u64) -> Draft {
+    pub fn new(kind: impl Into<PointKind>, turn: u64) -> Draft {
+        let kind = kind.into();
         Draft {
             kind,
             turn,
@@ -723,12 +725,7 @@ impl Staging<'_> {
         };
         let has_proc = self.proc.is_some();
         let has_fs = self.fs.as_ref().is_some_and(|(_, p)| store.fs.is_snapshot(p));
-        let (need_proc, need_fs) = match draft.kind {
-            Kind::Skip | Kind::Restore => (false, false),
-            Kind::Fs => (false, true),
-            Kind::Process => (true, false),
-            Kind::Full => (true, true),
-        };
+        let (need_proc, need_fs) = (draft.kind.new_procs(), draft.kind.new_fs());
         if need_proc != has_proc || need_fs != has_fs {
             return Err(CheckpointError::Invalid(format!(
                 "a {} checkpoint needs {}a process image and {}a filesystem snapshot staged",
@@ -737,7 +734,7 @@ impl Staging<'_> {
                 if need_fs { "" } else { "no " },
             )));
         }
-        if matches!(draft.kind, Kind::Skip | Kind::Restore) && parent.is_none() {
+        if !(need_proc || need_fs) && parent.is_none() {
             return Err(CheckpointError::Invalid(format!(
                 "a {} point needs an earlier restore point to reference",
                 draft.kind.as_str()

@@ -23,9 +23,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crab_checkpoint::{CheckpointRequest, Checkpointer, Config, Kind};
+use crab_checkpoint::{CheckpointRequest, Checkpointer, Config};
 use crab_common::api::{ExecRequest, Limits, NetMode, SandboxCreateRequest};
 use crab_common::paths::StateDir;
+use crab_common::CheckpointKind;
 use crab_sandbox::{Runtime, RuntimeConfig};
 
 const SANDBOXES: usize = 4;
@@ -90,7 +91,7 @@ fn check(rt: &Runtime, name: &str, round: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn req(kind: Kind) -> CheckpointRequest {
+fn req(kind: CheckpointKind) -> CheckpointRequest {
     CheckpointRequest { kind, turn: None, conversation_offset: None }
 }
 
@@ -105,11 +106,12 @@ fn rounds(rt: &Runtime, ck: &Checkpointer, name: &str, ops: &AtomicUsize) -> Res
         if code != 0 {
             return Err(format!("{name} round {r}: write failed: {out}"));
         }
-        let full = ck.checkpoint(name, req(Kind::Full)).map_err(e("full checkpoint", r))?;
+        let full =
+            ck.checkpoint(name, req(CheckpointKind::Full)).map_err(e("full checkpoint", r))?;
         sh(rt, name, "echo later > /root/round");
-        ck.checkpoint(name, req(Kind::Fs)).map_err(e("fs checkpoint", r))?;
-        ck.checkpoint(name, req(Kind::Process)).map_err(e("process checkpoint", r))?;
-        ck.checkpoint(name, req(Kind::Skip)).map_err(e("skip checkpoint", r))?;
+        ck.checkpoint(name, req(CheckpointKind::Fs)).map_err(e("fs checkpoint", r))?;
+        ck.checkpoint(name, req(CheckpointKind::Process)).map_err(e("process checkpoint", r))?;
+        ck.checkpoint(name, req(CheckpointKind::Skip)).map_err(e("skip checkpoint", r))?;
         ops.fetch_add(4, Ordering::Relaxed);
 
         ck.restore(name, Some(&full.id.to_string())).map_err(e("restore", r))?;

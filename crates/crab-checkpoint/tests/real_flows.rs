@@ -13,9 +13,10 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use crab_checkpoint::{CheckpointError, CheckpointRequest, Checkpointer, Config, Kind};
+use crab_checkpoint::{CheckpointError, CheckpointRequest, Checkpointer, Config};
 use crab_common::api::{ExecRequest, Limits, NetMode, SandboxCreateRequest};
 use crab_common::paths::StateDir;
+use crab_common::{CheckpointKind, PointKind};
 use crab_sandbox::{Runtime, RuntimeConfig};
 
 use crab_testkit::require_root;
@@ -141,7 +142,7 @@ impl Sb {
         std::fs::write(p, content).unwrap();
     }
 
-    fn checkpoint(&self, kind: Kind) -> crab_checkpoint::Manifest {
+    fn checkpoint(&self, kind: CheckpointKind) -> crab_checkpoint::Manifest {
         let t = Instant::now();
         let m = self
             .ck
@@ -277,7 +278,7 @@ fn counter_and_tcp_survive_checkpoint_kill_restore() {
         assert_eq!(sb.sh(GET), i.to_string());
     }
     let tcp_before = wait_tcp_above(&sb, 2);
-    let m = sb.checkpoint(Kind::Full);
+    let m = sb.checkpoint(CheckpointKind::Full);
     assert!(m.procs.is_some() && m.fs.is_some());
     let tcp_at = tcp_count(&sb);
     assert!(tcp_at >= tcp_before);
@@ -297,8 +298,8 @@ fn counter_and_tcp_survive_checkpoint_kill_restore() {
     assert!(after < tcp_late, "tcp count {after} did not go back (late {tcp_late})");
 
     // A second checkpoint of the restored sandbox, and a skip point on top.
-    sb.checkpoint(Kind::Full);
-    let skip = sb.checkpoint(Kind::Skip);
+    sb.checkpoint(CheckpointKind::Full);
+    let skip = sb.checkpoint(CheckpointKind::Skip);
     // c1 full, c2 the restore marker, c3 full, c4 skip.
     let kinds: Vec<String> = sb.ck.list(&sb.name).unwrap().into_iter().map(|p| p.kind).collect();
     assert_eq!(kinds, ["full", "restore", "full", "skip"]);
@@ -313,9 +314,9 @@ fn rollback_restores_files_and_removes_new_ones() {
     require_root!();
     let sb = Sb::new("fs");
     sb.sh("echo one > /root/a; mkdir -p /root/d; echo keep > /root/d/k");
-    let p1 = sb.checkpoint(Kind::Fs);
+    let p1 = sb.checkpoint(CheckpointKind::Fs);
     sb.sh("rm /root/a; echo two > /root/b; rm -r /root/d");
-    sb.checkpoint(Kind::Fs);
+    sb.checkpoint(CheckpointKind::Fs);
     let p2 = sb.ck.store(&sb.name).unwrap().newest().unwrap();
     let r = sb.restore(Some(&p1.id.to_string()));
     assert_eq!(sb.sh("cat /root/a; cat /root/d/k; [ ! -e /root/b ] && echo nob"), "one\nkeep\nnob");
@@ -324,7 +325,7 @@ fn rollback_restores_files_and_removes_new_ones() {
     assert_eq!(newest.id.to_string(), r.marker);
     assert_eq!(
         (newest.kind, newest.parent, newest.fs.clone()),
-        (Kind::Restore, Some(p1.id), p1.fs.clone())
+        (PointKind::Restore, Some(p1.id), p1.fs.clone())
     );
     sb.kill_all();
     sb.restore(None);
@@ -334,7 +335,7 @@ fn rollback_restores_files_and_removes_new_ones() {
     assert_eq!(sb.sh("[ ! -e /root/a ] && cat /root/b"), "two");
     // A skip after the rollback to p1 references p1's snapshot, not p2's.
     sb.restore(Some(&p1.id.to_string()));
-    let skip = sb.checkpoint(Kind::Skip);
+    let skip = sb.checkpoint(CheckpointKind::Skip);
     assert_eq!(skip.fs, p1.fs);
 }
 
@@ -343,7 +344,7 @@ fn fs_only_point_restores_a_fresh_init() {
     require_root!();
     let sb = Sb::new("fresh");
     sb.sh("echo data > /root/f");
-    let m = sb.checkpoint(Kind::Fs);
+    let m = sb.checkpoint(CheckpointKind::Fs);
     assert!(m.procs.is_none(), "first fs point has no process image");
     sb.kill_all();
     let r = sb.restore(None);
@@ -358,7 +359,7 @@ fn three_forks_serve_and_diverge() {
     start_services(&sb);
     assert_eq!(sb.sh(GET), "1");
     assert_eq!(sb.sh(GET), "2");
-    let m = sb.checkpoint(Kind::Full);
+    let m = sb.checkpoint(CheckpointKind::Full);
     let t = Instant::now();
     let branches =
         sb.ck.fork(&sb.name, Some(&m.id.to_string()), 3, None).unwrap_or_else(|e| panic!("{e}"));
@@ -413,7 +414,7 @@ fn flipped_image_byte_is_refused_and_sandbox_left_alone() {
     let sb = Sb::new("flip");
     start_services(&sb);
     assert_eq!(sb.sh(GET), "1");
-    let m = sb.checkpoint(Kind::Full);
+    let m = sb.checkpoint(CheckpointKind::Full);
     let store = sb.ck.store(&sb.name).unwrap();
     let dir = store.proc_dir(m.procs.as_ref().unwrap().id);
     let pages = std::fs::read_dir(&dir)
@@ -440,7 +441,7 @@ fn interrupted_checkpoint_leaves_older_points_restorable() {
     let sb = Sb::new_exclusive("crash");
     start_services(&sb);
     assert_eq!(sb.sh(GET), "1");
-    sb.checkpoint(Kind::Full);
+    sb.checkpoint(CheckpointKind::Full);
     assert_eq!(sb.sh(GET), "2");
     // What a daemon killed in the middle of a checkpoint leaves: staged parts, a temp
     // manifest, and the sandbox's cgroup frozen by CRIU's freezer.
@@ -485,11 +486,11 @@ fn prune_keeps_the_newest_points_restorable() {
     require_root!();
     let sb = Sb::new("prune");
     start_services(&sb);
-    sb.checkpoint(Kind::Full);
-    sb.checkpoint(Kind::Fs);
-    sb.checkpoint(Kind::Skip);
-    sb.checkpoint(Kind::Full);
-    sb.checkpoint(Kind::Skip);
+    sb.checkpoint(CheckpointKind::Full);
+    sb.checkpoint(CheckpointKind::Fs);
+    sb.checkpoint(CheckpointKind::Skip);
+    sb.checkpoint(CheckpointKind::Full);
+    sb.checkpoint(CheckpointKind::Skip);
     let r = sb.ck.prune(&sb.name, 2).unwrap();
     assert_eq!(r.points.len(), 3);
     assert_eq!(sb.ck.list(&sb.name).unwrap().len(), 2);
@@ -506,7 +507,7 @@ fn other_network_modes_checkpoint_and_restore() {
         sb.sh(
             "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/c; sleep 0.05; done' </dev/null >/dev/null 2>&1 & sleep 0.3",
         );
-        sb.checkpoint(Kind::Full);
+        sb.checkpoint(CheckpointKind::Full);
         let at: u64 = sb.sh("cat /tmp/c").parse().unwrap();
         std::thread::sleep(Duration::from_millis(500));
         let late: u64 = sb.sh("cat /tmp/c").parse().unwrap();
@@ -533,7 +534,7 @@ fn checkpoint_child_helper() {
         let t = Instant::now();
         let r = ck.checkpoint(
             &name,
-            CheckpointRequest { kind: Kind::Full, turn: None, conversation_offset: None },
+            CheckpointRequest { kind: CheckpointKind::Full, turn: None, conversation_offset: None },
         );
         eprintln!("child checkpoint after {:?}: {:?}", t.elapsed(), r.map(|m| m.id));
     }
@@ -545,7 +546,7 @@ fn daemon_killed_mid_checkpoint_leaves_older_points_restorable() {
     let sb = Sb::new_exclusive("kill9");
     start_services(&sb);
     assert_eq!(sb.sh(GET), "1");
-    sb.checkpoint(Kind::Full);
+    sb.checkpoint(CheckpointKind::Full);
     let ready = tempfile::NamedTempFile::new().unwrap().into_temp_path();
     // Kill times after the child starts checkpointing: inside the freeze and dump, the
     // snapshot, the hashing and the publication.

@@ -8,7 +8,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crab_checkpoint::manifest::{self, Origin};
-use crab_checkpoint::{CheckpointError, CopyFs, Draft, Kind, PointId, Store};
+use crab_checkpoint::{CheckpointError, CopyFs, Draft, PointId, Store};
+use crab_common::{CheckpointKind, PointKind};
 
 fn open(dir: &Path) -> Store {
     Store::open(dir.join("checkpoints/sb1"), "sb1", Arc::new(CopyFs)).unwrap()
@@ -22,14 +23,19 @@ fn rootfs(dir: &Path, content: &str) -> std::path::PathBuf {
 }
 
 /// Stage a fake CRIU image and/or a snapshot of `root`, then publish.
-fn checkpoint(store: &Store, kind: Kind, turn: u64, root: &Path) -> crab_checkpoint::Manifest {
+fn checkpoint(
+    store: &Store,
+    kind: CheckpointKind,
+    turn: u64,
+    root: &Path,
+) -> crab_checkpoint::Manifest {
     let mut st = store.begin();
-    if matches!(kind, Kind::Full | Kind::Process) {
+    if matches!(kind, CheckpointKind::Full | CheckpointKind::Process) {
         let d = st.proc_dir().unwrap();
         std::fs::write(d.join("inventory.img"), format!("inv {turn}")).unwrap();
         std::fs::write(d.join("pages-1.img"), vec![turn as u8; 10_000]).unwrap();
     }
-    if matches!(kind, Kind::Full | Kind::Fs) {
+    if matches!(kind, CheckpointKind::Full | CheckpointKind::Fs) {
         st.snapshot_fs(root).unwrap();
     }
     let mut draft = Draft::new(kind, turn);
@@ -46,10 +52,10 @@ fn publish_every_kind_and_inherit_parts() {
 
     assert!(matches!(store.newest(), Err(CheckpointError::NoPoints { .. })));
     // A skip with nothing to reference is refused.
-    let err = store.begin().publish(Draft::new(Kind::Skip, 0)).unwrap_err();
+    let err = store.begin().publish(Draft::new(CheckpointKind::Skip, 0)).unwrap_err();
     assert!(matches!(err, CheckpointError::Invalid(_)), "{err}");
 
-    let c1 = checkpoint(&store, Kind::Full, 1, &root);
+    let c1 = checkpoint(&store, CheckpointKind::Full, 1, &root);
     assert_eq!(c1.id, PointId(1));
     assert_eq!(c1.parent, None);
     let p1 = c1.procs.clone().unwrap();
@@ -58,17 +64,17 @@ fn publish_every_kind_and_inherit_parts() {
     assert_eq!(p1.bytes, 10_000 + 5);
     assert!(c1.timings.hash_us.is_some());
 
-    let c2 = checkpoint(&store, Kind::Skip, 2, &root);
+    let c2 = checkpoint(&store, CheckpointKind::Skip, 2, &root);
     assert_eq!(c2.parent, Some(c1.id));
     assert_eq!(c2.procs, c1.procs);
     assert_eq!(c2.fs, c1.fs);
 
     std::fs::write(root.join("etc/state"), "v3").unwrap();
-    let c3 = checkpoint(&store, Kind::Fs, 3, &root);
+    let c3 = checkpoint(&store, CheckpointKind::Fs, 3, &root);
     assert_eq!(c3.procs.as_ref().unwrap().id, p1.id, "fs checkpoint keeps the process image");
     assert_ne!(c3.fs.as_ref().unwrap().id, f1.id);
 
-    let c4 = checkpoint(&store, Kind::Process, 4, &root);
+    let c4 = checkpoint(&store, CheckpointKind::Process, 4, &root);
     assert_eq!(c4.fs, c3.fs, "process checkpoint keeps the filesystem snapshot");
     assert_ne!(c4.procs.as_ref().unwrap().id, p1.id);
 
@@ -96,7 +102,7 @@ fn kind_must_match_staged_parts() {
     let root = rootfs(tmp.path(), "v1");
     let mut st = store.begin();
     st.snapshot_fs(&root).unwrap();
-    let err = st.publish(Draft::new(Kind::Full, 1)).unwrap_err();
+    let err = st.publish(Draft::new(CheckpointKind::Full, 1)).unwrap_err();
     assert!(matches!(err, CheckpointError::Invalid(_)));
     // The failed staging was discarded.
     assert_eq!(std::fs::read_dir(store.dir().join("tmp")).unwrap().count(), 0);
@@ -107,10 +113,10 @@ fn fs_only_point_without_processes() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path());
     let root = rootfs(tmp.path(), "v1");
-    checkpoint(&store, Kind::Full, 1, &root);
+    checkpoint(&store, CheckpointKind::Full, 1, &root);
     let mut st = store.begin();
     st.snapshot_fs(&root).unwrap();
-    let mut d = Draft::new(Kind::Fs, 2);
+    let mut d = Draft::new(CheckpointKind::Fs, 2);
     d.no_procs = true;
     d.origin = Some(Origin { sandbox: "other".into(), point: PointId(9) });
     let m = st.publish(d).unwrap();
@@ -123,7 +129,7 @@ fn flipped_missing_and_extra_image_files_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path());
     let root = rootfs(tmp.path(), "v1");
-    let m = checkpoint(&store, Kind::Full, 1, &root);
+    let m = checkpoint(&store, CheckpointKind::Full, 1, &root);
     let dir = store.proc_dir(m.procs.as_ref().unwrap().id);
     let pages = dir.join("pages-1.img");
 
@@ -154,7 +160,7 @@ fn flipped_missing_and_extra_image_files_are_refused() {
     assert!(store.verify(&m).unwrap_err().to_string().contains("missing"));
 
     // Missing snapshot.
-    let m2 = checkpoint(&store, Kind::Full, 2, &root);
+    let m2 = checkpoint(&store, CheckpointKind::Full, 2, &root);
     std::fs::remove_dir_all(store.fs_path(m2.fs.as_ref().unwrap().id)).unwrap();
     assert!(store.verify(&m2).unwrap_err().to_string().contains("snapshot is missing"));
 }
@@ -164,8 +170,8 @@ fn corrupt_manifest_is_refused_by_name_and_skipped_by_newest() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path());
     let root = rootfs(tmp.path(), "v1");
-    checkpoint(&store, Kind::Full, 1, &root);
-    let m2 = checkpoint(&store, Kind::Skip, 2, &root);
+    checkpoint(&store, CheckpointKind::Full, 1, &root);
+    let m2 = checkpoint(&store, CheckpointKind::Skip, 2, &root);
     let path = store.manifest_path(m2.id);
     let mut bytes = std::fs::read(&path).unwrap();
     let at = bytes.len() / 2;
@@ -188,7 +194,7 @@ fn leftovers_of_a_crash_are_discarded_and_older_points_survive() {
     let root = rootfs(tmp.path(), "v1");
     {
         let store = open(tmp.path());
-        checkpoint(&store, Kind::Full, 1, &root);
+        checkpoint(&store, CheckpointKind::Full, 1, &root);
         // A checkpoint that "crashed" at each stage: staged parts in tmp/ (leaked on purpose
         // as a killed daemon would), parts moved but no manifest, a half-written manifest.
         let mut st = store.begin();
@@ -208,7 +214,7 @@ fn leftovers_of_a_crash_are_discarded_and_older_points_survive() {
     assert_eq!(m.id, PointId(1));
     store.verify(&m).unwrap();
     // Ids are never reused, even those of discarded leftovers.
-    let m2 = checkpoint(&store, Kind::Full, 2, &root);
+    let m2 = checkpoint(&store, CheckpointKind::Full, 2, &root);
     assert_eq!(m2.id, PointId(10));
     assert!(m2.procs.unwrap().id.0 > 7);
 }
@@ -218,10 +224,10 @@ fn prune_keeps_parts_referenced_by_kept_points() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path());
     let root = rootfs(tmp.path(), "v1");
-    let c1 = checkpoint(&store, Kind::Full, 1, &root); // p1 f1
-    let _c2 = checkpoint(&store, Kind::Full, 2, &root); // p2 f2
-    let _c3 = checkpoint(&store, Kind::Fs, 3, &root); // p2 f3
-    let _c4 = checkpoint(&store, Kind::Skip, 4, &root); // p2 f3
+    let c1 = checkpoint(&store, CheckpointKind::Full, 1, &root); // p1 f1
+    let _c2 = checkpoint(&store, CheckpointKind::Full, 2, &root); // p2 f2
+    let _c3 = checkpoint(&store, CheckpointKind::Fs, 3, &root); // p2 f3
+    let _c4 = checkpoint(&store, CheckpointKind::Skip, 4, &root); // p2 f3
     assert!(store.prune(0).is_err());
     let r = store.prune(2).unwrap();
     assert_eq!(r.points, vec![PointId(1), PointId(2)]);
@@ -244,7 +250,7 @@ fn manifest_file_is_self_describing_text() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path());
     let root = rootfs(tmp.path(), "v1");
-    let m = checkpoint(&store, Kind::Full, 1, &root);
+    let m = checkpoint(&store, CheckpointKind::Full, 1, &root);
     let text = std::fs::read_to_string(store.manifest_path(m.id)).unwrap();
     assert!(text.starts_with(&format!("{} {}\n", manifest::MAGIC, manifest::FORMAT_VERSION)));
     assert!(text.contains("\"sha256\""));
@@ -258,11 +264,11 @@ fn restore_marker_builds_on_an_older_base() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(tmp.path());
     let root = rootfs(tmp.path(), "v1");
-    let c1 = checkpoint(&store, Kind::Full, 1, &root);
+    let c1 = checkpoint(&store, CheckpointKind::Full, 1, &root);
     std::fs::write(root.join("etc/state"), "v2").unwrap();
-    let c2 = checkpoint(&store, Kind::Full, 2, &root);
+    let c2 = checkpoint(&store, CheckpointKind::Full, 2, &root);
     // Restored to c1: the marker references c1's parts and becomes the newest point.
-    let mut d = Draft::new(Kind::Restore, c1.turn);
+    let mut d = Draft::new(PointKind::Restore, c1.turn);
     d.base = Some(c1.id);
     let m = store.begin().publish(d).unwrap();
     assert_eq!(
@@ -271,11 +277,11 @@ fn restore_marker_builds_on_an_older_base() {
     );
     assert_eq!(store.newest().unwrap().id, m.id);
     // A skip now inherits c1's parts through the marker, not c2's.
-    let s = checkpoint(&store, Kind::Skip, 2, &root);
+    let s = checkpoint(&store, CheckpointKind::Skip, 2, &root);
     assert_eq!(s.fs, c1.fs);
     assert_ne!(s.fs, c2.fs);
     // A restore point cannot carry new parts.
     let mut st = store.begin();
     st.snapshot_fs(&root).unwrap();
-    assert!(st.publish(Draft::new(Kind::Restore, 3)).is_err());
+    assert!(st.publish(Draft::new(PointKind::Restore, 3)).is_err());
 }

@@ -1,7 +1,8 @@
 //! Types shared by every Crab crate.
 //!
 //! This crate owns the vocabulary the other crates speak: validated names ([`names`]), the
-//! on-disk layout of the state directory ([`paths`]), the stable error codes of the daemon's API
+//! on-disk layout of the state directory ([`paths`]), the checkpoint [`kind`] that inspector
+//! verdicts, engine jobs and restore points share, the stable error codes of the daemon's API
 //! ([`error`]), the request and response bodies of that API ([`api`]), and the [`progress`] trait
 //! through which long operations report what they are doing (only the CLI draws it), and the
 //! percentile [`stats`] every benchmark reports with; and the three helpers every crate shares
@@ -12,6 +13,7 @@ pub mod api;
 pub mod clock;
 pub mod error;
 pub mod fsutil;
+pub mod kind;
 pub mod names;
 pub mod paths;
 pub mod progress;
@@ -19,4 +21,5 @@ pub mod stats;
 pub mod sync;
 
 pub use error::{ApiError, ErrorCode};
+pub use kind::{CheckpointKind, PointKind};
 pub use progress::{NoProgress, Progress};

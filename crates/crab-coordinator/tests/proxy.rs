@@ -13,11 +13,13 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
+use crab_common::CheckpointKind;
 use crab_coordinator::{
     Boundary, BoundaryTicket, BoxFuture, Coordinator, ProxyConfig, ProxyServer, Published,
     TurnHooks, REPLAYED_HEADER,
 };
-use crab_engine::{Engine, EngineConfig, Job, JobKind, JobOutcome, JobSpec};
+use crab_engine::{Engine, EngineConfig, Job, JobOutcome, JobSpec};
+use crab_testkit::engine::EngineHooks;
 use crab_testkit::upstream::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
 
 // ---------- fake checkpoint tickets ----------
@@ -299,33 +301,13 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
             Ok(JobOutcome { checkpoint_id: format!("{}-{}", job.sandbox, job.turn), bytes: 0 })
         }
     }
-    struct EngineHooks(Engine<()>);
-    impl TurnHooks for EngineHooks {
-        fn on_boundary(
-            &self,
-            b: Boundary,
-        ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
-            let kind = if b.force_full { JobKind::Full } else { JobKind::Fs };
-            let h = self.0.submit(JobSpec {
-                op: crab_engine::JobOp::Checkpoint,
-                sandbox: b.sandbox.clone(),
-                kind,
-                payload: (),
-                turn: b.turn,
-                urgent: false,
-            });
-            let t: Arc<dyn BoundaryTicket> =
-                Arc::new(crab_host::glue::JobTicket::new(self.0.clone(), h, b.sandbox));
-            Box::pin(async move { Ok(t) })
-        }
-    }
     let exec = Arc::new(Exec(Mutex::new(Vec::new())));
     let engine =
         Engine::new(EngineConfig { workers: 1, ..Default::default() }, exec.clone()).unwrap();
     let blocker = engine.submit(JobSpec {
         op: crab_engine::JobOp::Checkpoint,
         sandbox: "blocker".into(),
-        kind: JobKind::Full,
+        kind: CheckpointKind::Full,
         payload: (),
         turn: 1,
         urgent: false,
@@ -339,7 +321,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
             engine.submit(JobSpec {
                 op: crab_engine::JobOp::Checkpoint,
                 sandbox: s.to_string(),
-                kind: JobKind::Fs,
+                kind: CheckpointKind::Fs,
                 payload: (),
                 turn: 1,
                 urgent: false,
@@ -347,7 +329,7 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
         })
         .collect();
     let h = harness(
-        Arc::new(EngineHooks(engine.clone())),
+        EngineHooks::new(engine.clone(), |_: &Boundary| CheckpointKind::Fs),
         StubConfig { delay: Duration::from_millis(50), ..Default::default() },
         |_| {},
     )

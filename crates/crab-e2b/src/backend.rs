@@ -5,7 +5,7 @@
 use std::future::Future;
 
 use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
-use crab_common::ApiError;
+use crab_common::{ApiError, CheckpointKind};
 use tokio::sync::mpsc;
 
 /// What the front door asks of the host.
@@ -30,7 +30,7 @@ pub trait Backend: Send + Sync + 'static {
     fn checkpoint(
         &self,
         name: String,
-        kind: &'static str,
+        kind: CheckpointKind,
     ) -> impl Future<Output = Result<String, ApiError>> + Send;
     /// New sandboxes `names` from restore point `point` of `name` — files only with `fs_only`
     /// — or, when `point` is `None`, from a `full` point of the sandbox as it is now; answers,

@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
 use crab_common::api::{ExecFrame, ExecRequest, NetMode, SandboxCreateRequest};
-use crab_common::{ApiError, ErrorCode};
+use crab_common::{ApiError, CheckpointKind, ErrorCode};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::auth::{ct_eq, random_hex, Keys};
@@ -974,7 +974,7 @@ async fn snapshot<B: Backend>(
     if lock(&sb.life).state == RunState::Paused {
         return Err(RestError::new(409, format!("sandbox {id} is paused; connect to it first")));
     }
-    let kind = if req.memory.unwrap_or(true) { "full" } else { "fs" };
+    let kind = if req.memory.unwrap_or(true) { CheckpointKind::Full } else { CheckpointKind::Fs };
     let point = e2b.backend.checkpoint(id.clone(), kind).await?;
     let snapshot_id = format!("{id}:{point}");
     let names: Vec<String> = req.name.into_iter().collect();
@@ -983,10 +983,10 @@ async fn snapshot<B: Backend>(
         names: names.clone(),
         sandbox: id.clone(),
         point,
-        fs_only: kind == "fs",
+        fs_only: kind == CheckpointKind::Fs,
     });
     e2b.persist(&sb);
-    tracing::info!(sandbox = %id, snapshot = %snapshot_id, kind, "E2B snapshot");
+    tracing::info!(sandbox = %id, snapshot = %snapshot_id, %kind, "E2B snapshot");
     Ok((StatusCode::CREATED, Json(rest::SnapshotInfo { snapshot_id, names })).into_response())
 }
 

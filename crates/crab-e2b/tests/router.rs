@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
-use crab_common::{ApiError, ErrorCode};
+use crab_common::{ApiError, CheckpointKind, ErrorCode};
 use crab_e2b::{Backend, Config, E2b, Keys};
 use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
@@ -50,7 +50,7 @@ impl Backend for Fake {
         tx.send(ExecFrame::Exit { code: 0, timed_out: false, duration_ms: 1.0 }).await.unwrap();
         Ok(rx)
     }
-    async fn checkpoint(&self, _name: String, _kind: &'static str) -> Result<String, ApiError> {
+    async fn checkpoint(&self, _name: String, _kind: CheckpointKind) -> Result<String, ApiError> {
         Ok("c000001".into())
     }
     async fn fork(

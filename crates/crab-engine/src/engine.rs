@@ -24,12 +24,12 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crab_common::CheckpointKind;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::job::{
-    Changeset, ErasedExecutor, ExecError, Executor, Finished, Job, JobError, JobId, JobKind, JobOp,
-    JobSpec,
+    Changeset, ErasedExecutor, ExecError, Executor, Finished, Job, JobError, JobId, JobOp, JobSpec,
 };
 use crate::metrics::{gauge, JobRecord, Metrics, SandboxStats};
 
@@ -129,11 +129,11 @@ pub struct SandboxView {
     /// Name.
     pub sandbox: String,
     /// Kind of its queued job, if any.
-    pub queued: Option<JobKind>,
+    pub queued: Option<CheckpointKind>,
     /// Whether the queued job is urgent.
     pub queued_urgent: bool,
     /// Kind of its running job, if any.
-    pub running: Option<JobKind>,
+    pub running: Option<CheckpointKind>,
     /// Aggregates.
     pub stats: SandboxStats,
 }
@@ -172,7 +172,7 @@ struct Queued<P> {
 struct Running {
     op: JobOp,
     sandbox: String,
-    kind: JobKind,
+    kind: CheckpointKind,
     first_turn: u64,
     turn: u64,
     submissions: u32,
@@ -237,7 +237,7 @@ impl<P> State<P> {
         self.order.get(&q.job.sandbox).and_then(|o| o.front()) == Some(&id)
             && !self.busy.contains(&q.job.sandbox)
             && (!q.job.kind.dumps_processes() || self.dumps < cfg.max_concurrent_dumps)
-            && (q.job.kind == JobKind::Skip || bw_ok)
+            && (q.job.kind == CheckpointKind::Skip || bw_ok)
     }
 
     fn pick(&mut self, cfg: &EngineConfig, now: Instant) -> Pick {
@@ -272,7 +272,10 @@ impl<P> State<P> {
                 if !bw_ok {
                     let blocked = self.urgent.iter().chain(self.normal.iter()).any(|id| {
                         self.startable(cfg, *id, true)
-                            && self.queued.get(id).is_some_and(|q| q.job.kind != JobKind::Skip)
+                            && self
+                                .queued
+                                .get(id)
+                                .is_some_and(|q| q.job.kind != CheckpointKind::Skip)
                     });
                     if blocked {
                         if let Some(b) = &self.bucket {

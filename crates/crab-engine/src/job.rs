@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crab_common::CheckpointKind;
 use serde::{Deserialize, Serialize};
 
 /// Engine-wide job id. Coalesced submissions share the id of the job they merged into.
@@ -14,77 +15,6 @@ pub struct JobId(pub u64);
 impl std::fmt::Display for JobId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "job-{}", self.0)
-    }
-}
-
-/// What a turn needs checkpointed: the inspector's verdict.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum JobKind {
-    /// Nothing recovery-relevant changed: publish a restore point that reuses the old parts.
-    Skip,
-    /// Files changed: snapshot the filesystem.
-    Fs,
-    /// Processes changed: dump processes (CRIU).
-    Process,
-    /// Both (or unknown): filesystem snapshot and process dump.
-    Full,
-}
-
-impl JobKind {
-    /// All kinds, in metric order.
-    pub const ALL: [JobKind; 4] = [JobKind::Skip, JobKind::Fs, JobKind::Process, JobKind::Full];
-
-    /// The kind that covers both `self` and `other`: `full > process, fs > skip`, and
-    /// `fs + process = full`.
-    pub fn merge(self, other: JobKind) -> JobKind {
-        match (self, other) {
-            (JobKind::Fs, JobKind::Process) | (JobKind::Process, JobKind::Fs) => JobKind::Full,
-            (a, b) => a.max(b),
-        }
-    }
-
-    /// Whether the job dumps processes (and so counts against the dump limit).
-    pub fn dumps_processes(self) -> bool {
-        matches!(self, JobKind::Process | JobKind::Full)
-    }
-
-    /// Lower-case name (`skip`, `fs`, `process`, `full`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobKind::Skip => "skip",
-            JobKind::Fs => "fs",
-            JobKind::Process => "process",
-            JobKind::Full => "full",
-        }
-    }
-
-    pub(crate) fn index(self) -> usize {
-        match self {
-            JobKind::Skip => 0,
-            JobKind::Fs => 1,
-            JobKind::Process => 2,
-            JobKind::Full => 3,
-        }
-    }
-}
-
-impl std::fmt::Display for JobKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for JobKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "skip" => Ok(JobKind::Skip),
-            "fs" => Ok(JobKind::Fs),
-            "process" => Ok(JobKind::Process),
-            "full" => Ok(JobKind::Full),
-            other => Err(format!("unknown job kind {other:?}; use skip, fs, process or full")),
-        }
     }
 }
 
@@ -121,36 +51,6 @@ impl Changeset for () {
     fn merge(&mut self, _later: Self) {}
 }
 
-/// JSON changesets merge structurally: arrays concatenate (duplicates dropped), objects merge key
-/// by key recursively, `null` yields to the other side, and any other pair keeps the later value.
-impl Changeset for serde_json::Value {
-    fn merge(&mut self, later: Self) {
-        use serde_json::Value;
-        match (self, later) {
-            (_, Value::Null) => {}
-            (this @ Value::Null, later) => *this = later,
-            (Value::Array(a), Value::Array(b)) => {
-                for v in b {
-                    if !a.contains(&v) {
-                        a.push(v);
-                    }
-                }
-            }
-            (Value::Object(a), Value::Object(b)) => {
-                for (k, v) in b {
-                    match a.get_mut(&k) {
-                        Some(existing) => existing.merge(v),
-                        None => {
-                            a.insert(k, v);
-                        }
-                    }
-                }
-            }
-            (this, later) => *this = later,
-        }
-    }
-}
-
 /// What a caller submits.
 #[derive(Debug, Clone)]
 pub struct JobSpec<P> {
@@ -159,7 +59,7 @@ pub struct JobSpec<P> {
     /// Sandbox name.
     pub sandbox: String,
     /// Verdict.
-    pub kind: JobKind,
+    pub kind: CheckpointKind,
     /// Changeset.
     pub payload: P,
     /// Turn number whose boundary this checkpoint captures.
@@ -170,7 +70,12 @@ pub struct JobSpec<P> {
 
 impl<P> JobSpec<P> {
     /// A checkpoint of `sandbox` at the boundary of `turn` (normal priority).
-    pub fn checkpoint(sandbox: impl Into<String>, kind: JobKind, payload: P, turn: u64) -> Self {
+    pub fn checkpoint(
+        sandbox: impl Into<String>,
+        kind: CheckpointKind,
+        payload: P,
+        turn: u64,
+    ) -> Self {
         JobSpec {
             op: JobOp::Checkpoint,
             sandbox: sandbox.into(),
@@ -182,7 +87,7 @@ impl<P> JobSpec<P> {
     }
 
     /// A restore of `sandbox` (urgent: someone waits for it). `payload` names what to restore.
-    pub fn restore(sandbox: impl Into<String>, kind: JobKind, payload: P) -> Self {
+    pub fn restore(sandbox: impl Into<String>, kind: CheckpointKind, payload: P) -> Self {
         JobSpec {
             op: JobOp::Restore,
             sandbox: sandbox.into(),
@@ -205,7 +110,7 @@ pub struct Job<P> {
     /// Sandbox name.
     pub sandbox: String,
     /// Merged verdict.
-    pub kind: JobKind,
+    pub kind: CheckpointKind,
     /// Merged changeset.
     pub payload: P,
     /// Earliest turn covered.
@@ -280,7 +185,7 @@ pub struct Finished {
     /// Sandbox.
     pub sandbox: String,
     /// Kind actually run (after coalescing).
-    pub kind: JobKind,
+    pub kind: CheckpointKind,
     /// Latest turn covered.
     pub turn: u64,
     /// What the executor reported.
@@ -304,7 +209,7 @@ pub enum JobError {
         /// Sandbox.
         sandbox: String,
         /// Kind.
-        kind: JobKind,
+        kind: CheckpointKind,
         /// Latest turn covered.
         turn: u64,
         /// The executor's error, as text.
@@ -338,40 +243,5 @@ impl JobError {
             JobError::Failed { source, .. } => source.downcast_ref::<E>(),
             _ => None,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn kinds_merge() {
-        use JobKind::*;
-        assert_eq!(Skip.merge(Skip), Skip);
-        assert_eq!(Skip.merge(Fs), Fs);
-        assert_eq!(Process.merge(Skip), Process);
-        assert_eq!(Fs.merge(Process), Full);
-        assert_eq!(Process.merge(Fs), Full);
-        assert_eq!(Full.merge(Skip), Full);
-        assert_eq!(Fs.merge(Fs), Fs);
-        assert_eq!("process".parse::<JobKind>(), Ok(Process));
-        assert!("bogus".parse::<JobKind>().is_err());
-    }
-
-    #[test]
-    fn json_changesets_merge() {
-        let mut a = json!({"written": ["/a", "/b"], "procs": {"born": [1]}, "n": 1});
-        a.merge(json!({"written": ["/b", "/c"], "procs": {"died": [2]}, "n": 2}));
-        assert_eq!(
-            a,
-            json!({"written": ["/a", "/b", "/c"], "procs": {"born": [1], "died": [2]}, "n": 2})
-        );
-        let mut n = serde_json::Value::Null;
-        n.merge(json!([1]));
-        assert_eq!(n, json!([1]));
-        n.merge(serde_json::Value::Null);
-        assert_eq!(n, json!([1]));
     }
 }

@@ -4,7 +4,8 @@
 //! queue, promotion of a job whose agent's LLM response is already waiting, a bound on how long
 //! urgent work may keep normal work waiting, a limit on concurrent process dumps, a token bucket
 //! on disk bandwidth, and coalescing of a sandbox's queued jobs. What a job *does* is behind the
-//! [`Executor`] trait (the checkpoint crate implements it); callers get a [`JobHandle`] to await
+//! [`Executor`] trait (crab-host implements it over the checkpointer), with a typed payload
+//! ([`Changeset`]) and a typed error; callers get a [`JobHandle`] to await
 //! publication. Metrics come out as [`Engine::stats`] (for `crab top`) and
 //! [`Engine::metrics_text`] (Prometheus).
 
@@ -14,7 +15,7 @@ mod metrics;
 
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats, JobHandle, SandboxView};
 pub use job::{
-    Changeset, ExecError, Executor, Finished, FnExecutor, Job, JobError, JobId, JobKind, JobOp,
-    JobOutcome, JobSpec,
+    Changeset, ExecError, Executor, Finished, FnExecutor, Job, JobError, JobId, JobOp, JobOutcome,
+    JobSpec,
 };
 pub use metrics::{JobRecord, SandboxStats};

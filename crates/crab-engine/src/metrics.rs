@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::job::{JobId, JobKind, JobOp};
+use crab_common::CheckpointKind;
+
+use crate::job::{JobId, JobOp};
 
 /// Histogram bucket upper bounds, in seconds.
 const BUCKETS: [f64; 13] =
@@ -55,7 +57,7 @@ pub struct JobRecord {
     /// Sandbox.
     pub sandbox: String,
     /// Kind run (after coalescing).
-    pub kind: JobKind,
+    pub kind: CheckpointKind,
     /// Earliest turn covered.
     pub first_turn: u64,
     /// Latest turn covered.
@@ -123,7 +125,13 @@ impl Metrics {
         self.sandboxes.entry(name.to_string()).or_default()
     }
 
-    pub(crate) fn on_submit(&mut self, sandbox: &str, op: JobOp, kind: JobKind, coalesced: bool) {
+    pub(crate) fn on_submit(
+        &mut self,
+        sandbox: &str,
+        op: JobOp,
+        kind: CheckpointKind,
+        coalesced: bool,
+    ) {
         if op == JobOp::Restore {
             self.restores_submitted += 1;
             return;
@@ -255,7 +263,7 @@ fn counter(out: &mut String, name: &str, help: &str, v: u64) {
 fn counter_by_kind(out: &mut String, name: &str, help: &str, v: &[u64; 4]) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} counter");
-    for k in JobKind::ALL {
+    for k in CheckpointKind::ALL {
         let _ = writeln!(out, "{name}{{kind=\"{k}\"}} {}", v[k.index()]);
     }
 }

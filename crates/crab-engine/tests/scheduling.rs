@@ -6,12 +6,34 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crab_common::CheckpointKind;
 use crab_engine::{
-    Engine, EngineConfig, Executor, Job, JobError, JobHandle, JobKind, JobOutcome, JobSpec,
+    Changeset, Engine, EngineConfig, Executor, Job, JobError, JobHandle, JobOutcome, JobSpec,
 };
-use serde_json::{json, Value};
 
-type Started = (String, JobKind, u64, u64, Value);
+/// The fake's typed payload: written paths and born pids, merged like the host's changeset.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Changes {
+    written: Vec<String>,
+    born: Vec<u32>,
+}
+
+impl Changeset for Changes {
+    fn merge(&mut self, later: Self) {
+        for w in later.written {
+            if !self.written.contains(&w) {
+                self.written.push(w);
+            }
+        }
+        self.born.extend(later.born);
+    }
+}
+
+fn written(paths: &[&str]) -> Changes {
+    Changes { written: paths.iter().map(|p| p.to_string()).collect(), born: vec![] }
+}
+
+type Started = (String, CheckpointKind, u64, u64, Changes);
 
 /// Records every job it runs; jobs of sandbox "blocker" wait until `release()`.
 #[derive(Default)]
@@ -59,9 +81,9 @@ impl std::fmt::Display for FakeError {
 
 impl std::error::Error for FakeError {}
 
-impl Executor<Value> for Fake {
+impl Executor<Changes> for Fake {
     type Error = FakeError;
-    fn run(&self, job: &Job<Value>) -> Result<JobOutcome, FakeError> {
+    fn run(&self, job: &Job<Changes>) -> Result<JobOutcome, FakeError> {
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_running.fetch_max(now, Ordering::SeqCst);
         if job.kind.dumps_processes() {
@@ -96,8 +118,8 @@ impl Executor<Value> for Fake {
     }
 }
 
-fn spec(sb: &str, kind: JobKind, turn: u64) -> JobSpec<Value> {
-    JobSpec::checkpoint(sb, kind, Value::Null, turn)
+fn spec(sb: &str, kind: CheckpointKind, turn: u64) -> JobSpec<Changes> {
+    JobSpec::checkpoint(sb, kind, Changes::default(), turn)
 }
 
 fn one_worker(k: u32) -> EngineConfig {
@@ -117,9 +139,10 @@ async fn wait_all(hs: &[JobHandle]) {
 async fn normal_jobs_run_in_submission_order() {
     let fake = Fake::with(Duration::ZERO, 0);
     let eng = Engine::new(one_worker(4), fake.clone()).unwrap();
-    let b = eng.submit(spec("blocker", JobKind::Fs, 1));
+    let b = eng.submit(spec("blocker", CheckpointKind::Fs, 1));
     fake.wait_started(1);
-    let hs: Vec<_> = (0..5).map(|i| eng.submit(spec(&format!("s{i}"), JobKind::Fs, 1))).collect();
+    let hs: Vec<_> =
+        (0..5).map(|i| eng.submit(spec(&format!("s{i}"), CheckpointKind::Fs, 1))).collect();
     fake.release();
     wait_all(&[b]).await;
     wait_all(&hs).await;
@@ -130,9 +153,10 @@ async fn normal_jobs_run_in_submission_order() {
 async fn promoted_job_overtakes_normal_ones() {
     let fake = Fake::with(Duration::ZERO, 0);
     let eng = Engine::new(one_worker(4), fake.clone()).unwrap();
-    let b = eng.submit(spec("blocker", JobKind::Fs, 1));
+    let b = eng.submit(spec("blocker", CheckpointKind::Fs, 1));
     fake.wait_started(1);
-    let hs: Vec<_> = (0..4).map(|i| eng.submit(spec(&format!("s{i}"), JobKind::Fs, 1))).collect();
+    let hs: Vec<_> =
+        (0..4).map(|i| eng.submit(spec(&format!("s{i}"), CheckpointKind::Fs, 1))).collect();
     assert!(eng.promote(hs[3].id()));
     assert!(eng.promote(hs[2].id()));
     let st = eng.stats();
@@ -150,14 +174,16 @@ async fn promoted_job_overtakes_normal_ones() {
 async fn urgent_work_cannot_starve_normal_work_beyond_the_bound() {
     let fake = Fake::with(Duration::ZERO, 0);
     let eng = Engine::new(one_worker(2), fake.clone()).unwrap();
-    let b = eng.submit(spec("blocker", JobKind::Fs, 1));
+    let b = eng.submit(spec("blocker", CheckpointKind::Fs, 1));
     fake.wait_started(1);
     let mut hs = Vec::new();
     for i in 0..3 {
-        hs.push(eng.submit(spec(&format!("n{i}"), JobKind::Fs, 1)));
+        hs.push(eng.submit(spec(&format!("n{i}"), CheckpointKind::Fs, 1)));
     }
     for i in 0..6 {
-        hs.push(eng.submit(JobSpec { urgent: true, ..spec(&format!("u{i}"), JobKind::Fs, 1) }));
+        hs.push(
+            eng.submit(JobSpec { urgent: true, ..spec(&format!("u{i}"), CheckpointKind::Fs, 1) }),
+        );
     }
     fake.release();
     wait_all(&[b]).await;
@@ -175,28 +201,28 @@ async fn queued_jobs_of_a_sandbox_coalesce() {
     let fake = Fake::with(Duration::ZERO, 7);
     let eng = Engine::new(EngineConfig::default(), fake.clone()).unwrap();
     // "blocker" is running, so its later submissions queue behind it and merge.
-    let first = eng.submit(spec("blocker", JobKind::Skip, 1));
+    let first = eng.submit(spec("blocker", CheckpointKind::Skip, 1));
     fake.wait_started(1);
-    let h2 = eng
-        .submit(JobSpec { payload: json!({"written": ["/a"]}), ..spec("blocker", JobKind::Fs, 2) });
+    let h2 =
+        eng.submit(JobSpec { payload: written(&["/a"]), ..spec("blocker", CheckpointKind::Fs, 2) });
     let h3 = eng.submit(JobSpec {
-        payload: json!({"written": ["/b"], "born": [42]}),
-        ..spec("blocker", JobKind::Process, 3)
+        payload: Changes { born: vec![42], ..written(&["/b"]) },
+        ..spec("blocker", CheckpointKind::Process, 3)
     });
-    let h4 = eng.submit(spec("blocker", JobKind::Skip, 4));
+    let h4 = eng.submit(spec("blocker", CheckpointKind::Skip, 4));
     assert_eq!(h2.id(), h3.id());
     assert_eq!(h3.id(), h4.id());
     assert_ne!(first.id(), h2.id());
     let st = eng.stats();
-    assert_eq!(st.sandboxes[0].queued, Some(JobKind::Full));
-    assert_eq!(st.sandboxes[0].running, Some(JobKind::Skip));
+    assert_eq!(st.sandboxes[0].queued, Some(CheckpointKind::Full));
+    assert_eq!(st.sandboxes[0].running, Some(CheckpointKind::Skip));
     fake.release();
     wait_all(&[first.clone(), h2.clone(), h3.clone(), h4.clone()]).await;
     let started = fake.started.lock().unwrap().clone();
     assert_eq!(started.len(), 2, "three submissions ran as one job");
     let (_, kind, first_turn, turn, payload) = &started[1];
-    assert_eq!((*kind, *first_turn, *turn), (JobKind::Full, 2, 4));
-    assert_eq!(payload, &json!({"written": ["/a", "/b"], "born": [42]}));
+    assert_eq!((*kind, *first_turn, *turn), (CheckpointKind::Full, 2, 4));
+    assert_eq!(payload, &Changes { born: vec![42], ..written(&["/a", "/b"]) });
     let done = h2.wait().await.unwrap();
     assert_eq!(done.outcome.checkpoint_id, "blocker-4");
     assert_eq!(h4.wait().await.unwrap(), done);
@@ -213,10 +239,10 @@ async fn process_dumps_are_limited_but_fs_work_runs_alongside() {
     for i in 0..4 {
         hs.push(eng.submit(spec(
             &format!("p{i}"),
-            if i % 2 == 0 { JobKind::Process } else { JobKind::Full },
+            if i % 2 == 0 { CheckpointKind::Process } else { CheckpointKind::Full },
             1,
         )));
-        hs.push(eng.submit(spec(&format!("f{i}"), JobKind::Fs, 1)));
+        hs.push(eng.submit(spec(&format!("f{i}"), CheckpointKind::Fs, 1)));
     }
     wait_all(&hs).await;
     assert_eq!(fake.max_dumps.load(Ordering::SeqCst), 1);
@@ -226,7 +252,8 @@ async fn process_dumps_are_limited_but_fs_work_runs_alongside() {
     let fake2 = Fake::with(Duration::from_millis(40), 0);
     let cfg = EngineConfig { workers: 8, max_concurrent_dumps: 2, ..Default::default() };
     let eng = Engine::new(cfg, fake2.clone()).unwrap();
-    let hs: Vec<_> = (0..6).map(|i| eng.submit(spec(&format!("p{i}"), JobKind::Full, 1))).collect();
+    let hs: Vec<_> =
+        (0..6).map(|i| eng.submit(spec(&format!("p{i}"), CheckpointKind::Full, 1))).collect();
     wait_all(&hs).await;
     assert_eq!(fake2.max_dumps.load(Ordering::SeqCst), 2);
 }
@@ -242,10 +269,10 @@ async fn bandwidth_bucket_delays_writes_but_not_skips() {
         ..Default::default()
     };
     let eng = Engine::new(cfg, fake.clone()).unwrap();
-    eng.submit(spec("a", JobKind::Fs, 1)).wait().await.unwrap();
+    eng.submit(spec("a", CheckpointKind::Fs, 1)).wait().await.unwrap();
     let t = Instant::now();
-    let skip = eng.submit(spec("b", JobKind::Skip, 1));
-    let fs = eng.submit(spec("c", JobKind::Fs, 1));
+    let skip = eng.submit(spec("b", CheckpointKind::Skip, 1));
+    let fs = eng.submit(spec("c", CheckpointKind::Fs, 1));
     skip.wait().await.unwrap();
     let skip_at = t.elapsed();
     fs.wait().await.unwrap();
@@ -260,15 +287,15 @@ async fn bandwidth_bucket_delays_writes_but_not_skips() {
 async fn failures_and_panics_reach_every_waiter() {
     let fake = Fake::with(Duration::ZERO, 0);
     let eng = Engine::new(EngineConfig::default(), fake.clone()).unwrap();
-    let bad = eng.submit(spec("bad1", JobKind::Fs, 3));
-    let boom = eng.submit(spec("panic1", JobKind::Full, 1));
-    let good = eng.submit(spec("good", JobKind::Fs, 1));
+    let bad = eng.submit(spec("bad1", CheckpointKind::Fs, 3));
+    let boom = eng.submit(spec("panic1", CheckpointKind::Full, 1));
+    let good = eng.submit(spec("good", CheckpointKind::Fs, 1));
     match bad.wait().await {
         Err(e @ JobError::Failed { .. }) => {
             let typed = e.source_as::<FakeError>().expect("the executor's own error type");
             assert!(typed.0.contains("no space"), "{typed:?}");
             let JobError::Failed { sandbox, turn, message, kind, .. } = e else { unreachable!() };
-            assert_eq!((sandbox.as_str(), turn, kind), ("bad1", 3, JobKind::Fs));
+            assert_eq!((sandbox.as_str(), turn, kind), ("bad1", 3, CheckpointKind::Fs));
             assert!(message.contains("no space"));
         }
         other => panic!("expected failure, got {other:?}"),
@@ -278,8 +305,8 @@ async fn failures_and_panics_reach_every_waiter() {
     assert!(err.to_string().contains("executor bug"), "{err}");
     good.wait().await.unwrap();
     // The engine still works after a panic (the dump slot was returned).
-    eng.submit(spec("panic2", JobKind::Process, 1)).wait().await.unwrap_err();
-    eng.submit(spec("after", JobKind::Process, 1)).wait().await.unwrap();
+    eng.submit(spec("panic2", CheckpointKind::Process, 1)).wait().await.unwrap_err();
+    eng.submit(spec("after", CheckpointKind::Process, 1)).wait().await.unwrap();
     let text = eng.metrics_text();
     assert!(text.contains("crab_engine_jobs_failed_total{kind=\"fs\"} 1"), "{text}");
     assert!(text.contains("crab_engine_jobs_failed_total{kind=\"full\"} 1"), "{text}");
@@ -293,7 +320,7 @@ async fn failures_and_panics_reach_every_waiter() {
 async fn exposed_latency_and_job_metrics_are_recorded() {
     let fake = Fake::with(Duration::from_millis(5), 123);
     let eng = Engine::new(EngineConfig::default(), fake.clone()).unwrap();
-    let h = eng.submit(spec("m", JobKind::Fs, 1));
+    let h = eng.submit(spec("m", CheckpointKind::Fs, 1));
     let done = h.wait().await.unwrap();
     assert!(done.run_time >= Duration::from_millis(5));
     eng.record_exposed(h.id(), "m", Duration::from_millis(3));
@@ -313,41 +340,41 @@ async fn exposed_latency_and_job_metrics_are_recorded() {
 #[test]
 fn engine_needs_a_runtime_and_sane_limits() {
     let fake = Fake::with(Duration::ZERO, 0);
-    assert!(Engine::<Value>::new(EngineConfig::default(), fake.clone()).is_err());
+    assert!(Engine::<Changes>::new(EngineConfig::default(), fake.clone()).is_err());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let _g = rt.enter();
     let bad = EngineConfig { max_concurrent_dumps: 0, ..Default::default() };
-    assert!(Engine::<Value>::new(bad, fake).is_err());
+    assert!(Engine::<Changes>::new(bad, fake).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restores_keep_per_sandbox_order_and_never_coalesce() {
     let fake = Fake::with(Duration::ZERO, 0);
     let eng = Engine::new(one_worker(4), fake.clone()).unwrap();
-    let b = eng.submit(spec("blocker", JobKind::Fs, 1));
+    let b = eng.submit(spec("blocker", CheckpointKind::Fs, 1));
     fake.wait_started(1);
     // Queued behind the running job: checkpoint, restore, checkpoint, checkpoint.
-    let c1 = eng.submit(spec("blocker", JobKind::Fs, 2));
-    let r = eng.submit(JobSpec::restore("blocker", JobKind::Full, json!({"to": "ckpt-1"})));
-    let c2 = eng.submit(spec("blocker", JobKind::Process, 3));
-    let c3 = eng.submit(spec("blocker", JobKind::Fs, 4));
+    let c1 = eng.submit(spec("blocker", CheckpointKind::Fs, 2));
+    let r = eng.submit(JobSpec::restore("blocker", CheckpointKind::Full, written(&["ckpt-1"])));
+    let c2 = eng.submit(spec("blocker", CheckpointKind::Process, 3));
+    let c3 = eng.submit(spec("blocker", CheckpointKind::Fs, 4));
     assert_ne!(c1.id(), c2.id(), "no merge across a restore");
     assert_eq!(c2.id(), c3.id(), "merge after it");
     // The urgent restore drags c1 (queued before it) into the urgent queue with it.
-    let o = eng.submit(spec("other", JobKind::Fs, 1));
+    let o = eng.submit(spec("other", CheckpointKind::Fs, 1));
     fake.release();
     wait_all(&[b, c1, r.clone(), c2, o]).await;
     let started = fake.started.lock().unwrap().clone();
-    let seq: Vec<(String, JobKind, u64)> =
+    let seq: Vec<(String, CheckpointKind, u64)> =
         started.iter().map(|s| (s.0.clone(), s.1, s.3)).collect();
     assert_eq!(
         seq,
         [
-            ("blocker".to_string(), JobKind::Fs, 1),
-            ("blocker".to_string(), JobKind::Fs, 2),
-            ("blocker".to_string(), JobKind::Full, 0),
-            ("blocker".to_string(), JobKind::Full, 4),
-            ("other".to_string(), JobKind::Fs, 1),
+            ("blocker".to_string(), CheckpointKind::Fs, 1),
+            ("blocker".to_string(), CheckpointKind::Fs, 2),
+            ("blocker".to_string(), CheckpointKind::Full, 0),
+            ("blocker".to_string(), CheckpointKind::Full, 4),
+            ("other".to_string(), CheckpointKind::Fs, 1),
         ]
     );
     let done = r.wait().await.unwrap();

@@ -10,9 +10,10 @@ use crab_common::api::{
     CheckpointCreateRequest, ExecFrame, ExecRequest, ForkRequest, ImageBuildRequest,
     ImageImportRequest, ImageInfo, SandboxCreateRequest, SandboxInfo, VersionInfo,
 };
+use crab_common::CheckpointKind;
 use crab_common::Progress;
 use crab_coordinator::{LogRecord, SandboxProxyStats};
-use crab_engine::{EngineStats, JobKind};
+use crab_engine::EngineStats;
 use crab_inspector::Verdict;
 
 use crate::remote::{Durable, FromRemote, FromRemoteReport, PointState};
@@ -103,7 +104,7 @@ pub enum Action {
         /// Sandbox name.
         name: String,
         /// Explicit kind; `None` asks the inspector (`auto`).
-        kind: Option<JobKind>,
+        kind: Option<CheckpointKind>,
         /// Turn number to record.
         turn: Option<u64>,
         /// Conversation offset to record.
@@ -238,7 +239,7 @@ impl Action {
     pub fn checkpoint(name: String, req: CheckpointCreateRequest) -> Result<Action, HostError> {
         let kind = match req.kind.as_deref().unwrap_or("auto") {
             "auto" => None,
-            other => Some(other.parse::<JobKind>().map_err(|_| {
+            other => Some(other.parse::<CheckpointKind>().map_err(|_| {
                 HostError::invalid(
                     format!("unknown checkpoint kind {other:?}"),
                     "use auto, skip, fs, process or full",

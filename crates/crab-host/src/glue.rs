@@ -14,11 +14,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use crab_checkpoint::{CheckpointRequest, Checkpointer, Kind};
+use crab_checkpoint::{CheckpointRequest, Checkpointer};
+use crab_common::CheckpointKind;
 use crab_coordinator::{
     Boundary, BoundaryTicket, BoxFuture, Published, SandboxDirectory, TurnHooks,
 };
-use crab_engine::{Changeset, Engine, Executor, Job, JobHandle, JobKind, JobOutcome};
+use crab_engine::{Changeset, Engine, Executor, Job, JobHandle, JobOutcome};
 use crab_inspector::PathChange;
 
 use crate::{Host, HostError, TurnPolicy};
@@ -52,16 +53,6 @@ impl Changeset for Payload {
     }
 }
 
-/// The checkpoint crate's kind for a job kind.
-pub fn point_kind(k: JobKind) -> Kind {
-    match k {
-        JobKind::Skip => Kind::Skip,
-        JobKind::Fs => Kind::Fs,
-        JobKind::Process => Kind::Process,
-        JobKind::Full => Kind::Full,
-    }
-}
-
 /// Runs checkpoint jobs for the engine.
 #[derive(Debug)]
 pub struct CheckpointExecutor {
@@ -85,7 +76,7 @@ impl CheckpointExecutor {
         let first = self.checkpointer.store(&job.sandbox)?.point_ids()?.is_empty();
         let kind = TurnPolicy::base(job.kind, first);
         let req = CheckpointRequest {
-            kind: point_kind(kind),
+            kind,
             turn: job.payload.turn,
             conversation_offset: job.payload.conversation_offset,
         };
@@ -97,7 +88,7 @@ impl CheckpointExecutor {
         );
         let m = self.checkpointer.checkpoint(&job.sandbox, req)?;
         let summary = crab_checkpoint::PointSummary::of(&m);
-        let bytes = if kind == JobKind::Skip { 0 } else { summary.size_bytes };
+        let bytes = if kind == CheckpointKind::Skip { 0 } else { summary.size_bytes };
         Ok(JobOutcome { checkpoint_id: summary.id, bytes })
     }
 }

@@ -23,10 +23,11 @@ use crab_checkpoint::{Checkpointer, PointSummary};
 use crab_common::api::{FeatureStatus, Features, NetMode, SandboxState, VersionInfo, API_VERSION};
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
+use crab_common::CheckpointKind;
 use crab_coordinator::{
     bind_in_netns, Boundary, BoundaryTicket, Coordinator, ProxyConfig, ProxyServer,
 };
-use crab_engine::{Engine, EngineConfig, JobHandle, JobKind, JobSpec};
+use crab_engine::{Engine, EngineConfig, JobHandle, JobSpec};
 use crab_inspector::Inspector;
 use crab_sandbox::{image, Runtime, RuntimeConfig};
 
@@ -559,7 +560,7 @@ impl Host {
     fn submit(
         &self,
         name: &str,
-        kind: JobKind,
+        kind: CheckpointKind,
         verdict: Option<&crab_inspector::Verdict>,
         turn: Option<u64>,
         conversation_offset: Option<u64>,
@@ -608,7 +609,7 @@ impl Host {
     async fn checkpoint(
         self: &Arc<Self>,
         name: String,
-        kind: Option<JobKind>,
+        kind: Option<CheckpointKind>,
         turn: Option<u64>,
         conversation_offset: Option<u64>,
     ) -> Result<Outcome, HostError> {
@@ -700,7 +701,7 @@ impl Host {
                 "ask for count >= 1",
             ));
         }
-        let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
+        let taken = self.checkpoint(name.clone(), Some(CheckpointKind::Full), None, None).await?;
         let point = full_point(&taken, "fork")?;
         let req = crab_common::api::ForkRequest {
             checkpoint: Some(point),
@@ -713,7 +714,7 @@ impl Host {
 
     /// A `full` point of `name`, then its processes are stopped.
     async fn pause(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
-        let taken = self.checkpoint(name.clone(), Some(JobKind::Full), None, None).await?;
+        let taken = self.checkpoint(name.clone(), Some(CheckpointKind::Full), None, None).await?;
         // Stopping processes that the point does not hold would lose them: refuse instead.
         full_point(&taken, "pause")?;
         let h = self.clone();

@@ -17,14 +17,14 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
-use crab_engine::JobKind;
-use crab_inspector::{Verdict, VerdictKind};
+use crab_common::CheckpointKind;
+use crab_inspector::Verdict;
 
 /// The kind decided for a checkpoint, and why.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
     /// Kind of the checkpoint to take.
-    pub kind: JobKind,
+    pub kind: CheckpointKind,
     /// Why the kind differs from the plain verdict's (empty when it does not).
     pub reasons: Vec<String>,
     /// The inspector's verdict, when there was one.
@@ -36,16 +36,6 @@ pub struct Decision {
 pub struct TurnPolicy {
     /// Sandboxes whose last checkpoint failed: their next decided checkpoint is `full`.
     force_full: Mutex<HashSet<String>>,
-}
-
-/// Map an inspector verdict kind to a job kind.
-pub fn job_kind(k: VerdictKind) -> JobKind {
-    match k {
-        VerdictKind::Skip => JobKind::Skip,
-        VerdictKind::Fs => JobKind::Fs,
-        VerdictKind::Process => JobKind::Process,
-        VerdictKind::Full => JobKind::Full,
-    }
 }
 
 impl TurnPolicy {
@@ -96,24 +86,24 @@ impl TurnPolicy {
                         );
                     }
                 }
-                let mut kind = job_kind(v.kind);
-                if forced && kind != JobKind::Full {
+                let mut kind = v.kind;
+                if forced && kind != CheckpointKind::Full {
                     reasons.push("the previous checkpoint failed: taking a full one".into());
-                    kind = JobKind::Full;
+                    kind = CheckpointKind::Full;
                 }
                 Decision { kind, reasons, verdict: Some(v) }
             }
             Err(why) => {
                 reasons.push(format!("{why}: taking a full checkpoint"));
-                Decision { kind: JobKind::Full, reasons, verdict: None }
+                Decision { kind: CheckpointKind::Full, reasons, verdict: None }
             }
         }
     }
 
     /// The base rule: the first restore point of a sandbox holds its filesystem.
-    pub fn base(kind: JobKind, first_point: bool) -> JobKind {
+    pub fn base(kind: CheckpointKind, first_point: bool) -> CheckpointKind {
         if first_point {
-            kind.merge(JobKind::Fs)
+            kind.merge(CheckpointKind::Fs)
         } else {
             kind
         }
@@ -131,8 +121,8 @@ pub fn ignore_init(v: &mut Verdict, init_pid: u32) -> bool {
     }
     v.processes.ran.clear();
     v.kind = match v.kind {
-        VerdictKind::Full => VerdictKind::Fs,
-        VerdictKind::Process => VerdictKind::Skip,
+        CheckpointKind::Full => CheckpointKind::Fs,
+        CheckpointKind::Process => CheckpointKind::Skip,
         other => other,
     };
     true
@@ -143,7 +133,7 @@ mod tests {
     use super::*;
     use crab_inspector::ProcessChanges;
 
-    fn verdict(kind: VerdictKind, ran: Vec<u32>, born: Vec<u32>) -> Verdict {
+    fn verdict(kind: CheckpointKind, ran: Vec<u32>, born: Vec<u32>) -> Verdict {
         Verdict {
             sandbox: "s".into(),
             turn: 1,
@@ -157,28 +147,28 @@ mod tests {
 
     #[test]
     fn init_alone_does_not_need_a_dump() {
-        let mut v = verdict(VerdictKind::Process, vec![7], vec![]);
+        let mut v = verdict(CheckpointKind::Process, vec![7], vec![]);
         assert!(ignore_init(&mut v, 7));
-        assert_eq!(v.kind, VerdictKind::Skip);
-        let mut v = verdict(VerdictKind::Full, vec![7], vec![]);
+        assert_eq!(v.kind, CheckpointKind::Skip);
+        let mut v = verdict(CheckpointKind::Full, vec![7], vec![]);
         assert!(ignore_init(&mut v, 7));
-        assert_eq!(v.kind, VerdictKind::Fs);
+        assert_eq!(v.kind, CheckpointKind::Fs);
     }
 
     #[test]
     fn anything_else_keeps_the_dump() {
         for mut v in [
-            verdict(VerdictKind::Process, vec![7, 8], vec![]),
-            verdict(VerdictKind::Process, vec![8], vec![]),
-            verdict(VerdictKind::Process, vec![7], vec![9]),
+            verdict(CheckpointKind::Process, vec![7, 8], vec![]),
+            verdict(CheckpointKind::Process, vec![8], vec![]),
+            verdict(CheckpointKind::Process, vec![7], vec![9]),
         ] {
             assert!(!ignore_init(&mut v, 7));
-            assert_eq!(v.kind, VerdictKind::Process);
+            assert_eq!(v.kind, CheckpointKind::Process);
         }
-        let mut v = verdict(VerdictKind::Full, vec![7], vec![]);
+        let mut v = verdict(CheckpointKind::Full, vec![7], vec![]);
         v.conservative = true;
         assert!(!ignore_init(&mut v, 7));
-        let mut v = verdict(VerdictKind::Process, vec![7], vec![]);
+        let mut v = verdict(CheckpointKind::Process, vec![7], vec![]);
         v.reasons.push("pid 7 maps a changed file".into());
         assert!(!ignore_init(&mut v, 7));
     }
@@ -186,23 +176,18 @@ mod tests {
     #[test]
     fn the_verdict_decides() {
         let p = TurnPolicy::new();
-        for (vk, jk) in [
-            (VerdictKind::Skip, JobKind::Skip),
-            (VerdictKind::Fs, JobKind::Fs),
-            (VerdictKind::Process, JobKind::Process),
-            (VerdictKind::Full, JobKind::Full),
-        ] {
-            let d = p.decide("s", Ok(verdict(vk, vec![], vec![])), Some(1), false);
-            assert_eq!(d.kind, jk);
+        for k in CheckpointKind::ALL {
+            let d = p.decide("s", Ok(verdict(k, vec![], vec![])), Some(1), false);
+            assert_eq!(d.kind, k);
             assert!(d.reasons.is_empty());
-            assert_eq!(d.verdict.map(|v| v.kind), Some(vk));
+            assert_eq!(d.verdict.map(|v| v.kind), Some(k));
         }
     }
 
     #[test]
     fn no_verdict_is_full_never_a_guess() {
         let d = TurnPolicy::new().decide("s", Err("inspector unavailable".into()), None, false);
-        assert_eq!(d.kind, JobKind::Full);
+        assert_eq!(d.kind, CheckpointKind::Full);
         assert!(d.verdict.is_none());
         assert!(d.reasons[0].contains("inspector unavailable"));
     }
@@ -210,8 +195,9 @@ mod tests {
     #[test]
     fn init_only_rule_applies_through_decide() {
         let p = TurnPolicy::new();
-        let d = p.decide("s", Ok(verdict(VerdictKind::Process, vec![7], vec![])), Some(7), false);
-        assert_eq!(d.kind, JobKind::Skip);
+        let d =
+            p.decide("s", Ok(verdict(CheckpointKind::Process, vec![7], vec![])), Some(7), false);
+        assert_eq!(d.kind, CheckpointKind::Skip);
         assert_eq!(d.reasons.len(), 1);
     }
 
@@ -221,13 +207,13 @@ mod tests {
         p.failed("s");
         assert!(p.is_forced("s"));
         assert!(!p.is_forced("t"), "a failure is per sandbox");
-        let d = p.decide("s", Ok(verdict(VerdictKind::Skip, vec![], vec![])), None, false);
-        assert_eq!(d.kind, JobKind::Full);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Full);
         assert!(d.reasons[0].contains("previous checkpoint failed"));
-        let d = p.decide("s", Ok(verdict(VerdictKind::Skip, vec![], vec![])), None, false);
-        assert_eq!(d.kind, JobKind::Skip, "the failure is consumed by one decision");
-        let d = p.decide("s", Ok(verdict(VerdictKind::Fs, vec![], vec![])), None, true);
-        assert_eq!(d.kind, JobKind::Full, "the caller can force it too");
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Skip, "the failure is consumed by one decision");
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None, true);
+        assert_eq!(d.kind, CheckpointKind::Full, "the caller can force it too");
     }
 
     #[test]
@@ -235,16 +221,16 @@ mod tests {
         let p = TurnPolicy::new();
         p.failed("s");
         p.clear("s");
-        let d = p.decide("s", Ok(verdict(VerdictKind::Fs, vec![], vec![])), None, false);
-        assert_eq!(d.kind, JobKind::Fs);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Fs);
     }
 
     #[test]
     fn the_first_point_is_the_base() {
-        assert_eq!(TurnPolicy::base(JobKind::Skip, true), JobKind::Fs);
-        assert_eq!(TurnPolicy::base(JobKind::Process, true), JobKind::Full);
-        assert_eq!(TurnPolicy::base(JobKind::Full, true), JobKind::Full);
-        assert_eq!(TurnPolicy::base(JobKind::Skip, false), JobKind::Skip);
-        assert_eq!(TurnPolicy::base(JobKind::Process, false), JobKind::Process);
+        assert_eq!(TurnPolicy::base(CheckpointKind::Skip, true), CheckpointKind::Fs);
+        assert_eq!(TurnPolicy::base(CheckpointKind::Process, true), CheckpointKind::Full);
+        assert_eq!(TurnPolicy::base(CheckpointKind::Full, true), CheckpointKind::Full);
+        assert_eq!(TurnPolicy::base(CheckpointKind::Skip, false), CheckpointKind::Skip);
+        assert_eq!(TurnPolicy::base(CheckpointKind::Process, false), CheckpointKind::Process);
     }
 }

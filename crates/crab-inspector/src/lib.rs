@@ -30,4 +30,4 @@ mod skel {
 
 pub use error::InspectorError;
 pub use inspector::{Inspector, ProgramStats, SandboxHandle, TurnStats};
-pub use verdict::{ChangeOp, ObjectKind, PathChange, ProcessChanges, Verdict, VerdictKind};
+pub use verdict::{ChangeOp, ObjectKind, PathChange, ProcessChanges, Verdict};

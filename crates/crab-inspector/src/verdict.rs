@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use crab_common::CheckpointKind;
 use serde::{Deserialize, Serialize};
 
 use crate::abi::{
@@ -10,20 +11,6 @@ use crate::abi::{
     C_NODE, C_RENAMED, C_SYMLINK, K_INODE, P_P1, P_P1_TRUNC, P_P2, P_P2_TRUNC, P_WALK, P_WALK_FULL,
     P_WALK_IS_FILE,
 };
-
-/// What the checkpoint of a turn must contain.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum VerdictKind {
-    /// Nothing recovery-relevant changed: reuse the previous checkpoint.
-    Skip,
-    /// Files changed, processes did not: filesystem snapshot only.
-    Fs,
-    /// Processes changed, files did not: process dump only.
-    Process,
-    /// Both (or unsure): filesystem snapshot and process dump.
-    Full,
-}
 
 /// The net operation on one path in a turn.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,7 +92,7 @@ pub struct Verdict {
     /// Turn number (increments at each [`crate::Inspector::take`]).
     pub turn: u64,
     /// What the checkpoint must contain.
-    pub kind: VerdictKind,
+    pub kind: CheckpointKind,
     /// Net file changes, sorted by path.
     pub changeset: Vec<PathChange>,
     /// Process changes.
@@ -137,13 +124,13 @@ pub(crate) fn decide(sandbox: &str, turn: u64, f: TurnFacts) -> Verdict {
     let proc_ = f.processes.any() || !f.proc_reasons.is_empty();
     let conservative = !f.conservative_reasons.is_empty();
     let kind = if conservative {
-        VerdictKind::Full
+        CheckpointKind::Full
     } else {
         match (fs, proc_) {
-            (false, false) => VerdictKind::Skip,
-            (true, false) => VerdictKind::Fs,
-            (false, true) => VerdictKind::Process,
-            (true, true) => VerdictKind::Full,
+            (false, false) => CheckpointKind::Skip,
+            (true, false) => CheckpointKind::Fs,
+            (false, true) => CheckpointKind::Process,
+            (true, true) => CheckpointKind::Full,
         }
     };
     let mut reasons = f.conservative_reasons;
@@ -335,18 +322,18 @@ mod tests {
     #[test]
     fn rules() {
         let v = decide("s", 1, TurnFacts::default());
-        assert_eq!(v.kind, VerdictKind::Skip);
+        assert_eq!(v.kind, CheckpointKind::Skip);
         let mut f = TurnFacts::default();
         f.processes.born.push(3);
-        assert_eq!(decide("s", 1, f).kind, VerdictKind::Process);
+        assert_eq!(decide("s", 1, f).kind, CheckpointKind::Process);
         let f = TurnFacts { fs_reasons: vec!["x".into()], ..Default::default() };
-        assert_eq!(decide("s", 1, f).kind, VerdictKind::Fs);
+        assert_eq!(decide("s", 1, f).kind, CheckpointKind::Fs);
         let mut f = TurnFacts { fs_reasons: vec!["x".into()], ..Default::default() };
         f.processes.died.push(3);
-        assert_eq!(decide("s", 1, f).kind, VerdictKind::Full);
+        assert_eq!(decide("s", 1, f).kind, CheckpointKind::Full);
         let f = TurnFacts { conservative_reasons: vec!["io_uring".into()], ..Default::default() };
         let v = decide("s", 1, f);
-        assert_eq!(v.kind, VerdictKind::Full);
+        assert_eq!(v.kind, CheckpointKind::Full);
         assert!(v.conservative);
     }
 

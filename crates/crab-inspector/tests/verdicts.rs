@@ -9,7 +9,8 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crab_inspector::{ChangeOp, Inspector, Verdict, VerdictKind};
+use crab_common::CheckpointKind;
+use crab_inspector::{ChangeOp, Inspector, Verdict};
 
 fn inspector() -> Option<&'static Inspector> {
     static I: OnceLock<Option<Inspector>> = OnceLock::new();
@@ -131,7 +132,7 @@ fn read_only_is_skip() {
     std::fs::write(s.path().join("in.txt"), "x").unwrap();
     s.run("cat in.txt /etc/hostname > /dev/null; ls -la . > /dev/null; grep -r x . > /dev/null");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
 }
 
 #[test]
@@ -139,7 +140,7 @@ fn create_is_fs_with_path() {
     let s = setup!("create");
     s.run("echo hello > new.txt; mkdir d; echo x > d/inner");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     let p = s.path().join("new.txt");
     assert!(
         v.changeset.iter().any(|c| c.path == p.to_string_lossy() && c.op == ChangeOp::Create),
@@ -158,7 +159,7 @@ fn create_then_delete_is_skip() {
         a = abs.display()
     ));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
 }
 
 #[test]
@@ -166,7 +167,7 @@ fn dev_null_and_pipes_are_skip() {
     let s = setup!("devnull");
     s.run("echo x > /dev/null; echo y | cat > /dev/null; cat /proc/self/status > /dev/null");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
 }
 
 #[test]
@@ -175,7 +176,7 @@ fn modify_existing_is_fs() {
     std::fs::write(s.path().join("f"), "old").unwrap();
     s.run("echo new >> f");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/f", |o| *o == ChangeOp::Modify), "{v:?}");
 }
 
@@ -185,7 +186,7 @@ fn delete_existing_is_fs() {
     std::fs::write(s.path().join("victim"), "x").unwrap();
     s.run("rm victim");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/victim", |o| *o == ChangeOp::Delete), "{v:?}");
 }
 
@@ -195,7 +196,7 @@ fn rename_is_fs_with_from() {
     std::fs::write(s.path().join("a"), "x").unwrap();
     s.run("mv a b");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(
         has(&v, "/b", |o| matches!(o, ChangeOp::Rename { from } if from.ends_with("/a"))),
         "{v:?}"
@@ -208,7 +209,7 @@ fn chmod_is_meta() {
     std::fs::write(s.path().join("m"), "x").unwrap();
     s.run("chmod 600 m; touch -m m");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/m", |o| *o == ChangeOp::Meta), "{v:?}");
 }
 
@@ -220,18 +221,18 @@ fn background_process_born_idle_then_died() {
     // let it finish starting (exec, dynamic loading) inside this turn
     settle(pid as u32, "sleep");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Process, "{v:?}");
     assert!(v.processes.born.contains(&(pid as u32)), "{v:?}");
     // next turn: it sleeps, does not run
     std::thread::sleep(Duration::from_millis(50));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
     // kill it from outside: it dies in this turn
     // SAFETY: plain kill(2) of the child we started.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     std::thread::sleep(Duration::from_millis(100));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Process, "{v:?}");
     assert!(v.processes.died.contains(&(pid as u32)), "{v:?}");
 }
 
@@ -244,7 +245,7 @@ fn running_process_is_ran() {
     assert!(v.processes.born.contains(&pid), "{v:?}");
     std::thread::sleep(Duration::from_millis(200));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Process, "{v:?}");
     assert!(v.processes.ran.contains(&pid), "{v:?}");
 }
 
@@ -253,7 +254,7 @@ fn short_lived_processes_are_nothing() {
     let s = setup!("short");
     s.run("true; /bin/true; sh -c 'ls > /dev/null'; (sleep 0.01)");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
 }
 
 #[test]
@@ -271,7 +272,7 @@ fn descendant_cgroup_is_attributed() {
     assert!(st.success());
     let v = s.take();
     let _ = std::fs::remove_dir(&child);
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/nested.txt", |o| *o == ChangeOp::Create), "{v:?}");
 }
 
@@ -280,7 +281,7 @@ fn outside_processes_are_not_attributed() {
     let s = setup!("outside");
     std::fs::write(s.path().join("outside.txt"), "x").unwrap();
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
 }
 
 #[test]
@@ -292,7 +293,7 @@ fn mmap_shared_write_is_modify() {
         "{py} -c \"import mmap,os; f=open('mm','r+b'); m=mmap.mmap(f.fileno(),4096); m[0:1]=b'z'; m.close()\""
     ));
     let v = s.take();
-    assert!(matches!(v.kind, VerdictKind::Fs | VerdictKind::Full), "{v:?}");
+    assert!(matches!(v.kind, CheckpointKind::Fs | CheckpointKind::Full), "{v:?}");
     assert!(has(&v, "/mm", |o| *o == ChangeOp::Modify), "{v:?}");
 }
 
@@ -311,7 +312,7 @@ fn io_uring_is_conservative() {
         "{py} -c \"import ctypes; p=ctypes.create_string_buffer(120); ctypes.CDLL(None, use_errno=True).syscall(425, 4, p)\""
     ));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Full, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Full, "{v:?}");
     assert!(v.conservative, "{v:?}");
     assert!(v.reasons.iter().any(|r| r.contains("io_uring")), "{v:?}");
 }
@@ -321,13 +322,13 @@ fn peek_does_not_reset() {
     let s = setup!("peek");
     s.run("echo a > p1");
     let v1 = s.insp.peek(&s.name).unwrap();
-    assert_eq!(v1.kind, VerdictKind::Fs, "{v1:?}");
+    assert_eq!(v1.kind, CheckpointKind::Fs, "{v1:?}");
     let v2 = s.take();
-    assert_eq!(v2.kind, VerdictKind::Fs, "{v2:?}");
+    assert_eq!(v2.kind, CheckpointKind::Fs, "{v2:?}");
     assert_eq!(v1.turn, v2.turn);
     assert_eq!(v1.turn, 2, "turn 1 was closed right after attach");
     let v3 = s.take();
-    assert_eq!(v3.kind, VerdictKind::Skip, "{v3:?}");
+    assert_eq!(v3.kind, CheckpointKind::Skip, "{v3:?}");
     assert_eq!(v3.turn, v2.turn + 1);
 }
 
@@ -337,7 +338,7 @@ fn links_symlinks_truncate() {
     std::fs::write(s.path().join("orig"), "0123456789").unwrap();
     s.run("ln orig hard; ln -s orig soft; truncate -s 2 orig");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/hard", |o| *o == ChangeOp::Create), "{v:?}");
     assert!(has(&v, "/soft", |o| *o == ChangeOp::Create), "{v:?}");
     assert!(has(&v, "/orig", |o| *o == ChangeOp::Modify), "{v:?}");
@@ -354,7 +355,7 @@ fn python_tempfiles_are_skip() {
     let v = s.take();
     // NamedTemporaryFile cancels exactly; TemporaryDirectory's rmtree deletes through directory
     // fds, which may leave a conservative record: never a false skip, at worst fs.
-    assert!(matches!(v.kind, VerdictKind::Skip | VerdictKind::Fs), "{v:?}");
+    assert!(matches!(v.kind, CheckpointKind::Skip | CheckpointKind::Fs), "{v:?}");
     eprintln!("python tempfile turn: {:?} with {} records", v.kind, v.changeset.len());
 }
 
@@ -365,7 +366,7 @@ fn rm_rf_existing_tree_and_mkdir_p() {
     std::fs::write(s.path().join("old/sub/f"), "x").unwrap();
     s.run("rm -rf old; mkdir -p new/a/b");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(v.changeset.iter().any(|c| c.op == ChangeOp::Delete), "{v:?}");
     assert!(has(&v, "/new/a/b", |o| *o == ChangeOp::Create), "{v:?}");
 }
@@ -379,7 +380,7 @@ fn mprotect_shared_mapping_writable_is_modify() {
         "{py} -c \"import ctypes,os\nc=ctypes.CDLL(None)\nc.mmap.restype=ctypes.c_void_p\nc.mmap.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int,ctypes.c_int,ctypes.c_int,ctypes.c_long]\nfd=os.open('mp',os.O_RDWR)\na=c.mmap(None,4096,1,1,fd,0)\nassert c.mprotect(ctypes.c_void_p(a),4096,3)==0\nctypes.memmove(a,b'z',1)\n\""
     ));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/mp", |o| *o == ChangeOp::Modify), "{v:?}");
 }
 
@@ -397,7 +398,7 @@ fn changing_a_file_mapped_by_a_live_process_is_a_process_change() {
     assert!(v.processes.born.contains(&pid), "{v:?}");
     s.run("echo more >> lib.bin");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Full, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Full, "{v:?}");
     assert!(v.reasons.iter().any(|r| r.contains(&format!("pid {pid} maps"))), "{v:?}");
 }
 
@@ -409,7 +410,7 @@ fn shared_memory_mapping_is_a_process_change() {
         "{py} -c \"import os,mmap\nfd=os.memfd_create('x')\nos.ftruncate(fd,4096)\nm=mmap.mmap(fd,4096)\nm[0:1]=b'a'\""
     ));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Process, "{v:?}");
     assert!(v.reasons.iter().any(|r| r.contains("shared memory")), "{v:?}");
 }
 
@@ -424,7 +425,7 @@ fn deleting_a_recreated_existing_file_is_still_a_delete() {
         a = abs.display()
     ));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/keep", |o| *o == ChangeOp::Delete), "{v:?}");
     assert!(has(&v, "/keep2", |o| *o == ChangeOp::Delete), "{v:?}");
 }
@@ -435,7 +436,7 @@ fn atomic_save_is_fs_on_the_target() {
     std::fs::write(s.path().join("cfg"), "old").unwrap();
     s.run("echo new > .cfg.tmp; mv .cfg.tmp cfg");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(v.changeset.iter().any(|c| c.path.ends_with("/cfg")), "{v:?}");
     assert!(!v.changeset.iter().any(|c| c.path.ends_with(".cfg.tmp")), "{v:?}");
 }
@@ -504,7 +505,7 @@ fn compat_syscalls_are_conservative() {
     s.take();
     s.run(&bin.display().to_string());
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Full, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Full, "{v:?}");
     assert!(v.conservative, "{v:?}");
 }
 
@@ -519,7 +520,7 @@ fn sysv_ipc_is_a_process_change() {
         // SAFETY: msgctl(IPC_RMID) on the queue the test made; no memory is passed.
         unsafe { libc::msgctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
     }
-    assert_eq!(v.kind, VerdictKind::Process, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Process, "{v:?}");
     assert!(v.reasons.iter().any(|r| r.contains("IPC")), "{v:?}");
 }
 
@@ -546,7 +547,7 @@ fn criu_dump_is_invisible_when_muted() {
     settle(pid, "sleep");
     s.take();
     std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(s.take().kind, VerdictKind::Skip);
+    assert_eq!(s.take().kind, CheckpointKind::Skip);
     let img = s.path().join("img");
     for muted in [true, false] {
         let _ = std::fs::remove_dir_all(&img);
@@ -588,10 +589,10 @@ fn criu_dump_is_invisible_when_muted() {
         std::thread::sleep(Duration::from_millis(50));
         let v = s.take();
         if muted {
-            assert_eq!(v.kind, VerdictKind::Skip, "muted dump: {v:?}");
+            assert_eq!(v.kind, CheckpointKind::Skip, "muted dump: {v:?}");
         } else {
             // unmuted, the dump shows as the task running (never hidden)
-            assert_eq!(v.kind, VerdictKind::Process, "unmuted dump: {v:?}");
+            assert_eq!(v.kind, CheckpointKind::Process, "unmuted dump: {v:?}");
         }
     }
     let _ = child.kill();
@@ -620,10 +621,10 @@ fn reused_key_starts_clean_and_records_at_once() {
         let s = Sandbox::new(i, &format!("reuse-new{n}"));
         reused |= s.key == old_key;
         let v = s.take();
-        assert_eq!(v.kind, VerdictKind::Skip, "stale records after key reuse: {v:?}");
+        assert_eq!(v.kind, CheckpointKind::Skip, "stale records after key reuse: {v:?}");
         s.run("echo y > first");
         let v = s.take();
-        assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+        assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
         assert!(has(&v, "/first", |o| *o == ChangeOp::Create), "{v:?}");
         keys.push(s);
     }
@@ -637,10 +638,10 @@ fn temp_file_renamed_then_deleted_is_skip() {
     let s = setup!("tmpren");
     s.run("echo x > t.tmp; echo y >> t.tmp; mv t.tmp t.final; rm t.final");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
     s.run("mkdir dtmp; mv dtmp dfinal; rmdir dfinal");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
 }
 
 /// A temp file renamed over a name that existed at the checkpoint, then deleted: the old file
@@ -652,11 +653,11 @@ fn temp_file_renamed_over_existing_then_deleted_is_fs() {
     std::fs::write(s.path().join("victim2"), "old").unwrap();
     s.run("echo x > t.tmp; mv t.tmp victim; rm victim");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/victim", |o| *o == ChangeOp::Delete), "{v:?}");
     s.run("python3 -c 'import os; open(\"u.tmp\", \"w\").write(\"z\"); os.rename(\"u.tmp\", \"victim2\"); os.unlink(\"victim2\")'");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/victim2", |o| *o == ChangeOp::Delete), "{v:?}");
     // removed by one spelling, the name re-used by a fresh rename, removed again
     std::fs::write(s.path().join("victim3"), "old").unwrap();
@@ -664,7 +665,7 @@ fn temp_file_renamed_over_existing_then_deleted_is_fs() {
     let abs = s.path().join("victim3");
     s.run(&format!("rm {a}; echo n > t3; mv t3 victim3; rm victim3", a = abs.display()));
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Fs, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Fs, "{v:?}");
     assert!(has(&v, "/victim3", |o| *o == ChangeOp::Delete), "{v:?}");
 }
 
@@ -674,5 +675,5 @@ fn tree_created_then_removed_is_skip() {
     let s = setup!("treerm");
     s.run("mkdir -p a/b; touch a/b/f; rm -rf a");
     let v = s.take();
-    assert_eq!(v.kind, VerdictKind::Skip, "{v:?}");
+    assert_eq!(v.kind, CheckpointKind::Skip, "{v:?}");
 }

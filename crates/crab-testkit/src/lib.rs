@@ -4,6 +4,8 @@
 //! * [`upstream`]: a stub LLM upstream (a real HTTP server on loopback with configurable delay,
 //!   status and SSE streaming), an in-memory sandbox directory and instantly-publishing turn
 //!   hooks — the doubles around the proxy.
+//! * [`engine`] (feature `engine`): proxy hooks over a real engine, answering the host's
+//!   `JobTicket` — shared by the proxy tests and the proxy benchmark.
 //! * [`daemon`]: runs the real `crab` binary against the real daemon of `CRAB_STATE_DIR`
 //!   (started if none answers) and sandboxes that remove themselves when a test ends.
 //! * [`privilege`]: the one probe for root-only tests: they fail loudly when
@@ -11,5 +13,7 @@
 //!   "skipped".
 
 pub mod daemon;
+#[cfg(feature = "engine")]
+pub mod engine;
 pub mod privilege;
 pub mod upstream;

@@ -277,7 +277,7 @@ fn run(rounds: usize) -> Res<()> {
         insp.take("sb0").map_err(|e| e.to_string())?;
         in_att.push(loop_once(dir, Some(&attached))?);
         let v = insp.take("sb0").map_err(|e| e.to_string())?;
-        if v.kind != crab_inspector::VerdictKind::Fs {
+        if v.kind != crab_common::CheckpointKind::Fs {
             eprintln!("note: loop turn verdict {:?} ({} changes)", v.kind, v.changeset.len());
         }
         if round + 1 == rounds {

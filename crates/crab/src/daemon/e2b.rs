@@ -3,9 +3,8 @@
 use std::sync::Arc;
 
 use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
-use crab_common::ApiError;
+use crab_common::{ApiError, CheckpointKind};
 use crab_e2b::Backend;
-use crab_engine::JobKind;
 use crab_host::{Action, Host, Outcome};
 use tokio::sync::mpsc;
 
@@ -50,17 +49,14 @@ impl Backend for HostBackend {
         }
     }
 
-    async fn checkpoint(&self, name: String, kind: &'static str) -> Result<String, ApiError> {
-        let job = match kind {
-            "fs" => JobKind::Fs,
-            _ => JobKind::Full,
-        };
-        let a = Action::Checkpoint { name, kind: Some(job), turn: None, conversation_offset: None };
+    async fn checkpoint(&self, name: String, kind: CheckpointKind) -> Result<String, ApiError> {
+        let a =
+            Action::Checkpoint { name, kind: Some(kind), turn: None, conversation_offset: None };
         match self.run(a).await? {
             // A memory snapshot that holds no processes is not what was asked for: say so
             // (the files-only point stays published).
-            Outcome::Taken(t) => match (&t.point.procs_missing, job) {
-                (Some(why), JobKind::Full) => Err(ApiError::new(
+            Outcome::Taken(t) => match (&t.point.procs_missing, kind) {
+                (Some(why), CheckpointKind::Full) => Err(ApiError::new(
                     crab_common::ErrorCode::CriuFailed,
                     format!(
                         "the memory snapshot holds no processes: {why} (point {} has the files only)",

@@ -170,6 +170,7 @@ fn api_to_connect(e: ApiError) -> ConnectError {
         ErrorCode::Timeout => Code::DeadlineExceeded,
         ErrorCode::PoolFull => Code::ResourceExhausted,
         ErrorCode::HostUnsupported => Code::Unimplemented,
+        ErrorCode::HostCapabilityMissing => Code::FailedPrecondition,
         _ => Code::Internal,
     };
     let msg = if e.hint.is_empty() { e.message } else { format!("{} ({})", e.message, e.hint) };

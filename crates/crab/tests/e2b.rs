@@ -72,6 +72,13 @@ fn run_sdk(
     stdout
 }
 
+/// The effective capability mask (hex) of the daemon on `state`.
+fn daemon_cap_eff(state: &std::path::Path) -> String {
+    let pid = std::fs::read_to_string(state.join("daemon.pid")).expect("the daemon's pid file");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", pid.trim())).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("CapEff:")).unwrap().trim().to_string()
+}
+
 fn run_flows(only: &str) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -97,7 +104,14 @@ fn run_flows(only: &str) {
         Ok(p) => p,
         Err(e) => return cannot_run(&e),
     };
-    let stdout = run_sdk(&python, &url, "sdk_flows.py", &[], &[("CRAB_E2B_ONLY", only)]);
+    let caps = daemon_cap_eff(&common::state_dir());
+    let stdout = run_sdk(
+        &python,
+        &url,
+        "sdk_flows.py",
+        &[],
+        &[("CRAB_E2B_ONLY", only), ("CRAB_DAEMON_CAPEFF", &caps)],
+    );
     for name in only.split(',') {
         assert!(stdout.contains(&format!("ok {name}")), "check {name} did not pass:\n{stdout}");
     }
@@ -116,6 +130,43 @@ fn sdk_snapshots_fork_pause() {
 #[test]
 fn sdk_errors_and_timeout() {
     run_flows("errors,timeout");
+}
+
+/// A dump that CRIU cannot do here (a uid-1000 process, no CAP_SYS_RESOURCE) is refused with
+/// the cause and the fix, through the SDK and through Crab's own API, the sandbox untouched.
+#[test]
+fn sdk_missing_capability_is_named() {
+    run_flows("capability");
+}
+
+#[test]
+fn crab_api_names_the_missing_capability() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return cannot_run("needs root");
+    }
+    let sb = common::Sandbox::new("t-cap");
+    sb.sh_ok("nohup setpriv --reuid 1000 sleep 1000 >/dev/null 2>&1 &");
+    assert!(common::wait_until(5.0, || sb.sh("pgrep -u 1000 -x sleep").2 == 0));
+    let caps = u64::from_str_radix(&daemon_cap_eff(&common::state_dir()), 16).unwrap();
+    let before = common::crab_ok(&["--json", "checkpoints", &sb.name]);
+    let o = common::crab(&["checkpoint", &sb.name, "--kind", "full"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    if caps & (1 << 24) != 0 {
+        assert!(o.status.success(), "with CAP_SYS_RESOURCE the dump must work: {err}");
+        return;
+    }
+    assert!(!o.status.success());
+    assert!(err.contains("CAP_SYS_RESOURCE") && err.contains("uid 1000"), "{err}");
+    assert!(err.contains("--kind fs"), "the hint names no fix: {err}");
+    // The JSON API's code, and nothing was touched: no point, the process still runs.
+    let o = common::crab(&["--json", "checkpoint", &sb.name, "--kind", "full"]);
+    let out =
+        format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("host_capability_missing"), "{out}");
+    assert_eq!(common::crab_ok(&["--json", "checkpoints", &sb.name]), before);
+    assert_eq!(sb.sh("pgrep -u 1000 -x sleep >/dev/null && echo up").0, "up\n");
+    assert_eq!(sb.info()["state"], "running");
 }
 
 /// Front-door state survives a restart of the daemon: tokens, metadata, envs, the absolute

@@ -170,7 +170,8 @@ fn crab_api_names_the_missing_capability() {
 }
 
 /// Front-door state survives a restart of the daemon: tokens, metadata, envs, the absolute
-/// timeout (the watchdog fires it after the restart), and snapshots (docs/e2b.md).
+/// timeout (the watchdog fires it after the restart), a pause (connect resumes it), and a
+/// snapshot of a sandbox killed before the restart (docs/e2b.md). About 35 s.
 #[test]
 fn sdk_state_survives_a_daemon_restart() {
     // SAFETY: geteuid has no preconditions.

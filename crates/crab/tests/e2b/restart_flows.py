@@ -17,8 +17,8 @@ from e2b.exceptions import NotFoundException, SandboxException
 
 API = os.environ["E2B_API_URL"]
 KEY = os.environ["E2B_API_KEY"]
-# Seconds the timeout sandbox lives: long enough to outlive phase 1 and the restart.
-TIMEOUT_S = int(os.environ.get("CRAB_E2B_RESTART_TIMEOUT", "25"))
+# Seconds the timeout sandbox lives (made at the end of phase 1): it must outlive the restart.
+TIMEOUT_S = int(os.environ.get("CRAB_E2B_RESTART_TIMEOUT", "20"))
 
 
 def rest(method, path, **kw):
@@ -57,7 +57,14 @@ def before(state_path):
     worker = Sandbox.create("base", metadata={"role": "worker"}, envs={"FROM_CREATE": "kept"})
     worker.files.write("/home/user/notes.txt", "written before the restart")
     worker.commands.run("echo 41 > /tmp/counter")
-    timer = Sandbox.create("base", timeout=TIMEOUT_S)
+    # Paused before the restart, resumed after it (its pause point is persisted).
+    sleeper = Sandbox.create("base")
+    sleeper.commands.run(
+        "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/tick; sleep 0.1; done' >/dev/null 2>&1 &",
+        user="root",
+    )
+    time.sleep(0.3)
+    assert sleeper.pause()
     source = Sandbox.create("base")
     source.files.write("/home/user/snap.txt", "in the snapshot")
     # A process with in-memory state, dumped into the full snapshot (as root: see docs/e2b.md).
@@ -71,12 +78,15 @@ def before(state_path):
     assert child.files.read("/home/user/snap.txt") == "in the snapshot"
     assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
     child.kill()
+    # Last, so its timeout only has to outlive the restart.
+    timer = Sandbox.create("base", timeout=TIMEOUT_S)
     state = {
         "worker": worker.sandbox_id,
         "worker_token": detail(worker.sandbox_id)["envdAccessToken"],
         "timer": timer.sandbox_id,
         "timer_end": detail(timer.sandbox_id)["endAt"],
         "source": source.sandbox_id,
+        "sleeper": sleeper.sandbox_id,
         "snapshot": snap.snapshot_id,
     }
     with open(state_path, "w") as f:
@@ -104,6 +114,14 @@ def after(state_path):
     assert r.stdout == "41\nkept\n", repr(r.stdout)
     listed = [s.sandbox_id for s in Sandbox.list().next_items()]
     assert st["worker"] in listed and st["timer"] in listed, listed
+    # The paused one is still paused, and connect resumes it with its process.
+    assert detail(st["sleeper"])["state"] == "paused"
+    woke = Sandbox.connect(st["sleeper"])
+    assert woke.get_info().state.value == "running"
+    a = int(woke.commands.run("cat /tmp/tick").stdout)
+    time.sleep(0.4)
+    assert int(woke.commands.run("cat /tmp/tick").stdout) > a, "the loop did not come back"
+    woke.kill()
     # The snapshot taken before the kill still makes sandboxes after the restart; its killed
     # source stays hidden.
     assert st["source"] not in listed and gone(st["source"])

@@ -211,10 +211,13 @@ fn sdk_state_survives_a_daemon_restart() {
     assert!(row.contains("snapshot holder"), "{ls}");
     let info = d.crab_ok(&["sandbox", "inspect", source]);
     assert!(info.contains("\"held\"") && info.contains("delete_snapshot"), "{info}");
+    d.crab_ok(&["sandbox", "rm", "--force", made["doomed"].as_str().unwrap()]);
     d.stop();
     d.restart();
     let out = run_sdk(&python, &url, "restart_flows.py", &["after", st], &[]);
     assert!(out.contains("ok after"), "{out}");
+    let left = std::fs::read_dir(d.state.join("e2b/sandboxes")).unwrap().count();
+    assert_eq!(left, 0, "E2B state files left behind");
     // Everything the script made is gone from the host too.
     let ls: serde_json::Value =
         serde_json::from_str(&d.crab_ok(&["sandbox", "ls", "--json"])).unwrap();

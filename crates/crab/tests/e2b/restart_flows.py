@@ -78,6 +78,8 @@ def before(state_path):
     assert child.files.read("/home/user/snap.txt") == "in the snapshot"
     assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
     child.kill()
+    # Removed through the CLI by the test before the restart: the E2B API must forget it.
+    doomed = Sandbox.create("base")
     # Last, so its timeout only has to outlive the restart.
     timer = Sandbox.create("base", timeout=TIMEOUT_S)
     state = {
@@ -87,6 +89,7 @@ def before(state_path):
         "timer_end": detail(timer.sandbox_id)["endAt"],
         "source": source.sandbox_id,
         "sleeper": sleeper.sandbox_id,
+        "doomed": doomed.sandbox_id,
         "snapshot": snap.snapshot_id,
     }
     with open(state_path, "w") as f:
@@ -97,6 +100,8 @@ def before(state_path):
 def after(state_path):
     with open(state_path) as f:
         st = json.load(f)
+    # Removed through the CLI: gone from the E2B API too, its state file with it.
+    assert gone(st["doomed"]), "a sandbox removed with crab sandbox rm is still known"
     # The timeout sandbox is still there, with the deadline it had (absolute, not re-armed).
     assert not gone(st["timer"]), "the timeout sandbox was forgotten (or expired early)"
     assert detail(st["timer"])["endAt"] == st["timer_end"], "the deadline moved across the restart"

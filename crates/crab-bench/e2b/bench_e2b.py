@@ -88,6 +88,9 @@ def main():
     try:
         restore = restore_paths(src)
     finally:
+        # A snapshot outlives its sandbox: delete them, or the killed source stays a holder.
+        for sn in Sandbox.list_snapshots(sandbox_id=src.sandbox_id).next_items():
+            Sandbox.delete_snapshot(sn.snapshot_id)
         src.kill()
     print(json.dumps({"rounds": ROUNDS, "fork_rounds": FORK_ROUNDS, "sdk": sdk, "cli": cli, "restore": restore}))
 

@@ -1182,6 +1182,7 @@ impl Checkpointer {
             cgroup: Some(self.rt.new_cgroup_rel(name)),
             profile: src.profile,
             nat: None,
+            held: None,
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);

@@ -216,6 +216,10 @@ pub struct SandboxInfo {
     /// The security profile in force (`crab sandbox inspect`).
     #[serde(default)]
     pub profile: Option<ProfileReport>,
+    /// Set while it is stopped and kept only for its restore points (an E2B sandbox killed
+    /// while it held snapshots; `crab sandbox ls` shows `snapshot holder`): why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<String>,
 }
 
 /// What `crab sandbox inspect` shows about the security profile in force.

@@ -27,6 +27,10 @@ pub enum ErrorCode {
     UnsafeArchive,
     /// The host lacks something Crab needs (btrfs, cgroup2, BPF, CRIU, root).
     HostUnsupported,
+    /// The daemon lacks a capability the operation needs on this sandbox (e.g.
+    /// `CAP_SYS_RESOURCE`, without which CRIU cannot dump a non-root process); the sandbox is
+    /// left as it was.
+    HostCapabilityMissing,
     /// The storage pool is full.
     PoolFull,
     /// A checkpoint's files failed verification.
@@ -62,7 +66,7 @@ impl ErrorCode {
             ErrorCode::TooLarge => 413,
             ErrorCode::RequestTimeout => 408,
             ErrorCode::Busy => 503,
-            ErrorCode::HostUnsupported => 501,
+            ErrorCode::HostUnsupported | ErrorCode::HostCapabilityMissing => 501,
             ErrorCode::PoolFull => 507,
             ErrorCode::CriuFailed | ErrorCode::Internal => 500,
         }
@@ -79,6 +83,7 @@ impl ErrorCode {
             ErrorCode::Conflict => "conflict",
             ErrorCode::UnsafeArchive => "unsafe_archive",
             ErrorCode::HostUnsupported => "host_unsupported",
+            ErrorCode::HostCapabilityMissing => "host_capability_missing",
             ErrorCode::PoolFull => "pool_full",
             ErrorCode::CorruptCheckpoint => "corrupt_checkpoint",
             ErrorCode::CriuFailed => "criu_failed",

@@ -17,6 +17,9 @@ pub trait Backend: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Remove a sandbox (killing what runs in it) and its restore points.
     fn remove(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Keep a sandbox only for its restore points (E2B's kill of a sandbox whose snapshots
+    /// live on): its processes are killed, its points stay, the host marks it a holder.
+    fn retire(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Run a command; the receiver yields its frames and dropping it kills the command.
     fn exec(
         &self,

@@ -170,6 +170,7 @@ fn api_to_connect(e: ApiError) -> ConnectError {
         ErrorCode::Timeout => Code::DeadlineExceeded,
         ErrorCode::PoolFull => Code::ResourceExhausted,
         ErrorCode::HostUnsupported => Code::Unimplemented,
+        ErrorCode::HostCapabilityMissing => Code::FailedPrecondition,
         _ => Code::Internal,
     };
     let msg = if e.hint.is_empty() { e.message } else { format!("{} ({})", e.message, e.hint) };
@@ -202,6 +203,8 @@ impl<B: Backend> E2b<B> {
             .route("/v2/sandboxes/{id}/connect", post(connect_sb::<B>))
             .route("/sandboxes/{id}/snapshots", post(snapshot::<B>))
             .route("/sandboxes/{id}/fork", post(fork::<B>))
+            .route("/snapshots", get(list_snapshots::<B>))
+            .route("/templates/{id}", axum::routing::delete(delete_template::<B>))
             .route_layer(axum::middleware::from_fn_with_state(self.clone(), api_key::<B>));
         let envd = Router::new()
             .route("/process.Process/{method}", post(process::<B>))
@@ -443,10 +446,57 @@ impl<B: Backend> E2b<B> {
                     }
                 }
             }
+            // A killed holder whose last snapshot is gone (deleted while a removal failed,
+            // or its point pruned) has nothing left to keep.
+            let holds = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
+            if lock(&sb.life).state == RunState::Killed && !holds {
+                match self.backend.remove(sb.id.clone()).await {
+                    Ok(()) => self.forget(&sb.id),
+                    Err(e) if e.code == ErrorCode::SandboxNotFound => self.forget(&sb.id),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %sb.id, error = %e.message, "E2B reconcile: cannot remove a killed sandbox without snapshots")
+                    }
+                }
+                continue;
+            }
             if changed {
                 self.persist(&sb);
             }
         }
+    }
+
+    /// Delete snapshot `id` (an id or a name); the last one of a killed sandbox removes it.
+    async fn delete_snapshot(&self, id: &str) -> Result<(), RestError> {
+        let snap = lock(&self.snapshots)
+            .get(id)
+            .cloned()
+            .ok_or_else(|| RestError::new(404, format!("snapshot {id:?} not found")))?;
+        let sb = lock(&self.sandboxes).get(&snap.sandbox).cloned();
+        let Some(sb) = sb else {
+            lock(&self.snapshots).retain(|_, s| s.id != snap.id);
+            return Ok(());
+        };
+        let _g = sb.lifecycle.lock().await;
+        lock(&self.snapshots).retain(|_, s| s.id != snap.id);
+        let holds = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
+        if lock(&sb.life).state == RunState::Killed && !holds {
+            match self.backend.remove(sb.id.clone()).await {
+                Ok(()) => {}
+                Err(e) if e.code == ErrorCode::SandboxNotFound => {}
+                Err(e) => {
+                    // Forgotten as a snapshot all the same; the watchdog retries the removal.
+                    self.persist(&sb);
+                    return Err(e.into());
+                }
+            }
+            self.forget(&sb.id);
+            tracing::info!(sandbox = %sb.id, snapshot = %snap.id, "last E2B snapshot deleted: its killed sandbox is removed");
+        } else {
+            // The restore point stays a Crab point of a live sandbox (`crab checkpoints`).
+            self.persist(&sb);
+            tracing::info!(sandbox = %sb.id, snapshot = %snap.id, "E2B snapshot deleted");
+        }
+        Ok(())
     }
 
     fn created(&self, sb: &Sb) -> rest::Created {
@@ -490,10 +540,31 @@ impl<B: Backend> E2b<B> {
         sb
     }
 
+    /// Kill: the sandbox goes; if it holds snapshots, it is only stopped and hidden (a
+    /// snapshot outlives its sandbox, as in E2B) until its last snapshot is deleted.
     async fn do_kill(&self, sb: &Arc<Sb>) -> Result<(), RestError> {
         let _g = sb.lifecycle.lock().await;
         for p in lock(&sb.procs).drain().map(|(_, p)| p).collect::<Vec<_>>() {
             p.kill();
+        }
+        let holds = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
+        if holds {
+            return match self.backend.retire(sb.id.clone()).await {
+                Ok(()) => {
+                    {
+                        let mut l = lock(&sb.life);
+                        l.state = RunState::Killed;
+                        l.pause_point = None;
+                    }
+                    self.persist(sb);
+                    Ok(())
+                }
+                Err(e) if e.code == ErrorCode::SandboxNotFound => {
+                    self.forget(&sb.id);
+                    Ok(())
+                }
+                Err(e) => Err(e.into()),
+            };
         }
         let r = self.backend.remove(sb.id.clone()).await;
         self.forget(&sb.id);
@@ -755,6 +826,61 @@ async fn kill<B: Backend>(
     let sb = e2b.sandbox(&id)?;
     e2b.do_kill(&sb).await?;
     tracing::info!(sandbox = %id, "E2B sandbox killed");
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn list_snapshots<B: Backend>(
+    State(e2b): State<Shared<B>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Result<Response, RestError> {
+    let limit: usize = match q.get("limit") {
+        Some(l) => l
+            .parse()
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| RestError::new(400, format!("limit must be 1..=1000, got {l:?}")))?,
+        None => 100,
+    };
+    let offset: usize = match q.get("nextToken") {
+        Some(t) => {
+            t.parse().map_err(|_| RestError::new(400, format!("invalid nextToken {t:?}")))?
+        }
+        None => 0,
+    };
+    let mut all: Vec<rest::SnapshotInfo> = lock(&e2b.snapshots)
+        .iter()
+        .filter(|(k, s)| **k == s.id)
+        .map(|(_, s)| s)
+        .filter(|s| q.get("sandboxID").is_none_or(|id| &s.sandbox == id))
+        .filter(|s| q.get("name").is_none_or(|n| &s.id == n || s.names.contains(n)))
+        .map(|s| rest::SnapshotInfo { snapshot_id: s.id.clone(), names: s.names.clone() })
+        .collect();
+    all.sort_by(|a, b| a.snapshot_id.cmp(&b.snapshot_id));
+    let page: Vec<rest::SnapshotInfo> = all.iter().skip(offset).take(limit).cloned().collect();
+    let mut r = Json(page).into_response();
+    if offset + limit < all.len() {
+        if let Ok(v) = (offset + limit).to_string().parse() {
+            r.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(r)
+}
+
+/// `DELETE /templates/{id}`: what the SDK's `Sandbox.delete_snapshot` calls.
+async fn delete_template<B: Backend>(
+    State(e2b): State<Shared<B>>,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
+    if !lock(&e2b.snapshots).contains_key(&id) {
+        let images = e2b.backend.images().await.unwrap_or_default();
+        if images.contains(&id) || id == "base" {
+            return Err(RestError::new(
+                400,
+                format!("{id:?} is a template (a Crab image), not a snapshot: remove images with `crab image rm`"),
+            ));
+        }
+    }
+    e2b.delete_snapshot(&id).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

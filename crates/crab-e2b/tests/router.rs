@@ -18,6 +18,7 @@ use tower::ServiceExt;
 struct Fake {
     sandboxes: Mutex<Vec<String>>,
     execs: Mutex<Vec<ExecRequest>>,
+    retired: Mutex<Vec<String>>,
 }
 
 impl Backend for Fake {
@@ -32,6 +33,10 @@ impl Backend for Fake {
         if s.len() == n {
             return Err(ApiError::new(ErrorCode::SandboxNotFound, "gone", ""));
         }
+        Ok(())
+    }
+    async fn retire(&self, name: String) -> Result<(), ApiError> {
+        self.retired.lock().unwrap().push(name);
         Ok(())
     }
     async fn exec(
@@ -263,5 +268,32 @@ async fn state_survives_a_restart_and_is_reconciled() {
     assert_eq!(s, 404);
     assert!(!dir.join(format!("sandboxes/{}.json", ids[1])).exists());
     assert!(dir.join("sandboxes/e2b-corrupt.json").exists(), "the corrupt file was not kept");
+
+    // Kill of a sandbox that holds a snapshot: retired (not removed), hidden, its snapshot
+    // still makes sandboxes; deleting the last snapshot removes it.
+    let del =
+        |uri: &str| Request::delete(uri).header("x-api-key", KEY).body(Body::empty()).unwrap();
+    let (s, _) = call(&second, del(&format!("/sandboxes/{}", ids[0]))).await;
+    assert_eq!(s, 204);
+    assert_eq!(*fake.retired.lock().unwrap(), vec![ids[0].clone()]);
+    assert!(fake.sandboxes.lock().unwrap().contains(&ids[0]));
+    let (s, _) = call(&second, get(&format!("/sandboxes/{}", ids[0]))).await;
+    assert_eq!(s, 404);
+    let (_, b) = call(&second, get("/v2/sandboxes")).await;
+    assert!(!String::from_utf8_lossy(&b).contains(&ids[0]));
+    let (s, _) =
+        call(&second, post("/v2/sandboxes", &format!(r#"{{"templateID":"{snap}"}}"#))).await;
+    assert_eq!(s, 201);
+    let (s, b) = call(&second, get(&format!("/snapshots?sandboxID={}", ids[0]))).await;
+    assert_eq!(s, 200);
+    assert_eq!(json(&b)[0]["snapshotID"], snap.as_str());
+    let (s, _) = call(&second, del("/templates/debian")).await;
+    assert_eq!(s, 400, "an image is not a snapshot");
+    let (s, _) = call(&second, del(&format!("/templates/{snap}"))).await;
+    assert_eq!(s, 204);
+    assert!(!fake.sandboxes.lock().unwrap().contains(&ids[0]), "the holder was not removed");
+    assert!(!dir.join(format!("sandboxes/{}.json", ids[0])).exists());
+    let (s, _) = call(&second, del(&format!("/templates/{snap}"))).await;
+    assert_eq!(s, 404);
     std::fs::remove_dir_all(&dir).unwrap();
 }

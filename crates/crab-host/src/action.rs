@@ -69,6 +69,16 @@ pub enum Action {
         /// Take a checkpoint first (`docker stop`); `false` kills at once (`docker kill`).
         checkpoint: bool,
     },
+    /// Keep a sandbox only for its restore points (E2B's kill of a sandbox whose snapshots
+    /// live on): every process is killed, no checkpoint is taken, its files, record and points
+    /// stay, and its record says why (`held`; `crab sandbox ls` shows `snapshot holder`).
+    /// `Remove` deletes it; a restore or start clears the mark.
+    Retire {
+        /// Sandbox name.
+        name: String,
+        /// Why it is kept (shown by `crab sandbox inspect`).
+        why: String,
+    },
     /// Start a stopped (dead) sandbox from its newest restore point; a running one is left
     /// alone.
     Start {
@@ -201,6 +211,7 @@ impl Action {
             Action::Create(_) => "create",
             Action::Remove { .. } => "remove",
             Action::Stop { .. } => "stop",
+            Action::Retire { .. } => "retire",
             Action::Start { .. } => "start",
             Action::Exec { .. } => "exec",
             Action::Inspect { .. } => "inspect",

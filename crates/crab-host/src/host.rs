@@ -102,6 +102,69 @@ fn full_point(o: &Outcome, what: &str) -> Result<String, HostError> {
     }
 }
 
+/// Bit of `CAP_SYS_RESOURCE` in a capability mask.
+const CAP_SYS_RESOURCE: u32 = 24;
+
+/// This process's effective capability mask (`CapEff` of `/proc/self/status`), read once.
+fn cap_eff() -> Option<u64> {
+    static CAPS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *CAPS.get_or_init(|| {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim().to_string();
+        u64::from_str_radix(&hex, 16).ok()
+    })
+}
+
+/// Whether the daemon holds `CAP_SYS_RESOURCE`, which CRIU needs to read the rlimits of a
+/// process of another uid (`prlimit(2)`); unknown counts as held (CRIU then says).
+fn has_sys_resource() -> bool {
+    cap_eff().is_none_or(|c| c & (1 << CAP_SYS_RESOURCE) != 0)
+}
+
+/// The first process of `pids` whose real, effective or saved uid or gid is not root:
+/// `(pid, uid, gid, command)`.
+fn first_non_root(pids: &[u32]) -> Option<(u32, String, String, String)> {
+    for &pid in pids {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue; // gone meanwhile
+        };
+        let field = |k: &str| -> Vec<String> {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .map(|v| v.split_whitespace().take(3).map(str::to_string).collect())
+                .unwrap_or_default()
+        };
+        let (uids, gids) = (field("Uid:"), field("Gid:"));
+        if uids.iter().chain(gids.iter()).any(|id| id != "0") {
+            let name = field("Name:").into_iter().next().unwrap_or_default();
+            let uid = uids.first().cloned().unwrap_or_default();
+            let gid = gids.first().cloned().unwrap_or_default();
+            return Some((pid, uid, gid, name));
+        }
+    }
+    None
+}
+
+/// Refuse a process dump CRIU cannot do on this host — a non-root process in the sandbox and
+/// no `CAP_SYS_RESOURCE` ("Can't get rlimit") — with the cause and the fix, before anything
+/// of the sandbox is touched.
+fn dump_preflight(rt: &Runtime, name: &str) -> Result<(), HostError> {
+    if has_sys_resource() {
+        return Ok(());
+    }
+    let pids = rt.cgroup(name).pids().unwrap_or_default();
+    let Some((pid, uid, gid, comm)) = first_non_root(&pids) else { return Ok(()) };
+    Err(HostError(ApiError::new(
+        crab_common::ErrorCode::HostCapabilityMissing,
+        format!(
+            "cannot dump the processes of sandbox {name:?}: process {pid} ({comm}) runs as uid {uid} gid {gid}, and this crab daemon lacks CAP_SYS_RESOURCE (CapEff {:016x}), which CRIU needs to read a non-root process's rlimits",
+            cap_eff().unwrap_or(0)
+        ),
+        "run the daemon where its capability set includes CAP_SYS_RESOURCE (a host or container that does not drop it), or run that process as root, or take a filesystem checkpoint (--kind fs; E2B: mode=\"filesystem\"); the sandbox was left running, untouched",
+    )))
+}
+
 /// Run a blocking call off the async threads.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, HostError> + Send + 'static,
@@ -134,6 +197,12 @@ impl Host {
             let e: ApiError = e.into();
             HostError::invalid(format!("--default-disk: {}", e.message), e.hint)
         })?;
+        if !has_sys_resource() {
+            tracing::warn!(
+                cap_eff = format!("{:016x}", cap_eff().unwrap_or(0)),
+                "the daemon lacks CAP_SYS_RESOURCE: CRIU cannot dump sandboxes that run non-root processes (full/process checkpoints, pause and live forks of them answer host_capability_missing)"
+            );
+        }
         let inspector = tokio::task::spawn_blocking(Inspector::load)
             .await
             .map_err(|e| HostError::internal(format!("inspector start-up panicked: {e}")))?
@@ -360,6 +429,7 @@ impl Host {
             Action::Create(req) => self.create(req).await,
             Action::Remove { name, force } => self.remove(name, force).await,
             Action::Stop { name, checkpoint } => self.stop(name, checkpoint).await,
+            Action::Retire { name, why } => self.retire(name, why).await,
             Action::Start { name } => self.start(name).await,
             Action::Exec { name, req } => {
                 // Unknown sandboxes are refused before the stream starts.
@@ -514,6 +584,22 @@ impl Host {
         Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Dead }))
     }
 
+    async fn retire(self: &Arc<Self>, name: String, why: String) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        self.detach(&name);
+        self.close_sandbox_proxy(&name).await;
+        let rt = self.runtime.clone();
+        let n = name.clone();
+        blocking(move || {
+            rt.stop(&n)?;
+            Ok(rt.hold(&n, Some(why))?)
+        })
+        .await?;
+        self.policy.clear(&name);
+        tracing::info!(sandbox = %name, "sandbox stopped and kept for its restore points");
+        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point: None, state: SandboxState::Dead }))
+    }
+
     async fn start(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
         if self.running(&name).await? {
             return Ok(Outcome::Lifecycle(Lifecycle {
@@ -597,6 +683,12 @@ impl Host {
         conversation_offset: Option<u64>,
     ) -> Result<Outcome, HostError> {
         self.runtime.record(&name)?;
+        if matches!(kind, Some(CheckpointKind::Full | CheckpointKind::Process)) {
+            // Before anything is touched (the turn stays open, nothing is frozen).
+            let rt = self.runtime.clone();
+            let n = name.clone();
+            blocking(move || dump_preflight(&rt, &n)).await?;
+        }
         let h = self.clone();
         let n = name.clone();
         // An explicit kind also closes the inspector's turn: its changes are in this checkpoint.
@@ -656,7 +748,10 @@ impl Host {
             // Whatever happened, the sandbox's (possibly new) cgroup is tracked again.
             h.attach(&n);
             h.policy.clear(&n);
-            Ok((r?, offset))
+            let r = r?;
+            // It runs again: no longer only a holder of restore points.
+            h.runtime.hold(&n, None)?;
+            Ok((r, offset))
         })
         .await?;
         if let Some(off) = offset {

@@ -69,6 +69,10 @@ pub struct SandboxRecord {
     /// With `net: nat`: its address and the host end of its veth pair (see [`crate::net`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nat: Option<NatLease>,
+    /// Set while the sandbox is stopped and kept only for its restore points (an E2B sandbox
+    /// killed while it held snapshots): why. Cleared when it runs again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<String>,
 }
 
 /// Options of the runtime.
@@ -317,6 +321,7 @@ impl Runtime {
             cgroup_id: cg.id().unwrap_or(0),
             address: self.nat.lease(&rec.name).map(|l| l.addr.to_string()),
             profile: Some(crate::profile::report(&rec.profile)),
+            held: rec.held.clone(),
         }
     }
 
@@ -428,6 +433,7 @@ impl Runtime {
             profile,
             cgroup: Some(self.new_cgroup_rel(name)),
             nat: None,
+            held: None,
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -521,6 +527,16 @@ impl Runtime {
             }
         }
         Ok((pid, start))
+    }
+
+    /// Mark sandbox `name` as kept only for its restore points (`why`), or clear the mark.
+    pub fn hold(&self, name: &str, why: Option<String>) -> Result<()> {
+        let mut rec = self.record(name)?;
+        if rec.held == why {
+            return Ok(());
+        }
+        rec.held = why;
+        self.update(rec)
     }
 
     /// Kill every process of sandbox `name` (its cgroup), leaving files and record alone.

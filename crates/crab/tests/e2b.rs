@@ -72,6 +72,13 @@ fn run_sdk(
     stdout
 }
 
+/// The effective capability mask (hex) of the daemon on `state`.
+fn daemon_cap_eff(state: &std::path::Path) -> String {
+    let pid = std::fs::read_to_string(state.join("daemon.pid")).expect("the daemon's pid file");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", pid.trim())).unwrap();
+    status.lines().find_map(|l| l.strip_prefix("CapEff:")).unwrap().trim().to_string()
+}
+
 fn run_flows(only: &str) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -97,7 +104,14 @@ fn run_flows(only: &str) {
         Ok(p) => p,
         Err(e) => return cannot_run(&e),
     };
-    let stdout = run_sdk(&python, &url, "sdk_flows.py", &[], &[("CRAB_E2B_ONLY", only)]);
+    let caps = daemon_cap_eff(&common::state_dir());
+    let stdout = run_sdk(
+        &python,
+        &url,
+        "sdk_flows.py",
+        &[],
+        &[("CRAB_E2B_ONLY", only), ("CRAB_DAEMON_CAPEFF", &caps)],
+    );
     for name in only.split(',') {
         assert!(stdout.contains(&format!("ok {name}")), "check {name} did not pass:\n{stdout}");
     }
@@ -118,8 +132,46 @@ fn sdk_errors_and_timeout() {
     run_flows("errors,timeout");
 }
 
+/// A dump that CRIU cannot do here (a uid-1000 process, no CAP_SYS_RESOURCE) is refused with
+/// the cause and the fix, through the SDK and through Crab's own API, the sandbox untouched.
+#[test]
+fn sdk_missing_capability_is_named() {
+    run_flows("capability");
+}
+
+#[test]
+fn crab_api_names_the_missing_capability() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return cannot_run("needs root");
+    }
+    let sb = common::Sandbox::new("t-cap");
+    sb.sh_ok("nohup setpriv --reuid 1000 sleep 1000 >/dev/null 2>&1 &");
+    assert!(common::wait_until(5.0, || sb.sh("pgrep -u 1000 -x sleep").2 == 0));
+    let caps = u64::from_str_radix(&daemon_cap_eff(&common::state_dir()), 16).unwrap();
+    let before = common::crab_ok(&["--json", "checkpoints", &sb.name]);
+    let o = common::crab(&["checkpoint", &sb.name, "--kind", "full"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    if caps & (1 << 24) != 0 {
+        assert!(o.status.success(), "with CAP_SYS_RESOURCE the dump must work: {err}");
+        return;
+    }
+    assert!(!o.status.success());
+    assert!(err.contains("CAP_SYS_RESOURCE") && err.contains("uid 1000"), "{err}");
+    assert!(err.contains("--kind fs"), "the hint names no fix: {err}");
+    // The JSON API's code, and nothing was touched: no point, the process still runs.
+    let o = common::crab(&["--json", "checkpoint", &sb.name, "--kind", "full"]);
+    let out =
+        format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("host_capability_missing"), "{out}");
+    assert_eq!(common::crab_ok(&["--json", "checkpoints", &sb.name]), before);
+    assert_eq!(sb.sh("pgrep -u 1000 -x sleep >/dev/null && echo up").0, "up\n");
+    assert_eq!(sb.info()["state"], "running");
+}
+
 /// Front-door state survives a restart of the daemon: tokens, metadata, envs, the absolute
-/// timeout (the watchdog fires it after the restart), and snapshots (docs/e2b.md).
+/// timeout (the watchdog fires it after the restart), a pause (connect resumes it), and a
+/// snapshot of a sandbox killed before the restart (docs/e2b.md). About 35 s.
 #[test]
 fn sdk_state_survives_a_daemon_restart() {
     // SAFETY: geteuid has no preconditions.
@@ -151,10 +203,21 @@ fn sdk_state_survives_a_daemon_restart() {
     let st = state.to_str().unwrap();
     let out = run_sdk(&python, &url, "restart_flows.py", &["before", st], &[]);
     assert!(out.contains("ok before"), "{out}");
+    // The killed source of a live snapshot is a stopped snapshot holder on the host.
+    let made: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    let source = made["source"].as_str().unwrap();
+    let ls = d.crab_ok(&["sandbox", "ls"]);
+    let row = ls.lines().find(|l| l.starts_with(source)).unwrap_or_else(|| panic!("{ls}"));
+    assert!(row.contains("snapshot holder"), "{ls}");
+    let info = d.crab_ok(&["sandbox", "inspect", source]);
+    assert!(info.contains("\"held\"") && info.contains("delete_snapshot"), "{info}");
+    d.crab_ok(&["sandbox", "rm", "--force", made["doomed"].as_str().unwrap()]);
     d.stop();
     d.restart();
     let out = run_sdk(&python, &url, "restart_flows.py", &["after", st], &[]);
     assert!(out.contains("ok after"), "{out}");
+    let left = std::fs::read_dir(d.state.join("e2b/sandboxes")).unwrap().count();
+    assert_eq!(left, 0, "E2B state files left behind");
     // Everything the script made is gone from the host too.
     let ls: serde_json::Value =
         serde_json::from_str(&d.crab_ok(&["sandbox", "ls", "--json"])).unwrap();

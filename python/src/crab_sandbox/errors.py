@@ -23,6 +23,7 @@ __all__ = [
     "ConflictError",
     "CorruptCheckpointError",
     "HostUnsupportedError",
+    "HostCapabilityMissingError",
     "UpstreamError",
     "CommandTimeoutError",
     "PoolFullError",
@@ -138,6 +139,14 @@ class HostUnsupportedError(CrabError):
     code = "host_unsupported"
 
 
+class HostCapabilityMissingError(CrabError):
+    """``host_capability_missing`` (501): the daemon lacks a capability this operation needs on
+    this sandbox (a process dump of a non-root process without ``CAP_SYS_RESOURCE``); the
+    sandbox was left as it was."""
+
+    code = "host_capability_missing"
+
+
 class UpstreamError(CrabError):
     """``upstream`` (502): an LLM upstream failed."""
 
@@ -227,6 +236,7 @@ ERROR_CLASSES: Dict[str, Type[CrabError]] = {
         ConflictError,
         CorruptCheckpointError,
         HostUnsupportedError,
+        HostCapabilityMissingError,
         UpstreamError,
         CommandTimeoutError,
         PoolFullError,

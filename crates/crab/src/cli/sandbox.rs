@@ -80,7 +80,11 @@ fn sandbox_rows(v: &[SandboxInfo]) -> Vec<Vec<String>> {
             vec![
                 s.name.clone(),
                 s.image.clone(),
-                format!("{:?}", s.state).to_lowercase(),
+                // A sandbox kept only for its restore points says so (inspect shows why).
+                match &s.held {
+                    Some(_) => "snapshot holder".into(),
+                    None => format!("{:?}", s.state).to_lowercase(),
+                },
                 age(s.created_at),
                 s.processes.to_string(),
                 s.bytes_written.map(human_bytes).unwrap_or_else(|| "-".into()),

@@ -31,6 +31,13 @@ impl Backend for HostBackend {
         self.run(Action::Remove { name, force: true }).await.map(|_| ())
     }
 
+    async fn retire(&self, name: String) -> Result<(), ApiError> {
+        let why = "killed through the E2B API while it holds snapshots; deleting its last \
+                   snapshot (Sandbox.delete_snapshot) removes it"
+            .to_string();
+        self.run(Action::Retire { name, why }).await.map(|_| ())
+    }
+
     async fn exec(
         &self,
         name: String,

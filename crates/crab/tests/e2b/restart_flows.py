@@ -17,8 +17,8 @@ from e2b.exceptions import NotFoundException, SandboxException
 
 API = os.environ["E2B_API_URL"]
 KEY = os.environ["E2B_API_KEY"]
-# Seconds the timeout sandbox lives: long enough to outlive phase 1 and the restart.
-TIMEOUT_S = int(os.environ.get("CRAB_E2B_RESTART_TIMEOUT", "25"))
+# Seconds the timeout sandbox lives (made at the end of phase 1): it must outlive the restart.
+TIMEOUT_S = int(os.environ.get("CRAB_E2B_RESTART_TIMEOUT", "20"))
 
 
 def rest(method, path, **kw):
@@ -57,22 +57,39 @@ def before(state_path):
     worker = Sandbox.create("base", metadata={"role": "worker"}, envs={"FROM_CREATE": "kept"})
     worker.files.write("/home/user/notes.txt", "written before the restart")
     worker.commands.run("echo 41 > /tmp/counter")
-    timer = Sandbox.create("base", timeout=TIMEOUT_S)
+    # Paused before the restart, resumed after it (its pause point is persisted).
+    sleeper = Sandbox.create("base")
+    sleeper.commands.run(
+        "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/tick; sleep 0.1; done' >/dev/null 2>&1 &",
+        user="root",
+    )
+    time.sleep(0.3)
+    assert sleeper.pause()
     source = Sandbox.create("base")
     source.files.write("/home/user/snap.txt", "in the snapshot")
     # A process with in-memory state, dumped into the full snapshot (as root: see docs/e2b.md).
     source.commands.run("nohup sleep 1000 >/dev/null 2>&1 &", user="root")
     snap = source.create_snapshot()
+    # E2B semantics: a snapshot outlives its sandbox.
+    source.kill()
+    assert gone(source.sandbox_id), "a killed sandbox is still listed"
+    assert source.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
     child = Sandbox.create(snap.snapshot_id)
     assert child.files.read("/home/user/snap.txt") == "in the snapshot"
     assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
     child.kill()
+    # Removed through the CLI by the test before the restart: the E2B API must forget it.
+    doomed = Sandbox.create("base")
+    # Last, so its timeout only has to outlive the restart.
+    timer = Sandbox.create("base", timeout=TIMEOUT_S)
     state = {
         "worker": worker.sandbox_id,
         "worker_token": detail(worker.sandbox_id)["envdAccessToken"],
         "timer": timer.sandbox_id,
         "timer_end": detail(timer.sandbox_id)["endAt"],
         "source": source.sandbox_id,
+        "sleeper": sleeper.sandbox_id,
+        "doomed": doomed.sandbox_id,
         "snapshot": snap.snapshot_id,
     }
     with open(state_path, "w") as f:
@@ -83,6 +100,8 @@ def before(state_path):
 def after(state_path):
     with open(state_path) as f:
         st = json.load(f)
+    # Removed through the CLI: gone from the E2B API too, its state file with it.
+    assert gone(st["doomed"]), "a sandbox removed with crab sandbox rm is still known"
     # The timeout sandbox is still there, with the deadline it had (absolute, not re-armed).
     assert not gone(st["timer"]), "the timeout sandbox was forgotten (or expired early)"
     assert detail(st["timer"])["endAt"] == st["timer_end"], "the deadline moved across the restart"
@@ -100,18 +119,33 @@ def after(state_path):
     assert r.stdout == "41\nkept\n", repr(r.stdout)
     listed = [s.sandbox_id for s in Sandbox.list().next_items()]
     assert st["worker"] in listed and st["timer"] in listed, listed
-    # The snapshot taken before the restart still makes sandboxes after it.
+    # The paused one is still paused, and connect resumes it with its process.
+    assert detail(st["sleeper"])["state"] == "paused"
+    woke = Sandbox.connect(st["sleeper"])
+    assert woke.get_info().state.value == "running"
+    a = int(woke.commands.run("cat /tmp/tick").stdout)
+    time.sleep(0.4)
+    assert int(woke.commands.run("cat /tmp/tick").stdout) > a, "the loop did not come back"
+    woke.kill()
+    # The snapshot taken before the kill still makes sandboxes after the restart; its killed
+    # source stays hidden.
+    assert st["source"] not in listed and gone(st["source"])
     child = Sandbox.create(st["snapshot"])
     assert child.files.read("/home/user/snap.txt") == "in the snapshot"
     assert child.commands.run("pgrep -x sleep >/dev/null && echo up").stdout == "up\n"
     child.kill()
+    snaps = [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=st["source"]).next_items()]
+    assert snaps == [st["snapshot"]], snaps
+    # Deleting the last snapshot removes the killed source for good (the test checks the host).
+    assert Sandbox.delete_snapshot(st["snapshot"]) is True
+    assert Sandbox.delete_snapshot(st["snapshot"]) is False
+    assert Sandbox.list_snapshots(sandbox_id=st["source"]).next_items() == []
     # The watchdog resumed with the persisted deadline: the timer dies on time.
     end = time.time() + TIMEOUT_S + 10
     while not gone(st["timer"]):
         assert time.time() < end, "the timeout did not fire after the restart"
         time.sleep(0.5)
     sb.kill()
-    Sandbox.kill(st["source"])
     print("ok after", flush=True)
 
 

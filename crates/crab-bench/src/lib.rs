@@ -7,6 +7,7 @@
 pub mod foundation;
 pub mod lifecycle;
 pub mod proxy;
+pub mod remote;
 pub mod replay;
 pub mod stats;
 

@@ -205,48 +205,11 @@ pub async fn run(
     let version = sandbox::version(client).await?;
     let state_dir = StateDir::new(&version.state_dir);
 
-    let mut testbeds = HashMap::new();
-    let mut testbed_names = HashMap::new();
-    if opts.testbed {
-        let wanted: Vec<(usize, &str, &str)> = trajs
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| t.family == Family::MiniSweAgent)
-            .filter_map(|(i, t)| testbed::project_for(&t.id).map(|(p, v)| (i, p, v)))
-            .collect();
-        progress.stage("stand-in /testbed", Some(wanted.len() as u64));
-        let mut done_proj: HashMap<(&str, &str), PathBuf> = HashMap::new();
-        let mut failed: BTreeSet<(&str, &str)> = BTreeSet::new();
-        for (n, (i, p, v)) in wanted.iter().enumerate() {
-            #[allow(clippy::map_entry)] // the insert is after an await
-            if !done_proj.contains_key(&(*p, *v)) && !failed.contains(&(*p, *v)) {
-                progress.message(&format!("preparing /testbed: {p}=={v}"));
-                let cache = opts.cache_dir.clone();
-                let (pp, vv) = (p.to_string(), v.to_string());
-                let tar = tokio::task::spawn_blocking(move || testbed::prepared(&cache, &pp, &vv))
-                    .await
-                    .map_err(|e| ApiError::internal(format!("preparing /testbed: {e}")))?;
-                match tar {
-                    Ok(tar) => {
-                        done_proj.insert((*p, *v), tar);
-                    }
-                    // Optional: without it the commands fail the same way in every run.
-                    Err(e) => {
-                        failed.insert((*p, *v));
-                        progress.message(&format!(
-                            "no stand-in /testbed for {p}=={v} (an empty one instead): {}",
-                            e.message
-                        ));
-                    }
-                }
-            }
-            if let Some(tar) = done_proj.get(&(*p, *v)) {
-                testbeds.insert(*i, tar.clone());
-                testbed_names.insert(*i, format!("{p}=={v}"));
-            }
-            progress.advance(n as u64 + 1);
-        }
-    }
+    let (testbeds, testbed_names) = if opts.testbed {
+        prepare_testbeds(&trajs, &opts.cache_dir, progress).await?
+    } else {
+        (HashMap::new(), HashMap::new())
+    };
 
     let llm = llm::ReplayLlm::start(opts.llm_listen).await?;
 
@@ -340,6 +303,57 @@ pub async fn run(
         let _ = w.await;
     }
     Ok(aggregate(&ctx, &methods, &results, &testbed_names, started))
+}
+
+/// The stand-in `/testbed` tarballs of the SWE-bench trajectories among `trajs` (index →
+/// tarball, index → `pkg==version`), prepared from PyPI sdists into `cache_dir`; a project
+/// that cannot be prepared gets none (its commands then fail alike in every run).
+pub(crate) async fn prepare_testbeds(
+    trajs: &[Trajectory],
+    cache_dir: &std::path::Path,
+    progress: &dyn Progress,
+) -> Result<(HashMap<usize, PathBuf>, HashMap<usize, String>), ApiError> {
+    let mut testbeds = HashMap::new();
+    let mut testbed_names = HashMap::new();
+    let wanted: Vec<(usize, &str, &str)> = trajs
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.family == Family::MiniSweAgent)
+        .filter_map(|(i, t)| testbed::project_for(&t.id).map(|(p, v)| (i, p, v)))
+        .collect();
+    progress.stage("stand-in /testbed", Some(wanted.len() as u64));
+    let mut done_proj: HashMap<(&str, &str), PathBuf> = HashMap::new();
+    let mut failed: BTreeSet<(&str, &str)> = BTreeSet::new();
+    for (n, (i, p, v)) in wanted.iter().enumerate() {
+        #[allow(clippy::map_entry)] // the insert is after an await
+        if !done_proj.contains_key(&(*p, *v)) && !failed.contains(&(*p, *v)) {
+            progress.message(&format!("preparing /testbed: {p}=={v}"));
+            let cache = cache_dir.to_path_buf();
+            let (pp, vv) = (p.to_string(), v.to_string());
+            let tar = tokio::task::spawn_blocking(move || testbed::prepared(&cache, &pp, &vv))
+                .await
+                .map_err(|e| ApiError::internal(format!("preparing /testbed: {e}")))?;
+            match tar {
+                Ok(tar) => {
+                    done_proj.insert((*p, *v), tar);
+                }
+                // Optional: without it the commands fail the same way in every run.
+                Err(e) => {
+                    failed.insert((*p, *v));
+                    progress.message(&format!(
+                        "no stand-in /testbed for {p}=={v} (an empty one instead): {}",
+                        e.message
+                    ));
+                }
+            }
+        }
+        if let Some(tar) = done_proj.get(&(*p, *v)) {
+            testbeds.insert(*i, tar.clone());
+            testbed_names.insert(*i, format!("{p}=={v}"));
+        }
+        progress.advance(n as u64 + 1);
+    }
+    Ok((testbeds, testbed_names))
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -514,7 +528,7 @@ async fn setup(ctx: &Ctx, traj: usize, name: &str) -> Result<(), ApiError> {
 /// A checkpoint of `kind`. A sandbox's first restore point must be a base: when the daemon
 /// refuses an `auto` checkpoint that came out as a skip with nothing to skip from, take a full
 /// one (what the daemon itself should do; then this never triggers).
-async fn take_checkpoint(
+pub(crate) async fn take_checkpoint(
     client: &Client,
     name: &str,
     kind: &str,

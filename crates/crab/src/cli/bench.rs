@@ -79,6 +79,32 @@ pub(super) enum BenchCmd {
         #[arg(long, default_value = "/opt/crab/test-servers/venv/bin/python")]
         python: std::path::PathBuf,
     },
+    /// Bytes the durable tier uploads for real trajectories: turn-aware points through the
+    /// content-addressed store (`crab`) vs a `full` point every turn through the same store
+    /// (`full-dedup`) vs that point uploaded whole as tar + zstd (`full-export`), in one run;
+    /// and the export rate vs the turn rate of N agents.
+    Remote {
+        /// Trajectory files (*.jsonl) or folders of them.
+        #[arg(long, num_args = 1.., default_value = "../shared/traces/mini-swe-agent")]
+        traces: Vec<std::path::PathBuf>,
+        /// At most this many trajectories (0 = all).
+        #[arg(long, default_value_t = 4)]
+        limit: usize,
+        /// Concurrent sandboxes.
+        #[arg(long, default_value_t = 8)]
+        sandboxes: usize,
+        /// Image of the sandboxes.
+        #[arg(long, default_value = "debian")]
+        image: String,
+        /// New location for the two repositories (`<url>/crab`, `<url>/full`): `file:///dir`
+        /// or `s3://bucket/prefix` (AWS_* variables). Default: a fresh directory under
+        /// /var/tmp, deleted afterwards.
+        #[arg(long)]
+        remote: Option<String>,
+        /// Do not build the stand-in /testbed for SWE-bench trajectories.
+        #[arg(long)]
+        no_testbed: bool,
+    },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
         /// Image to create sandboxes from.
@@ -272,6 +298,9 @@ pub(super) async fn run(
         BenchCmd::E2b { listen, key, rounds, fork_rounds, image, python } => {
             bench_e2b(&exe, state, &listen, &key, rounds, fork_rounds, &image, &python, json)?;
         }
+        BenchCmd::Remote { traces, limit, sandboxes, image, remote, no_testbed } => {
+            bench_remote(client, traces, limit, sandboxes, image, remote, no_testbed, json).await?;
+        }
         BenchCmd::Foundation { image, creates, execs, privileged } => {
             eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
             let r = crab_bench::foundation::run(
@@ -327,6 +356,83 @@ impl crab_common::Progress for DrawProgress<'_> {
     fn message(&self, line: &str) {
         self.0.draw(&ProgressFrame::Message { line: line.to_string() });
     }
+}
+
+/// `crab bench remote`: run it, print the table (or JSON).
+#[allow(clippy::too_many_arguments)]
+async fn bench_remote(
+    client: &Client,
+    traces: Vec<std::path::PathBuf>,
+    limit: usize,
+    sandboxes: usize,
+    image: String,
+    remote: Option<String>,
+    no_testbed: bool,
+    json: bool,
+) -> Result<(), ApiError> {
+    let d = crab_bench::replay::ReplayOptions::default();
+    let opts = crab_bench::remote::RemoteBenchOptions {
+        traces,
+        limit,
+        sandboxes,
+        image,
+        remote,
+        testbed: !no_testbed,
+        cache_dir: d.cache_dir,
+        exec_timeout_s: d.exec_timeout_s,
+    };
+    let drawer = ProgressDrawer::new();
+    let progress = DrawProgress(&drawer);
+    let r = crab_bench::remote::run(&opts, client, &progress).await?;
+    drawer.draw(&ProgressFrame::Done { result: serde_json::Value::Null });
+    if json {
+        print_json(&r);
+        return Ok(());
+    }
+    let kinds = |m: &crab_bench::remote::MethodBytes| {
+        m.kinds.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", ")
+    };
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
+    table(
+        &["METHOD", "POINTS", "KINDS", "UPLOADED", "VS FULL-EXPORT"],
+        &[
+            vec![
+                "crab".into(),
+                r.crab.points.to_string(),
+                kinds(&r.crab),
+                mib(r.crab.uploaded_bytes),
+                format!("{:.2} %", 100.0 * r.crab_vs_full_export),
+            ],
+            vec![
+                "full-dedup".into(),
+                r.full.points.to_string(),
+                kinds(&r.full),
+                mib(r.full.uploaded_bytes),
+                format!("{:.2} %", 100.0 * r.full_dedup_vs_full_export),
+            ],
+            vec![
+                "full-export".into(),
+                r.full.points.to_string(),
+                kinds(&r.full),
+                mib(r.full.full_export_bytes),
+                "100 %".into(),
+            ],
+        ],
+    );
+    println!(
+        "crab exports: {:.2} points/s (p50 {:.0} ms, p95 {:.0} ms per point) vs {:.2} points/s produced by {} agents at the recorded median turn of {:.1} s",
+        r.crab_export_points_per_s,
+        r.crab.export_ms.as_ref().map_or(f64::NAN, |s| s.p50),
+        r.crab.export_ms.as_ref().map_or(f64::NAN, |s| s.p95),
+        r.demand_points_per_s,
+        sandboxes,
+        r.recorded_turn_s
+    );
+    println!("{} trajectories; {}", r.trajectories.len(), r.load);
+    for e in r.crab.errors.iter().chain(&r.full.errors) {
+        println!("error: {e}");
+    }
+    Ok(())
 }
 
 /// A table of latency summaries (ms) with `decimals` digits.

@@ -786,6 +786,21 @@ async fn list<B: Backend>(
             return Err(RestError::new(400, format!("unknown state {s:?}; use running or paused")));
         }
     }
+    let (offset, limit) = page_params(&q)?;
+    let mut all: Vec<rest::Detail> = lock(&e2b.sandboxes)
+        .values()
+        .filter(|sb| lock(&sb.life).state != RunState::Killed)
+        .map(|sb| detail_of(sb, false))
+        .filter(|d| filter.iter().all(|(k, v)| d.metadata.get(k) == Some(v)))
+        .filter(|d| states.is_empty() || states.contains(&d.state.as_str()))
+        .filter(|d| q.get("template").is_none_or(|t| &d.template_id == t))
+        .collect();
+    all.sort_by(|a, b| a.started_at.cmp(&b.started_at).then(a.sandbox_id.cmp(&b.sandbox_id)));
+    Ok(page(&all, offset, limit))
+}
+
+/// A list route's paging: `nextToken` (an offset) and `limit` (1..=1000, default 100).
+fn page_params(q: &HashMap<String, String>) -> Result<(usize, usize), RestError> {
     let limit: usize = match q.get("limit") {
         Some(l) => l
             .parse()
@@ -800,23 +815,19 @@ async fn list<B: Backend>(
         }
         None => 0,
     };
-    let mut all: Vec<rest::Detail> = lock(&e2b.sandboxes)
-        .values()
-        .filter(|sb| lock(&sb.life).state != RunState::Killed)
-        .map(|sb| detail_of(sb, false))
-        .filter(|d| filter.iter().all(|(k, v)| d.metadata.get(k) == Some(v)))
-        .filter(|d| states.is_empty() || states.contains(&d.state.as_str()))
-        .filter(|d| q.get("template").is_none_or(|t| &d.template_id == t))
-        .collect();
-    all.sort_by(|a, b| a.started_at.cmp(&b.started_at).then(a.sandbox_id.cmp(&b.sandbox_id)));
-    let page: Vec<rest::Detail> = all.iter().skip(offset).take(limit).cloned().collect();
+    Ok((offset, limit))
+}
+
+/// One page of `all` as JSON, with `x-next-token` when more follow.
+fn page<T: serde::Serialize + Clone>(all: &[T], offset: usize, limit: usize) -> Response {
+    let page: Vec<T> = all.iter().skip(offset).take(limit).cloned().collect();
     let mut r = Json(page).into_response();
     if offset + limit < all.len() {
         if let Ok(v) = (offset + limit).to_string().parse() {
             r.headers_mut().insert("x-next-token", v);
         }
     }
-    Ok(r)
+    r
 }
 
 async fn kill<B: Backend>(
@@ -833,20 +844,7 @@ async fn list_snapshots<B: Backend>(
     State(e2b): State<Shared<B>>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, RestError> {
-    let limit: usize = match q.get("limit") {
-        Some(l) => l
-            .parse()
-            .ok()
-            .filter(|n| (1..=1000).contains(n))
-            .ok_or_else(|| RestError::new(400, format!("limit must be 1..=1000, got {l:?}")))?,
-        None => 100,
-    };
-    let offset: usize = match q.get("nextToken") {
-        Some(t) => {
-            t.parse().map_err(|_| RestError::new(400, format!("invalid nextToken {t:?}")))?
-        }
-        None => 0,
-    };
+    let (offset, limit) = page_params(&q)?;
     let mut all: Vec<rest::SnapshotInfo> = lock(&e2b.snapshots)
         .iter()
         .filter(|(k, s)| **k == s.id)
@@ -856,14 +854,7 @@ async fn list_snapshots<B: Backend>(
         .map(|s| rest::SnapshotInfo { snapshot_id: s.id.clone(), names: s.names.clone() })
         .collect();
     all.sort_by(|a, b| a.snapshot_id.cmp(&b.snapshot_id));
-    let page: Vec<rest::SnapshotInfo> = all.iter().skip(offset).take(limit).cloned().collect();
-    let mut r = Json(page).into_response();
-    if offset + limit < all.len() {
-        if let Ok(v) = (offset + limit).to_string().parse() {
-            r.headers_mut().insert("x-next-token", v);
-        }
-    }
-    Ok(r)
+    Ok(page(&all, offset, limit))
 }
 
 /// `DELETE /templates/{id}`: what the SDK's `Sandbox.delete_snapshot` calls.

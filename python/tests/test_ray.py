@@ -118,10 +118,13 @@ def wipe(state: Path) -> None:
 def cluster(daemon: Daemon) -> Iterator[Dict[str, object]]:
     if ray is None:
         cannot_run("ray is not installed in this venv: scripts/install-python-sdk.sh --with-ray")
-    remote = f"file://{BASE}-remote"
+    store = Path(f"{BASE}-remote")
+    remote = f"file://{store}"
     a_state, b_state = Path(f"{BASE}-a"), Path(f"{BASE}-b")
     for st in (a_state, b_state):
         wipe(st)
+    # The shared remote starts empty too (it grew by every earlier run's points).
+    shutil.rmtree(store, ignore_errors=True)
     da, db = own_daemon(a_state, remote), own_daemon(b_state, remote)
     if "debian" not in [i["name"] for i in da.request("GET", "/v1/images")]:
         src = Path(state_dir()) / "pool" / "images" / "debian"
@@ -188,6 +191,7 @@ def cluster(daemon: Daemon) -> Iterator[Dict[str, object]]:
         for st in (a_state, b_state):
             wipe(st)
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def test_tree_rollouts_across_nodes_and_recovery_after_node_loss(cluster: Dict[str, object]) -> None:

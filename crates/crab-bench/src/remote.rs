@@ -83,6 +83,25 @@ pub struct MethodBytes {
     pub errors: Vec<String>,
 }
 
+/// A method's totals and every point's export time, ms.
+type PerMethod = (MethodBytes, Vec<f64>);
+
+impl MethodBytes {
+    /// Add one run's figures (everything but `export_ms`, summarised at the end).
+    fn absorb(&mut self, run: MethodBytes) {
+        self.points += run.points;
+        for (k, v) in run.kinds {
+            *self.kinds.entry(k).or_default() += v;
+        }
+        self.uploaded_bytes += run.uploaded_bytes;
+        self.read_bytes += run.read_bytes;
+        self.export_s += run.export_s;
+        self.full_export_bytes += run.full_export_bytes;
+        self.replay_s += run.replay_s;
+        self.errors.extend(run.errors);
+    }
+}
+
 /// Result of [`run`].
 #[derive(Debug, Clone, Serialize)]
 pub struct RemoteBenchReport {
@@ -319,12 +338,8 @@ pub async fn run(
     let (crab_repo, crab_cache) = open("crab").await?;
     let (full_repo, full_cache) = open("full").await?;
     let repos = Arc::new([tokio::sync::Mutex::new(crab_repo), tokio::sync::Mutex::new(full_repo)]);
-    let results = Arc::new(tokio::sync::Mutex::new((
-        MethodBytes::default(),
-        MethodBytes::default(),
-        Vec::<f64>::new(),
-        Vec::<f64>::new(),
-    )));
+    // Per method (0 = crab, 1 = full): its totals and every point's export time.
+    let results: Arc<tokio::sync::Mutex<[PerMethod; 2]>> = Arc::default();
 
     // Jobs: (trajectory, method 0 = crab / 1 = full), `sandboxes` at a time.
     let jobs: Vec<(usize, usize)> =
@@ -370,20 +385,8 @@ pub async fn run(
                 local.errors.push(format!("{} ({label}): {}", t.id, e.message));
             }
             let _ = sandbox::remove(&client, &name).await;
-            let mut guard = results.lock().await;
-            let r = &mut *guard;
-            let (into, into_ms) =
-                if method == 0 { (&mut r.0, &mut r.2) } else { (&mut r.1, &mut r.3) };
-            into.points += local.points;
-            for (k, v) in local.kinds {
-                *into.kinds.entry(k).or_default() += v;
-            }
-            into.uploaded_bytes += local.uploaded_bytes;
-            into.read_bytes += local.read_bytes;
-            into.export_s += local.export_s;
-            into.full_export_bytes += local.full_export_bytes;
-            into.replay_s += local.replay_s;
-            into.errors.extend(local.errors);
+            let (into, into_ms) = &mut results.lock().await[method];
+            into.absorb(local);
             into_ms.extend(ms);
             done.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         }));
@@ -396,12 +399,13 @@ pub async fn run(
         let _ = std::fs::remove_dir_all(c);
     }
     drop(scratch);
-    let mut r = Arc::try_unwrap(results)
+    let [crab, full] = Arc::try_unwrap(results)
         .map_err(|_| ApiError::internal("runs still hold the results"))?
-        .into_inner();
-    r.0.export_ms = (!r.2.is_empty()).then(|| Summary::of(&r.2));
-    r.1.export_ms = (!r.3.is_empty()).then(|| Summary::of(&r.3));
-    let (crab, full) = (r.0, r.1);
+        .into_inner()
+        .map(|(mut m, ms)| {
+            m.export_ms = (!ms.is_empty()).then(|| Summary::of(&ms));
+            m
+        });
 
     let mut turn_s: Vec<f64> = trajs
         .iter()

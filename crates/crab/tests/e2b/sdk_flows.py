@@ -108,8 +108,9 @@ def check_background():
     except CommandExitException:
         pass
     assert h.pid not in [p.pid for p in sb.commands.list()]
-    # The process is gone from the sandbox too.
-    r = sb.commands.run("pgrep -x sleep || echo none")
+    # The process is gone from the sandbox too (its SIGKILLed child may take a moment to be
+    # reaped by the sandbox's init: poll for up to 2 s, then it must be gone).
+    r = sb.commands.run("for i in $(seq 20); do pgrep -x sleep >/dev/null || break; sleep 0.1; done; pgrep -x sleep || echo none")
     assert r.stdout.strip() == "none", r.stdout
     # A background server keeps running after its starting call returns.
     sb.commands.run("python3 -m http.server 8000 >/dev/null 2>&1 &", timeout=10)

@@ -134,31 +134,32 @@ impl FsFailure {
 
 /// Where each envd process keeps its files inside the sandbox: `<ENVD_DIR>/<id>/` holds `pid`
 /// (the supervisor's pid: the E2B pid), `cpid` (the command's), `out` and `err` (everything it
-/// printed), `exit` (its exit status, once it exited) and the FIFO `end`.
+/// printed) and `exit` (its exit status, once it exited).
 pub const ENVD_DIR: &str = "/run/crab-envd";
 
 /// The supervisor (`$1` = its directory, then the command's argv). It prints its pid (the
 /// header line), runs the command in a session of its own with stdout and stderr through
 /// `tee -p` (which survives the exec stream going away: it keeps writing the files), writes
-/// the exit status, and hands it to whoever holds the FIFO `end` open.
+/// the exit status, and writes it to its descriptor 4 (the launcher's pipe).
 const SUPERVISOR: &str = r#"d=$1; shift
-exec 4>"$d/end"
+umask 022
 echo $$ >"$d/pid"
 echo $$
 { { setsid "$@" </dev/null 3>&- 4>&- & echo $! >"$d/cpid"; wait $!; echo $? >"$d/exit"; } 2>&1 1>&3 3>&- 4>&- | tee -p -a "$d/err" >&2 3>&- 4>&-; } 3>&1 | tee -p -a "$d/out" 4>&-
 read c <"$d/exit"
 echo "$c" >&4"#;
 
-/// Start a process: make its directory, start the supervisor detached (a child of the
-/// sandbox's init, so CRIU dumps it and the exec's end does not kill it), remove the
-/// directories of processes already reported ended (`$2`), and end with the command's exit
-/// status (255 when the supervisor died without one).
+/// Start a process: remove the directories of processes already reported ended (`$2`), make
+/// its directory (0700), start the supervisor detached (a child of the sandbox's init, so CRIU
+/// dumps it and the exec's end does not kill it) with the write end of a pipe, and end with the
+/// status the supervisor writes there (255 when it died without one).
 const LAUNCH: &str = r#"d=$1; gc=$2; shift 2
-for t in setsid tee mkfifo; do command -v $t >/dev/null || { echo "crab: $t is not installed in this sandbox (E2B commands need util-linux and coreutils)" >&2; exit 127; }; done
-(umask 077; mkdir -p "$d" && mkfifo "$d/end") || { echo "crab: cannot create $d" >&2; exit 125; }
-(setsid sh -c "$SUP" crab-envd-run "$d" "$@" </dev/null &)
+for t in setsid tee tail; do command -v $t >/dev/null || { echo "crab: $t is not installed in this sandbox (E2B commands need util-linux and coreutils)" >&2; exit 127; }; done
 [ -n "$gc" ] && (rm -rf $gc </dev/null >/dev/null 2>&1 &)
-if read c <"$d/end" && [ -n "$c" ]; then exit "$c"; fi
+mkdir -p -m 700 "$d" || { echo "crab: cannot create $d" >&2; exit 125; }
+exec 3>&1
+c=$( (setsid sh -c "$SUP" crab-envd-run "$d" "$@" 4>&1 1>&3 3>&- </dev/null &) )
+[ -n "$c" ] && exit "$c"
 exit 255"#;
 
 /// Watch a process started earlier (`$1` its directory, `$2` its pid): the header line says

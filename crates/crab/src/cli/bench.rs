@@ -105,6 +105,30 @@ pub(super) enum BenchCmd {
         #[arg(long)]
         no_testbed: bool,
     },
+    /// Restore from the durable tier vs a local restore of the same point, in one run: local
+    /// in-place restore and forks on a host of its own, `sandbox create --from-remote` and
+    /// `fork --from-remote --count N` on fresh hosts (cold cache) from a `file://` remote and
+    /// from a SeaweedFS S3 server it starts on loopback (scripts/s3-test-server.sh).
+    RemoteRestore {
+        /// Image of the sandbox (from the running daemon's state directory).
+        #[arg(long, default_value = "debian")]
+        image: String,
+        /// Rounds of the restore and create arms.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Rounds of the fork arms.
+        #[arg(long, default_value_t = 3)]
+        fork_rounds: usize,
+        /// Branches of a fork.
+        #[arg(long = "fork", default_value_t = 8)]
+        fork_count: usize,
+        /// MiB of touched memory held by the sandbox's process.
+        #[arg(long, default_value_t = 10)]
+        mib: usize,
+        /// The S3 test server script (default: scripts/s3-test-server.sh of the checkout).
+        #[arg(long)]
+        s3_script: Option<std::path::PathBuf>,
+    },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
         /// Image to create sandboxes from.
@@ -300,6 +324,55 @@ pub(super) async fn run(
         }
         BenchCmd::Remote { traces, limit, sandboxes, image, remote, no_testbed } => {
             bench_remote(client, traces, limit, sandboxes, image, remote, no_testbed, json).await?;
+        }
+        BenchCmd::RemoteRestore { image, rounds, fork_rounds, fork_count, mib, s3_script } => {
+            let opts = crab_bench::remote_restore::RemoteRestoreOptions {
+                image,
+                rounds,
+                fork_rounds,
+                fork_count,
+                mib,
+                s3_script,
+            };
+            eprintln!("bench remote-restore: {rounds} rounds, {fork_rounds} fork rounds of {fork_count} ...");
+            let r = crab_bench::remote_restore::run(client, &opts).await?;
+            if json {
+                print_json(&r);
+            } else {
+                let n = fork_count;
+                latency_table(
+                    &[
+                        ("local restore (in place)", &r.local_restore_ms),
+                        ("local fork 1", &r.local_fork1_ms),
+                        (&format!("local fork {n}"), &r.local_fork_ms),
+                        ("file:// create --from-remote", &r.file.create_ms),
+                        ("  of which fetch", &r.file.create_fetch_ms),
+                        ("s3 create --from-remote", &r.s3.create_ms),
+                        ("  of which fetch", &r.s3.create_fetch_ms),
+                        (&format!("file:// fork --from-remote {n}"), &r.file.fork_ms),
+                        ("  of which fetch", &r.file.fork_fetch_ms),
+                        (&format!("s3 fork --from-remote {n}"), &r.s3.fork_ms),
+                        ("  of which fetch", &r.s3.fork_fetch_ms),
+                    ],
+                    1,
+                );
+                println!(
+                    "point {}: {:.1} MiB of process images, {:.1} MiB of files",
+                    r.point,
+                    r.proc_bytes as f64 / 1048576.0,
+                    r.fs_bytes as f64 / 1048576.0
+                );
+                println!(
+                    "s3 create / local restore (p50): {:.2}x (budget 2x); s3 create / local fork 1: {:.2}x; s3 fork {n} / local fork {n}: {:.2}x",
+                    r.s3_create_vs_local_restore, r.s3_create_vs_local_fork1, r.s3_fork_vs_local_fork
+                );
+                println!(
+                    "load before {} after {}; also running: {}",
+                    r.load_before,
+                    r.load_after,
+                    r.others.join(", ")
+                );
+            }
         }
         BenchCmd::Foundation { image, creates, execs, privileged } => {
             eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");

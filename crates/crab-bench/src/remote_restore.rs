@@ -55,11 +55,19 @@ pub struct RemoteRestoreOptions {
     pub s3_script: Option<PathBuf>,
 }
 
-/// One remote backend's figures.
+/// One remote backend's figures, on receiving hosts with or without the image.
 #[derive(Debug, Clone, Serialize)]
 pub struct BackendReport {
     /// `file://…` or `s3://…`.
     pub url: String,
+    /// The receiving hosts had the sandbox's image (imported, its tree id hashed by the
+    /// daemon before the measured call); without, they have nothing but the remote.
+    pub with_image: bool,
+    /// Restores that patched the local image instead of downloading the whole tree.
+    pub patched_from_image: usize,
+    /// Time the receiving daemon took to hash the imported image (once per image and host;
+    /// not in the measured calls), ms.
+    pub image_hash_ms: Summary,
     /// `sandbox create --from-remote`, end to end, ms.
     pub create_ms: Summary,
     /// Its fetch + materialize part, as the daemon reports it, ms.
@@ -89,15 +97,15 @@ pub struct RemoteRestoreReport {
     pub local_fork1_ms: Summary,
     /// Fork of N on host A, ms.
     pub local_fork_ms: Summary,
-    /// The `file://` remote.
-    pub file: BackendReport,
-    /// The S3 remote.
-    pub s3: BackendReport,
-    /// p50 of `s3 create` / p50 of `local restore` (the budget: ≤ 2).
+    /// `file://` and S3, receiving hosts without and with the image.
+    pub remotes: Vec<BackendReport>,
+    /// p50 of `s3 create` (host with the image) / p50 of `local restore` (budget: ≤ 2).
     pub s3_create_vs_local_restore: f64,
-    /// p50 of `s3 create` / p50 of `local fork 1`.
+    /// The same, on hosts without the image.
+    pub s3_create_cold_vs_local_restore: f64,
+    /// p50 of `s3 create` (host with the image) / p50 of `local fork 1`.
     pub s3_create_vs_local_fork1: f64,
-    /// p50 of `s3 fork N` / p50 of `local fork N`.
+    /// p50 of `s3 fork N` (host with the image) / p50 of `local fork N`.
     pub s3_fork_vs_local_fork: f64,
     /// Load average before / after.
     pub load_before: String,
@@ -215,7 +223,11 @@ async fn blocking<T: Send + 'static>(
 }
 
 /// A daemon of the benchmark's own (panics of the test harness become errors).
-async fn daemon(dir: PathBuf, args: Vec<String>, env: Vec<(String, String)>) -> Result<Host, ApiError> {
+async fn daemon(
+    dir: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+) -> Result<Host, ApiError> {
     let what = format!("starting a daemon on {}", dir.display());
     let d = blocking(&what, move || {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -271,7 +283,10 @@ async fn check(client: &Client, sb: &str, what: &str) -> Result<(), ApiError> {
 }
 
 /// Run the benchmark. Everything it starts is stopped and removed, pass or fail.
-pub async fn run(client: &Client, opts: &RemoteRestoreOptions) -> Result<RemoteRestoreReport, ApiError> {
+pub async fn run(
+    client: &Client,
+    opts: &RemoteRestoreOptions,
+) -> Result<RemoteRestoreReport, ApiError> {
     if opts.rounds == 0 || opts.fork_rounds == 0 || opts.fork_count == 0 {
         return Err(ApiError::invalid(
             "rounds, fork rounds and fork count must be ≥ 1",
@@ -317,6 +332,80 @@ pub async fn run(client: &Client, opts: &RemoteRestoreOptions) -> Result<RemoteR
     r.load_after = load_avg();
     r.others = others;
     Ok(r)
+}
+
+/// One measured call on a receiving host.
+#[derive(Debug, Clone)]
+struct ArmRun {
+    total_ms: f64,
+    fetch_ms: f64,
+    patched: bool,
+    hash_ms: f64,
+}
+
+/// On a fresh host B (`--remote v.0`; with `v.1` the image imported and hashed first):
+/// `count` sandboxes from `source`, timed, then checked; B is destroyed afterwards.
+#[allow(clippy::too_many_arguments)]
+async fn remote_arm(
+    opts: &RemoteRestoreOptions,
+    v: &(String, bool),
+    dir: PathBuf,
+    env: &[(String, String)],
+    image: &Path,
+    source: &str,
+    count: usize,
+    hosts: &mut Vec<Host>,
+) -> Result<ArmRun, ApiError> {
+    let b = daemon(
+        dir,
+        ["--pool-size", "8G", "--remote", &v.0].map(String::from).to_vec(),
+        env.to_vec(),
+    )
+    .await?;
+    hosts.push(b);
+    let Some(b) = hosts.last() else { return Err(ApiError::internal("no host")) };
+    let mut hash_ms = f64::NAN;
+    if v.1 {
+        b.cli(&["image", "import", &opts.image, &image.display().to_string()]).await?;
+        // The idle exporter hashes new images within a few seconds.
+        let stamp = b.state().join("remote-cache/images").join(format!("{}.json", opts.image));
+        let t = Instant::now();
+        while !stamp.exists() {
+            if t.elapsed().as_secs() > 120 {
+                return Err(ApiError::internal(format!(
+                    "the daemon on {} did not hash image {} within 120 s",
+                    b.state().display(),
+                    opts.image
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        hash_ms = ms(t);
+    }
+    let tag = format!("{}-{}", source.split('@').next().unwrap_or("x"), hosts.len());
+    let names: Vec<String> = (0..count).map(|j| format!("{tag}-b{j}")).collect();
+    let t = Instant::now();
+    let out: Value = b
+        .client
+        .call(
+            Method::POST,
+            "/v1/remote/restore",
+            Some(&json!({ "source": source, "count": count, "names": names })),
+        )
+        .await?;
+    let total_ms = ms(t);
+    for n in &names {
+        check(&b.client, n, &format!("from {}", v.0)).await?;
+    }
+    if let Some(b) = hosts.pop() {
+        b.destroy().await;
+    }
+    Ok(ArmRun {
+        total_ms,
+        fetch_ms: out["fetch_ms"].as_f64().unwrap_or(f64::NAN),
+        patched: out["base_image"].is_string(),
+        hash_ms,
+    })
 }
 
 fn ratio(a: &Summary, b: &Summary) -> f64 {
@@ -367,18 +456,19 @@ async fn measure(
     let src = crab_remote::local::export_source(&state, &store, &m)
         .map_err(|e| ApiError::internal(format!("export source: {e}")))?;
     let cache = scratch.join("bench-cache");
-    let file_repo = Repo::open(
-        file_url,
-        RepoOptions { key_file: None, cache_dir: cache, bandwidth_bps: None },
-    )
-    .await
-    .map_err(|e| ApiError::internal(format!("opening {file_url}: {e}")))?;
+    let file_repo =
+        Repo::open(file_url, RepoOptions { key_file: None, cache_dir: cache, bandwidth_bps: None })
+            .await
+            .map_err(|e| ApiError::internal(format!("opening {file_url}: {e}")))?;
     let rep = file_repo
         .export_point(&src)
         .await
         .map_err(|e| ApiError::internal(format!("exporting to {file_url}: {e}")))?;
     let fs_bytes = rep.record.size_bytes.saturating_sub(proc_bytes);
-    let s3_rec: Value = a.client.call::<(), _>(Method::GET, &format!("/v1/remote/points?sandbox={sb}"), None).await?;
+    let s3_rec: Value = a
+        .client
+        .call::<(), _>(Method::GET, &format!("/v1/remote/points?sandbox={sb}"), None)
+        .await?;
     let uploaded_bytes = s3_rec
         .as_array()
         .and_then(|v| v.iter().find(|r| r["point"] == point_id.as_str()))
@@ -387,8 +477,13 @@ async fn measure(
     let source = format!("{sb}@{point_id}");
 
     let (mut local_restore, mut local_fork1, mut local_fork) = (vec![], vec![], vec![]);
-    let mut arms: Vec<[Vec<f64>; 4]> = vec![Default::default(), Default::default()];
-    let urls = [file_url, s3_url];
+    // (remote, receiving host has the image)
+    let variants: Vec<(String, bool)> = [file_url, s3_url]
+        .iter()
+        .flat_map(|u| [(u.to_string(), false), (u.to_string(), true)])
+        .collect();
+    let mut arms: Vec<Vec<ArmRun>> = vec![Vec::new(); variants.len()];
+    let mut fork_arms: Vec<Vec<ArmRun>> = vec![Vec::new(); variants.len()];
     for round in 0..opts.rounds {
         // Local restore of the point, in place.
         let t = Instant::now();
@@ -418,38 +513,15 @@ async fn measure(
         check(&a.client, &name, "local fork").await?;
         sbx::remove(&a.client, &name).await?;
         // From each remote, on a host that never saw the point.
-        for (i, url) in urls.iter().enumerate() {
-            let b = daemon(
-                scratch.join(format!("host-b{round}-{i}")),
-                ["--pool-size", "8G", "--remote", url].map(String::from).to_vec(),
-                s3.env.clone(),
-            )
-            .await?;
-            let name = format!("{sb}-r{round}");
-            let t = Instant::now();
-            let out: Result<Value, ApiError> = b
-                .client
-                .call(
-                    Method::POST,
-                    "/v1/remote/restore",
-                    Some(&json!({ "source": source, "count": 1, "names": [name] })),
-                )
-                .await;
-            let took = ms(t);
-            hosts.push(b);
-            let out = out?;
-            arms[i][0].push(took);
-            arms[i][1].push(out["fetch_ms"].as_f64().unwrap_or(f64::NAN));
-            if let Some(b) = hosts.last() {
-                check(&b.client, &name, &format!("create --from-remote {url}")).await?;
-            }
-            if let Some(b) = hosts.pop() {
-                b.destroy().await;
-            }
+        for (i, v) in variants.iter().enumerate() {
+            let dir = scratch.join(format!("host-b{round}-{i}"));
+            let r = remote_arm(opts, v, dir, &s3.env, image, &source, 1, hosts).await?;
+            arms[i].push(r);
         }
     }
     for round in 0..opts.fork_rounds {
-        let names: Vec<String> = (0..opts.fork_count).map(|i| format!("{sb}-lf{round}-{i}")).collect();
+        let names: Vec<String> =
+            (0..opts.fork_count).map(|i| format!("{sb}-lf{round}-{i}")).collect();
         let t = Instant::now();
         let forked: Result<Value, ApiError> = a
             .client
@@ -474,63 +546,52 @@ async fn measure(
             let _ = sbx::remove(&a.client, n).await;
         }
         checked?;
-        for (i, url) in urls.iter().enumerate() {
-            let b = daemon(
-                scratch.join(format!("host-f{round}-{i}")),
-                ["--pool-size", "8G", "--remote", url].map(String::from).to_vec(),
-                s3.env.clone(),
-            )
-            .await?;
-            let names: Vec<String> =
-                (0..opts.fork_count).map(|j| format!("{sb}-rf{round}-{j}")).collect();
-            let t = Instant::now();
-            let out: Result<Value, ApiError> = b
-                .client
-                .call(
-                    Method::POST,
-                    "/v1/remote/restore",
-                    Some(&json!({ "source": source, "count": opts.fork_count, "names": names })),
-                )
-                .await;
-            let took = ms(t);
-            hosts.push(b);
-            let out = out?;
-            arms[i][2].push(took);
-            arms[i][3].push(out["fetch_ms"].as_f64().unwrap_or(f64::NAN));
-            if let Some(b) = hosts.last() {
-                for n in &names {
-                    check(&b.client, n, &format!("fork --from-remote {url}")).await?;
-                }
-            }
-            if let Some(b) = hosts.pop() {
-                b.destroy().await;
-            }
+        for (i, v) in variants.iter().enumerate() {
+            let dir = scratch.join(format!("host-f{round}-{i}"));
+            let r =
+                remote_arm(opts, v, dir, &s3.env, image, &source, opts.fork_count, hosts).await?;
+            fork_arms[i].push(r);
         }
     }
-    let backend = |i: usize| BackendReport {
-        url: urls[i].to_string(),
-        create_ms: Summary::of(&arms[i][0]),
-        create_fetch_ms: Summary::of(&arms[i][1]),
-        fork_ms: Summary::of(&arms[i][2]),
-        fork_fetch_ms: Summary::of(&arms[i][3]),
-    };
-    let (file, s3r) = (backend(0), backend(1));
+    let remotes: Vec<BackendReport> = variants
+        .iter()
+        .zip(arms.iter().zip(&fork_arms))
+        .map(|(v, (c, f))| {
+            let col = |rs: &[ArmRun], g: fn(&ArmRun) -> f64| {
+                Summary::of(&rs.iter().map(g).collect::<Vec<_>>())
+            };
+            BackendReport {
+                url: v.0.clone(),
+                with_image: v.1,
+                patched_from_image: c.iter().chain(f).filter(|r| r.patched).count(),
+                image_hash_ms: col(&c.iter().chain(f).cloned().collect::<Vec<_>>(), |r| r.hash_ms),
+                create_ms: col(c, |r| r.total_ms),
+                create_fetch_ms: col(c, |r| r.fetch_ms),
+                fork_ms: col(f, |r| r.total_ms),
+                fork_fetch_ms: col(f, |r| r.fetch_ms),
+            }
+        })
+        .collect();
     let (lr, l1, ln) =
         (Summary::of(&local_restore), Summary::of(&local_fork1), Summary::of(&local_fork));
+    let find = |s3: bool, img: bool| {
+        remotes.iter().find(|r| r.url.starts_with("s3:") == s3 && r.with_image == img)
+    };
+    let (s3i, s3c) = (find(true, true), find(true, false));
     Ok(RemoteRestoreReport {
         options: opts.clone(),
         point: source,
         proc_bytes,
         fs_bytes,
         uploaded_bytes,
-        s3_create_vs_local_restore: ratio(&s3r.create_ms, &lr),
-        s3_create_vs_local_fork1: ratio(&s3r.create_ms, &l1),
-        s3_fork_vs_local_fork: ratio(&s3r.fork_ms, &ln),
+        s3_create_vs_local_restore: s3i.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
+        s3_create_cold_vs_local_restore: s3c.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
+        s3_create_vs_local_fork1: s3i.map_or(f64::NAN, |r| ratio(&r.create_ms, &l1)),
+        s3_fork_vs_local_fork: s3i.map_or(f64::NAN, |r| ratio(&r.fork_ms, &ln)),
         local_restore_ms: lr,
         local_fork1_ms: l1,
         local_fork_ms: ln,
-        file,
-        s3: s3r,
+        remotes,
         load_before: String::new(),
         load_after: String::new(),
         others: Vec::new(),

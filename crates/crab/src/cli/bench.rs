@@ -340,22 +340,32 @@ pub(super) async fn run(
                 print_json(&r);
             } else {
                 let n = fork_count;
-                latency_table(
-                    &[
-                        ("local restore (in place)", &r.local_restore_ms),
-                        ("local fork 1", &r.local_fork1_ms),
-                        (&format!("local fork {n}"), &r.local_fork_ms),
-                        ("file:// create --from-remote", &r.file.create_ms),
-                        ("  of which fetch", &r.file.create_fetch_ms),
-                        ("s3 create --from-remote", &r.s3.create_ms),
-                        ("  of which fetch", &r.s3.create_fetch_ms),
-                        (&format!("file:// fork --from-remote {n}"), &r.file.fork_ms),
-                        ("  of which fetch", &r.file.fork_fetch_ms),
-                        (&format!("s3 fork --from-remote {n}"), &r.s3.fork_ms),
-                        ("  of which fetch", &r.s3.fork_fetch_ms),
-                    ],
-                    1,
-                );
+                let labels: Vec<(String, &crab_common::stats::Summary)> = [
+                    ("local restore (in place)".to_string(), &r.local_restore_ms),
+                    ("local fork 1".to_string(), &r.local_fork1_ms),
+                    (format!("local fork {n}"), &r.local_fork_ms),
+                ]
+                .into_iter()
+                .chain(r.remotes.iter().flat_map(|b| {
+                    let scheme = b.url.split(':').next().unwrap_or("?");
+                    let host = if b.with_image { "image" } else { "bare" };
+                    [
+                        (format!("{scheme} create --from-remote ({host} host)"), &b.create_ms),
+                        ("  of which fetch".to_string(), &b.create_fetch_ms),
+                        (format!("{scheme} fork {n} --from-remote ({host} host)"), &b.fork_ms),
+                        ("  of which fetch".to_string(), &b.fork_fetch_ms),
+                    ]
+                }))
+                .collect();
+                let rows: Vec<(&str, &crab_common::stats::Summary)> =
+                    labels.iter().map(|(l, s)| (l.as_str(), *s)).collect();
+                latency_table(&rows, 1);
+                for b in r.remotes.iter().filter(|b| b.with_image) {
+                    println!(
+                        "{}: {} of the restores patched the local image; image hash once per host: p50 {:.0} ms",
+                        b.url, b.patched_from_image, b.image_hash_ms.p50
+                    );
+                }
                 println!(
                     "point {}: {:.1} MiB of process images, {:.1} MiB of files",
                     r.point,
@@ -363,8 +373,11 @@ pub(super) async fn run(
                     r.fs_bytes as f64 / 1048576.0
                 );
                 println!(
-                    "s3 create / local restore (p50): {:.2}x (budget 2x); s3 create / local fork 1: {:.2}x; s3 fork {n} / local fork {n}: {:.2}x",
-                    r.s3_create_vs_local_restore, r.s3_create_vs_local_fork1, r.s3_fork_vs_local_fork
+                    "s3 create / local restore (p50): {:.2}x on a host with the image (budget 2x), {:.2}x on a bare host; s3 create / local fork 1: {:.2}x; s3 fork {n} / local fork {n}: {:.2}x",
+                    r.s3_create_vs_local_restore,
+                    r.s3_create_cold_vs_local_restore,
+                    r.s3_create_vs_local_fork1,
+                    r.s3_fork_vs_local_fork
                 );
                 println!(
                     "load before {} after {}; also running: {}",

@@ -407,59 +407,67 @@ impl Repo {
         // Entries whose metadata is (re)applied at the end, children before parents.
         let mut metas: Vec<(PathBuf, Entry)> = Vec::new();
         let mut data: Vec<Id> = Vec::new();
-        let mut stack = vec![(dest.to_path_buf(), *base, *target)];
-        while let Some((dir, b, t)) = stack.pop() {
-            if b == t {
-                continue;
-            }
-            let (old, new) = (self.tree(&b, what).await?, self.tree(&t, what).await?);
-            let (old_obj, object) = (format!("tree {b}"), format!("tree {t}"));
-            let mut old_by: HashMap<Vec<u8>, Entry> = HashMap::new();
-            for o in old.entries {
-                old_by.insert(o.name_bytes(&old_obj)?, o);
-            }
-            let mut seen: HashSet<Vec<u8>> = HashSet::new();
-            for e in new.entries {
-                let name = e.name_bytes(&object)?;
-                if !seen.insert(name.clone()) {
-                    return Err(RemoteError::corrupt(
-                        object,
-                        format!("duplicate entry {:?}", String::from_utf8_lossy(&name)),
-                    ));
+        // Level by level, each level's tree objects fetched in one prefetch.
+        let mut level = vec![(dest.to_path_buf(), *base, *target)];
+        let mut stack = Vec::new();
+        while !level.is_empty() {
+            level.retain(|(_, b, t)| b != t);
+            let ids: Vec<Id> = level.iter().flat_map(|(_, b, t)| [*b, *t]).collect();
+            self.prefetch(&ids, what).await?;
+            for (dir, b, t) in std::mem::take(&mut level) {
+                let (old, new) = (self.tree(&b, what).await?, self.tree(&t, what).await?);
+                let (old_obj, object) = (format!("tree {b}"), format!("tree {t}"));
+                let mut old_by: HashMap<Vec<u8>, Entry> = HashMap::new();
+                for o in old.entries {
+                    old_by.insert(o.name_bytes(&old_obj)?, o);
                 }
-                let path = dir.join(OsStr::from_bytes(&name));
-                stats.entries += 1;
-                let old = old_by.remove(&name);
-                match old {
-                    Some(o) if o.kind == EntryKind::Dir && e.kind == EntryKind::Dir => {
-                        let (Some(os), Some(ns)) = (o.subtree, e.subtree) else {
-                            return Err(RemoteError::corrupt(object, "directory without subtree"));
-                        };
-                        if os != ns || o != e {
-                            stack.push((path.clone(), os, ns));
-                            metas.push((path, e));
-                        }
+                let mut seen: HashSet<Vec<u8>> = HashSet::new();
+                for e in new.entries {
+                    let name = e.name_bytes(&object)?;
+                    if !seen.insert(name.clone()) {
+                        return Err(RemoteError::corrupt(
+                            object,
+                            format!("duplicate entry {:?}", String::from_utf8_lossy(&name)),
+                        ));
                     }
-                    Some(o) if o == e => {}
-                    Some(o)
-                        if o.kind == EntryKind::File
-                            && e.kind == EntryKind::File
-                            && o.content == e.content =>
-                    {
-                        metas.push((path, e))
-                    }
-                    other => {
-                        if other.is_some() {
-                            removes.push(path.clone());
+                    let path = dir.join(OsStr::from_bytes(&name));
+                    stats.entries += 1;
+                    let old = old_by.remove(&name);
+                    match old {
+                        Some(o) if o.kind == EntryKind::Dir && e.kind == EntryKind::Dir => {
+                            let (Some(os), Some(ns)) = (o.subtree, e.subtree) else {
+                                return Err(RemoteError::corrupt(
+                                    object,
+                                    "directory without subtree",
+                                ));
+                            };
+                            if os != ns || o != e {
+                                stack.push((path.clone(), os, ns));
+                                metas.push((path, e));
+                            }
                         }
-                        if let Some(c) = &e.content {
-                            data.extend_from_slice(&c.chunks);
+                        Some(o) if o == e => {}
+                        Some(o)
+                            if o.kind == EntryKind::File
+                                && e.kind == EntryKind::File
+                                && o.content == e.content =>
+                        {
+                            metas.push((path, e))
                         }
-                        creates.push((path, e, object.clone()));
+                        other => {
+                            if other.is_some() {
+                                removes.push(path.clone());
+                            }
+                            if let Some(c) = &e.content {
+                                data.extend_from_slice(&c.chunks);
+                            }
+                            creates.push((path, e, object.clone()));
+                        }
                     }
                 }
+                removes.extend(old_by.into_keys().map(|n| dir.join(OsStr::from_bytes(&n))));
             }
-            removes.extend(old_by.into_keys().map(|n| dir.join(OsStr::from_bytes(&n))));
+            level = std::mem::take(&mut stack);
         }
         for path in &removes {
             let res = match std::fs::symlink_metadata(path) {

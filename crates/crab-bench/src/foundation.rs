@@ -73,6 +73,7 @@ pub async fn run(
                     nat_range: None,
                     limits: Default::default(),
                     privileged,
+                    checkpoint_policy: None,
                 };
                 let t = Instant::now();
                 let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;

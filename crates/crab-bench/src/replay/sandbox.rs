@@ -33,6 +33,17 @@ pub struct ExecOutput {
 
 /// Create a sandbox `name` from `image` (private network).
 pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxInfo, ApiError> {
+    create_with_policy(client, image, name, None).await
+}
+
+/// Create a sandbox `name` from `image` (private network) with checkpoint policy `policy`
+/// (`auto`, `full`, `fs`, `none`; the daemon's default when `None`).
+pub async fn create_with_policy(
+    client: &Client,
+    image: &str,
+    name: &str,
+    policy: Option<&str>,
+) -> Result<SandboxInfo, ApiError> {
     let req = SandboxCreateRequest {
         image: image.to_string(),
         name: Some(name.to_string()),
@@ -40,6 +51,7 @@ pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxI
         nat_range: None,
         limits: Default::default(),
         privileged: false,
+        checkpoint_policy: policy.map(str::to_string),
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
 }

@@ -177,7 +177,10 @@ pub(super) struct ReplayArgs {
     #[arg(long, default_value = "debian")]
     image: String,
     /// Reach the replay LLM through Crab's LLM proxy at this base URL (the daemon's
-    /// --upstream-openai must point at the replay LLM, http://127.0.0.1:7439).
+    /// --upstream-openai must point at the replay LLM, http://127.0.0.1:7439). Every method then
+    /// goes through the proxy, its sandbox created with the method's --checkpoint-policy
+    /// (crab: auto, full, fs; none, chat, restart: none), so exposed latency compares like for
+    /// like; without it methods checkpoint through the API beside a direct LLM request.
     #[arg(long)]
     proxy: Option<String>,
     /// Do not build the stand-in /testbed for SWE-bench trajectories.

@@ -1862,12 +1862,39 @@ async fn process_unary<B: Backend>(
             }
             Ok(connect::unary_ok(&serde_json::json!({})))
         }
-        "SendInput" | "CloseStdin" | "Update" => {
+        "SendInput" | "CloseStdin" => {
+            let req: envd::SelectRequest = connect::decode_json(raw)?;
+            let p = find_proc(&sb, req.process.as_ref())?;
+            if !p.running() {
+                return Err(ConnectError::new(
+                    Code::NotFound,
+                    format!("process {} has ended", p.pid),
+                ));
+            }
+            let r = if method == "SendInput" {
+                let data = input_bytes(req.input.as_ref())?;
+                run_collect(e2b, &sb, "root", shell::send_input(&p.dir), Some(&data)).await?
+            } else {
+                run_collect(e2b, &sb, "root", shell::close_input(&p.dir), None).await?
+            };
+            match r.code {
+                0 => Ok(connect::unary_ok(&serde_json::json!({}))),
+                44 => Err(ConnectError::new(
+                    Code::FailedPrecondition,
+                    format!("process {} has no stdin: start it with stdin=True (its stdin is closed once close_stdin is called)", p.pid),
+                )),
+                c => Err(ConnectError::new(
+                    Code::Internal,
+                    format!("{method} of process {}: exit {c}: {}", p.pid, String::from_utf8_lossy(&r.stderr).trim()),
+                )),
+            }
+        }
+        "Update" => {
             let req: envd::SelectRequest = connect::decode_json(raw)?;
             find_proc(&sb, req.process.as_ref())?;
             Err(ConnectError::new(
                 Code::Unimplemented,
-                format!("process.Process/{method}: Crab runs E2B commands with stdin closed and without a PTY; pass input in the command (e.g. a here-document)"),
+                "process.Process/Update (a PTY's size) is not supported: Crab runs E2B commands without a PTY",
             ))
         }
         other => Err(ConnectError::new(
@@ -1875,6 +1902,25 @@ async fn process_unary<B: Backend>(
             format!("process.Process/{other} is not supported by Crab's E2B front door"),
         )),
     }
+}
+
+/// `SendInput`'s bytes: `{"input": {"stdin": base64}}` (a `pty` input is refused).
+fn input_bytes(input: Option<&serde_json::Value>) -> Result<Vec<u8>, ConnectError> {
+    let bad = |m: &str| ConnectError::new(Code::InvalidArgument, m.to_string());
+    let v = input.ok_or_else(|| bad("input is required"))?;
+    if v.get("pty").is_some() {
+        return Err(ConnectError::new(
+            Code::Unimplemented,
+            "PTY input is not supported: Crab runs E2B commands without a PTY",
+        ));
+    }
+    let s = v
+        .get("stdin")
+        .and_then(|s| s.as_str())
+        .ok_or_else(|| bad("input.stdin (base64) is required"))?;
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|e| bad(&format!("input.stdin is not base64: {e}")))
 }
 
 type Events = mpsc::UnboundedReceiver<Result<ProcessEvent, ConnectError>>;
@@ -1920,7 +1966,7 @@ async fn process_stream<B: Backend>(
         let dir = format!("{}/{}", shell::ENVD_DIR, random_hex(8));
         let gc = std::mem::take(&mut *lock(&sb.gc));
         let req = ExecRequest {
-            cmd: shell::launch(&dir, &gc, cmd),
+            cmd: shell::launch(&dir, &gc, req.stdin == Some(true), cmd),
             env,
             workdir: Some(workdir),
             timeout_s: None,

@@ -119,7 +119,7 @@ fn run_flows(only: &str) {
 
 #[test]
 fn sdk_create_run_files_kill() {
-    run_flows("create_run_files,background,async");
+    run_flows("create_run_files,background,async,stdin");
 }
 
 #[test]

@@ -286,6 +286,28 @@ def check_pause_keeps_commands():
     again.kill()
 
 
+def check_stdin():
+    """stdin=True: send_stdin reaches the command, close_stdin ends its input; a command
+    started without stdin refuses send_stdin with the reason."""
+    sb = create()
+    h = sb.commands.run("cat; echo done", background=True, stdin=True)
+    sb.commands.send_stdin(h.pid, "hello\n")
+    sb.commands.send_stdin(h.pid, b"world\n")
+    sb.commands.close_stdin(h.pid)
+    r = h.wait()
+    assert r.exit_code == 0 and r.stdout == "hello\nworld\ndone\n", (r.exit_code, r.stdout)
+    # Without stdin=True the command's stdin is /dev/null and input is refused, the command intact.
+    h = sb.commands.run("sleep 600", background=True)
+    try:
+        sb.commands.send_stdin(h.pid, "x")
+        raise AssertionError("send_stdin to a command without stdin succeeded")
+    except SandboxException as e:
+        assert "stdin=True" in str(e), e
+    assert h.pid in [p.pid for p in sb.commands.list()]
+    assert sb.commands.kill(h.pid)
+    sb.kill()
+
+
 def crab_json(*args):
     out = subprocess.run([os.environ["CRAB_BIN"], "--json", *args], check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
@@ -473,6 +495,7 @@ CHECKS = [
     ("pause_connect", check_pause_connect),
     ("pause_keeps_commands", check_pause_keeps_commands),
     ("dead_sandbox", check_dead_sandbox),
+    ("stdin", check_stdin),
     ("timeout", check_timeout),
     ("capability", check_capability),
 ]

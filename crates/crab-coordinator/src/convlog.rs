@@ -591,6 +591,25 @@ mod tests {
     }
 
     #[test]
+    fn unsynced_records_are_tracked_until_a_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("l");
+        let mut log = ConversationLog::open(&p).unwrap();
+        assert!(!log.has_unsynced());
+        log.append_unsynced(&rec(1, "{}")).unwrap();
+        log.append_unsynced(&rec(2, "{\"x\":1}")).unwrap();
+        assert!(log.has_unsynced());
+        log.sync().unwrap();
+        assert!(!log.has_unsynced());
+        log.sync().unwrap();
+        log.append_unsynced(&rec(3, "{\"x\":2}")).unwrap();
+        log.append(&rec(4, "{\"x\":3}")).unwrap();
+        assert!(!log.has_unsynced(), "a synced append covers the earlier records");
+        drop(log);
+        assert_eq!(ConversationLog::open(&p).unwrap().offset(), 4);
+    }
+
+    #[test]
     fn binary_bodies_round_trip() {
         let dir = tempfile::tempdir().unwrap();
         let mut log = ConversationLog::open(dir.path().join("l")).unwrap();

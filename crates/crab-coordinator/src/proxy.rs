@@ -628,7 +628,7 @@ impl Coordinator {
     ) -> Arc<dyn BoundaryTicket> {
         // The records the turn's point will reference (every one before this request) become
         // durable first: the point is published only after them (invariant 1).
-        if self.cfg.fsync_log {
+        if self.cfg.fsync_log && lock(&slot.log).has_unsynced() {
             if let Err(e) = Self::with_log(slot, |log| log.sync()).await {
                 tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not make the conversation log durable; no checkpoint this turn, the next one will be full");
                 slot.fail("log", &e.to_string());

@@ -890,9 +890,10 @@ impl Host {
         }
         let store = self.checkpointer.store(&sb)?;
         let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
+        let state = self.state().clone();
         let handle = tokio::runtime::Handle::current();
         let mat = tokio::task::spawn_blocking(move || {
-            handle.block_on(crab_remote::local::materialize(&repo, &store, &rec2, fs_only))
+            handle.block_on(crab_remote::local::materialize(&repo, &state, &store, &rec2, fs_only))
         })
         .await
         .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
@@ -928,6 +929,7 @@ impl Host {
         Ok(Outcome::FromRemote(Box::new(FromRemoteReport {
             source: format!("{}@{}", rec.sandbox, rec.point),
             downloaded: mat.fetched,
+            base_image: mat.base_image.clone(),
             fetch_ms,
             total_ms: t0.elapsed().as_secs_f64() * 1e3,
             fs_only: req.fs_only,

@@ -110,7 +110,7 @@ pub fn programs() -> Result<Vec<Vec<Insn>>, SeccompError> {
 }
 
 fn decode_insns(b: &[u8]) -> Result<Vec<Insn>, SeccompError> {
-    if b.is_empty() || b.len() % 8 != 0 || b.len() / 8 > usize::from(u16::MAX) {
+    if b.is_empty() || !b.len().is_multiple_of(8) || b.len() / 8 > usize::from(u16::MAX) {
         return Err(SeccompError(format!(
             "seccomp program has {} bytes, not 1 to 65535 whole instructions",
             b.len()
@@ -374,7 +374,7 @@ mod tests {
             (ALLOW, ALLOW, ALLOW, DENY)
         );
         // x32 numbers and the ia32 entry: EPERM, not a kill.
-        assert_eq!(run(p, AUDIT_ARCH_X86_64, X32_BIT | 0, z).0, DENY);
+        assert_eq!(run(p, AUDIT_ARCH_X86_64, X32_BIT | 39, z).0, DENY);
         assert_eq!(run(p, AUDIT_ARCH_I386, 0, z).0, DENY);
     }
 

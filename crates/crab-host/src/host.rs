@@ -61,6 +61,9 @@ pub struct HostOptions {
     pub nat_range: Option<String>,
     /// Disk quota of sandboxes created without one (`crab daemon --default-disk`).
     pub default_disk: Option<u64>,
+    /// Remount cgroup2 with `favordynmods` if it lacks it (`crab daemon
+    /// --no-cgroup-favordynmods` turns this off).
+    pub cgroup_favordynmods: bool,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -77,6 +80,8 @@ pub struct Host {
     sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
     /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
     soft_dirty: crab_criu::soft_dirty::SoftDirty,
+    /// Whether cgroup2 has `favordynmods` (set at start-up unless turned off), and why (not).
+    favordynmods: FeatureStatus,
     /// The durable tier and its exporter (`--remote`).
     remote: Option<Arc<RemoteTier>>,
 }
@@ -225,6 +230,13 @@ impl Host {
                 }
             }));
         }
+        let (available, reason) = runtime.tune_cgroup_migrations(opts.cgroup_favordynmods);
+        if available {
+            tracing::info!(%reason, "cgroup migrations: favordynmods");
+        } else {
+            tracing::warn!(%reason, "cgroup migrations are slow (6-27 ms per exec, start and restore)");
+        }
+        let favordynmods = FeatureStatus { available, reason };
         let soft_dirty = crab_criu::soft_dirty::probe();
         tracing::info!(
             available = soft_dirty.available,
@@ -273,6 +285,7 @@ impl Host {
             proxy: Mutex::new(None),
             sandbox_proxies: Mutex::new(HashMap::new()),
             soft_dirty,
+            favordynmods,
             remote,
         });
         let _ = hooks.0.set(Arc::downgrade(&host));
@@ -374,6 +387,7 @@ impl Host {
                             reason: "no --remote store configured".into(),
                         },
                     }),
+                    cgroup_favordynmods: Some(self.favordynmods.clone()),
                 },
                 proxy_listen: Some(self.coordinator.config().listen.to_string()),
             })),

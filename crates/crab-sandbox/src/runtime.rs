@@ -163,6 +163,12 @@ impl Runtime {
         Ok(rt)
     }
 
+    /// Ensure (when `enable`) that cgroup2 has `favordynmods` — see
+    /// [`Hierarchy::favordynmods`] — and say whether it is on, and why (not).
+    pub fn tune_cgroup_migrations(&self, enable: bool) -> (bool, String) {
+        self.hier.favordynmods(enable)
+    }
+
     /// The state directory.
     pub fn state(&self) -> &StateDir {
         &self.cfg.state

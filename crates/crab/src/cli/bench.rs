@@ -120,6 +120,15 @@ pub(super) enum BenchCmd {
         /// default security profile's cost side by side.
         #[arg(long)]
         privileged: bool,
+        /// Pause this long (ms) before each create and exec, as an agent's commands are
+        /// spaced: back-to-back loops hide costs that return after a quiet moment (RCU grace
+        /// periods of cgroup migrations).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+        gap_ms: u64,
+        /// Also measure every create and exec with cgroup2's `favordynmods` off, interleaved
+        /// (remounts this host's cgroup2 between calls; its state is restored afterwards).
+        #[arg(long)]
+        favordynmods_ab: bool,
     },
 }
 
@@ -301,18 +310,33 @@ pub(super) async fn run(
         BenchCmd::Remote { traces, limit, sandboxes, image, remote, no_testbed } => {
             bench_remote(client, traces, limit, sandboxes, image, remote, no_testbed, json).await?;
         }
-        BenchCmd::Foundation { image, creates, execs, privileged } => {
-            eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
-            let r = crab_bench::foundation::run(
-                client,
-                &exe,
-                state.root(),
-                &image,
+        BenchCmd::Foundation { image, creates, execs, privileged, gap_ms, favordynmods_ab } => {
+            eprintln!(
+                "bench foundation: {creates} creates, {execs} exec/host pairs, {gap_ms} ms apart ..."
+            );
+            let hier = crab_sandbox::cgroup::Hierarchy::detect()
+                .map_err(|e| ApiError::internal(format!("cgroup hierarchy: {e}")))?;
+            let switch = |on: bool| hier.set_favordynmods(on).map(drop);
+            let was_on = if favordynmods_ab {
+                Some(hier.set_favordynmods(true).map_err(ApiError::internal)?)
+            } else {
+                None
+            };
+            let opts = crab_bench::foundation::FoundationOptions {
+                image: &image,
                 creates,
                 execs,
-                privileged,
-            )
-            .await?;
+                compare_privileged: privileged,
+                gap: std::time::Duration::from_millis(gap_ms),
+                favordynmods: favordynmods_ab.then_some(&switch as _),
+            };
+            let r = crab_bench::foundation::run(client, &exe, state.root(), &opts).await;
+            if let Some(was) = was_on {
+                if let Err(e) = hier.set_favordynmods(was) {
+                    eprintln!("warning: could not put cgroup2 favordynmods back to {was}: {e}");
+                }
+            }
+            let r = r?;
             if json {
                 print_json(&r);
             } else {
@@ -336,6 +360,19 @@ pub(super) async fn run(
                     println!(
                         "default profile vs --privileged (p50): create {:.3}x, exec {:+.2} ms",
                         p.create_ratio_p50, p.exec_delta_p50_ms
+                    );
+                }
+                if let Some(f) = &r.favordynmods_off {
+                    latency_table(
+                        &[
+                            ("create, favordynmods off", &f.create_ms),
+                            ("exec true, favordynmods off", &f.exec_true_ms),
+                        ],
+                        2,
+                    );
+                    println!(
+                        "favordynmods off vs on (p50): create {:.3}x, exec {:+.2} ms",
+                        f.create_ratio_p50, f.exec_delta_p50_ms
                     );
                 }
             }

@@ -157,6 +157,10 @@ async fn run(cli: Cli) -> ExitCode {
                         let on = if sd.available { "available" } else { "unavailable" };
                         println!("soft-dirty page tracking: {on} ({})", sd.reason);
                     }
+                    if let Some(f) = &v.features.cgroup_favordynmods {
+                        let on = if f.available { "on" } else { "off" };
+                        println!("cgroup2 favordynmods: {on} ({})", f.reason);
+                    }
                 }
                 ExitCode::SUCCESS
             })

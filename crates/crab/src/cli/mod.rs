@@ -118,7 +118,14 @@ pub fn main() -> ExitCode {
         args.insert(1, "docker".into());
     }
     let cli = Cli::parse_from(args);
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // The daemon and the benchmarks run many tasks at once; every other command is one
+    // request, for which a single-threaded runtime starts faster (no worker threads, no CPU
+    // count read from cgroup files): `crab exec` runs once per agent command.
+    let mut builder = match cli.cmd {
+        Cmd::Daemon(_) | Cmd::Bench { .. } => tokio::runtime::Builder::new_multi_thread(),
+        _ => tokio::runtime::Builder::new_current_thread(),
+    };
+    let rt = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

@@ -33,13 +33,23 @@ pub struct ExecOutput {
 
 /// Create a sandbox `name` from `image` (private network).
 pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxInfo, ApiError> {
+    create_with(client, image, name, false).await
+}
+
+/// Create a sandbox `name` from `image` (private network), `--privileged` when asked.
+pub async fn create_with(
+    client: &Client,
+    image: &str,
+    name: &str,
+    privileged: bool,
+) -> Result<SandboxInfo, ApiError> {
     let req = SandboxCreateRequest {
         image: image.to_string(),
         name: Some(name.to_string()),
         net: Default::default(),
         nat_range: None,
         limits: Default::default(),
-        privileged: false,
+        privileged,
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
 }

@@ -54,6 +54,10 @@ pub(super) enum BenchCmd {
         /// Also checkpoint a process holding this many MiB (0 = no).
         #[arg(long, default_value_t = 0)]
         big_mib: usize,
+        /// Run the same rounds on a `--privileged` twin, interleaved, to measure what the
+        /// default security profile costs checkpoints and restores.
+        #[arg(long)]
+        privileged: bool,
     },
     /// The e2b SDK through the daemon's E2B API (`Sandbox.create` + `commands.run("true")` +
     /// `kill`) vs the same through the crab CLI, interleaved; create-from-snapshot and
@@ -279,10 +283,15 @@ pub(super) async fn run(
                 );
             }
         }
-        BenchCmd::Lifecycle { image, rounds, fork_count, big_mib } => {
+        BenchCmd::Lifecycle { image, rounds, fork_count, big_mib, privileged } => {
             eprintln!("bench lifecycle: {rounds} rounds, a fork of {fork_count} ...");
-            let opts =
-                crab_bench::lifecycle::LifecycleOptions { image, rounds, fork_count, big_mib };
+            let opts = crab_bench::lifecycle::LifecycleOptions {
+                image,
+                rounds,
+                fork_count,
+                big_mib,
+                compare_privileged: privileged,
+            };
             let r = crab_bench::lifecycle::run(client, &opts).await?;
             if json {
                 print_json(&r);
@@ -301,6 +310,20 @@ pub(super) async fn run(
                 );
                 if let Some(b) = r.big_full_ms {
                     println!("full checkpoint of a {big_mib} MiB process: {b:.1} ms");
+                }
+                if let Some(p) = &r.privileged {
+                    latency_table(
+                        &[
+                            ("checkpoint fs --privileged", &p.checkpoint_fs_ms),
+                            ("checkpoint full --privileged", &p.checkpoint_full_ms),
+                            ("restore --privileged", &p.restore_ms),
+                        ],
+                        1,
+                    );
+                    println!(
+                        "default profile vs --privileged (p50): full checkpoint {:.3}x, restore {:.3}x",
+                        p.full_ratio_p50, p.restore_ratio_p50
+                    );
                 }
             }
         }

@@ -131,6 +131,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| SandboxError::io(e.op, e.path)(e.source))
 }
 
+/// Write `bytes` to `path` atomically, not durably ([`crab_common::fsutil::write_replace`]).
+fn write_replace(path: &Path, bytes: &[u8]) -> Result<()> {
+    crab_common::fsutil::write_replace(path, bytes)
+        .map_err(|e| SandboxError::io(e.op, e.path)(e.source))
+}
+
 impl SandboxRecord {
     /// Its cgroup relative to a hierarchy root (`crab/<name>` for records that predate
     /// per-daemon cgroups).
@@ -451,7 +457,8 @@ impl Runtime {
         let (init_pid, init_start) = self.start_init(name, net, limits, profile)?;
         rec.init_pid = init_pid;
         rec.init_start = init_start;
-        self.save(&rec)?;
+        // Not fsynced (five fsyncs were most of a create on a busy disk): see `save_lazy`.
+        self.save_lazy(&rec)?;
         tracing::info!(sandbox = name, pid = init_pid, "sandbox created");
         Ok(rec)
     }
@@ -472,6 +479,18 @@ impl Runtime {
         let bytes =
             serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
         write_atomic(&self.cfg.state.sandbox_record(&rec.name), &bytes)
+    }
+
+    /// Persist a new sandbox's record atomically but without fsync. A daemon restart reads it
+    /// back (page cache); only a host crash before the filesystem commits it (the next fsync on
+    /// the state directory's ext4, e.g. any checkpoint's publish, or writeback within seconds)
+    /// can lose it — and with it a sandbox that has no restore point yet, whose processes the
+    /// crash kills and whose files had not been synced either.
+    fn save_lazy(&self, rec: &SandboxRecord) -> Result<()> {
+        let rec = self.with_lease(rec);
+        let bytes =
+            serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
+        write_replace(&self.cfg.state.sandbox_record(&rec.name), &bytes)
     }
 
     /// Replace the in-memory and on-disk record (used after a restore re-creates the init).
@@ -697,7 +716,7 @@ pub fn claim_dir(state: &StateDir, rec: &SandboxRecord) -> Result<()> {
     fs::create_dir(&prep).map_err(SandboxError::io("create", &prep))?;
     let claimed = serde_json::to_vec_pretty(rec)
         .map_err(|e| SandboxError::Other(format!("encoding the record of {name}: {e}")))
-        .and_then(|bytes| write_atomic(&prep.join("sandbox.json"), &bytes))
+        .and_then(|bytes| write_replace(&prep.join("sandbox.json"), &bytes))
         .and_then(|()| {
             nix::fcntl::renameat2(
                 None,
@@ -717,9 +736,8 @@ pub fn claim_dir(state: &StateDir, rec: &SandboxRecord) -> Result<()> {
         let _ = fs::remove_dir_all(&prep);
         return Err(e);
     }
-    if let Ok(d) = fs::File::open(state.sandboxes()) {
-        let _ = d.sync_all();
-    }
+    // No fsync: the claim guards against another process of this host, not against a crash
+    // (after one, a half-made sandbox directory is a dead sandbox or a leftover either way).
     Ok(())
 }
 

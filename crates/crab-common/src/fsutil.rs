@@ -34,8 +34,8 @@ pub fn fsync_dir(dir: &Path) -> Result<(), AtomicWriteError> {
 
 /// Write `bytes` to `path` atomically (readers see the old or the new content, never a torn
 /// one) but not durably: no fsync, so after a host crash the old content (or nothing) may be
-/// back. On an ordered-journal filesystem (ext4's default) the next fsync anyone makes on it
-/// commits this rename too.
+/// back. On btrfs the next transaction commit (any snapshot makes one) and on ext4's ordered
+/// journal the next fsync on the filesystem commit this rename too.
 pub fn write_replace(path: &Path, bytes: &[u8]) -> Result<(), AtomicWriteError> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");

@@ -482,9 +482,9 @@ impl Runtime {
     }
 
     /// Persist a new sandbox's record atomically but without fsync. A daemon restart reads it
-    /// back (page cache); only a host crash before the filesystem commits it (the next fsync on
-    /// the state directory's ext4, e.g. any checkpoint's publish, or writeback within seconds)
-    /// can lose it — and with it a sandbox that has no restore point yet, whose processes the
+    /// back (page cache); only a host crash before the pool's next btrfs transaction commit
+    /// (every snapshot commits one, so the sandbox's first checkpoint at the latest; else the
+    /// commit interval, 30 s by default) can lose it — and with it a sandbox that has no restore point yet, whose processes the
     /// crash kills and whose files had not been synced either.
     fn save_lazy(&self, rec: &SandboxRecord) -> Result<()> {
         let rec = self.with_lease(rec);

@@ -64,6 +64,8 @@ pub struct HostOptions {
     /// Remount cgroup2 with `favordynmods` if it lacks it (`crab daemon
     /// --no-cgroup-favordynmods` turns this off).
     pub cgroup_favordynmods: bool,
+    /// Ready-made root filesystems kept per recently used image (`crab daemon --warm-roots`).
+    pub warm_roots: usize,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -230,6 +232,7 @@ impl Host {
                 }
             }));
         }
+        runtime.set_warm_roots(opts.warm_roots);
         let (available, reason) = runtime.tune_cgroup_migrations(opts.cgroup_favordynmods);
         if available {
             tracing::info!(%reason, "cgroup migrations: favordynmods");

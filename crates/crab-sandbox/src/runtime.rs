@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -95,6 +95,8 @@ pub struct Runtime {
     /// Disk quota of sandboxes created without one (`crab daemon --default-disk`); 0 = none.
     default_disk: std::sync::atomic::AtomicU64,
     nat: Nat,
+    /// Ready-made root filesystems of recently used images (`crab daemon --warm-roots`).
+    warm: Arc<crate::warm::WarmRoots>,
     sandboxes: Mutex<HashMap<String, SandboxRecord>>,
     /// Names being created right now (reserved against clashes).
     creating: Mutex<Vec<String>>,
@@ -155,12 +157,14 @@ impl Runtime {
         })?;
         let quota = quota::enable(&cfg.state.pool());
         let nat = Nat::new(&cfg.state.instance());
+        let warm = crate::warm::WarmRoots::new(&cfg.state);
         let rt = Runtime {
             cfg,
             hier,
             quota,
             default_disk: std::sync::atomic::AtomicU64::new(0),
             nat,
+            warm,
             sandboxes: Mutex::new(HashMap::new()),
             creating: Mutex::new(Vec::new()),
         };
@@ -173,6 +177,12 @@ impl Runtime {
     /// [`Hierarchy::favordynmods`] — and say whether it is on, and why (not).
     pub fn tune_cgroup_migrations(&self, enable: bool) -> (bool, String) {
         self.hier.favordynmods(enable)
+    }
+
+    /// Keep `n` ready-made root filesystems per recently used image, so creates need no
+    /// snapshot of their own (0, the default, turns it off).
+    pub fn set_warm_roots(&self, n: usize) {
+        self.warm.set_target(n);
     }
 
     /// The state directory.
@@ -451,7 +461,9 @@ impl Runtime {
         // this state directory sees a dead sandbox rather than a leftover to discard.
         claim_dir(&self.cfg.state, &rec)?;
         let rootfs = self.cfg.state.sandbox_rootfs(name);
-        btrfs::snapshot(image_root, &rootfs, false)?;
+        if !self.warm.take(image, image_root, &rootfs) {
+            btrfs::snapshot(image_root, &rootfs, false)?;
+        }
         self.limit_disk(&rootfs, limits)?;
         personalize(&rootfs, name)?;
         let (init_pid, init_start) = self.start_init(name, net, limits, profile)?;

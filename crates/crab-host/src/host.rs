@@ -407,7 +407,11 @@ impl Host {
                 }
                 let state = self.state().clone();
                 let name = req.name.clone().unwrap_or_else(|| req.distro.clone());
+                let rt = self.runtime.clone();
                 blocking(move || {
+                    // A rebuilt image's ready roots are stale (they would be dropped at the next
+                    // create anyway); drop them now.
+                    rt.forget_image(&name);
                     let i = image::build_debian(
                         &state,
                         &name,
@@ -421,7 +425,9 @@ impl Host {
             }
             Action::ImportImage { req, progress } => {
                 let state = self.state().clone();
+                let rt = self.runtime.clone();
                 blocking(move || {
+                    rt.forget_image(&req.name);
                     let path = PathBuf::from(&req.path);
                     Ok(Outcome::Image(image::import(&state, &req.name, &path, progress.as_ref())?))
                 })
@@ -429,8 +435,10 @@ impl Host {
             }
             Action::RemoveImage { name } => {
                 let state = self.state().clone();
+                let rt = self.runtime.clone();
                 blocking(move || {
                     image::remove(&state, &name)?;
+                    rt.forget_image(&name);
                     Ok(Outcome::Removed { removed: true })
                 })
                 .await

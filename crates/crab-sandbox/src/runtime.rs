@@ -185,6 +185,11 @@ impl Runtime {
         self.warm.set_target(n);
     }
 
+    /// Delete the ready roots of image `name` (it is being rebuilt, re-imported or removed).
+    pub fn forget_image(&self, name: &str) {
+        self.warm.forget(name);
+    }
+
     /// The state directory.
     pub fn state(&self) -> &StateDir {
         &self.cfg.state

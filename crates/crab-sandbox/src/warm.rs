@@ -158,6 +158,13 @@ impl WarmRoots {
         }
     }
 
+    /// Delete the ready roots of `image` (one being refilled right now may still land; the
+    /// build tag drops it at its first use).
+    pub fn forget(&self, image: &str) {
+        let gone = lock(&self.ready).remove(image).unwrap_or_default();
+        discard(gone);
+    }
+
     /// How many ready roots `image` has now.
     pub fn ready(&self, image: &str) -> usize {
         lock(&self.ready).get(image).map_or(0, Vec::len)

@@ -151,6 +151,7 @@ pub async fn run(
                     nat_range: None,
                     limits: Default::default(),
                     privileged,
+                    checkpoint_policy: None,
                 };
                 tokio::time::sleep(o.gap).await;
                 let t = Instant::now();

@@ -8,6 +8,7 @@ pub mod foundation;
 pub mod lifecycle;
 pub mod proxy;
 pub mod remote;
+pub mod remote_restore;
 pub mod replay;
 pub mod stats;
 

@@ -162,7 +162,7 @@ async fn measure(
     sh_ok(client, &sb, SERVICES, 30.0).await?;
     let twin = if opts.compare_privileged {
         let p = format!("{tag}-priv");
-        sbx::create_with(client, &opts.image, &p, true).await?;
+        sbx::create_with(client, &opts.image, &p, None, true).await?;
         made.push(p.clone());
         sh_ok(client, &p, SERVICES, 30.0).await?;
         Some(p)

@@ -381,6 +381,10 @@ impl crab_engine::Executor<()> for SleepExecutor {
         Ok(crab_engine::JobOutcome {
             checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
             bytes: 0,
+            stages: vec![crab_engine::Stage::new(
+                "sleep",
+                Duration::from_secs_f64(ms.max(0.0) / 1e3),
+            )],
         })
     }
 }

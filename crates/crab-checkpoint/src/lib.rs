@@ -18,7 +18,7 @@ pub mod snapfs;
 pub mod store;
 
 pub use error::{CheckpointError, Result};
-pub use manifest::{FsId, Manifest, PointId, ProcId};
+pub use manifest::{FsId, Manifest, PointId, ProcId, Timings};
 pub use ops::{
     BtrfsSnapshots, CheckpointRequest, Checkpointer, Config, ForkBranch, PointSummary,
     RestoreReport,

@@ -167,6 +167,13 @@ pub struct Timings {
     /// Making the image files durable (`syncfs`).
     #[serde(default)]
     pub sync_us: Option<u64>,
+    /// Waiting for the sandbox's checkpoint lock and its store's lock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_us: Option<u64>,
+    /// Making the new parts' directory entries durable (`fsync` of `procs/` and `fs/`; only
+    /// of the ones that got a new part).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dir_sync_us: Option<u64>,
     /// Start of the checkpoint to the manifest's publication.
     pub total_us: Option<u64>,
 }

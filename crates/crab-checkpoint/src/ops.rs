@@ -436,6 +436,7 @@ impl Checkpointer {
         let rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
         let store = self.store(sandbox)?;
         let _held = store.lock()?;
+        let lock_us = us(started.elapsed());
         let parent = match store.newest() {
             Ok(m) => Some(m),
             Err(CheckpointError::NoPoints { .. }) => None,
@@ -443,6 +444,7 @@ impl Checkpointer {
         };
         let turn = req.turn.unwrap_or_else(|| parent.as_ref().map_or(0, |p| p.turn + 1));
         let mut draft = Draft::new(req.kind, turn);
+        draft.timings.lock_us = Some(lock_us);
         draft.conversation_offset = req.conversation_offset;
         draft.started = Some(started);
         draft.sandbox_meta = serde_json::to_value(&rec).unwrap_or_default();
@@ -1183,6 +1185,8 @@ impl Checkpointer {
             profile: src.profile,
             nat: None,
             held: None,
+            // A branch checkpoints like its source.
+            checkpoint_policy: src.checkpoint_policy,
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);

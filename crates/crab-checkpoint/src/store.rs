@@ -826,14 +826,22 @@ impl Staging<'_> {
         }
         // From here on the parts live in procs/ and fs/; a failure below leaves them
         // unreferenced, for recover_leftovers or prune.
-        self.proc = None;
-        self.fs = None;
-        manifest::fsync_dir(&store.procs_dir())?;
-        manifest::fsync_dir(&store.fs_dir())?;
+        let (new_proc, new_fs) = (self.proc.take().is_some(), self.fs.take().is_some());
+        // Only a directory that got a new entry needs its fsync: a skip point (and the part a
+        // point reuses) adds nothing there, and every earlier point synced its own entries.
+        let t_dir = Instant::now();
+        if new_proc {
+            manifest::fsync_dir(&store.procs_dir())?;
+        }
+        if new_fs {
+            manifest::fsync_dir(&store.fs_dir())?;
+        }
+        let dir_sync_us = us(t_dir.elapsed());
 
         let mut timings = draft.timings.clone();
         timings.hash_us = Some(hash_us);
         timings.sync_us = Some(sync_us);
+        timings.dir_sync_us = Some(dir_sync_us);
         let id = store.next_point();
         let mut m = Manifest {
             id,

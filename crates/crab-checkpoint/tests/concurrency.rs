@@ -156,6 +156,7 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
             nat_range: None,
             limits: Limits::default(),
             privileged: false,
+            checkpoint_policy: None,
         })
         .unwrap();
         let (code, out) = sh(&rt, n, TICKER);

@@ -110,6 +110,7 @@ impl Sb {
             nat_range: None,
             limits: Limits::default(),
             privileged,
+            checkpoint_policy: None,
         };
         rt.create(&req).unwrap();
         Sb { rt, ck, name, extra: Vec::new(), _guard: guard }

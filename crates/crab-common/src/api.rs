@@ -166,6 +166,19 @@ pub struct SandboxCreateRequest {
     /// host as root).
     #[serde(default)]
     pub privileged: bool,
+    /// What its turn boundaries checkpoint: `auto` (the inspector's verdict; the default),
+    /// `full`, `fs` or `none` ([`crate::CheckpointPolicy`]). A string here so that a bad value
+    /// is refused naming the field and the accepted values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_policy: Option<String>,
+}
+
+/// `PATCH /v1/sandboxes/{name}`: change settings of an existing sandbox (absent fields stay).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SandboxUpdateRequest {
+    /// New checkpoint policy: `auto`, `full`, `fs` or `none`; applies from its next turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_policy: Option<String>,
 }
 
 /// The security profile a sandbox's processes run under.
@@ -224,6 +237,25 @@ pub struct SandboxInfo {
     /// while it held snapshots; `crab sandbox ls` shows `snapshot holder`): why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held: Option<String>,
+    /// What its turn boundaries checkpoint (`auto` for older daemons, which had no policy).
+    #[serde(default)]
+    pub checkpoint_policy: crate::CheckpointPolicy,
+}
+
+/// Parse the `checkpoint_policy` field of a request: absent is `None`; a bad value is an
+/// `invalid_request` error naming the field and the accepted values.
+pub fn parse_checkpoint_policy(
+    v: Option<&str>,
+) -> Result<Option<crate::CheckpointPolicy>, ApiError> {
+    match v {
+        None => Ok(None),
+        Some(s) => s.parse().map(Some).map_err(|_| {
+            ApiError::invalid(
+                format!("checkpoint_policy {s:?} is not a checkpoint policy"),
+                format!("use one of {}", crate::CheckpointPolicy::EXPECTED),
+            )
+        }),
+    }
 }
 
 /// What `crab sandbox inspect` shows about the security profile in force.

@@ -98,6 +98,77 @@ impl FromStr for CheckpointKind {
     }
 }
 
+/// A sandbox's checkpoint policy: what its turn boundaries (the LLM proxy's, `crab turn`) take.
+/// Persisted in the sandbox record and shown by `crab sandbox ls/inspect`; set by `crab sandbox
+/// create --checkpoint-policy` and `crab sandbox update --checkpoint-policy`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointPolicy {
+    /// The inspector's verdict decides (skip, fs, process or full; the default).
+    #[default]
+    Auto,
+    /// A full checkpoint (files and processes) every turn.
+    Full,
+    /// A filesystem snapshot every turn, never a process image.
+    Fs,
+    /// No checkpoint: the gate passes at once (the baseline of the replay benchmark).
+    None,
+}
+
+impl CheckpointPolicy {
+    /// Every policy.
+    pub const ALL: [CheckpointPolicy; 4] = [
+        CheckpointPolicy::Auto,
+        CheckpointPolicy::Full,
+        CheckpointPolicy::Fs,
+        CheckpointPolicy::None,
+    ];
+
+    /// The accepted spellings, for error messages.
+    pub const EXPECTED: &'static str = "auto, full, fs or none";
+
+    /// Lower-case name (`auto`, `full`, `fs`, `none`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckpointPolicy::Auto => "auto",
+            CheckpointPolicy::Full => "full",
+            CheckpointPolicy::Fs => "fs",
+            CheckpointPolicy::None => "none",
+        }
+    }
+
+    /// The kind it takes at every turn (`None` for `auto`, which asks the inspector, and for
+    /// `none`, which takes nothing).
+    pub fn fixed_kind(self) -> Option<CheckpointKind> {
+        match self {
+            CheckpointPolicy::Full => Some(CheckpointKind::Full),
+            CheckpointPolicy::Fs => Some(CheckpointKind::Fs),
+            CheckpointPolicy::Auto | CheckpointPolicy::None => None,
+        }
+    }
+}
+
+impl fmt::Display for CheckpointPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unknown checkpoint policy name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown checkpoint policy {0:?}; use auto, full, fs or none")]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for CheckpointPolicy {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, UnknownPolicy> {
+        CheckpointPolicy::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_string()))
+    }
+}
+
 /// What a restore point records: the kind of the checkpoint that published it, or `restore` for
 /// the marker every restore publishes (it captures nothing new and references the restored
 /// point's parts, so that the newest point always describes the live sandbox). Serialized as
@@ -188,6 +259,22 @@ impl<'de> Deserialize<'de> for PointKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn policy_spelling_is_pinned() {
+        for (p, s) in [
+            (CheckpointPolicy::Auto, "auto"),
+            (CheckpointPolicy::Full, "full"),
+            (CheckpointPolicy::Fs, "fs"),
+            (CheckpointPolicy::None, "none"),
+        ] {
+            assert_eq!(serde_json::to_string(&p).unwrap(), format!("\"{s}\""));
+            assert_eq!(s.parse::<CheckpointPolicy>().unwrap(), p);
+        }
+        let e = "process".parse::<CheckpointPolicy>().unwrap_err().to_string();
+        assert!(e.contains("\"process\"") && e.contains("auto, full, fs or none"), "{e}");
+        assert_eq!(CheckpointPolicy::default(), CheckpointPolicy::Auto);
+    }
 
     /// The spellings are persisted (manifests) and public (API JSON): pin them.
     #[test]

@@ -21,5 +21,5 @@ pub mod stats;
 pub mod sync;
 
 pub use error::{ApiError, ErrorCode};
-pub use kind::{CheckpointKind, PointKind};
+pub use kind::{CheckpointKind, CheckpointPolicy, PointKind};
 pub use progress::{NoProgress, Progress};

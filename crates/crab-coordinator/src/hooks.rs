@@ -8,7 +8,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +78,11 @@ pub trait BoundaryTicket: Send + Sync + 'static {
     fn promote(&self);
     /// How long a response was held on this checkpoint (zero when not held).
     fn record_exposed(&self, _held: Duration) {}
+    /// Where a wait on this (settled) checkpoint went: the gate waited from `gate_start` until
+    /// it woke at `woke`; `(stage, ms)` adding up to the wait (empty when unknown).
+    fn held_breakdown(&self, _gate_start: Instant, _woke: Instant) -> Vec<(String, f64)> {
+        Vec::new()
+    }
 }
 
 /// What happens at a turn boundary.

@@ -46,6 +46,6 @@ pub use hooks::{
 pub use limits::FdBudget;
 pub use netns::{bind_in_netns, NetnsError};
 pub use proxy::{
-    BoxError, CoordError, Coordinator, ProxyBody, ProxyServer, SandboxProxyStats, REPLAYED_HEADER,
-    RETRY_HEADER, SANDBOX_HEADER,
+    BoxError, CoordError, Coordinator, ProxyBody, ProxyServer, SandboxProxyStats, HELD_HEADER,
+    REPLAYED_HEADER, RETRY_HEADER, SANDBOX_HEADER,
 };

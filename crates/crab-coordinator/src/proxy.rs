@@ -60,6 +60,13 @@ pub const SANDBOX_HEADER: &str = "x-crab-sandbox";
 pub const RETRY_HEADER: &str = "x-stainless-retry-count";
 /// Header set on responses answered from the conversation log.
 pub const REPLAYED_HEADER: &str = "x-crab-replayed";
+/// Header set on every proxied turn response: where the time the proxy added went,
+/// `stage=ms,...` ([`crab_common::stats::breakdown_header`]): the held time by stage of the
+/// turn's checkpoint job (`queue`, `setup`, `lock`, `freeze_snapshot`, `criu_dump`, `hash`,
+/// `syncfs`, `dir_fsync`, `manifest_publish`, `engine_other`, `gate_wakeup`), then
+/// `convlog_fsync` (the conversation-log record written and fsynced before release; not on
+/// streams, whose record is written before their last chunk).
+pub const HELD_HEADER: &str = "x-crab-held";
 
 /// Failures of the coordinator's own API (not of proxied requests, which become HTTP answers).
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +135,9 @@ pub struct SandboxProxyStats {
     /// Requests refused for their body: too large, too slow, or no memory budget left.
     #[serde(default)]
     pub refused_requests: u64,
+    /// Where its turns' exposed time went: total ms per stage (see [`HELD_HEADER`]).
+    #[serde(default)]
+    pub held_stages_ms: std::collections::BTreeMap<String, f64>,
 }
 
 struct TurnState {
@@ -171,6 +181,8 @@ use crab_common::clock::now_ms;
 struct GateInfo {
     held: Duration,
     error: Option<String>,
+    /// Where the held time went, by stage.
+    stages: Vec<(String, f64)>,
 }
 
 enum Decision {
@@ -188,6 +200,8 @@ pub struct Coordinator {
     hooks: Arc<dyn TurnHooks>,
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     held_samples: Mutex<VecDeque<f64>>,
+    /// The newest turns' breakdowns (for `crab top`).
+    breakdowns: Mutex<VecDeque<crab_common::stats::Breakdown>>,
     /// Connections over all listeners.
     conns: ConnGate,
     /// Turn-request bytes in memory over all sandboxes.
@@ -255,6 +269,7 @@ impl Coordinator {
             hooks,
             slots: Mutex::new(HashMap::new()),
             held_samples: Mutex::new(VecDeque::new()),
+            breakdowns: Mutex::new(VecDeque::new()),
             conns: ConnGate::new(cfg.max_connections),
             bodies: ByteBudget::new(cfg.max_buffered_bytes),
             refused: Mutex::new(HashMap::new()),
@@ -638,8 +653,10 @@ impl Coordinator {
             };
             (true, r)
         };
-        let held_d = if held { t0.elapsed() } else { Duration::ZERO };
+        let woke = Instant::now();
+        let held_d = if held { woke - t0 } else { Duration::ZERO };
         ticket.record_exposed(held_d);
+        let stages = if held { ticket.held_breakdown(t0, woke) } else { Vec::new() };
         let ms = held_d.as_secs_f64() * 1e3;
         {
             let mut s = slot.stats();
@@ -662,7 +679,28 @@ impl Coordinator {
             slot.force_full.store(true, Ordering::SeqCst);
             slot.fail("checkpoint", e);
         }
-        GateInfo { held: held_d, error }
+        GateInfo { held: held_d, error, stages }
+    }
+
+    /// Count a turn's breakdown (its held stages plus the log write) for `crab top`.
+    fn record_breakdown(&self, slot: &Slot, b: &[(String, f64)]) {
+        {
+            let mut s = slot.stats();
+            for (n, ms) in b {
+                *s.held_stages_ms.entry(n.clone()).or_insert(0.0) += ms;
+            }
+        }
+        let mut d = lock(&self.breakdowns);
+        d.push_back(b.to_vec());
+        while d.len() > 4096 {
+            d.pop_front();
+        }
+    }
+
+    /// Where the exposed time of the newest turns (up to 4096) went, stage by stage.
+    pub fn held_stages(&self) -> Vec<crab_common::stats::StageSummary> {
+        let d = lock(&self.breakdowns);
+        crab_common::stats::stage_summaries(d.iter())
     }
 
     async fn turn_request(
@@ -826,11 +864,16 @@ impl Coordinator {
             rec.held_ms = gi.held.as_secs_f64() * 1e3;
             rec.checkpoint_error = gi.error;
             rec.responded_at_ms = now_ms();
+            let t_log = Instant::now();
             self.append_log(&slot, rec).await;
+            let mut stages = gi.stages;
+            stages.push(("convlog_fsync".into(), t_log.elapsed().as_secs_f64() * 1e3));
+            self.record_breakdown(&slot, &stages);
             drop(hold);
             let mut resp = Response::new(full(bytes));
             *resp.status_mut() = rparts.status;
             *resp.headers_mut() = headers;
+            set_held_header(resp.headers_mut(), &stages);
             return resp;
         }
         // Stream: a pump task reads upstream into a channel from now on; the head is released
@@ -887,10 +930,13 @@ impl Coordinator {
             drop(tx);
         });
         let gi = self.gate(&slot, &ticket).await;
+        let stages = gi.stages.clone();
+        self.record_breakdown(&slot, &stages);
         let _ = gate_tx.send(gi);
         let mut resp = Response::new(ChannelBody { rx }.boxed_unsync());
         *resp.status_mut() = rparts.status;
         *resp.headers_mut() = headers;
+        set_held_header(resp.headers_mut(), &stages);
         resp
     }
 
@@ -1342,6 +1388,13 @@ fn body_error(e: BodyReadError, sandbox: &str) -> Response<ProxyBody> {
             format!("reading the request body failed: {m}"),
             "",
         ),
+    }
+}
+
+/// Put a turn's breakdown on its response ([`HELD_HEADER`]).
+fn set_held_header(h: &mut HeaderMap, stages: &[(String, f64)]) {
+    if let Ok(v) = HeaderValue::from_str(&crab_common::stats::breakdown_header(stages)) {
+        h.insert(HeaderName::from_static(HELD_HEADER), v);
     }
 }
 

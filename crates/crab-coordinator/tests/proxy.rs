@@ -298,7 +298,10 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
             } else {
                 30
             }));
-            Ok(JobOutcome { checkpoint_id: format!("{}-{}", job.sandbox, job.turn), bytes: 0 })
+            Ok(JobOutcome {
+                checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
+                ..Default::default()
+            })
         }
     }
     let exec = Arc::new(Exec(Mutex::new(Vec::new())));
@@ -349,6 +352,81 @@ async fn a_slow_checkpoint_is_promoted_in_the_engine() {
     assert!(rec.urgent);
     assert!(rec.exposed_ms.unwrap() > 100.0, "{rec:?}");
     assert!(engine.metrics_text().contains("crab_engine_promotions_total 1"));
+}
+
+/// A held turn's `x-crab-held` breakdown: the job's queue wait behind another sandbox's job and
+/// the executor's own stages, adding up to the held time the gate measured, and with the log
+/// write to (about) the time the agent waited beyond the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_turns_breakdown_adds_up_to_its_exposed_time() {
+    struct Exec(Mutex<Vec<String>>);
+    impl crab_engine::Executor<()> for Exec {
+        type Error = std::convert::Infallible;
+        fn run(&self, job: &Job<()>) -> Result<JobOutcome, Self::Error> {
+            self.0.lock().unwrap().push(job.sandbox.clone());
+            let mut stages = Vec::new();
+            for (name, ms) in [("criu_dump", 60), ("syncfs", 30)] {
+                let t = Instant::now();
+                std::thread::sleep(Duration::from_millis(ms));
+                stages.push(crab_engine::Stage::new(name, t.elapsed()));
+            }
+            Ok(JobOutcome {
+                checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
+                stages,
+                ..Default::default()
+            })
+        }
+    }
+    let exec = Arc::new(Exec(Mutex::new(Vec::new())));
+    let engine =
+        Engine::new(EngineConfig { workers: 1, ..Default::default() }, exec.clone()).unwrap();
+    let delay = Duration::from_millis(20);
+    let h = harness(
+        EngineHooks::new(engine.clone(), |_: &Boundary| CheckpointKind::Full),
+        StubConfig { delay, ..Default::default() },
+        |_| {},
+    )
+    .await;
+    // A first turn opens a's slot and log (a one-time cost the breakdown does not cover).
+    assert_eq!(h.chat("a", r#"{"messages":["warm-up"]}"#).await.status, StatusCode::OK);
+    exec.0.lock().unwrap().clear();
+    // Another sandbox's job runs first: a's job waits in the queue.
+    let blocker = engine.submit(JobSpec::checkpoint("blocker", CheckpointKind::Full, (), 1));
+    while exec.0.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let t = Instant::now();
+    let r = h.chat("a", r#"{"messages":["held"]}"#).await;
+    let exposed_ms = (t.elapsed().saturating_sub(delay)).as_secs_f64() * 1e3;
+    assert_eq!(r.status, StatusCode::OK);
+    blocker.wait().await.unwrap();
+    assert_eq!(*exec.0.lock().unwrap(), ["blocker", "a"]);
+    let hv = r.headers.get(crab_coordinator::HELD_HEADER).expect("x-crab-held").to_str().unwrap();
+    let b = crab_common::stats::parse_breakdown(hv);
+    let get = |n: &str| b.iter().filter(|(k, _)| k == n).map(|(_, v)| v).sum::<f64>();
+    let names: Vec<&str> = b.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.last(), Some(&"convlog_fsync"), "{hv}");
+    assert!(get("queue") > 30.0, "waited behind the blocker's 90 ms job: {hv}");
+    assert!((55.0..200.0).contains(&get("criu_dump")), "{hv}");
+    assert!((25.0..200.0).contains(&get("syncfs")), "{hv}");
+    let held: f64 = b.iter().filter(|(n, _)| n != "convlog_fsync").map(|(_, v)| v).sum();
+    let gate = h.coord.held_samples_ms()[1];
+    assert!(
+        (held - gate).abs() < 0.1,
+        "the held parts add up to the gate's wait: {held} vs {gate}"
+    );
+    let all: f64 = b.iter().map(|(_, v)| v).sum();
+    assert!(
+        all <= exposed_ms + 0.5 && exposed_ms - all < 25.0,
+        "the breakdown ({all:.1} ms: {hv}) covers the exposed time ({exposed_ms:.1} ms) but HTTP"
+    );
+    // crab top's view: per sandbox and over the newest turns.
+    let stats = h.coord.stats();
+    let a = stats.iter().find(|s| s.sandbox == "a").unwrap();
+    assert!(a.held_stages_ms["queue"] >= get("queue") - 1e-3, "the header rounds to 1 µs");
+    let top = h.coord.held_stages();
+    let q = top.iter().find(|s| s.stage == "queue").unwrap();
+    assert_eq!((q.ms.n, q.turns), (2, 1), "{top:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -726,6 +726,7 @@ async fn create<B: Backend>(
                 nat_range: None,
                 limits: Default::default(),
                 privileged: false,
+                checkpoint_policy: None,
             })
             .await?;
     }

@@ -607,6 +607,8 @@ fn finish<P: Changeset>(
                 outcome,
                 queue_wait,
                 run_time,
+                started_at: Some(r.started),
+                finished_at: Some(now),
             }),
             Ok(Err(source)) => Err(JobError::Failed {
                 job: id,

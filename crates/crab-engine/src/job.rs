@@ -2,7 +2,7 @@
 //! queued jobs of one sandbox merge, what an executor reports back, and the error a waiter sees.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crab_common::CheckpointKind;
 use serde::{Deserialize, Serialize};
@@ -128,6 +128,26 @@ pub struct JobOutcome {
     pub checkpoint_id: String,
     /// Bytes written to disk (charged to the bandwidth budget).
     pub bytes: u64,
+    /// Where the run's time went, stage by stage in the order they ran (e.g. `lock`,
+    /// `criu_dump`, `syncfs`, `manifest_publish`); empty when the executor does not say.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<Stage>,
+}
+
+/// One stage of a job's run, as its executor timed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stage {
+    /// Stage name.
+    pub name: String,
+    /// Its duration, microseconds.
+    pub us: u64,
+}
+
+impl Stage {
+    /// A stage `name` that took `d`.
+    pub fn new(name: impl Into<String>, d: Duration) -> Self {
+        Stage { name: name.into(), us: u64::try_from(d.as_micros()).unwrap_or(u64::MAX) }
+    }
 }
 
 /// An executor's typed error, shared by every waiter of the job. Downcast it
@@ -194,6 +214,51 @@ pub struct Finished {
     pub queue_wait: Duration,
     /// Time the executor ran.
     pub run_time: Duration,
+    /// When the job started (not serialized: an instant of this process).
+    #[serde(skip)]
+    pub started_at: Option<Instant>,
+    /// When it finished and its waiters were told.
+    #[serde(skip)]
+    pub finished_at: Option<Instant>,
+}
+
+impl Finished {
+    /// Where a gate's wait on this job went: the gate waited from `gate_start` until it woke at
+    /// `woke`; the job's timeline is its queue wait, the executor's stages in order
+    /// ([`JobOutcome::stages`]; what they leave of the run time is `engine_other`), then
+    /// `gate_wakeup` (from the job's end until the gate ran). Each stage is charged the part of
+    /// it that overlapped the wait, so the parts add up to the wait (`woke - gate_start`) as
+    /// long as the job was submitted before the gate started. Stages of zero overlap are left
+    /// out; times are in milliseconds.
+    pub fn held_breakdown(&self, gate_start: Instant, woke: Instant) -> Vec<(String, f64)> {
+        let (Some(started), Some(finished)) = (self.started_at, self.finished_at) else {
+            return Vec::new();
+        };
+        let submitted = started.checked_sub(self.queue_wait).unwrap_or(started);
+        let mut spans: Vec<(&str, Instant, Instant)> = vec![("queue", submitted, started)];
+        let mut t = started;
+        for st in &self.outcome.stages {
+            let end = (t + Duration::from_micros(st.us)).min(finished);
+            spans.push((&st.name, t, end));
+            t = end;
+        }
+        spans.push(("engine_other", t, finished));
+        spans.push(("gate_wakeup", finished, woke.max(finished)));
+        let mut out: Vec<(String, f64)> = Vec::new();
+        for (name, a, b) in spans {
+            let a = a.max(gate_start);
+            let b = b.min(woke);
+            if b <= a {
+                continue;
+            }
+            let ms = (b - a).as_secs_f64() * 1e3;
+            match out.iter_mut().find(|(n, _)| n == name) {
+                Some((_, v)) => *v += ms,
+                None => out.push((name.to_string(), ms)),
+            }
+        }
+        out
+    }
 }
 
 /// Why a job did not publish.
@@ -243,5 +308,78 @@ impl JobError {
             JobError::Failed { source, .. } => source.downcast_ref::<E>(),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finished(queue_ms: u64, stages: &[(&str, u64)], run_ms: u64) -> (Finished, Instant) {
+        let t0 = Instant::now();
+        let started = t0 + Duration::from_millis(queue_ms);
+        let f = Finished {
+            job: JobId(1),
+            op: JobOp::Checkpoint,
+            sandbox: "s".into(),
+            kind: CheckpointKind::Full,
+            turn: 1,
+            outcome: JobOutcome {
+                checkpoint_id: "c1".into(),
+                bytes: 0,
+                stages: stages
+                    .iter()
+                    .map(|(n, ms)| Stage { name: n.to_string(), us: ms * 1000 })
+                    .collect(),
+            },
+            queue_wait: Duration::from_millis(queue_ms),
+            run_time: Duration::from_millis(run_ms),
+            started_at: Some(started),
+            finished_at: Some(started + Duration::from_millis(run_ms)),
+        };
+        (f, t0)
+    }
+
+    fn get(b: &[(String, f64)], name: &str) -> f64 {
+        b.iter().find(|(n, _)| n == name).map(|(_, v)| *v).unwrap_or(0.0)
+    }
+
+    #[test]
+    fn a_wait_is_charged_to_the_stages_it_overlapped() {
+        // Submitted at 0; queue 0..10; lock 10..12; criu_dump 12..42; syncfs 42..50; the rest
+        // of the run 50..55 (engine_other); the gate ran from 30 and woke at 57.
+        let (f, t0) = finished(10, &[("lock", 2), ("criu_dump", 30), ("syncfs", 8)], 45);
+        let ms = |m: u64| t0 + Duration::from_millis(m);
+        let b = f.held_breakdown(ms(30), ms(57));
+        let names: Vec<&str> = b.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["criu_dump", "syncfs", "engine_other", "gate_wakeup"]);
+        assert!((get(&b, "criu_dump") - 12.0).abs() < 1e-6);
+        assert!((get(&b, "syncfs") - 8.0).abs() < 1e-6);
+        assert!((get(&b, "engine_other") - 5.0).abs() < 1e-6);
+        assert!((get(&b, "gate_wakeup") - 2.0).abs() < 1e-6);
+        let sum: f64 = b.iter().map(|(_, v)| v).sum();
+        assert!((sum - 27.0).abs() < 1e-6, "the parts add up to the wait: {sum}");
+    }
+
+    #[test]
+    fn a_gate_that_waited_from_the_start_sees_the_queue() {
+        let (f, t0) = finished(20, &[("freeze_snapshot", 5)], 5);
+        let b = f.held_breakdown(t0, t0 + Duration::from_millis(25));
+        assert!((get(&b, "queue") - 20.0).abs() < 1e-6);
+        assert!((get(&b, "freeze_snapshot") - 5.0).abs() < 1e-6);
+        assert_eq!(get(&b, "gate_wakeup"), 0.0);
+        // Stages longer than the run are clipped to it (no time is counted twice).
+        let (f, t0) = finished(0, &[("a", 10), ("b", 10)], 12);
+        let b = f.held_breakdown(t0, t0 + Duration::from_millis(12));
+        assert!((get(&b, "a") - 10.0).abs() < 1e-6 && (get(&b, "b") - 2.0).abs() < 1e-6);
+        let sum: f64 = b.iter().map(|(_, v)| v).sum();
+        assert!((sum - 12.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn no_instants_no_breakdown() {
+        let (mut f, t0) = finished(1, &[], 1);
+        f.started_at = None;
+        assert!(f.held_breakdown(t0, t0 + Duration::from_millis(5)).is_empty());
     }
 }

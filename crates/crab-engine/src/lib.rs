@@ -16,6 +16,6 @@ mod metrics;
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats, JobHandle, SandboxView};
 pub use job::{
     Changeset, ExecError, Executor, Finished, FnExecutor, Job, JobError, JobId, JobOp, JobOutcome,
-    JobSpec,
+    JobSpec, Stage,
 };
 pub use metrics::{JobRecord, SandboxStats};

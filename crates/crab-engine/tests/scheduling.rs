@@ -114,7 +114,11 @@ impl Executor<Changes> for Fake {
         if job.sandbox.starts_with("panic") {
             panic!("executor bug");
         }
-        Ok(JobOutcome { checkpoint_id: format!("{}-{}", job.sandbox, job.turn), bytes: self.bytes })
+        Ok(JobOutcome {
+            checkpoint_id: format!("{}-{}", job.sandbox, job.turn),
+            bytes: self.bytes,
+            ..Default::default()
+        })
     }
 }
 

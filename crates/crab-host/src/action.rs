@@ -8,7 +8,8 @@ use tokio::sync::mpsc;
 use crab_checkpoint::{ForkBranch, PointSummary, RestoreReport};
 use crab_common::api::{
     CheckpointCreateRequest, ExecFrame, ExecRequest, ForkRequest, ImageBuildRequest,
-    ImageImportRequest, ImageInfo, SandboxCreateRequest, SandboxInfo, VersionInfo,
+    ImageImportRequest, ImageInfo, SandboxCreateRequest, SandboxInfo, SandboxUpdateRequest,
+    VersionInfo,
 };
 use crab_common::CheckpointKind;
 use crab_common::Progress;
@@ -53,6 +54,13 @@ pub enum Action {
     },
     /// Create and start a sandbox (tracked by the inspector, with an in-sandbox LLM proxy).
     Create(SandboxCreateRequest),
+    /// Change settings of a sandbox (its checkpoint policy); answers the updated sandbox.
+    Update {
+        /// Sandbox name.
+        name: String,
+        /// The settings to change.
+        req: SandboxUpdateRequest,
+    },
     /// Remove a sandbox, its restore points and its proxy state.
     Remove {
         /// Sandbox name.
@@ -209,6 +217,7 @@ impl Action {
             Action::ListSandboxes => "list_sandboxes",
             Action::GetSandbox { .. } => "get_sandbox",
             Action::Create(_) => "create",
+            Action::Update { .. } => "update",
             Action::Remove { .. } => "remove",
             Action::Stop { .. } => "stop",
             Action::Retire { .. } => "retire",
@@ -320,6 +329,8 @@ pub struct TopView {
     pub proxy: Vec<SandboxProxyStats>,
     /// The engine's queue and per-sandbox stats.
     pub engine: EngineStats,
+    /// Where the exposed time of the newest turns went, stage by stage (largest first).
+    pub held_stages: Vec<crab_common::stats::StageSummary>,
 }
 
 /// What an action answers. Serializes as the API's response body (untagged); [`Outcome::Exec`]

@@ -12,14 +12,14 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crab_checkpoint::{CheckpointRequest, Checkpointer};
 use crab_common::CheckpointKind;
 use crab_coordinator::{
     Boundary, BoundaryTicket, BoxFuture, Published, SandboxDirectory, TurnHooks,
 };
-use crab_engine::{Changeset, Engine, Executor, Job, JobHandle, JobOutcome};
+use crab_engine::{Changeset, Engine, Executor, Job, JobHandle, JobOutcome, Stage};
 use crab_inspector::PathChange;
 
 use crate::{Host, HostError, TurnPolicy};
@@ -73,6 +73,7 @@ impl CheckpointExecutor {
     }
 
     fn publish(&self, job: &Job<Payload>) -> Result<JobOutcome, HostError> {
+        let t0 = Instant::now();
         let first = self.checkpointer.store(&job.sandbox)?.point_ids()?.is_empty();
         let kind = TurnPolicy::base(job.kind, first);
         let req = CheckpointRequest {
@@ -86,11 +87,52 @@ impl CheckpointExecutor {
             changed_paths = job.payload.changeset.len(),
             "checkpoint job"
         );
+        let t_call = Instant::now();
         let m = self.checkpointer.checkpoint(&job.sandbox, req)?;
+        let call = t_call.elapsed();
+        let stages = stages(&m.timings, kind, call, t0.elapsed());
         let summary = crab_checkpoint::PointSummary::of(&m);
         let bytes = if kind == CheckpointKind::Skip { 0 } else { summary.size_bytes };
-        Ok(JobOutcome { checkpoint_id: summary.id, bytes })
+        Ok(JobOutcome { checkpoint_id: summary.id, bytes, stages })
     }
+}
+
+/// The stages of a checkpoint job in the order they ran, from the manifest's timings, the
+/// checkpoint call's duration `call` and the executor's `total`: `setup` (the store listing,
+/// the parent's manifest, quota figures: what the others leave), `lock` (the sandbox's
+/// checkpoint lock and its store's), the capture (`freeze_snapshot` for an fs point: freeze,
+/// btrfs snapshot, thaw; `criu_dump` for a process or full one: CRIU's freeze, dump and, for
+/// full, the snapshot under it), the image files' `hash` and `syncfs` (they overlap: the longer
+/// one is charged), `dir_fsync` (the new parts' directory entries) and `manifest_publish`
+/// (the manifest's write, fsync, rename and directory fsync).
+fn stages(
+    t: &crab_checkpoint::Timings,
+    kind: CheckpointKind,
+    call: Duration,
+    total: Duration,
+) -> Vec<Stage> {
+    let d = |us: Option<u64>| Duration::from_micros(us.unwrap_or(0));
+    let lock = d(t.lock_us);
+    let capture = match kind {
+        CheckpointKind::Skip => None,
+        CheckpointKind::Fs => Some(("freeze_snapshot", d(t.frozen_us.or(t.fs_snapshot_us)))),
+        CheckpointKind::Process | CheckpointKind::Full => Some(("criu_dump", d(t.dump_us))),
+    };
+    let (hash, sync) = (d(t.hash_us), d(t.sync_us));
+    let hash_sync = if sync >= hash { ("syncfs", sync) } else { ("hash", hash) };
+    let dir = d(t.dir_sync_us);
+    let manifest = call.saturating_sub(d(t.total_us));
+    let timed = lock + capture.map_or(Duration::ZERO, |c| c.1) + hash_sync.1 + dir + manifest;
+    let mut v = vec![Stage::new("setup", total.saturating_sub(timed)), Stage::new("lock", lock)];
+    if let Some((name, dur)) = capture {
+        v.push(Stage::new(name, dur));
+    }
+    if !hash_sync.1.is_zero() {
+        v.push(Stage::new(hash_sync.0, hash_sync.1));
+    }
+    v.push(Stage::new("dir_fsync", dir));
+    v.push(Stage::new("manifest_publish", manifest));
+    v
 }
 
 impl Executor<Payload> for CheckpointExecutor {
@@ -181,5 +223,11 @@ impl<P: crab_engine::Changeset> BoundaryTicket for JobTicket<P> {
     }
     fn record_exposed(&self, held: Duration) {
         self.engine.record_exposed(self.handle.id(), &self.sandbox, held);
+    }
+    fn held_breakdown(&self, gate_start: Instant, woke: Instant) -> Vec<(String, f64)> {
+        match self.handle.try_result() {
+            Some(Ok(f)) => f.held_breakdown(gate_start, woke),
+            _ => Vec::new(),
+        }
     }
 }

@@ -23,9 +23,9 @@ use crab_checkpoint::{Checkpointer, PointSummary};
 use crab_common::api::{FeatureStatus, Features, NetMode, SandboxState, VersionInfo, API_VERSION};
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
-use crab_common::CheckpointKind;
+use crab_common::{CheckpointKind, CheckpointPolicy};
 use crab_coordinator::{
-    bind_in_netns, Boundary, BoundaryTicket, Coordinator, ProxyConfig, ProxyServer,
+    bind_in_netns, Boundary, BoundaryTicket, Coordinator, ProxyConfig, ProxyServer, ReadyTicket,
 };
 use crab_engine::{Engine, EngineConfig, JobHandle, JobSpec};
 use crab_inspector::Inspector;
@@ -452,6 +452,27 @@ impl Host {
                 blocking(move || Ok(Outcome::Sandbox(rt.get(&name)?))).await
             }
             Action::Create(req) => self.create(req).await,
+            Action::Update { name, req } => {
+                let policy =
+                    crab_common::api::parse_checkpoint_policy(req.checkpoint_policy.as_deref())?;
+                let h = self.clone();
+                blocking(move || {
+                    if let Some(p) = policy {
+                        let old = h.runtime.record(&name)?.checkpoint_policy;
+                        h.runtime.set_checkpoint_policy(&name, p)?;
+                        // Under `fs` or `none` the newest point's process image (if any) may be
+                        // older than the processes: the first auto checkpoint after is full.
+                        if matches!(old, CheckpointPolicy::Fs | CheckpointPolicy::None)
+                            && p == CheckpointPolicy::Auto
+                        {
+                            h.policy.force_full(&name);
+                        }
+                        tracing::info!(sandbox = %name, from = %old, to = %p, "checkpoint policy set");
+                    }
+                    Ok(Outcome::Sandbox(h.runtime.get(&name)?))
+                })
+                .await
+            }
             Action::Remove { name, force } => self.remove(name, force).await,
             Action::Stop { name, checkpoint } => self.stop(name, checkpoint).await,
             Action::Retire { name, why } => self.retire(name, why).await,
@@ -520,6 +541,7 @@ impl Host {
             Action::Top => Ok(Outcome::Top(Box::new(TopView {
                 proxy: self.coordinator.stats(),
                 engine: self.engine.stats(),
+                held_stages: self.coordinator.held_stages(),
             }))),
             Action::RemoteList { sandbox } => {
                 let t = self.tier()?;
@@ -683,16 +705,27 @@ impl Host {
         self: &Arc<Self>,
         b: &Boundary,
     ) -> Result<Arc<dyn BoundaryTicket>, HostError> {
+        let policy = self.runtime.record(&b.sandbox)?.checkpoint_policy;
+        if policy == CheckpointPolicy::None {
+            // No checkpoint, and the inspector's turn stays open: its changes accumulate into
+            // the verdict of the next turn that does checkpoint (after a policy change), so
+            // nothing is skipped that changed meanwhile.
+            return Ok(ReadyTicket::published(""));
+        }
         let h = self.clone();
         let name = b.sandbox.clone();
         let force = b.force_full;
         let d = blocking(move || Ok(h.decide(&name, force))).await?;
-        if !d.reasons.is_empty() {
+        // A fixed policy takes its kind whatever the verdict (the turn is closed all the same:
+        // its changes are in this checkpoint). `fs` stays `fs` after a failure: a snapshot
+        // holds every file, whatever the lost changeset said; the processes it never holds.
+        let kind = policy.fixed_kind().unwrap_or(d.kind);
+        if !d.reasons.is_empty() && policy == CheckpointPolicy::Auto {
             tracing::info!(sandbox = %b.sandbox, reasons = ?d.reasons, "turn boundary");
         }
         let handle = self.submit(
             &b.sandbox,
-            d.kind,
+            kind,
             d.verdict.as_ref(),
             Some(b.turn),
             Some(b.conversation_offset),
@@ -882,9 +915,10 @@ impl Host {
         }
         let store = self.checkpointer.store(&sb)?;
         let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
+        let state = self.state().clone();
         let handle = tokio::runtime::Handle::current();
         let mat = tokio::task::spawn_blocking(move || {
-            handle.block_on(crab_remote::local::materialize(&repo, &store, &rec2, fs_only))
+            handle.block_on(crab_remote::local::materialize(&repo, &state, &store, &rec2, fs_only))
         })
         .await
         .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
@@ -920,6 +954,7 @@ impl Host {
         Ok(Outcome::FromRemote(Box::new(FromRemoteReport {
             source: format!("{}@{}", rec.sandbox, rec.point),
             downloaded: mat.fetched,
+            base_image: mat.base_image.clone(),
             fetch_ms,
             total_ms: t0.elapsed().as_secs_f64() * 1e3,
             fs_only: req.fs_only,

@@ -53,6 +53,12 @@ impl TurnPolicy {
         self.set().insert(sandbox.to_string());
     }
 
+    /// Force `sandbox`'s next decided checkpoint full (e.g. after its checkpoint policy went
+    /// from `fs` or `none` back to `auto`: its newest process image may be stale).
+    pub fn force_full(&self, sandbox: &str) {
+        self.set().insert(sandbox.to_string());
+    }
+
     /// Forget a pending forced full checkpoint (after a restore, or once taken).
     pub fn clear(&self, sandbox: &str) {
         self.set().remove(sandbox);

@@ -3,6 +3,10 @@
 //! export state shown by `crab checkpoints`, and the host's remote actions (`crab remote
 //! ls|check|prune|wait`, create/fork `--from-remote`).
 //!
+//! When it has nothing to export it hashes the host's images into their remote tree ids (once
+//! per image), so a point made on an identical image is restored by patching a snapshot of
+//! the local image with what differs instead of downloading the whole tree.
+//!
 //! The exporter runs one export at a time, oldest point first, and yields while the engine has
 //! urgent turn work queued or a dump running (exports are normal-priority work). A failed
 //! export (remote down, full, locked by a prune) is retried with exponential backoff up to a
@@ -82,6 +86,9 @@ pub struct FromRemoteReport {
     pub source: String,
     /// False when every part was already local.
     pub downloaded: bool,
+    /// The local image the filesystem was patched from (only what differs from it was
+    /// downloaded); none when the whole tree was downloaded.
+    pub base_image: Option<String>,
     /// Time to fetch and materialize the point, ms.
     pub fetch_ms: f64,
     /// Total time, ms.
@@ -114,6 +121,19 @@ pub struct RemoteTier {
     states: Mutex<HashMap<PointKey, (PointState, Option<Instant>)>>,
     wake: tokio::sync::Notify,
     changed: tokio::sync::watch::Sender<u64>,
+}
+
+/// Hash every local image whose tree id is not known yet (see
+/// [`crab_remote::local::local_image_tree`]).
+async fn hash_images(repo: &Repo, state: &crab_common::paths::StateDir) {
+    let Ok(rd) = std::fs::read_dir(state.images()) else { return };
+    for de in rd.flatten() {
+        let name = de.file_name().to_string_lossy().into_owned();
+        let Some(image) = name.strip_suffix(".json") else { continue };
+        if let Err(e) = crab_remote::local::local_image_tree(repo, state, image).await {
+            tracing::warn!(image, error = %e, "cannot hash a local image");
+        }
+    }
 }
 
 /// The API error of a remote failure: its code and the fix.
@@ -238,7 +258,15 @@ impl RemoteTier {
             let h2 = h.clone();
             let next = tokio::task::spawn_blocking(move || this.next(&h2)).await.ok().flatten();
             let Some((store, m)) = next else {
+                // Idle: learn the tree ids of this host's images (once per image), so a
+                // restore from the remote patches a local image instead of downloading it.
+                let (repo, state) = (self.repo.clone(), h.state().clone());
                 drop(h);
+                let handle = tokio::runtime::Handle::current();
+                let _ = tokio::task::spawn_blocking(move || {
+                    handle.block_on(hash_images(&repo, &state));
+                })
+                .await;
                 tokio::select! {
                     _ = self.wake.notified() => {}
                     _ = tokio::time::sleep(Duration::from_secs(2)) => {}

@@ -8,8 +8,11 @@ use std::path::{Path, PathBuf};
 use crab_checkpoint::{Manifest, Store};
 use crab_common::paths::StateDir;
 
+use std::os::unix::fs::MetadataExt;
+
 use crate::error::{RemoteError, Result};
 use crate::format::PointRecord;
+use crate::id::Id;
 use crate::point::ExportSource;
 use crate::repo::Repo;
 
@@ -57,6 +60,9 @@ pub struct Materialized {
     pub conversation: Option<Vec<u8>>,
     /// False when every part was already local (nothing downloaded).
     pub fetched: bool,
+    /// The local image the filesystem was patched from (only what differs from it was
+    /// downloaded), when its tree id is the point's image's.
+    pub base_image: Option<String>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
 }
@@ -75,6 +81,7 @@ fn remove_any(path: &Path) {
 /// left out and the local manifest records none (a fork then starts a fresh init).
 pub async fn materialize(
     repo: &Repo,
+    state: &StateDir,
     store: &Store,
     rec: &PointRecord,
     fs_only: bool,
@@ -103,6 +110,7 @@ pub async fn materialize(
                 manifest: local,
                 conversation: None,
                 fetched: false,
+                base_image: None,
                 elapsed_ms: t0.elapsed().as_millis() as u64,
             });
         }
@@ -116,17 +124,30 @@ pub async fn materialize(
             e.to_string(),
         )
     })?;
+    let mut base_image = None;
     if let (Some(fs), Some(tree)) = (&m.fs, &rec.fs) {
         let dst = store.fs_path(fs.id);
         if !dst.exists() {
             let tmp = store.dir().join("fs").join(format!("{}.importing", fs.id));
             remove_any(&tmp);
-            crab_sandbox::btrfs::create_subvolume(&tmp).map_err(|e| RemoteError::Io {
+            let base = match &rec.image {
+                Some(img) => matching_image(repo, state, &img.name, &img.tree).await,
+                None => None,
+            };
+            let made = match &base {
+                Some((dir, _)) => crab_sandbox::btrfs::snapshot(dir, &tmp, false),
+                None => crab_sandbox::btrfs::create_subvolume(&tmp),
+            };
+            made.map_err(|e| RemoteError::Io {
                 op: "create subvolume",
                 path: tmp.clone(),
                 source: std::io::Error::other(e.to_string()),
             })?;
-            let res = repo.restore_tree(tree, &tmp, &format!("{what} filesystem")).await;
+            let fs_what = format!("{what} filesystem");
+            let res = match &base {
+                Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
+                None => repo.restore_tree(tree, &tmp, &fs_what).await,
+            };
             if let Err(e) = res {
                 remove_any(&tmp);
                 return Err(e);
@@ -137,6 +158,7 @@ pub async fn materialize(
                 path: dst.clone(),
                 source: std::io::Error::other(e.to_string()),
             })?;
+            base_image = base.and(rec.image.as_ref().map(|i| i.name.clone()));
         }
     }
     if fs_only {
@@ -173,6 +195,81 @@ pub async fn materialize(
         manifest: m,
         conversation,
         fetched: true,
+        base_image,
         elapsed_ms: t0.elapsed().as_millis() as u64,
     })
+}
+
+/// What [`local_image_tree`] keeps per image: the tree id and what it was computed for.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct ImageTreeStamp {
+    repo_id: String,
+    record: String,
+    ctime_ns: i64,
+    tree: Id,
+}
+
+/// The tree id local image `name` has in `repo` (None when there is no such image here),
+/// hashed from its files once and kept in `<cache>/images/NAME.json`, keyed by the
+/// repository, the image's record and its root's ctime (images are read-only subvolumes; a
+/// rebuild writes a new record).
+pub async fn local_image_tree(repo: &Repo, state: &StateDir, name: &str) -> Result<Option<Id>> {
+    if crab_common::names::validate("image", name).is_err() {
+        return Ok(None);
+    }
+    let dir = state.image_rootfs(name);
+    let (Ok(meta), Ok(record)) = (std::fs::metadata(&dir), std::fs::read(state.image_record(name)))
+    else {
+        return Ok(None);
+    };
+    let stamp = ImageTreeStamp {
+        repo_id: repo.config().repo_id.clone(),
+        record: Id::of(&record).to_string(),
+        ctime_ns: meta.ctime().saturating_mul(1_000_000_000).saturating_add(meta.ctime_nsec()),
+        tree: Id([0; 32]),
+    };
+    let path = repo.cache_dir().join("images").join(format!("{name}.json"));
+    if let Some(old) = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<ImageTreeStamp>(&b).ok())
+        .filter(|o| {
+            o.repo_id == stamp.repo_id && o.record == stamp.record && o.ctime_ns == stamp.ctime_ns
+        })
+    {
+        return Ok(Some(old.tree));
+    }
+    let t0 = std::time::Instant::now();
+    let tree = repo.local_tree_id(&dir).await?;
+    tracing::info!(image = name, %tree, ms = t0.elapsed().as_millis() as u64, "hashed a local image");
+    let stamp = ImageTreeStamp { tree, ..stamp };
+    let res = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::write(&path, serde_json::to_vec(&stamp).unwrap_or_default()));
+    if let Err(e) = res {
+        tracing::warn!(path = %path.display(), error = %e, "could not keep a local image's tree id");
+    }
+    Ok(Some(tree))
+}
+
+/// The local image `name` when its tree id is `want` (so its files are, byte for byte and
+/// with every owner, mode and time, the point's image's): its root and that id.
+async fn matching_image(
+    repo: &Repo,
+    state: &StateDir,
+    name: &str,
+    want: &Id,
+) -> Option<(PathBuf, Id)> {
+    match local_image_tree(repo, state, name).await {
+        Ok(Some(t)) if t == *want => Some((state.image_rootfs(name), t)),
+        Ok(Some(t)) => {
+            tracing::info!(image = name, local = %t, point = %want, "the local image differs from the point's; downloading the whole tree");
+            None
+        }
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(image = name, error = %e, "cannot hash the local image; downloading the whole tree");
+            None
+        }
+    }
 }

@@ -240,4 +240,11 @@ impl Repo {
         self.refresh_index().await?;
         Ok(self.restore_tree(tree, dest, &format!("tree {tree}")).await?.entries)
     }
+
+    /// Turn `dest`, a copy of tree `base`, into tree `target`, downloading only what differs
+    /// (see `local::materialize`, which does this from a snapshot of a matching local image).
+    pub async fn patch_tree_into(&self, base: &Id, target: &Id, dest: &Path) -> Result<u64> {
+        self.refresh_index().await?;
+        Ok(self.patch_tree(base, target, dest, &format!("tree {target}")).await?.entries)
+    }
 }

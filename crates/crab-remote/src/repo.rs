@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use serde::de::DeserializeOwned;
@@ -27,6 +27,10 @@ use crate::id::Id;
 
 /// A pack is cut once it holds this many stored bytes.
 pub const PACK_TARGET: usize = 8 * 1024 * 1024;
+/// Unwanted bytes between two wanted blobs of a pack above which they are fetched apart.
+pub const PREFETCH_GAP: u64 = 1 << 20;
+/// Ranged reads in flight at once while prefetching.
+pub const PREFETCH_PARALLEL: usize = 8;
 /// A lock older than this is ignored (its holder is presumed dead).
 pub const LOCK_STALE_MS: u64 = 3600 * 1000;
 
@@ -223,6 +227,11 @@ impl Repo {
     /// The URL it was opened with.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The local blob cache directory.
+    pub fn cache_dir(&self) -> &std::path::Path {
+        &self.cache_dir
     }
 
     /// The repository's config.
@@ -531,7 +540,9 @@ impl Repo {
         }
     }
 
-    /// Download the blobs of `ids` that the cache lacks, one ranged read per pack.
+    /// Download the blobs of `ids` that the cache lacks: one ranged read per run of wanted
+    /// blobs in a pack (runs split where more than `PREFETCH_GAP` unwanted bytes lie between),
+    /// `PREFETCH_PARALLEL` reads at a time.
     pub(crate) async fn prefetch(&self, ids: &[Id], what: &str) -> Result<()> {
         let mut by_pack: HashMap<Id, Vec<IndexEntry>> = HashMap::new();
         let mut seen = HashSet::new();
@@ -545,18 +556,39 @@ impl Repo {
             })?;
             by_pack.entry(e.pack).or_default().push(e);
         }
-        for (pack, entries) in by_pack {
-            let start = entries.iter().map(|e| e.offset).min().unwrap_or(0);
-            let end = entries.iter().map(|e| e.offset + e.length).max().unwrap_or(0);
-            let rel = format!("packs/{}", pack.fanout());
-            let bytes = self.get_range(&rel, start, end - start, what).await?;
+        let mut runs: Vec<(Id, Vec<IndexEntry>)> = Vec::new();
+        for (pack, mut entries) in by_pack {
+            entries.sort_by_key(|e| e.offset);
+            let mut run: Vec<IndexEntry> = Vec::new();
             for e in entries {
-                let s = (e.offset - start) as usize;
-                let stored = &bytes[s..s + e.length as usize];
-                // Decode here so a corrupt pack is reported now, naming it.
-                self.decode_blob(&e, stored, &self.object_name(&rel))?;
-                self.cache_put(&e.id, stored);
+                let end = run.last().map(|l| l.offset + l.length);
+                if end.is_some_and(|end| e.offset > end + PREFETCH_GAP) {
+                    runs.push((pack, std::mem::take(&mut run)));
+                }
+                run.push(e);
             }
+            if !run.is_empty() {
+                runs.push((pack, run));
+            }
+        }
+        let mut fetches =
+            futures::stream::iter(runs.into_iter().map(|(pack, entries)| async move {
+                let start = entries.iter().map(|e| e.offset).min().unwrap_or(0);
+                let end = entries.iter().map(|e| e.offset + e.length).max().unwrap_or(0);
+                let rel = format!("packs/{}", pack.fanout());
+                let bytes = self.get_range(&rel, start, end - start, what).await?;
+                for e in entries {
+                    let s = (e.offset - start) as usize;
+                    let stored = &bytes[s..s + e.length as usize];
+                    // Decode here so a corrupt pack is reported now, naming it.
+                    self.decode_blob(&e, stored, &self.object_name(&rel))?;
+                    self.cache_put(&e.id, stored);
+                }
+                Ok::<(), RemoteError>(())
+            }))
+            .buffer_unordered(PREFETCH_PARALLEL);
+        while let Some(r) = fetches.next().await {
+            r?;
         }
         Ok(())
     }
@@ -700,6 +732,8 @@ pub(crate) struct Packer<'a> {
     pub dedup_blobs: u64,
     /// Packs written.
     pub packs: u64,
+    /// Compute ids only: store nothing (the tree id of a local directory).
+    dry: bool,
 }
 
 impl<'a> Packer<'a> {
@@ -714,7 +748,13 @@ impl<'a> Packer<'a> {
             new_blobs: 0,
             dedup_blobs: 0,
             packs: 0,
+            dry: false,
         }
+    }
+
+    /// A packer that only computes ids (nothing is uploaded or kept).
+    pub fn dry(repo: &'a Repo) -> Packer<'a> {
+        Packer { dry: true, ..Packer::new(repo) }
     }
 
     /// Whether blob `id` is stored or about to be.
@@ -727,6 +767,9 @@ impl<'a> Packer<'a> {
         let id = self.repo.blob_id(plain);
         if self.has(&id) {
             self.dedup_blobs += 1;
+            return Ok(id);
+        }
+        if self.dry {
             return Ok(id);
         }
         let stored = self.repo.encode_blob(plain)?;

@@ -11,7 +11,7 @@
 //! character devices a root file system ships (`null`, `zero`, `full`, `random`, `urandom`,
 //! `tty`, `console`, `ptmx`); others are skipped with a warning.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{CString, OsStr};
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
@@ -184,6 +184,14 @@ impl Repo {
         }
     }
 
+    /// The id the tree at `dir` has in this repository (whether stored or not); reads and
+    /// hashes every file, stores nothing.
+    pub async fn local_tree_id(&self, dir: &Path) -> Result<Id> {
+        let mut packer = Packer::dry(self);
+        let mut stats = TreeStats::default();
+        self.export_tree(&mut packer, dir, &mut stats).await
+    }
+
     async fn export_file(
         &self,
         packer: &mut Packer<'_>,
@@ -321,6 +329,175 @@ impl Repo {
         Ok((trees, data))
     }
 
+    /// Create the non-directory entry `e` at `path` (which must not exist) and apply its
+    /// metadata; device nodes other than the harmless character devices are skipped.
+    async fn create_leaf(
+        &self,
+        path: &Path,
+        e: &Entry,
+        object: &str,
+        what: &str,
+        stats: &mut TreeStats,
+    ) -> Result<()> {
+        let path = path.to_path_buf();
+        match e.kind {
+            EntryKind::Dir => {
+                return Err(RemoteError::corrupt(object, "a directory is not a leaf"))
+            }
+            EntryKind::File => {
+                let c = e
+                    .content
+                    .as_ref()
+                    .ok_or_else(|| RemoteError::corrupt(object, "file without content"))?;
+                self.check_content(c, &format!("{what}: {}", path.display()))?;
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+                    .map_err(RemoteError::io("create", &path))?;
+                for id in &c.chunks {
+                    let data = self.blob(id, what).await?;
+                    f.write_all(&data).map_err(RemoteError::io("write", &path))?;
+                }
+                stats.logical_bytes += c.size;
+            }
+            EntryKind::Symlink => {
+                let t = e
+                    .target_hex
+                    .as_deref()
+                    .ok_or_else(|| RemoteError::corrupt(object, "symlink without target"))?;
+                let t = hex::decode(t)
+                    .map_err(|_| RemoteError::corrupt(object, "symlink target is not hex"))?;
+                if t.is_empty() || t.contains(&0) {
+                    return Err(RemoteError::corrupt(object, "bad symlink target"));
+                }
+                std::os::unix::fs::symlink(OsStr::from_bytes(&t), &path)
+                    .map_err(RemoteError::io("symlink", &path))?;
+            }
+            EntryKind::Char | EntryKind::Block => {
+                let rdev =
+                    e.rdev.ok_or_else(|| RemoteError::corrupt(object, "device without rdev"))?;
+                if e.kind == EntryKind::Block || !SAFE_CHAR_DEVICES.contains(&dev_major_minor(rdev))
+                {
+                    tracing::warn!(path = %path.display(), rdev, "not restoring a device node from the remote");
+                    return Ok(());
+                }
+                mknod(&path, libc::S_IFCHR | (e.mode & 0o777), rdev)?;
+            }
+            EntryKind::Fifo => mknod(&path, libc::S_IFIFO | (e.mode & 0o777), 0)?,
+        }
+        apply_meta(&path, e)
+    }
+
+    /// Turn `dest`, a writable copy of tree `base` (a snapshot of a local image whose tree id
+    /// is `base`), into tree `target`: subtrees with equal ids are not even read, entries
+    /// equal in both are left alone, only what differs is downloaded and written; what
+    /// `target` lacks is removed. Names are validated as in [`Repo::restore_tree`].
+    pub(crate) async fn patch_tree(
+        &self,
+        base: &Id,
+        target: &Id,
+        dest: &Path,
+        what: &str,
+    ) -> Result<TreeStats> {
+        let mut stats = TreeStats::default();
+        let mut removes: Vec<PathBuf> = Vec::new();
+        // New leaves and whole new directories (with their tree object's name, for errors).
+        let mut creates: Vec<(PathBuf, Entry, String)> = Vec::new();
+        // Entries whose metadata is (re)applied at the end, children before parents.
+        let mut metas: Vec<(PathBuf, Entry)> = Vec::new();
+        let mut data: Vec<Id> = Vec::new();
+        // Level by level, each level's tree objects fetched in one prefetch.
+        let mut level = vec![(dest.to_path_buf(), *base, *target)];
+        let mut stack = Vec::new();
+        while !level.is_empty() {
+            level.retain(|(_, b, t)| b != t);
+            let ids: Vec<Id> = level.iter().flat_map(|(_, b, t)| [*b, *t]).collect();
+            self.prefetch(&ids, what).await?;
+            for (dir, b, t) in std::mem::take(&mut level) {
+                let (old, new) = (self.tree(&b, what).await?, self.tree(&t, what).await?);
+                let (old_obj, object) = (format!("tree {b}"), format!("tree {t}"));
+                let mut old_by: HashMap<Vec<u8>, Entry> = HashMap::new();
+                for o in old.entries {
+                    old_by.insert(o.name_bytes(&old_obj)?, o);
+                }
+                let mut seen: HashSet<Vec<u8>> = HashSet::new();
+                for e in new.entries {
+                    let name = e.name_bytes(&object)?;
+                    if !seen.insert(name.clone()) {
+                        return Err(RemoteError::corrupt(
+                            object,
+                            format!("duplicate entry {:?}", String::from_utf8_lossy(&name)),
+                        ));
+                    }
+                    let path = dir.join(OsStr::from_bytes(&name));
+                    stats.entries += 1;
+                    let old = old_by.remove(&name);
+                    match old {
+                        Some(o) if o.kind == EntryKind::Dir && e.kind == EntryKind::Dir => {
+                            let (Some(os), Some(ns)) = (o.subtree, e.subtree) else {
+                                return Err(RemoteError::corrupt(
+                                    object,
+                                    "directory without subtree",
+                                ));
+                            };
+                            if os != ns || o != e {
+                                stack.push((path.clone(), os, ns));
+                                metas.push((path, e));
+                            }
+                        }
+                        Some(o) if o == e => {}
+                        Some(o)
+                            if o.kind == EntryKind::File
+                                && e.kind == EntryKind::File
+                                && o.content == e.content =>
+                        {
+                            metas.push((path, e))
+                        }
+                        other => {
+                            if other.is_some() {
+                                removes.push(path.clone());
+                            }
+                            if let Some(c) = &e.content {
+                                data.extend_from_slice(&c.chunks);
+                            }
+                            creates.push((path, e, object.clone()));
+                        }
+                    }
+                }
+                removes.extend(old_by.into_keys().map(|n| dir.join(OsStr::from_bytes(&n))));
+            }
+            level = std::mem::take(&mut stack);
+        }
+        for path in &removes {
+            let res = match std::fs::symlink_metadata(path) {
+                Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+                Ok(_) => std::fs::remove_file(path),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e),
+            };
+            res.map_err(RemoteError::io("remove", path))?;
+        }
+        self.prefetch(&data, what).await?;
+        for (path, e, object) in creates {
+            if e.kind == EntryKind::Dir {
+                let sub = e
+                    .subtree
+                    .ok_or_else(|| RemoteError::corrupt(&object, "directory without subtree"))?;
+                std::fs::create_dir(&path).map_err(RemoteError::io("mkdir", &path))?;
+                let s = self.restore_tree(&sub, &path, what).await?;
+                stats.logical_bytes += s.logical_bytes;
+                apply_meta(&path, &e)?;
+            } else {
+                self.create_leaf(&path, &e, &object, what, &mut stats).await?;
+            }
+        }
+        for (path, e) in metas.iter().rev() {
+            apply_meta(path, e)?;
+        }
+        Ok(stats)
+    }
+
     /// Materialize tree `root` into the existing, empty directory `dest`.
     pub(crate) async fn restore_tree(
         &self,
@@ -368,51 +545,10 @@ impl Repo {
                     names.push(HashSet::new());
                     continue;
                 }
-                EntryKind::File => {
-                    let c = e
-                        .content
-                        .as_ref()
-                        .ok_or_else(|| RemoteError::corrupt(&object, "file without content"))?;
-                    self.check_content(c, &format!("{what}: {}", path.display()))?;
-                    let mut f = std::fs::OpenOptions::new()
-                        .write(true)
-                        .create_new(true)
-                        .open(&path)
-                        .map_err(RemoteError::io("create", &path))?;
-                    for id in &c.chunks {
-                        let data = self.blob(id, what).await?;
-                        f.write_all(&data).map_err(RemoteError::io("write", &path))?;
-                    }
-                    stats.logical_bytes += c.size;
+                _ => {
+                    self.create_leaf(&path, &e, &object, what, &mut stats).await?;
                 }
-                EntryKind::Symlink => {
-                    let t = e
-                        .target_hex
-                        .as_deref()
-                        .ok_or_else(|| RemoteError::corrupt(&object, "symlink without target"))?;
-                    let t = hex::decode(t)
-                        .map_err(|_| RemoteError::corrupt(&object, "symlink target is not hex"))?;
-                    if t.is_empty() || t.contains(&0) {
-                        return Err(RemoteError::corrupt(&object, "bad symlink target"));
-                    }
-                    std::os::unix::fs::symlink(OsStr::from_bytes(&t), &path)
-                        .map_err(RemoteError::io("symlink", &path))?;
-                }
-                EntryKind::Char | EntryKind::Block => {
-                    let rdev = e
-                        .rdev
-                        .ok_or_else(|| RemoteError::corrupt(&object, "device without rdev"))?;
-                    if e.kind == EntryKind::Block
-                        || !SAFE_CHAR_DEVICES.contains(&dev_major_minor(rdev))
-                    {
-                        tracing::warn!(path = %path.display(), rdev, "not restoring a device node from the remote");
-                        continue;
-                    }
-                    mknod(&path, libc::S_IFCHR | (e.mode & 0o777), rdev)?;
-                }
-                EntryKind::Fifo => mknod(&path, libc::S_IFIFO | (e.mode & 0o777), 0)?,
             }
-            apply_meta(&path, &e)?;
         }
         Ok(stats)
     }

@@ -330,3 +330,68 @@ async fn bandwidth_limit_slows_uploads() {
         rep.uploaded_bytes
     );
 }
+
+fn blob_count(dir: &Path) -> usize {
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for de in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if de.file_type().expect("type").is_dir() {
+                stack.push(de.path());
+            } else {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_difference() {
+    let fx = Fixture::new();
+    let image = setup(&fx);
+    // The point's tree: the image with a changed file, a new file and directory, a removed
+    // file, a removed directory, a file turned into a directory and a changed mode.
+    let point = fx.path("point");
+    assert!(std::process::Command::new("cp")
+        .args(["-a", image.to_str().expect("utf8"), point.to_str().expect("utf8")])
+        .status()
+        .expect("cp")
+        .success());
+    std::fs::write(point.join("etc/sub/mid.bin"), noise(3, 300 * 1024)).expect("write");
+    std::fs::create_dir_all(point.join("new/deeper")).expect("mkdir");
+    std::fs::write(point.join("new/deeper/file"), b"new").expect("write");
+    std::fs::remove_file(point.join("dangling")).expect("rm");
+    std::fs::remove_file(point.join("empty")).expect("rm");
+    std::fs::create_dir(point.join("empty")).expect("mkdir");
+    std::fs::set_permissions(point.join("etc/hosts"), std::fs::Permissions::from_mode(0o600))
+        .expect("chmod");
+    std::fs::remove_dir_all(point.join("etc/sub")).ok();
+    std::fs::create_dir_all(point.join("etc/sub")).expect("mkdir");
+    std::fs::write(point.join("etc/sub/mid.bin"), noise(4, 300 * 1024)).expect("write");
+    let repo = fx.repo("cache-a").await;
+    let mut src = fx.source("c000001", &point);
+    src.image = Some(("img".into(), image.clone()));
+    repo.export_point(&src).await.expect("export");
+
+    let other = fx.repo("cache-b").await;
+    let rec = other.load_point("sb1", None).await.expect("load");
+    let (base, target) = (rec.image.expect("image").tree, rec.fs.expect("fs"));
+    assert_eq!(other.local_tree_id(&image).await.expect("hash image"), base);
+    let dest = fx.path("patched");
+    assert!(std::process::Command::new("cp")
+        .args(["-a", image.to_str().expect("utf8"), dest.to_str().expect("utf8")])
+        .status()
+        .expect("cp")
+        .success());
+    other.patch_tree_into(&base, &target, &dest).await.expect("patch");
+    assert_eq!(describe(&point), describe(&dest));
+    assert_eq!(other.local_tree_id(&dest).await.expect("hash"), target);
+    // big.bin (3 MiB, unchanged) was not downloaded: far fewer blobs than the whole tree.
+    let patched_blobs = blob_count(&fx.path("cache-b"));
+    std::fs::create_dir(fx.path("full")).expect("mkdir");
+    let fresh = fx.repo("cache-c").await;
+    fresh.import_tree(&target, &fx.path("full")).await.expect("full import");
+    let full_blobs = blob_count(&fx.path("cache-c"));
+    assert!(patched_blobs + 3 <= full_blobs, "patched {patched_blobs} blobs, full {full_blobs}");
+}

@@ -20,6 +20,7 @@ use crab_common::api::{
 };
 use crab_common::names;
 use crab_common::paths::StateDir;
+use crab_common::CheckpointPolicy;
 
 use crate::btrfs;
 use crate::cgroup::{Hierarchy, SandboxCgroup};
@@ -35,8 +36,9 @@ use crate::{image, pool, quota};
 /// The static init binary, embedded at build time.
 pub static INIT_BINARY: &[u8] = include_bytes!(env!("CRAB_INIT_BIN"));
 
-/// Version of the `sandbox.json` format.
-pub const RECORD_FORMAT: u32 = 1;
+/// Version of the `sandbox.json` format (2 added `checkpoint_policy`; format-1 records load with
+/// the `auto` policy).
+pub const RECORD_FORMAT: u32 = 2;
 
 /// The persisted record of a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +75,9 @@ pub struct SandboxRecord {
     /// killed while it held snapshots): why. Cleared when it runs again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held: Option<String>,
+    /// What its turn boundaries checkpoint (format 2; absent in format-1 records: `auto`).
+    #[serde(default)]
+    pub checkpoint_policy: CheckpointPolicy,
 }
 
 /// Options of the runtime.
@@ -349,6 +354,7 @@ impl Runtime {
             address: self.nat.lease(&rec.name).map(|l| l.addr.to_string()),
             profile: Some(crate::profile::report(&rec.profile)),
             held: rec.held.clone(),
+            checkpoint_policy: rec.checkpoint_policy,
         }
     }
 
@@ -400,6 +406,9 @@ impl Runtime {
             }
             None => self.generate_name(),
         };
+        let policy = crab_common::api::parse_checkpoint_policy(req.checkpoint_policy.as_deref())
+            .map_err(|e| SandboxError::Invalid(format!("{}; {}", e.message, e.hint)))?
+            .unwrap_or_default();
         validate_limits(&req.limits)?;
         let mut limits = req.limits.clone();
         if limits.disk_bytes.is_none() {
@@ -426,7 +435,7 @@ impl Runtime {
             _ => Ok(()),
         }
         .and_then(|()| {
-            self.create_reserved(&name, &req.image, &image_root, req.net, &limits, profile)
+            self.create_reserved(&name, &req.image, &image_root, req.net, &limits, profile, policy)
         });
         if result.is_err() {
             self.discard(&name);
@@ -438,6 +447,7 @@ impl Runtime {
         Ok(info)
     }
 
+    #[allow(clippy::too_many_arguments)] // create's own step, with what create parsed
     fn create_reserved(
         &self,
         name: &str,
@@ -446,6 +456,7 @@ impl Runtime {
         net: NetMode,
         limits: &Limits,
         profile: SecurityProfile,
+        checkpoint_policy: CheckpointPolicy,
     ) -> Result<SandboxRecord> {
         let mut rec = SandboxRecord {
             format: RECORD_FORMAT,
@@ -461,6 +472,7 @@ impl Runtime {
             cgroup: Some(self.new_cgroup_rel(name)),
             nat: None,
             held: None,
+            checkpoint_policy,
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -578,6 +590,17 @@ impl Runtime {
             return Ok(());
         }
         rec.held = why;
+        self.update(rec)
+    }
+
+    /// Set sandbox `name`'s checkpoint policy (persisted; its next turn boundary uses it).
+    pub fn set_checkpoint_policy(&self, name: &str, policy: CheckpointPolicy) -> Result<()> {
+        let mut rec = self.record(name)?;
+        if rec.checkpoint_policy == policy {
+            return Ok(());
+        }
+        rec.checkpoint_policy = policy;
+        rec.format = RECORD_FORMAT;
         self.update(rec)
     }
 

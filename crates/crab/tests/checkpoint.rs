@@ -174,3 +174,80 @@ fn unknown_names_get_clear_errors() {
     let o = crab(&["checkpoint", &sb.name, "--kind", "bogus"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown checkpoint kind"));
 }
+
+/// The newest restore point's kind and how many points `sb` has.
+fn points(sb: &Sandbox) -> (usize, String) {
+    let v: serde_json::Value =
+        serde_json::from_str(&crab_ok(&["--json", "checkpoints", &sb.name])).unwrap();
+    let v = v.as_array().unwrap().clone();
+    let kind = v.last().map(|p| p["kind"].as_str().unwrap().to_string()).unwrap_or_default();
+    (v.len(), kind)
+}
+
+/// A raw API call on the daemon's socket: (HTTP status, body).
+fn api(method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+    let sock = common::state_dir().join("crab.sock");
+    let out = std::process::Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "--unix-socket"])
+        .arg(&sock)
+        .args(["-X", method, "-H", "content-type: application/json", "-d", body])
+        .arg(format!("http://crab{path}"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (code.trim().parse().unwrap(), serde_json::from_str(body).unwrap_or_default())
+}
+
+#[test]
+fn checkpoint_policy_decides_what_each_turn_takes() {
+    let sb = Sandbox::with_args("t-ck-policy", &["--checkpoint-policy", "none"]);
+    assert_eq!(sb.info()["checkpoint_policy"], "none");
+    let ls = crab_ok(&["sandbox", "ls"]);
+    let row = ls.lines().find(|l| l.starts_with(&sb.name)).unwrap();
+    assert!(row.trim_end().ends_with("none"), "{ls}");
+    // none: a turn boundary takes nothing and answers at once.
+    sb.sh_ok("echo one > /root/f");
+    let out = crab_ok(&["turn", &sb.name]);
+    assert!(out.contains("no checkpoint"), "{out}");
+    assert_eq!(points(&sb).0, 0);
+    // fs: a filesystem snapshot every turn, also when nothing changed.
+    let out = crab_ok(&["sandbox", "update", &sb.name, "--checkpoint-policy", "fs"]);
+    assert!(out.contains("checkpoint policy fs"), "{out}");
+    assert_eq!(sb.info()["checkpoint_policy"], "fs");
+    crab_ok(&["turn", &sb.name]);
+    crab_ok(&["turn", &sb.name]);
+    assert_eq!(points(&sb), (2, "fs".into()));
+    // full: files and processes every turn.
+    crab_ok(&["sandbox", "update", &sb.name, "--checkpoint-policy", "full"]);
+    crab_ok(&["turn", &sb.name]);
+    assert_eq!(points(&sb), (3, "full".into()));
+    // Back to auto from fs: the next checkpoint is full (the newest process image may be
+    // stale), whatever the verdict.
+    crab_ok(&["sandbox", "update", &sb.name, "--checkpoint-policy", "fs"]);
+    crab_ok(&["sandbox", "update", &sb.name, "--checkpoint-policy", "auto"]);
+    crab_ok(&["turn", &sb.name]);
+    assert_eq!(points(&sb), (4, "full".into()));
+    crab_ok(&["turn", &sb.name]);
+    assert_eq!(points(&sb), (5, "skip".into()), "nothing changed: the verdict decides again");
+
+    // Bad values are refused naming the field and the accepted values, and change nothing.
+    let (code, e) =
+        api("PATCH", &format!("/v1/sandboxes/{}", sb.name), r#"{"checkpoint_policy":"often"}"#);
+    assert_eq!(code, 400, "{e}");
+    let msg = format!("{} {}", e["message"], e["hint"]);
+    assert!(msg.contains("checkpoint_policy") && msg.contains("auto, full, fs or none"), "{msg}");
+    assert_eq!(sb.info()["checkpoint_policy"], "auto");
+    let name = common::unique("t-ck-policy-bad");
+    let body = format!(r#"{{"image":"debian","name":"{name}","checkpoint_policy":"process"}}"#);
+    let (code, e) = api("POST", "/v1/sandboxes", &body);
+    assert_eq!(code, 400, "{e}");
+    let msg = format!("{} {}", e["message"], e["hint"]);
+    assert!(msg.contains("checkpoint_policy") && msg.contains("auto, full, fs or none"), "{msg}");
+    assert!(!crab(&["sandbox", "inspect", &name]).status.success(), "no sandbox was created");
+    // The record keeps the policy: format 2, and a daemon reading it sees it.
+    let rec = crab_common::paths::StateDir::new(common::state_dir()).sandbox_record(&sb.name);
+    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&rec).unwrap()).unwrap();
+    assert_eq!(rec["format"], 2);
+    assert_eq!(rec["checkpoint_policy"], "auto");
+}

@@ -68,6 +68,8 @@ pub struct Answer {
     pub llm_ms: f64,
     /// Round trip as seen by the agent, ms.
     pub wall_ms: f64,
+    /// Crab's proxy's breakdown of the time it added, when it went through the proxy.
+    pub held: Option<crab_common::stats::Breakdown>,
 }
 
 /// Send `conv` to the chat-completions endpoint `url` as run `run`.
@@ -95,7 +97,7 @@ pub async fn ask(url: &str, run: &str, conv: &[Value]) -> Result<Answer, ApiErro
         .as_str()
         .and_then(|s| serde_json::from_str::<Value>(s).ok())
         .and_then(|args| args["command"].as_str().map(str::to_string));
-    Ok(Answer { message, command, call_id, llm_ms: a.llm_ms.unwrap_or(0.0), wall_ms })
+    Ok(Answer { message, command, call_id, llm_ms: a.llm_ms.unwrap_or(0.0), wall_ms, held: a.held })
 }
 
 /// Result of running one command.

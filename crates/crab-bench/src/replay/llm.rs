@@ -268,6 +268,8 @@ pub struct HttpAnswer {
     pub status: u16,
     /// Value of `x-replay-llm-ms`, when present.
     pub llm_ms: Option<f64>,
+    /// Crab's proxy's breakdown of the time it added (`x-crab-held`), when present.
+    pub held: Option<crab_common::stats::Breakdown>,
     /// Body.
     pub body: Bytes,
 }
@@ -316,13 +318,18 @@ pub async fn post_json(
         .get("x-replay-llm-ms")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
+    let held = resp
+        .headers()
+        .get(crab_coordinator::HELD_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(crab_common::stats::parse_breakdown);
     let body = resp
         .into_body()
         .collect()
         .await
         .map_err(|e| upstream(format!("reading answer of {url}: {e}")))?
         .to_bytes();
-    Ok(HttpAnswer { status, llm_ms, body })
+    Ok(HttpAnswer { status, llm_ms, held, body })
 }
 
 #[cfg(test)]

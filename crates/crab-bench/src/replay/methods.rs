@@ -69,6 +69,12 @@ impl Method {
         }
     }
 
+    /// The checkpoint policy its sandbox gets when the replay goes through the proxy: the
+    /// proxy then takes `checkpoint_kind` at every turn (`none` for the methods that take none).
+    pub fn checkpoint_policy(self) -> &'static str {
+        self.checkpoint_kind().unwrap_or("none")
+    }
+
     /// What it does after a fault.
     pub fn recovery(self) -> Recovery {
         match self {
@@ -128,5 +134,8 @@ mod tests {
         assert!(Method::parse_list("crab,bogus").is_err());
         assert_eq!(Method::Fs.checkpoint_kind(), Some("fs"));
         assert_eq!(Method::Chat.recovery(), Recovery::Recreate);
+        assert_eq!(Method::Crab.checkpoint_policy(), "auto");
+        assert_eq!(Method::None.checkpoint_policy(), "none");
+        assert_eq!(Method::Restart.checkpoint_policy(), "none");
     }
 }

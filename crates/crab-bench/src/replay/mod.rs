@@ -17,11 +17,13 @@
 //! [`methods::Recovery`]. At the end the sandbox's state is captured and compared with the
 //! reference ([`compare`]). Runs go `sandboxes` at a time.
 //!
-//! With `proxy` set (`http://127.0.0.1:7431`), the `crab` method reaches the LLM through Crab's
-//! proxy (`<proxy>/s/<sandbox>/v1`), which takes the `auto` checkpoint at each request and gates
-//! the answer on it — the transparent path of the design; the daemon must then run with
-//! `--upstream-openai http://<llm_listen>`. The other methods keep calling the LLM directly (the
-//! proxy has no per-sandbox checkpoint policy to make it take `full`/`fs` or nothing).
+//! With `proxy` set (`http://127.0.0.1:7431`), every method reaches the LLM through Crab's
+//! proxy (`<proxy>/s/<sandbox>/v1`) — the transparent path of the design; the daemon must then
+//! run with `--upstream-openai http://<llm_listen>`. Each run's sandbox is created with its
+//! method's checkpoint policy ([`Method::checkpoint_policy`]: `crab` → `auto`, `full`, `fs`,
+//! and `none` for `none`, `chat` and `restart`), so the proxy takes that checkpoint at each
+//! request and gates the answer on it, and exposed latency and wall time compare like for like:
+//! `none` through the proxy (the gate passes at once) is the baseline.
 
 pub mod agent;
 pub mod compare;
@@ -147,6 +149,8 @@ struct Job {
 struct RunResult {
     wall_ms: f64,
     exposed: Vec<f64>,
+    /// Per turn through the proxy: where its exposed time went.
+    breakdowns: Vec<crab_common::stats::Breakdown>,
     restore: Vec<f64>,
     counts: Counts,
     bytes: u64,
@@ -396,6 +400,7 @@ fn aggregate(
         let (mut n, mut correct, mut errors) = (0usize, 0usize, 0usize);
         let (mut wall_ratios, mut ovh_ratios) = (Vec::new(), Vec::new());
         let (mut exposed, mut restore) = (Vec::new(), Vec::new());
+        let mut breakdowns = Vec::new();
         let mut counts = Counts::default();
         let mut bytes = 0u64;
         for (i, t) in ctx.trajs.iter().enumerate() {
@@ -407,6 +412,7 @@ fn aggregate(
             for pass in [Pass::Reference, Pass::Reference2, Pass::Fault, Pass::NoFault] {
                 let Some(r) = results.get(&(i, m, pass)) else { continue };
                 exposed.extend(&r.exposed);
+                breakdowns.extend(r.breakdowns.iter().cloned());
                 let is_trial = pass == trial_pass;
                 let (is_correct, diff) = if is_trial {
                     match (ref_state, r.state.as_ref(), noise) {
@@ -466,6 +472,7 @@ fn aggregate(
             checkpoints: counts,
             checkpoint_bytes: bytes,
             exposed_ms: Summary::of(&exposed),
+            exposed_breakdown: crab_common::stats::stage_summaries(&breakdowns),
             restore_ms: Summary::of(&restore),
             errors,
         });
@@ -495,6 +502,15 @@ fn aggregate(
     }
 }
 
+/// A turn's proxy breakdown completed with `unattributed`: the part of the `exposed` time the
+/// proxy's stages do not cover (HTTP and scheduling overhead; 0 when they cover it all).
+pub fn with_unattributed(b: &[(String, f64)], exposed: f64) -> crab_common::stats::Breakdown {
+    let mut b = b.to_vec();
+    let covered: f64 = b.iter().map(|(_, ms)| ms).sum();
+    b.push(("unattributed".into(), (exposed - covered).max(0.0)));
+    b
+}
+
 fn fault_turns(ctx: &Ctx, traj: usize) -> Vec<usize> {
     let t = &ctx.trajs[traj];
     let mut rng = rng::Rng::new(ctx.opts.seed, &format!("faults:{}", t.id));
@@ -507,10 +523,11 @@ fn fault_turns(ctx: &Ctx, traj: usize) -> Vec<usize> {
 }
 
 /// Create the sandbox and its environment for a trajectory: `/testbed`, the working directory,
-/// the persistent shell.
-async fn setup(ctx: &Ctx, traj: usize, name: &str) -> Result<(), ApiError> {
+/// the persistent shell. Through the proxy, the sandbox gets `method`'s checkpoint policy.
+async fn setup(ctx: &Ctx, traj: usize, name: &str, method: Method) -> Result<(), ApiError> {
     let t = &ctx.trajs[traj];
-    sandbox::create(&ctx.client, &ctx.opts.image, name).await?;
+    let policy = ctx.opts.proxy.as_ref().map(|_| method.checkpoint_policy());
+    sandbox::create_with_policy(&ctx.client, &ctx.opts.image, name, policy).await?;
     if let Some(tar) = ctx.testbeds.get(&traj) {
         let (tar, root) = (tar.clone(), ctx.state_dir.sandbox_rootfs(name));
         tokio::task::spawn_blocking(move || testbed::install(&tar, &root))
@@ -578,9 +595,11 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
     let t = &ctx.trajs[job.traj];
     let client = &ctx.client;
     let wd = t.family.workdir();
-    // Through the proxy, the proxy takes the `auto` checkpoint at each request (and gates the
-    // answer on it); every other method calls the LLM directly and checkpoints explicitly.
-    let via_proxy = ctx.opts.proxy.is_some() && job.method == Method::Crab;
+    // Through the proxy, every method's sandbox has its checkpoint policy and the proxy takes
+    // that checkpoint at each request (and gates the answer on it; `none` passes at once);
+    // without one, methods call the LLM directly and checkpoint explicitly beside the request.
+    let via_proxy = ctx.opts.proxy.is_some();
+    let checkpoints = job.method.checkpoint_kind().is_some();
     let url = match &ctx.opts.proxy {
         Some(p) if via_proxy => {
             format!("{}/s/{name}/v1/chat/completions", p.trim_end_matches('/'))
@@ -594,7 +613,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
             m.insert(job.traj, std::time::SystemTime::now());
         }
     }
-    setup(ctx, job.traj, name).await?;
+    setup(ctx, job.traj, name, job.method).await?;
     if job.pass == Pass::Reference2 {
         wait_for_reference_gap(ctx, job.traj).await;
     }
@@ -623,10 +642,14 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
             r.counts.add(&point.kind);
             r.kinds.push(format!("{}:{}", point.kind, point.size_bytes));
             points.push(conv.len());
-        } else if via_proxy {
+        } else if via_proxy && checkpoints {
             points.push(conv.len());
         }
-        r.exposed.push((waited - answer.llm_ms).max(0.0));
+        let exposed = (waited - answer.llm_ms).max(0.0);
+        r.exposed.push(exposed);
+        if let Some(b) = &answer.held {
+            r.breakdowns.push(with_unattributed(b, exposed));
+        }
         let Some(command) = answer.command.clone() else {
             return Err(ApiError::internal(format!(
                 "the LLM answered turn {turn} without a tool call"
@@ -654,11 +677,11 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
                 }
                 Recovery::Recreate => {
                     sandbox::remove(client, name).await?;
-                    setup(ctx, job.traj, name).await?;
+                    setup(ctx, job.traj, name, job.method).await?;
                 }
                 Recovery::StartOver => {
                     sandbox::remove(client, name).await?;
-                    setup(ctx, job.traj, name).await?;
+                    setup(ctx, job.traj, name, job.method).await?;
                     conv = agent::initial_conversation(&t.id, wd);
                     points.clear();
                 }
@@ -667,13 +690,13 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         }
     }
     r.wall_ms = t0.elapsed().as_secs_f64() * 1e3;
-    if via_proxy {
+    if via_proxy && checkpoints {
         for p in sandbox::list_checkpoints(client, name).await? {
             r.counts.add(&p.kind);
             r.kinds.push(format!("{}:{}", p.kind, p.size_bytes));
         }
     }
-    if via_proxy || job.method.checkpoint_kind().is_some() {
+    if checkpoints {
         r.bytes = sandbox::store_traffic(&ctx.state_dir.checkpoints(name))?;
     }
     r.state =

@@ -76,6 +76,10 @@ pub struct MethodReport {
     /// Per turn, time the agent waited beyond the LLM's own time (Crab's exposed latency plus
     /// HTTP overhead), ms.
     pub exposed_ms: Summary,
+    /// Where the exposed time went, per stage over every turn (through the proxy: its
+    /// `x-crab-held` breakdown, plus `unattributed`, the exposed time it does not cover:
+    /// HTTP, proxy and scheduling overhead), largest total first. Empty without the proxy.
+    pub exposed_breakdown: Vec<crab_common::stats::StageSummary>,
     /// Per fault, time from the fault to a usable sandbox (restore, or re-create + setup), ms.
     pub restore_ms: Summary,
     /// Runs that failed with an error (counted as incorrect).
@@ -218,6 +222,26 @@ impl ReplayReport {
             self.sandboxes,
             self.wall_s
         );
+        for r in &self.methods {
+            if r.exposed_breakdown.is_empty() {
+                continue;
+            }
+            let parts: Vec<String> = r
+                .exposed_breakdown
+                .iter()
+                .filter(|b| b.total_ms > 0.0)
+                .take(6)
+                .map(|b| {
+                    format!("{} {:.1}/{:.1} ({:.0}%)", b.stage, b.ms.p50, b.ms.p95, 100.0 * b.share)
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "  exposed by stage, {} (ms p50/p95, share): {}",
+                r.method.name(),
+                if parts.is_empty() { "-".to_string() } else { parts.join(", ") }
+            );
+        }
         for t in &self.traces {
             let Some(n) = &t.noise else { continue };
             if n.paths.is_empty() && n.patterns.is_empty() && n.messages.is_empty() {
@@ -360,6 +384,10 @@ mod tests {
             checkpoints: c,
             checkpoint_bytes: 3 << 20,
             exposed_ms: Summary::of(&[1.0, 2.0]),
+            exposed_breakdown: crab_common::stats::stage_summaries(&vec![vec![(
+                "syncfs".to_string(),
+                1.5,
+            )]]),
             restore_ms: Summary::of(&[]),
             errors: 0,
         };
@@ -377,10 +405,13 @@ mod tests {
             wall_s: 1.0,
         };
         assert!(r.table().contains("crab"));
+        assert!(r.table().contains("exposed by stage, crab"), "{}", r.table());
         let svg = r.svg();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         let j = serde_json::to_value(&r).unwrap();
         assert_eq!(j["methods"][0]["exposed_ms"]["p99"], 2.0);
         assert!(j["methods"][0]["restore_ms"]["p50"].is_null());
+        assert_eq!(j["methods"][0]["exposed_breakdown"][0]["stage"], "syncfs");
+        assert_eq!(j["methods"][0]["exposed_breakdown"][0]["ms"]["p95"], 1.5);
     }
 }

@@ -33,14 +33,27 @@ pub struct ExecOutput {
 
 /// Create a sandbox `name` from `image` (private network).
 pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxInfo, ApiError> {
-    create_with(client, image, name, false).await
+    create_with(client, image, name, None, false).await
 }
 
-/// Create a sandbox `name` from `image` (private network), `--privileged` when asked.
+/// Create a sandbox `name` from `image` (private network) with checkpoint policy `policy`
+/// (`auto`, `full`, `fs`, `none`; the daemon's default when `None`).
+pub async fn create_with_policy(
+    client: &Client,
+    image: &str,
+    name: &str,
+    policy: Option<&str>,
+) -> Result<SandboxInfo, ApiError> {
+    create_with(client, image, name, policy, false).await
+}
+
+/// Create a sandbox `name` from `image` (private network), with `policy` and `--privileged`
+/// when asked.
 pub async fn create_with(
     client: &Client,
     image: &str,
     name: &str,
+    policy: Option<&str>,
     privileged: bool,
 ) -> Result<SandboxInfo, ApiError> {
     let req = SandboxCreateRequest {
@@ -50,6 +63,7 @@ pub async fn create_with(
         nat_range: None,
         limits: Default::default(),
         privileged,
+        checkpoint_policy: policy.map(str::to_string),
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
 }

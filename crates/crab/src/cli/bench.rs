@@ -109,6 +109,30 @@ pub(super) enum BenchCmd {
         #[arg(long)]
         no_testbed: bool,
     },
+    /// Restore from the durable tier vs a local restore of the same point, in one run: local
+    /// in-place restore and forks on a host of its own, `sandbox create --from-remote` and
+    /// `fork --from-remote --count N` on fresh hosts (cold cache) from a `file://` remote and
+    /// from a SeaweedFS S3 server it starts on loopback (scripts/s3-test-server.sh).
+    RemoteRestore {
+        /// Image of the sandbox (from the running daemon's state directory).
+        #[arg(long, default_value = "debian")]
+        image: String,
+        /// Rounds of the restore and create arms.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Rounds of the fork arms.
+        #[arg(long, default_value_t = 3)]
+        fork_rounds: usize,
+        /// Branches of a fork.
+        #[arg(long = "fork", default_value_t = 8)]
+        fork_count: usize,
+        /// MiB of touched memory held by the sandbox's process.
+        #[arg(long, default_value_t = 10)]
+        mib: usize,
+        /// The S3 test server script (default: scripts/s3-test-server.sh of the checkout).
+        #[arg(long)]
+        s3_script: Option<std::path::PathBuf>,
+    },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
         /// Image to create sandboxes from.
@@ -166,7 +190,10 @@ pub(super) struct ReplayArgs {
     #[arg(long, default_value = "debian")]
     image: String,
     /// Reach the replay LLM through Crab's LLM proxy at this base URL (the daemon's
-    /// --upstream-openai must point at the replay LLM, http://127.0.0.1:7439).
+    /// --upstream-openai must point at the replay LLM, http://127.0.0.1:7439). Every method then
+    /// goes through the proxy, its sandbox created with the method's --checkpoint-policy
+    /// (crab: auto, full, fs; none, chat, restart: none), so exposed latency compares like for
+    /// like; without it methods checkpoint through the API beside a direct LLM request.
     #[arg(long)]
     proxy: Option<String>,
     /// Do not build the stand-in /testbed for SWE-bench trajectories.
@@ -332,6 +359,68 @@ pub(super) async fn run(
         }
         BenchCmd::Remote { traces, limit, sandboxes, image, remote, no_testbed } => {
             bench_remote(client, traces, limit, sandboxes, image, remote, no_testbed, json).await?;
+        }
+        BenchCmd::RemoteRestore { image, rounds, fork_rounds, fork_count, mib, s3_script } => {
+            let opts = crab_bench::remote_restore::RemoteRestoreOptions {
+                image,
+                rounds,
+                fork_rounds,
+                fork_count,
+                mib,
+                s3_script,
+            };
+            eprintln!("bench remote-restore: {rounds} rounds, {fork_rounds} fork rounds of {fork_count} ...");
+            let r = crab_bench::remote_restore::run(client, &opts).await?;
+            if json {
+                print_json(&r);
+            } else {
+                let n = fork_count;
+                let labels: Vec<(String, &crab_common::stats::Summary)> = [
+                    ("local restore (in place)".to_string(), &r.local_restore_ms),
+                    ("local fork 1".to_string(), &r.local_fork1_ms),
+                    (format!("local fork {n}"), &r.local_fork_ms),
+                ]
+                .into_iter()
+                .chain(r.remotes.iter().flat_map(|b| {
+                    let scheme = b.url.split(':').next().unwrap_or("?");
+                    let host = if b.with_image { "image" } else { "bare" };
+                    [
+                        (format!("{scheme} create --from-remote ({host} host)"), &b.create_ms),
+                        ("  of which fetch".to_string(), &b.create_fetch_ms),
+                        (format!("{scheme} fork {n} --from-remote ({host} host)"), &b.fork_ms),
+                        ("  of which fetch".to_string(), &b.fork_fetch_ms),
+                    ]
+                }))
+                .collect();
+                let rows: Vec<(&str, &crab_common::stats::Summary)> =
+                    labels.iter().map(|(l, s)| (l.as_str(), *s)).collect();
+                latency_table(&rows, 1);
+                for b in r.remotes.iter().filter(|b| b.with_image) {
+                    println!(
+                        "{}: {} of the restores patched the local image; image hash once per host: p50 {:.0} ms",
+                        b.url, b.patched_from_image, b.image_hash_ms.p50
+                    );
+                }
+                println!(
+                    "point {}: {:.1} MiB of process images, {:.1} MiB of files",
+                    r.point,
+                    r.proc_bytes as f64 / 1048576.0,
+                    r.fs_bytes as f64 / 1048576.0
+                );
+                println!(
+                    "s3 create / local restore (p50): {:.2}x on a host with the image (budget 2x), {:.2}x on a bare host; s3 create / local fork 1: {:.2}x; s3 fork {n} / local fork {n}: {:.2}x",
+                    r.s3_create_vs_local_restore,
+                    r.s3_create_cold_vs_local_restore,
+                    r.s3_create_vs_local_fork1,
+                    r.s3_fork_vs_local_fork
+                );
+                println!(
+                    "load before {} after {}; also running: {}",
+                    r.load_before,
+                    r.load_after,
+                    r.others.join(", ")
+                );
+            }
         }
         BenchCmd::Foundation { image, creates, execs, privileged, gap_ms, favordynmods_ab } => {
             eprintln!(

@@ -361,6 +361,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
             ..Default::default()
         },
         privileged: a.privileged,
+        checkpoint_policy: None,
         nat_range: None,
     };
     let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;

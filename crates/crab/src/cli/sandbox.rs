@@ -1,10 +1,10 @@
-//! `crab sandbox …`: create, list, inspect and remove sandboxes.
+//! `crab sandbox …`: create, list, inspect, update (checkpoint policy) and remove sandboxes.
 
 use std::process::ExitCode;
 
 use clap::Subcommand;
 use crab_client::{Client, Method};
-use crab_common::api::{Limits, NetMode, SandboxCreateRequest, SandboxInfo};
+use crab_common::api::{Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxUpdateRequest};
 use crab_common::ApiError;
 
 use super::{parse_size, print_json};
@@ -55,6 +55,21 @@ pub(super) enum SandboxCmd {
         /// take over the host. For trusted workloads and benchmarks only.
         #[arg(long)]
         privileged: bool,
+        /// What each turn boundary (an LLM request through the proxy, `crab turn`)
+        /// checkpoints: auto (the inspector's verdict), full (files and processes every
+        /// turn), fs (a filesystem snapshot every turn) or none (no checkpoint; the response
+        /// is released at once). Change it later with `crab sandbox update`.
+        #[arg(long, value_name = "POLICY", default_value = "auto", value_parser = ["auto", "full", "fs", "none"])]
+        checkpoint_policy: String,
+    },
+    /// Change settings of a sandbox: its checkpoint policy (from its next turn on).
+    Update {
+        /// Sandbox name.
+        name: String,
+        /// auto, full, fs or none (see `crab sandbox create --help`). Going back to auto from
+        /// fs or none makes the next checkpoint full.
+        #[arg(long, value_name = "POLICY", value_parser = ["auto", "full", "fs", "none"])]
+        checkpoint_policy: Option<String>,
     },
     /// List sandboxes.
     Ls,
@@ -89,12 +104,14 @@ fn sandbox_rows(v: &[SandboxInfo]) -> Vec<Vec<String>> {
                 s.processes.to_string(),
                 s.bytes_written.map(human_bytes).unwrap_or_else(|| "-".into()),
                 s.disk_limit_bytes.map(human_bytes).unwrap_or_else(|| "-".into()),
+                s.checkpoint_policy.to_string(),
             ]
         })
         .collect()
 }
 
-const SANDBOX_HEADER: [&str; 7] = ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WRITTEN", "DISK"];
+const SANDBOX_HEADER: [&str; 8] =
+    ["NAME", "IMAGE", "STATE", "AGE", "PROCS", "WRITTEN", "DISK", "CHECKPOINTS"];
 
 pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<ExitCode, ApiError> {
     match c {
@@ -110,6 +127,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             cpus,
             disk,
             privileged,
+            checkpoint_policy,
         } => {
             if let Some(src) = from_remote {
                 let names = name.into_iter().collect();
@@ -127,12 +145,23 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                     disk_bytes: disk,
                 },
                 privileged,
+                checkpoint_policy: Some(checkpoint_policy),
             };
             let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
             if json {
                 print_json(&s);
             } else {
                 println!("{}", s.name);
+            }
+        }
+        SandboxCmd::Update { name, checkpoint_policy } => {
+            let req = SandboxUpdateRequest { checkpoint_policy };
+            let s: SandboxInfo =
+                client.call(Method::PATCH, &format!("/v1/sandboxes/{name}"), Some(&req)).await?;
+            if json {
+                print_json(&s);
+            } else {
+                println!("{}: checkpoint policy {}", s.name, s.checkpoint_policy);
             }
         }
         SandboxCmd::Ls => {

@@ -1,4 +1,5 @@
-//! `crab top`: live per-sandbox view of turns, verdicts, held time and the engine queue.
+//! `crab top`: live per-sandbox view of turns, verdicts, held time and the engine queue, and
+//! where the agents' waits went (the exposed-latency breakdown, stage by stage).
 
 use std::process::ExitCode;
 
@@ -81,6 +82,30 @@ pub(super) async fn run(client: &Client, a: TopArgs, json: bool) -> Result<ExitC
                 ],
                 &rows,
             );
+            // Where the agents' waits went (newest turns, every sandbox): per stage.
+            let stages = v["held_stages"].as_array().cloned().unwrap_or_default();
+            if !stages.is_empty() {
+                println!();
+                let f = |x: &serde_json::Value| format!("{:.2}", x.as_f64().unwrap_or(f64::NAN));
+                let rows: Vec<Vec<String>> = stages
+                    .iter()
+                    .map(|s| {
+                        vec![
+                            s["stage"].as_str().unwrap_or("").to_string(),
+                            s["turns"].to_string(),
+                            f(&s["ms"]["p50"]),
+                            f(&s["ms"]["p95"]),
+                            f(&s["ms"]["p99"]),
+                            format!("{:.1}", s["total_ms"].as_f64().unwrap_or(0.0)),
+                            format!("{:.0}%", 100.0 * s["share"].as_f64().unwrap_or(0.0)),
+                        ]
+                    })
+                    .collect();
+                table(
+                    &["HELD BY", "TURNS", "P50 MS", "P95 MS", "P99 MS", "TOTAL MS", "SHARE"],
+                    &rows,
+                );
+            }
         }
         if once {
             return Ok(ExitCode::SUCCESS);

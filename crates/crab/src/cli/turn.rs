@@ -81,7 +81,11 @@ pub(super) async fn turn(client: &Client, a: TurnArgs, json: bool) -> Result<Exi
     if json {
         print_json(&v);
     } else {
-        println!("turn {} published as {}", v["turn"], v["checkpoint"].as_str().unwrap_or("?"));
+        match v["checkpoint"].as_str().unwrap_or("?") {
+            // The sandbox's checkpoint policy is `none`.
+            "" => println!("turn {}: no checkpoint (checkpoint policy none)", v["turn"]),
+            id => println!("turn {} published as {id}", v["turn"]),
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -32,7 +32,10 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/images/import", post(images::import))
         .route("/v1/images/{name}", delete(images::remove))
         .route("/v1/sandboxes", get(sandboxes::list).post(sandboxes::create))
-        .route("/v1/sandboxes/{name}", get(sandboxes::get).delete(sandboxes::remove))
+        .route(
+            "/v1/sandboxes/{name}",
+            get(sandboxes::get).delete(sandboxes::remove).patch(sandboxes::update),
+        )
         .route("/v1/sandboxes/{name}/exec", post(sandboxes::exec))
         .route("/v1/sandboxes/{name}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{name}/start", post(sandboxes::start))

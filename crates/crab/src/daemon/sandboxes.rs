@@ -1,4 +1,4 @@
-//! Sandbox routes: create, list, describe, remove, stop, start, exec (streamed).
+//! Sandbox routes: create, list, describe, update (checkpoint policy), remove, stop, start, exec (streamed).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,7 +7,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
 
-use crab_common::api::{ExecRequest, SandboxCreateRequest, StopRequest};
+use crab_common::api::{ExecRequest, SandboxCreateRequest, SandboxUpdateRequest, StopRequest};
 use crab_host::{Action, Host};
 
 use super::api::{err, parse, parse_or_default, render};
@@ -26,6 +26,14 @@ pub async fn create(State(h): State<Arc<Host>>, body: Bytes) -> Response {
         Err(e) => return err(e),
     };
     render(h.execute(Action::Create(req)).await)
+}
+
+pub async fn update(State(h): State<Arc<Host>>, Path(name): Path<String>, body: Bytes) -> Response {
+    let req: SandboxUpdateRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return err(e),
+    };
+    render(h.execute(Action::Update { name, req }).await)
 }
 
 pub async fn remove(

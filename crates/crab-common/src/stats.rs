@@ -132,13 +132,13 @@ mod tests {
     fn stages_are_summarized_over_all_turns() {
         let turns = vec![
             b(&[("criu_dump", 30.0), ("syncfs", 10.0)]),
-            b(&[("syncfs", 2.0), ("convlog_fsync", 1.0)]),
-            b(&[("convlog_fsync", 1.0)]),
+            b(&[("syncfs", 2.0), ("convlog_write", 1.0)]),
+            b(&[("convlog_write", 1.0)]),
             b(&[]),
         ];
         let s = stage_summaries(&turns);
         let names: Vec<&str> = s.iter().map(|x| x.stage.as_str()).collect();
-        assert_eq!(names, ["criu_dump", "syncfs", "convlog_fsync"], "largest total first");
+        assert_eq!(names, ["criu_dump", "syncfs", "convlog_write"], "largest total first");
         let dump = &s[0];
         assert_eq!((dump.turns, dump.ms.n), (1, 4), "a turn without the stage counts 0");
         assert_eq!(dump.ms.p50, 0.0);

@@ -169,6 +169,8 @@ pub struct ConversationLog {
     file: File,
     index: Vec<Entry>,
     end: u64,
+    /// Records appended since the last fsync.
+    unsynced: bool,
 }
 
 /// Hex sha256.
@@ -214,7 +216,13 @@ impl ConversationLog {
                     d.sync_all().map_err(io("fsync of its directory"))?;
                 }
             }
-            return Ok(ConversationLog { path, file, index: Vec::new(), end: HEADER.len() as u64 });
+            return Ok(ConversationLog {
+                path,
+                file,
+                index: Vec::new(),
+                end: HEADER.len() as u64,
+                unsynced: false,
+            });
         }
         if !data.starts_with(HEADER) {
             let found = String::from_utf8_lossy(&data[..data.len().min(16)]).into_owned();
@@ -226,7 +234,7 @@ impl ConversationLog {
             file.set_len(end).map_err(io("cutting off a torn tail"))?;
             file.sync_all().map_err(io("fsync"))?;
         }
-        Ok(ConversationLog { path, file, index, end })
+        Ok(ConversationLog { path, file, index, end, unsynced: false })
     }
 
     /// The file.
@@ -270,9 +278,30 @@ impl ConversationLog {
         self.append_inner(rec, true)
     }
 
-    /// Append without fsync (benchmarks only: a crash may lose the record).
+    /// Append without fsync: a crash may lose the record until [`ConversationLog::sync`] (the
+    /// proxy syncs at the next turn boundary, before that turn's restore point can reference
+    /// the record; benchmarks never sync).
     pub fn append_unsynced(&mut self, rec: &LogRecord) -> Result<u64, LogError> {
         self.append_inner(rec, false)
+    }
+
+    /// Make every appended record durable (`fdatasync`; nothing to do when all are).
+    pub fn sync(&mut self) -> Result<(), LogError> {
+        if !self.unsynced {
+            return Ok(());
+        }
+        self.file.sync_data().map_err(|source| LogError::Io {
+            path: self.path.clone(),
+            what: "fsync",
+            source,
+        })?;
+        self.unsynced = false;
+        Ok(())
+    }
+
+    /// Whether records were appended since the last fsync.
+    pub fn has_unsynced(&self) -> bool {
+        self.unsynced
     }
 
     fn append_inner(&mut self, rec: &LogRecord, sync: bool) -> Result<u64, LogError> {
@@ -300,6 +329,8 @@ impl ConversationLog {
             });
         }
         self.end = start + buf.len() as u64;
+        // An fdatasync covers every earlier record too.
+        self.unsynced = !sync;
         self.index.push(Entry {
             start,
             end: self.end,
@@ -557,6 +588,25 @@ mod tests {
         let all = log.read_until(2).unwrap();
         assert_eq!(all[1].request, "{\"t\":\"2b\"}");
         assert_eq!(all[0].response_body(), b"answer 1");
+    }
+
+    #[test]
+    fn unsynced_records_are_tracked_until_a_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("l");
+        let mut log = ConversationLog::open(&p).unwrap();
+        assert!(!log.has_unsynced());
+        log.append_unsynced(&rec(1, "{}")).unwrap();
+        log.append_unsynced(&rec(2, "{\"x\":1}")).unwrap();
+        assert!(log.has_unsynced());
+        log.sync().unwrap();
+        assert!(!log.has_unsynced());
+        log.sync().unwrap();
+        log.append_unsynced(&rec(3, "{\"x\":2}")).unwrap();
+        log.append(&rec(4, "{\"x\":3}")).unwrap();
+        assert!(!log.has_unsynced(), "a synced append covers the earlier records");
+        drop(log);
+        assert_eq!(ConversationLog::open(&p).unwrap().offset(), 4);
     }
 
     #[test]

@@ -122,3 +122,94 @@ impl BoundaryTicket for ReadyTicket {
     }
     fn promote(&self) {}
 }
+
+/// The ticket of a turn whose boundary ([`TurnHooks::on_boundary`]: the verdict and the job
+/// submission) runs beside the forwarded request instead of before it: promotions, waits and
+/// the breakdown go to the real ticket once the boundary has produced it. The gate waits for
+/// it like for any ticket, so nothing of the turn is released before its checkpoint.
+pub(crate) struct DeferredTicket {
+    inner: tokio::sync::watch::Receiver<Option<Arc<dyn BoundaryTicket>>>,
+    promoted: std::sync::atomic::AtomicBool,
+    /// When the boundary ran.
+    span: std::sync::Mutex<Option<(Instant, Instant)>>,
+}
+
+impl DeferredTicket {
+    /// A ticket fed by the returned sender (send the real ticket once the boundary made it).
+    pub(crate) fn new() -> (Arc<Self>, tokio::sync::watch::Sender<Option<Arc<dyn BoundaryTicket>>>)
+    {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let t = DeferredTicket {
+            inner: rx,
+            promoted: std::sync::atomic::AtomicBool::new(false),
+            span: std::sync::Mutex::new(None),
+        };
+        (Arc::new(t), tx)
+    }
+
+    /// Hand over the real ticket, made by a boundary that ran from `start` to `end`.
+    pub(crate) fn settle(
+        &self,
+        tx: &tokio::sync::watch::Sender<Option<Arc<dyn BoundaryTicket>>>,
+        ticket: Arc<dyn BoundaryTicket>,
+        start: Instant,
+        end: Instant,
+    ) {
+        *self.span.lock().unwrap_or_else(|p| p.into_inner()) = Some((start, end));
+        let _ = tx.send(Some(ticket.clone()));
+        // A gate that promoted before the ticket existed: promote it now (twice is harmless).
+        if self.promoted.load(std::sync::atomic::Ordering::SeqCst) {
+            ticket.promote();
+        }
+    }
+
+    fn get(&self) -> Option<Arc<dyn BoundaryTicket>> {
+        self.inner.borrow().clone()
+    }
+}
+
+impl BoundaryTicket for DeferredTicket {
+    fn is_published(&self) -> bool {
+        self.get().is_some_and(|t| t.is_published())
+    }
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
+        Box::pin(async move {
+            let mut rx = self.inner.clone();
+            let t = match rx.wait_for(Option::is_some).await {
+                Ok(v) => v.clone(),
+                Err(_) => None,
+            };
+            match t {
+                Some(t) => t.wait_published().await,
+                None => Err("the turn boundary's task ended without starting a checkpoint".into()),
+            }
+        })
+    }
+    fn promote(&self) {
+        self.promoted.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.get() {
+            t.promote();
+        }
+    }
+    fn record_exposed(&self, held: Duration) {
+        if let Some(t) = self.get() {
+            t.record_exposed(held);
+        }
+    }
+    fn held_breakdown(&self, gate_start: Instant, woke: Instant) -> Vec<(String, f64)> {
+        let mut v = Vec::new();
+        let span = *self.span.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((a, b)) = span {
+            // The part of the boundary itself the gate waited for (the upstream answered
+            // before the verdict was in).
+            let (a, b) = (a.max(gate_start), b.min(woke));
+            if b > a {
+                v.push(("boundary".to_string(), (b - a).as_secs_f64() * 1e3));
+            }
+        }
+        if let Some(t) = self.get() {
+            v.extend(t.held_breakdown(gate_start, woke));
+        }
+        v
+    }
+}

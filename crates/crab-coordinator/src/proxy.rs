@@ -46,7 +46,9 @@ use crab_common::ErrorCode;
 
 use crate::config::{ConfigError, ProxyConfig, Upstream};
 use crate::convlog::{sha256_hex, ConversationLog, LogError, LogRecord};
-use crate::hooks::{Boundary, BoundaryTicket, Provider, ReadyTicket, SandboxDirectory, TurnHooks};
+use crate::hooks::{
+    Boundary, BoundaryTicket, DeferredTicket, Provider, ReadyTicket, SandboxDirectory, TurnHooks,
+};
 use crate::limits::{read_body, BodyHold, BodyReadError, ByteBudget, ConnGate, DeadlineBody};
 
 /// Error type of proxied bodies.
@@ -61,11 +63,14 @@ pub const RETRY_HEADER: &str = "x-stainless-retry-count";
 /// Header set on responses answered from the conversation log.
 pub const REPLAYED_HEADER: &str = "x-crab-replayed";
 /// Header set on every proxied turn response: where the time the proxy added went,
-/// `stage=ms,...` ([`crab_common::stats::breakdown_header`]): the held time by stage of the
-/// turn's checkpoint job (`queue`, `setup`, `lock`, `freeze_snapshot`, `criu_dump`, `hash`,
-/// `syncfs`, `dir_fsync`, `manifest_publish`, `engine_other`, `gate_wakeup`), then
-/// `convlog_fsync` (the conversation-log record written and fsynced before release; not on
-/// streams, whose record is written before their last chunk).
+/// `stage=ms,...` ([`crab_common::stats::breakdown_header`]): the held time by stage — `boundary`
+/// (the part of the turn boundary that the gate still waited for: the fsync of the previous
+/// answer's log record, the verdict and the job submission, which run beside the forwarded
+/// request), then the turn's checkpoint job's (`queue`, `setup`, `lock`, `freeze_snapshot`,
+/// `criu_dump`, `hash`, `syncfs`, `dir_fsync`, `manifest_publish`, `engine_other`,
+/// `gate_wakeup`), then `convlog_write` (the conversation-log record written before release,
+/// fsynced at the next boundary; not on streams, whose record is written before their last
+/// chunk).
 pub const HELD_HEADER: &str = "x-crab-held";
 
 /// Failures of the coordinator's own API (not of proxied requests, which become HTTP answers).
@@ -545,7 +550,7 @@ impl Coordinator {
     }
 
     async fn decide(
-        &self,
+        self: &Arc<Self>,
         slot: &Arc<Slot>,
         hash: &str,
         retry_header: bool,
@@ -598,7 +603,17 @@ impl Coordinator {
         }
         st.turn += 1;
         let turn = st.turn;
-        let ticket = self.boundary(slot, turn, provider, path).await;
+        // The boundary (verdict, job submission) runs beside the forwarded request: the agent
+        // runs nothing while it waits for the LLM, so the sandbox is the same whenever the
+        // verdict is taken, and the gate holds the answer until the checkpoint is published.
+        let (deferred, tx) = DeferredTicket::new();
+        let ticket: Arc<dyn BoundaryTicket> = deferred.clone();
+        let (me, bslot, bpath) = (self.clone(), slot.clone(), path.to_string());
+        tokio::spawn(async move {
+            let t0 = Instant::now();
+            let real = me.boundary(&bslot, turn, provider, &bpath).await;
+            deferred.settle(&tx, real, t0, Instant::now());
+        });
         st.last_hash = Some(hash.to_string());
         st.ticket = Some(ticket.clone());
         Decision::Forward { turn, ticket, retry: false }
@@ -611,6 +626,18 @@ impl Coordinator {
         provider: Provider,
         path: &str,
     ) -> Arc<dyn BoundaryTicket> {
+        // The records the turn's point will reference (every one before this request) become
+        // durable first: the point is published only after them (invariant 1).
+        if self.cfg.fsync_log && lock(&slot.log).has_unsynced() {
+            if let Err(e) = Self::with_log(slot, |log| log.sync()).await {
+                tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not make the conversation log durable; no checkpoint this turn, the next one will be full");
+                slot.fail("log", &e.to_string());
+                slot.force_full.store(true, Ordering::SeqCst);
+                return ReadyTicket::failed(format!(
+                    "making the conversation log durable before turn {turn}'s checkpoint: {e}"
+                ));
+            }
+        }
         let force_full = slot.force_full.swap(false, Ordering::SeqCst);
         let conversation_offset = lock(&slot.log).offset();
         let b = Boundary {
@@ -867,7 +894,7 @@ impl Coordinator {
             let t_log = Instant::now();
             self.append_log(&slot, rec).await;
             let mut stages = gi.stages;
-            stages.push(("convlog_fsync".into(), t_log.elapsed().as_secs_f64() * 1e3));
+            stages.push(("convlog_write".into(), t_log.elapsed().as_secs_f64() * 1e3));
             self.record_breakdown(&slot, &stages);
             drop(hold);
             let mut resp = Response::new(full(bytes));
@@ -940,20 +967,12 @@ impl Coordinator {
         resp
     }
 
+    /// Append a turn's record. It is written before the answer is released but fsynced at the
+    /// sandbox's next turn boundary (see [`Coordinator::boundary`]), before any restore point
+    /// can reference it, so the fsync waits inside the next LLM call instead of in front of
+    /// the agent.
     async fn append_log(&self, slot: &Slot, rec: LogRecord) {
-        let fsync = self.cfg.fsync_log;
-        let res =
-            Self::with_log(
-                slot,
-                move |log| {
-                    if fsync {
-                        log.append(&rec)
-                    } else {
-                        log.append_unsynced(&rec)
-                    }
-                },
-            )
-            .await;
+        let res = Self::with_log(slot, move |log| log.append_unsynced(&rec)).await;
         match res {
             Ok(n) => slot.stats().conversation_offset = n,
             Err(e) => {

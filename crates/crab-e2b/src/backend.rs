@@ -50,6 +50,8 @@ pub trait Backend: Send + Sync + 'static {
         name: String,
         point: String,
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Start a sandbox whose init is gone, from its newest restore point (`crab sandbox start`).
+    fn start(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Every sandbox on the host: its name and whether its init is alive.
     fn sandboxes(&self) -> impl Future<Output = Result<Vec<(String, bool)>, ApiError>> + Send;
     /// The ids of sandbox `name`'s restore points.

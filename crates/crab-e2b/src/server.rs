@@ -5,7 +5,7 @@
 //! host's sandboxes — and the timeout watchdog. Every lifecycle step is one [`Backend`] call.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -18,7 +18,7 @@ use axum::{Json, Router};
 use base64::Engine;
 use crab_common::api::{ExecFrame, ExecRequest, NetMode, SandboxCreateRequest};
 use crab_common::{ApiError, CheckpointKind, ErrorCode};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use crate::auth::{ct_eq, random_hex, Keys};
 use crate::backend::Backend;
@@ -26,7 +26,7 @@ use crate::connect::{self, CallKind, Code, ConnectError};
 use crate::envd::{self, DataEvent, EndEvent, EventResponse, ProcessConfig, ProcessEvent};
 use crate::rest::{self, ApiErrorBody};
 use crate::shell::{self, FsFailure};
-use crate::store::{SandboxFile, Store, StoredSnapshot, StoredState};
+use crate::store::{SandboxFile, Store, StoredEnd, StoredProcess, StoredSnapshot, StoredState};
 
 /// The envd protocol version Crab answers as (the SDK enables features by it: default user,
 /// octet-stream uploads, file metadata).
@@ -37,6 +37,8 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 pub const MAX_UPLOAD: usize = 100 << 20;
 /// Largest sandbox timeout (E2B's Pro limit, 24 h).
 pub const MAX_TIMEOUT_S: u64 = 86_400;
+/// How many ended envd processes a sandbox remembers (for `Connect` by pid after the end).
+pub const ENDED_KEPT: usize = 32;
 
 /// How the front door is configured.
 #[derive(Debug, Clone)]
@@ -91,10 +93,25 @@ struct Sb {
     /// When this front door learnt of it (reconciliation leaves younger ones alone).
     known_since: Instant,
     life: Mutex<Life>,
+    /// envd processes by pid: running ones and the last [`ENDED_KEPT`] that ended.
     procs: Mutex<HashMap<u32, Arc<Proc>>>,
-    next_pid: AtomicU32,
+    /// Sandbox directories of processes reported ended, removed by the next start.
+    gc: Mutex<Vec<String>>,
+    /// A lifecycle step in progress that ends exec streams (what a stream's end means).
+    step: Mutex<Step>,
+    /// The host says its init is gone (it died, or was stopped, outside the E2B API).
+    dead: AtomicBool,
     /// Serialises pause, resume and kill of this sandbox.
     lifecycle: tokio::sync::Mutex<()>,
+}
+
+/// A lifecycle step that stops a sandbox's processes, so that the exec streams of its envd
+/// processes end without the processes having ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    None,
+    Pausing,
+    Killing,
 }
 
 #[derive(Debug)]
@@ -105,17 +122,40 @@ struct Life {
     pause_point: Option<String>,
 }
 
-/// A process started through envd: its output fans out to every connected stream; it lives
-/// until it exits or is killed, whether or not a client is connected.
+/// A process started through envd. It runs in the sandbox under a supervisor of its own
+/// (`shell::launch`), detached from any exec stream; while one is attached (the start's, or a
+/// `shell::follow` after a restart or a resume) its output fans out to every connected stream.
 #[derive(Debug)]
 struct Proc {
+    /// The supervisor's pid in the sandbox.
     pid: u32,
     tag: Option<String>,
     config: ProcessConfig,
-    subs: Mutex<Vec<mpsc::UnboundedSender<ProcessEvent>>>,
-    ended: Mutex<bool>,
-    kill: Mutex<Option<oneshot::Sender<()>>>,
+    /// Its directory in the sandbox.
+    dir: String,
+    subs: Mutex<Vec<mpsc::UnboundedSender<Result<ProcessEvent, ConnectError>>>>,
+    st: Mutex<ProcState>,
 }
+
+#[derive(Debug, Default)]
+struct ProcState {
+    /// How it ended; `None` while it runs.
+    ended: Option<EndEvent>,
+    /// When it ended (orders the ended ones, the oldest forgotten first).
+    ended_seq: u64,
+    /// An exec stream follows it (and `gen` is that stream's).
+    attached: bool,
+    /// Bumped whenever the attached stream is given up (pause, kill): a pump of an older
+    /// generation that ends says nothing.
+    gen: u64,
+    /// The signal the front door sent it.
+    signalled: Option<i32>,
+    /// The exit status its stream reported while a pause was in progress (used when a
+    /// re-attach after a refused pause finds no status in the sandbox).
+    seen: Option<i32>,
+}
+
+static ENDED_SEQ: AtomicU64 = AtomicU64::new(1);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -212,7 +252,7 @@ impl<B: Backend> E2b<B> {
             .route("/files", get(download::<B>).post(upload::<B>))
             .layer(DefaultBodyLimit::max(MAX_UPLOAD));
         Router::new()
-            .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+            .route("/health", get(health::<B>))
             .merge(api)
             .merge(envd)
             .fallback(|| async {
@@ -311,6 +351,13 @@ impl<B: Backend> E2b<B> {
             },
             pause_point,
             snapshots,
+            processes: {
+                let mut v: Vec<StoredProcess> =
+                    lock(&sb.procs).values().map(|p| p.stored()).collect();
+                v.sort_by_key(|p| p.pid);
+                v
+            },
+            gc: lock(&sb.gc).clone(),
         }
     }
 
@@ -364,8 +411,15 @@ impl<B: Backend> E2b<B> {
                     end_at: from_ms(f.end_at_ms),
                     pause_point: f.pause_point,
                 }),
-                procs: Mutex::new(HashMap::new()),
-                next_pid: AtomicU32::new(1),
+                procs: Mutex::new(
+                    f.processes
+                        .into_iter()
+                        .map(|p| (p.pid, Arc::new(Proc::from_stored(p))))
+                        .collect(),
+                ),
+                gc: Mutex::new(f.gc),
+                step: Mutex::new(Step::None),
+                dead: AtomicBool::new(false),
                 lifecycle: tokio::sync::Mutex::new(()),
             });
             for s in f.snapshots {
@@ -381,6 +435,18 @@ impl<B: Backend> E2b<B> {
         }
         if n > 0 {
             self.reconcile(true).await;
+            // Follow again the envd processes that ran when the daemon stopped; one that ended
+            // meanwhile is reported ended (with its exit status, which its supervisor kept).
+            let running: Vec<Arc<Sb>> = lock(&self.sandboxes)
+                .values()
+                .filter(|s| {
+                    lock(&s.life).state == RunState::Running && !s.dead.load(Ordering::Relaxed)
+                })
+                .cloned()
+                .collect();
+            for sb in &running {
+                self.reattach(sb).await;
+            }
             tracing::info!(
                 loaded = n,
                 kept = lock(&self.sandboxes).len(),
@@ -423,6 +489,7 @@ impl<B: Backend> E2b<B> {
                     l.pause_point = None;
                     changed = true;
                 }
+                sb.dead.store(l.state == RunState::Running && !running, Ordering::Relaxed);
             }
             if points {
                 let has = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
@@ -532,7 +599,9 @@ impl<B: Backend> E2b<B> {
                 pause_point: None,
             }),
             procs: Mutex::new(HashMap::new()),
-            next_pid: AtomicU32::new(1),
+            gc: Mutex::new(Vec::new()),
+            step: Mutex::new(Step::None),
+            dead: AtomicBool::new(false),
             lifecycle: tokio::sync::Mutex::new(()),
         });
         lock(&self.sandboxes).insert(id, sb.clone());
@@ -544,9 +613,19 @@ impl<B: Backend> E2b<B> {
     /// snapshot outlives its sandbox, as in E2B) until its last snapshot is deleted.
     async fn do_kill(&self, sb: &Arc<Sb>) -> Result<(), RestError> {
         let _g = sb.lifecycle.lock().await;
-        for p in lock(&sb.procs).drain().map(|(_, p)| p).collect::<Vec<_>>() {
-            p.kill();
+        *lock(&sb.step) = Step::Killing;
+        let r = self.do_kill_locked(sb).await;
+        *lock(&sb.step) = Step::None;
+        if r.is_ok() {
+            // Whatever ran in it is gone: every stream ends with the process killed.
+            for p in lock(&sb.procs).drain().map(|(_, p)| p).collect::<Vec<_>>() {
+                p.give_up(Ok(killed_end()));
+            }
         }
+        r
+    }
+
+    async fn do_kill_locked(&self, sb: &Arc<Sb>) -> Result<(), RestError> {
         let holds = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
         if holds {
             return match self.backend.retire(sb.id.clone()).await {
@@ -575,41 +654,403 @@ impl<B: Backend> E2b<B> {
         }
     }
 
-    async fn do_pause(&self, sb: &Arc<Sb>) -> Result<(), RestError> {
+    /// Pause: nothing is touched before the host's pause, which checks what it can first
+    /// (the dump's capability) and leaves the sandbox running when it fails. On success the
+    /// envd processes live on in the pause point; their streams end (E2B's streams do not
+    /// survive a pause either). On failure they were never stopped: their streams go on, and
+    /// one whose exec stream ended while the pause was under way is followed again.
+    async fn do_pause(self: &Shared<B>, sb: &Arc<Sb>) -> Result<(), RestError> {
         let _g = sb.lifecycle.lock().await;
         if lock(&sb.life).state == RunState::Paused {
             return Err(RestError::new(409, format!("sandbox {} is already paused", sb.id)));
         }
-        for p in lock(&sb.procs).drain().map(|(_, p)| p).collect::<Vec<_>>() {
-            // The processes survive in the pause point; their envd streams do not (as in E2B).
-            p.detach();
+        *lock(&sb.step) = Step::Pausing;
+        let r = self.backend.pause(sb.id.clone()).await;
+        match r {
+            Ok(point) => {
+                {
+                    let mut l = lock(&sb.life);
+                    l.state = RunState::Paused;
+                    l.pause_point = Some(point);
+                }
+                *lock(&sb.step) = Step::None;
+                let paused = ConnectError::new(
+                    Code::Unavailable,
+                    format!(
+                        "sandbox {} was paused; the process is kept in its pause point: after Sandbox.connect() commands.list() shows it again and commands.connect(pid) follows it",
+                        sb.id
+                    ),
+                );
+                for p in lock(&sb.procs).values() {
+                    p.give_up(Err(paused.clone()));
+                }
+                self.persist(sb);
+                Ok(())
+            }
+            Err(e) => {
+                *lock(&sb.step) = Step::None;
+                self.reattach(sb).await;
+                Err(e.into())
+            }
         }
-        let point = self.backend.pause(sb.id.clone()).await?;
+    }
+
+    /// Whether the host runs sandbox `id`'s init (`true` when it cannot tell); records it.
+    async fn alive(&self, sb: &Sb) -> bool {
+        let alive = match self.backend.sandboxes().await {
+            Ok(v) => v.iter().find(|(n, _)| *n == sb.id).is_none_or(|(_, r)| *r),
+            Err(_) => true,
+        };
+        sb.dead.store(!alive, Ordering::Relaxed);
+        alive
+    }
+
+    /// An exec in `sb` failed with `e`: the sandbox's death (told as E2B tells a sandbox that
+    /// is not running), or `e`.
+    async fn exec_failed(&self, sb: &Sb, e: ApiError) -> ConnectError {
+        if e.code == ErrorCode::SandboxNotFound || !self.alive(sb).await {
+            return dead_error(&sb.id);
+        }
+        api_to_connect(e)
+    }
+
+    /// Follow every running envd process of `sb` that no exec stream follows (after a daemon
+    /// restart, a resume, a refused pause). Returns once each is followed or found ended.
+    async fn reattach(self: &Shared<B>, sb: &Arc<Sb>) {
+        let todo: Vec<Arc<Proc>> = lock(&sb.procs)
+            .values()
+            .filter(|p| {
+                let st = lock(&p.st);
+                st.ended.is_none() && !st.attached
+            })
+            .cloned()
+            .collect();
+        let mut set = tokio::task::JoinSet::new();
+        for p in todo {
+            let (me, sb) = (self.clone(), sb.clone());
+            set.spawn(async move { me.attach(&sb, &p).await });
+        }
+        while set.join_next().await.is_some() {}
+    }
+
+    /// Attach an exec stream to envd process `p` (`shell::follow`): it streams the output from
+    /// now on and ends with its exit status; or its header says the process already ended.
+    async fn attach(self: &Shared<B>, sb: &Arc<Sb>, p: &Arc<Proc>) {
+        let gen = {
+            let mut st = lock(&p.st);
+            if st.ended.is_some() || st.attached {
+                return;
+            }
+            st.attached = true;
+            st.gen
+        };
+        let req = ExecRequest {
+            cmd: shell::follow(&p.dir, p.pid),
+            env: Vec::new(),
+            workdir: Some("/".into()),
+            timeout_s: None,
+            stdin_b64: None,
+        };
+        let head = match self.backend.exec(sb.id.clone(), req).await {
+            Ok(rx) => read_header(rx).await,
+            Err(e) => Err(HeaderFail { code: None, stderr: String::new(), error: Some(e) }),
+        };
+        match head {
+            Ok((h, rx, pending)) if h.running => {
+                tokio::spawn(pump(self.clone(), sb.clone(), p.clone(), rx, pending, gen));
+            }
+            Ok((h, _, _)) => {
+                let (seen, signalled) = {
+                    let st = lock(&p.st);
+                    (st.seen, st.signalled)
+                };
+                let end = match h.status.or(seen) {
+                    Some(code) => exit_end(code, signalled),
+                    None => EndEvent {
+                        exit_code: -1,
+                        exited: false,
+                        status: "unknown".into(),
+                        error: Some("the process ended while no exec stream followed it (a daemon restart or a pause) and left no exit status".into()),
+                    },
+                };
+                self.end_proc(sb, p, gen, Ok(end));
+            }
+            Err(f) => {
+                lock(&p.st).attached = false;
+                let why = f.error.map(|e| e.message).unwrap_or(f.stderr);
+                tracing::warn!(sandbox = %sb.id, pid = p.pid, error = %why, "cannot follow an envd process");
+            }
+        }
+    }
+
+    /// Record that `p` ended (as of stream generation `gen`) — persisted before any stream
+    /// hears of it, so a `List` after the end never shows it — then tell its streams.
+    fn end_proc(&self, sb: &Sb, p: &Proc, gen: u64, how: Result<EndEvent, ConnectError>) {
+        let end = match &how {
+            Ok(e) => e.clone(),
+            Err(e) => EndEvent {
+                exit_code: -1,
+                exited: false,
+                status: "unknown".into(),
+                error: Some(e.message.clone()),
+            },
+        };
         {
-            let mut l = lock(&sb.life);
-            l.state = RunState::Paused;
-            l.pause_point = Some(point);
+            let mut st = lock(&p.st);
+            if st.gen != gen || st.ended.is_some() {
+                return;
+            }
+            st.ended = Some(end);
+            st.ended_seq = ENDED_SEQ.fetch_add(1, Ordering::Relaxed);
+            st.attached = false;
+        }
+        lock(&sb.gc).push(p.dir.clone());
+        {
+            let mut procs = lock(&sb.procs);
+            let mut ended: Vec<(u64, u32)> = procs
+                .values()
+                .filter_map(|q| {
+                    let st = lock(&q.st);
+                    st.ended.as_ref().map(|_| (st.ended_seq, q.pid))
+                })
+                .collect();
+            if ended.len() > ENDED_KEPT {
+                ended.sort_unstable();
+                for (_, pid) in &ended[..ended.len() - ENDED_KEPT] {
+                    procs.remove(pid);
+                }
+            }
         }
         self.persist(sb);
-        Ok(())
+        p.finish(how);
+    }
+
+    /// `p`'s exec stream (generation `gen`) ended with `last`: the process ended, or a pause
+    /// or a kill of the sandbox is under way, or the sandbox died.
+    async fn stream_ended(&self, sb: &Sb, p: &Proc, gen: u64, last: Result<i32, ApiError>) {
+        if lock(&p.st).gen != gen {
+            return;
+        }
+        match *lock(&sb.step) {
+            Step::Killing => return self.end_proc(sb, p, gen, Ok(killed_end())),
+            // Stopped with the sandbox, or ending by itself: said after the pause (a refused
+            // pause follows it again; a resumed sandbox too).
+            Step::Pausing => {
+                let mut st = lock(&p.st);
+                st.attached = false;
+                st.seen = last.as_ref().ok().copied();
+                return;
+            }
+            Step::None => {}
+        }
+        if lock(&sb.life).state == RunState::Paused {
+            lock(&p.st).attached = false;
+            return;
+        }
+        let signalled = lock(&p.st).signalled;
+        let end = match last {
+            Ok(code) if signalled.is_some() || !(code == 137 || code == 255) => {
+                Ok(exit_end(code, signalled))
+            }
+            // Killed or without a status: was it the sandbox that died?
+            last => {
+                if !self.alive(sb).await {
+                    Err(dead_error(&sb.id))
+                } else {
+                    match last {
+                        Ok(code) => Ok(exit_end(code, signalled)),
+                        Err(e) => {
+                            let msg = if e.hint.is_empty() {
+                                e.message
+                            } else {
+                                format!("{} ({})", e.message, e.hint)
+                            };
+                            Ok(EndEvent {
+                                exit_code: -1,
+                                exited: false,
+                                status: "error".into(),
+                                error: Some(msg),
+                            })
+                        }
+                    }
+                }
+            }
+        };
+        self.end_proc(sb, p, gen, end);
+    }
+}
+
+/// What the SDK is told of a sandbox whose init is gone (its message says "was not found", so
+/// the SDK raises `SandboxNotRunningException`).
+fn dead_error(id: &str) -> ConnectError {
+    ConnectError::new(
+        Code::Unavailable,
+        format!(
+            "The sandbox {id} was not found running: its processes ended outside the E2B API (its init is gone: killed, or stopped through Crab); Sandbox.connect() brings it back from its newest restore point, kill() removes it"
+        ),
+    )
+}
+
+/// The end of a process killed with the sandbox.
+fn killed_end() -> EndEvent {
+    EndEvent { exit_code: -1, exited: false, status: "signal: killed".into(), error: None }
+}
+
+/// The end of a process whose supervisor reported `code`; a process the front door signalled
+/// and that died of it ends as Go's envd reports a signal.
+fn exit_end(code: i32, signalled: Option<i32>) -> EndEvent {
+    match signalled {
+        Some(sig) if code == 128 + sig || code == 255 => EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: if sig == 9 { "signal: killed".into() } else { "signal: terminated".into() },
+            error: None,
+        },
+        _ => EndEvent {
+            exit_code: code,
+            exited: true,
+            status: format!("exit status {code}"),
+            error: None,
+        },
+    }
+}
+
+/// The header line of a `shell::launch` / `shell::follow` stream.
+#[derive(Debug)]
+struct Header {
+    pid: u32,
+    running: bool,
+    /// `follow`'s exit status of an ended process, when it left one.
+    status: Option<i32>,
+}
+
+/// Why no header came.
+#[derive(Debug)]
+struct HeaderFail {
+    /// The exec's exit code.
+    code: Option<i32>,
+    /// What it printed on stderr.
+    stderr: String,
+    /// The exec's own failure.
+    error: Option<ApiError>,
+}
+
+/// Read the header line off `rx`; answers it, the stream, and the frames that came with it
+/// (stderr, and stdout after the header's newline), in order.
+async fn read_header(
+    mut rx: mpsc::Receiver<ExecFrame>,
+) -> Result<(Header, mpsc::Receiver<ExecFrame>, Vec<ExecFrame>), HeaderFail> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut line: Vec<u8> = Vec::new();
+    let mut pending = Vec::new();
+    let mut stderr = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(ExecFrame::Stdout { d }) => {
+                let bytes = b64.decode(&d).unwrap_or_default();
+                line.extend_from_slice(&bytes);
+                if let Some(nl) = line.iter().position(|b| *b == b'\n') {
+                    let rest = line.split_off(nl + 1);
+                    if !rest.is_empty() {
+                        pending.push(ExecFrame::Stdout { d: b64.encode(&rest) });
+                    }
+                    let text = String::from_utf8_lossy(&line).trim().to_string();
+                    let mut w = text.split_whitespace();
+                    let pid = w.next().and_then(|p| p.parse::<u32>().ok());
+                    let word = w.next();
+                    let status = w.next().and_then(|c| c.parse::<i32>().ok());
+                    return match pid {
+                        Some(pid) if pid > 0 => Ok((
+                            Header { pid, running: word != Some("ended"), status },
+                            rx,
+                            pending,
+                        )),
+                        _ => Err(HeaderFail {
+                            code: None,
+                            stderr: format!("bad envd header {text:?}"),
+                            error: None,
+                        }),
+                    };
+                }
+                if line.len() > 256 {
+                    return Err(HeaderFail {
+                        code: None,
+                        stderr: "no envd header line".into(),
+                        error: None,
+                    });
+                }
+            }
+            Some(ExecFrame::Stderr { d }) => {
+                stderr.extend(b64.decode(&d).unwrap_or_default());
+                pending.push(ExecFrame::Stderr { d });
+            }
+            Some(ExecFrame::Exit { code, .. }) => {
+                return Err(HeaderFail {
+                    code: Some(code),
+                    stderr: String::from_utf8_lossy(&stderr).trim().to_string(),
+                    error: None,
+                })
+            }
+            Some(ExecFrame::Error { error }) => {
+                return Err(HeaderFail { code: None, stderr: String::new(), error: Some(error) })
+            }
+            None => {
+                return Err(HeaderFail {
+                    code: None,
+                    stderr: "the exec stream ended before the process started".into(),
+                    error: None,
+                })
+            }
+        }
     }
 }
 
 impl Proc {
-    fn kill(&self) {
-        if let Some(k) = lock(&self.kill).take() {
-            let _ = k.send(());
+    fn from_stored(p: StoredProcess) -> Proc {
+        Proc {
+            pid: p.pid,
+            tag: p.tag,
+            config: ProcessConfig { cmd: p.cmd, args: p.args, envs: p.envs, cwd: p.cwd },
+            dir: p.dir,
+            subs: Mutex::new(Vec::new()),
+            st: Mutex::new(ProcState {
+                ended: p.ended.map(|e| EndEvent {
+                    exit_code: e.exit_code,
+                    exited: e.exited,
+                    status: e.status,
+                    error: e.error,
+                }),
+                ..Default::default()
+            }),
         }
     }
 
-    /// End every stream without killing the process (its exec stream is gone: pause).
-    fn detach(&self) {
-        self.kill();
+    fn stored(&self) -> StoredProcess {
+        let st = lock(&self.st);
+        StoredProcess {
+            pid: self.pid,
+            tag: self.tag.clone(),
+            cmd: self.config.cmd.clone(),
+            args: self.config.args.clone(),
+            envs: self.config.envs.clone(),
+            cwd: self.config.cwd.clone(),
+            dir: self.dir.clone(),
+            ended: st.ended.as_ref().map(|e| StoredEnd {
+                exit_code: e.exit_code,
+                exited: e.exited,
+                status: e.status.clone(),
+                error: e.error.clone(),
+            }),
+        }
     }
 
-    fn subscribe(&self) -> Option<mpsc::UnboundedReceiver<ProcessEvent>> {
+    fn running(&self) -> bool {
+        lock(&self.st).ended.is_none()
+    }
+
+    fn subscribe(&self) -> Option<mpsc::UnboundedReceiver<Result<ProcessEvent, ConnectError>>> {
         let (tx, rx) = mpsc::unbounded_channel();
-        if *lock(&self.ended) {
+        if !self.running() {
             return None;
         }
         lock(&self.subs).push(tx);
@@ -617,7 +1058,33 @@ impl Proc {
     }
 
     fn publish(&self, ev: ProcessEvent) {
-        lock(&self.subs).retain(|s| s.send(ev.clone()).is_ok());
+        lock(&self.subs).retain(|s| s.send(Ok(ev.clone())).is_ok());
+    }
+
+    /// Tell every stream how it ended (an end event, or an error end of stream) and close them.
+    fn finish(&self, how: Result<EndEvent, ConnectError>) {
+        let subs = std::mem::take(&mut *lock(&self.subs));
+        for s in subs {
+            let _ = s.send(how.clone().map(ProcessEvent::End));
+        }
+    }
+
+    /// Give up the attached exec stream (a pause stopped it, or the sandbox was killed):
+    /// `Ok(end)` records the process ended; `Err(e)` keeps it running, unattached. Its streams
+    /// are told either way.
+    fn give_up(&self, how: Result<EndEvent, ConnectError>) {
+        {
+            let mut st = lock(&self.st);
+            if st.ended.is_some() {
+                return;
+            }
+            st.gen += 1;
+            st.attached = false;
+            if let Ok(end) = &how {
+                st.ended = Some(end.clone());
+            }
+        }
+        self.finish(how);
     }
 }
 
@@ -742,7 +1209,43 @@ fn check_env_key(k: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `GET /health`: 204; with an `E2b-Sandbox-Id`, 502 unless that sandbox runs (the SDK's
+/// `is_running()` reads a 502 as "not running").
+async fn health<B: Backend>(State(e2b): State<Shared<B>>, headers: HeaderMap) -> Response {
+    let Some(id) = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) else {
+        return StatusCode::NO_CONTENT.into_response();
+    };
+    let sb =
+        lock(&e2b.sandboxes).get(id).filter(|s| lock(&s.life).state == RunState::Running).cloned();
+    match sb {
+        Some(sb) if e2b.alive(&sb).await => StatusCode::NO_CONTENT.into_response(),
+        Some(_) => envd_rest_error(dead_error(id)).into_response(),
+        None => {
+            RestError::new(502, format!("The sandbox {id} was not found running")).into_response()
+        }
+    }
+}
+
+/// What the host says runs: sandbox name → its init is alive.
+async fn host_running<B: Backend>(e2b: &E2b<B>) -> HashMap<String, bool> {
+    match e2b.backend.sandboxes().await {
+        Ok(v) => v.into_iter().collect(),
+        Err(e) => {
+            tracing::warn!(error = %e.message, "cannot list the host's sandboxes; E2B states as last known");
+            HashMap::new()
+        }
+    }
+}
+
+/// Record what the host said of `sb` (a sandbox the host does not list is left as it was).
+fn note_host(sb: &Sb, host: &HashMap<String, bool>) {
+    if let Some(&running) = host.get(&sb.id) {
+        sb.dead.store(!running && lock(&sb.life).state == RunState::Running, Ordering::Relaxed);
+    }
+}
+
 fn detail_of(sb: &Sb, with_token: bool) -> rest::Detail {
+    let dead = sb.dead.load(Ordering::Relaxed);
     let l = lock(&sb.life);
     rest::Detail {
         template_id: sb.template.clone(),
@@ -754,9 +1257,11 @@ fn detail_of(sb: &Sb, with_token: bool) -> rest::Detail {
         cpu_count: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
         memory_mb: 512,
         disk_size_mb: 1024,
+        // A sandbox whose init died outside the E2B API is not running: E2B's word for a
+        // sandbox that exists but does not run is "paused" (connect brings it back).
         state: match l.state {
-            RunState::Running => "running".into(),
-            RunState::Paused | RunState::Killed => "paused".into(),
+            RunState::Running if !dead => "running".into(),
+            RunState::Running | RunState::Paused | RunState::Killed => "paused".into(),
         },
         metadata: sb.metadata.clone(),
         envd_access_token: with_token.then(|| sb.token.clone()),
@@ -768,6 +1273,7 @@ async fn detail<B: Backend>(
     Path(id): Path<String>,
 ) -> Result<Response, RestError> {
     let sb = e2b.sandbox(&id)?;
+    note_host(&sb, &host_running(&e2b).await);
     Ok(Json(detail_of(&sb, true)).into_response())
 }
 
@@ -788,9 +1294,11 @@ async fn list<B: Backend>(
         }
     }
     let (offset, limit) = page_params(&q)?;
+    let host = host_running(&e2b).await;
     let mut all: Vec<rest::Detail> = lock(&e2b.sandboxes)
         .values()
         .filter(|sb| lock(&sb.life).state != RunState::Killed)
+        .inspect(|sb| note_host(sb, &host))
         .map(|sb| detail_of(sb, false))
         .filter(|d| filter.iter().all(|(k, v)| d.metadata.get(k) == Some(v)))
         .filter(|d| states.is_empty() || states.contains(&d.state.as_str()))
@@ -932,6 +1440,9 @@ async fn connect_sb<B: Backend>(
             }
         };
         let paused = point.is_some();
+        // Running in the front door's eyes, but its init is gone (it died or was stopped
+        // outside the E2B API): brought back like `crab sandbox start` (its newest point).
+        let dead = !paused && lock(&sb.life).state == RunState::Running && !e2b.alive(&sb).await;
         if let Some(point) = point {
             e2b.backend.resume(sb.id.clone(), point).await?;
             {
@@ -940,6 +1451,19 @@ async fn connect_sb<B: Backend>(
                 l.end_at = SystemTime::now() + Duration::from_secs(timeout);
             }
             e2b.persist(&sb);
+            e2b.reattach(&sb).await;
+        } else if dead {
+            e2b.backend.start(sb.id.clone()).await?;
+            sb.dead.store(false, Ordering::Relaxed);
+            {
+                let mut l = lock(&sb.life);
+                let new = SystemTime::now() + Duration::from_secs(timeout);
+                if new > l.end_at {
+                    l.end_at = new;
+                }
+            }
+            e2b.persist(&sb);
+            e2b.reattach(&sb).await;
         } else if req.timeout.is_some() {
             {
                 let mut l = lock(&sb.life);
@@ -950,7 +1474,7 @@ async fn connect_sb<B: Backend>(
             }
             e2b.persist(&sb);
         }
-        paused
+        paused || dead
     };
     tracing::info!(sandbox = %id, resumed, "E2B connect");
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
@@ -1030,8 +1554,11 @@ async fn fork<B: Backend>(
 // ---------------------------------------------------------------------------------------------
 // envd
 
-/// The sandbox an envd call is for, checked against its access token.
-fn envd_sandbox<B: Backend>(e2b: &E2b<B>, headers: &HeaderMap) -> Result<Arc<Sb>, ConnectError> {
+/// The sandbox an envd call is for, checked against its access token, and running.
+async fn envd_sandbox<B: Backend>(
+    e2b: &E2b<B>,
+    headers: &HeaderMap,
+) -> Result<Arc<Sb>, ConnectError> {
     let id = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()).ok_or_else(|| {
         ConnectError::new(
             Code::InvalidArgument,
@@ -1055,8 +1582,12 @@ fn envd_sandbox<B: Backend>(e2b: &E2b<B>, headers: &HeaderMap) -> Result<Arc<Sb>
     if lock(&sb.life).state == RunState::Paused {
         return Err(ConnectError::new(
             Code::Unavailable,
-            format!("sandbox {id} is paused; resume it with Sandbox.connect()"),
+            format!("The sandbox {id} was not found running: it is paused; resume it with Sandbox.connect()"),
         ));
+    }
+    // Known dead: asked again (it may have been restored through Crab since).
+    if sb.dead.load(Ordering::Relaxed) && !e2b.alive(&sb).await {
+        return Err(dead_error(id));
     }
     Ok(sb)
 }
@@ -1079,7 +1610,7 @@ async fn run_collect<B: Backend>(
     user: &str,
     argv: Vec<String>,
     stdin: Option<&[u8]>,
-) -> Result<Ran, ApiError> {
+) -> Result<Ran, ConnectError> {
     let (cmd, env) = shell::as_user(user, &[], argv);
     let req = ExecRequest {
         cmd,
@@ -1088,7 +1619,10 @@ async fn run_collect<B: Backend>(
         timeout_s: Some(120.0),
         stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
     };
-    let mut rx = e2b.backend.exec(sb.id.clone(), req).await?;
+    let mut rx = match e2b.backend.exec(sb.id.clone(), req).await {
+        Ok(rx) => rx,
+        Err(e) => return Err(e2b.exec_failed(sb, e).await),
+    };
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
     let b64 = base64::engine::general_purpose::STANDARD;
     while let Some(f) = rx.recv().await {
@@ -1097,18 +1631,21 @@ async fn run_collect<B: Backend>(
             ExecFrame::Stderr { d } => stderr.extend(b64.decode(d).unwrap_or_default()),
             ExecFrame::Exit { code, timed_out, .. } => {
                 if timed_out {
-                    return Err(ApiError::new(
-                        ErrorCode::Timeout,
+                    return Err(ConnectError::new(
+                        Code::DeadlineExceeded,
                         "the filesystem operation timed out",
-                        "",
                     ));
+                }
+                // Killed: by the sandbox's death?
+                if code == 137 && !e2b.alive(sb).await {
+                    return Err(dead_error(&sb.id));
                 }
                 return Ok(Ran { code, stdout, stderr });
             }
-            ExecFrame::Error { error } => return Err(error),
+            ExecFrame::Error { error } => return Err(e2b.exec_failed(sb, error).await),
         }
     }
-    Err(ApiError::internal("the command's stream ended without an exit status"))
+    Err(ConnectError::new(Code::Internal, "the command's stream ended without an exit status"))
 }
 
 fn fs_error(r: &Ran, path: &str) -> ConnectError {
@@ -1162,7 +1699,7 @@ async fn filesystem_call<B: Backend>(
     if connect::call_kind(headers) != Some(CallKind::Unary) {
         return Err(unsupported(method, headers));
     }
-    let sb = envd_sandbox(e2b, headers)?;
+    let sb = envd_sandbox(e2b, headers).await?;
     let user = call_user(headers)?;
     let one = |r: Ran, path: &str| -> Result<envd::EntryInfo, ConnectError> {
         if r.code != 0 {
@@ -1183,7 +1720,7 @@ async fn filesystem_call<B: Backend>(
                 "Remove" => shell::remove(&path),
                 _ => shell::list(&path, req.depth),
             };
-            let r = run_collect(e2b, &sb, &user, argv, None).await.map_err(api_to_connect)?;
+            let r = run_collect(e2b, &sb, &user, argv, None).await?;
             match method {
                 "Remove" => {
                     if r.code != 0 {
@@ -1204,7 +1741,7 @@ async fn filesystem_call<B: Backend>(
         "Move" => {
             let req: envd::MoveRequest = connect::decode_json(raw)?;
             let (src, dst) = (shell::absolute(&req.source, &user), shell::absolute(&req.destination, &user));
-            let r = run_collect(e2b, &sb, &user, shell::rename(&src, &dst), None).await.map_err(api_to_connect)?;
+            let r = run_collect(e2b, &sb, &user, shell::rename(&src, &dst), None).await?;
             if r.code == 44 {
                 return Err(fs_error(&r, &src));
             }
@@ -1248,12 +1785,13 @@ async fn process<B: Backend>(
     }
 }
 
+/// The process `sel` names: by pid (running, or among the last ended), or by tag (running).
 fn find_proc(sb: &Sb, sel: Option<&envd::ProcessSelector>) -> Result<Arc<Proc>, ConnectError> {
     let procs = lock(&sb.procs);
     let found = match sel {
         Some(envd::ProcessSelector { pid: Some(pid), .. }) => procs.get(pid).cloned(),
         Some(envd::ProcessSelector { tag: Some(tag), .. }) => {
-            procs.values().find(|p| p.tag.as_deref() == Some(tag.as_str())).cloned()
+            procs.values().find(|p| p.tag.as_deref() == Some(tag.as_str()) && p.running()).cloned()
         }
         _ => {
             return Err(ConnectError::new(
@@ -1266,7 +1804,7 @@ fn find_proc(sb: &Sb, sel: Option<&envd::ProcessSelector>) -> Result<Arc<Proc>, 
 }
 
 async fn process_unary<B: Backend>(
-    e2b: &E2b<B>,
+    e2b: &Shared<B>,
     method: &str,
     headers: &HeaderMap,
     raw: &[u8],
@@ -1274,32 +1812,54 @@ async fn process_unary<B: Backend>(
     if connect::call_kind(headers) != Some(CallKind::Unary) {
         return Err(unsupported(method, headers));
     }
-    let sb = envd_sandbox(e2b, headers)?;
+    let sb = envd_sandbox(e2b, headers).await?;
     match method {
         "List" => {
-            let processes = lock(&sb.procs)
+            let mut processes: Vec<envd::ProcessInfo> = lock(&sb.procs)
                 .values()
+                .filter(|p| p.running())
                 .map(|p| envd::ProcessInfo {
                     config: p.config.clone(),
                     pid: p.pid,
                     tag: p.tag.clone(),
                 })
                 .collect();
+            processes.sort_by_key(|p| p.pid);
             Ok(connect::unary_ok(&envd::ListResponse { processes }))
         }
         "SendSignal" => {
             let req: envd::SelectRequest = connect::decode_json(raw)?;
-            match req.signal {
-                Some(9) | Some(15) => {}
+            let (sig, name) = match req.signal {
+                Some(9) => (9, "KILL"),
+                Some(15) => (15, "TERM"),
                 other => {
                     return Err(ConnectError::new(
                         Code::InvalidArgument,
                         format!("signal {other:?} is not supported; use SIGKILL or SIGTERM"),
                     ))
                 }
-            }
+            };
             let p = find_proc(&sb, req.process.as_ref())?;
-            p.kill();
+            if !p.running() {
+                return Err(ConnectError::new(
+                    Code::NotFound,
+                    format!("process {} has ended", p.pid),
+                ));
+            }
+            lock(&p.st).signalled = Some(sig);
+            let r = run_collect(e2b, &sb, "root", shell::signal(&p.dir, name), None).await?;
+            if r.code == 44 {
+                return Err(ConnectError::new(
+                    Code::NotFound,
+                    format!("process {} has no command left to signal", p.pid),
+                ));
+            }
+            // One no stream follows (after a restart or a resume) is followed now, so that
+            // its end is recorded.
+            if !lock(&p.st).attached {
+                let (e2b, sb, p) = (e2b.clone(), sb.clone(), p.clone());
+                tokio::spawn(async move { e2b.attach(&sb, &p).await });
+            }
             Ok(connect::unary_ok(&serde_json::json!({})))
         }
         "SendInput" | "CloseStdin" | "Update" => {
@@ -1317,14 +1877,19 @@ async fn process_unary<B: Backend>(
     }
 }
 
+type Events = mpsc::UnboundedReceiver<Result<ProcessEvent, ConnectError>>;
+
+/// `Start`: the command runs under its supervisor (`shell::launch`); the start event goes out
+/// once the supervisor said its pid. `Connect`: a stream of a running process's output from
+/// now on, or, for one that ended, its end.
 async fn process_stream<B: Backend>(
-    e2b: &E2b<B>,
+    e2b: &Shared<B>,
     method: &str,
     headers: &HeaderMap,
     raw: &[u8],
 ) -> Result<Response, ConnectError> {
-    let sb = envd_sandbox(e2b, headers)?;
-    let (proc_, events) = if method == "Start" {
+    let sb = envd_sandbox(e2b, headers).await?;
+    let (pid, events): (u32, Events) = if method == "Start" {
         let req: envd::StartRequest = connect::decode_stream_request(raw)?;
         if req.pty.is_some() {
             return Err(ConnectError::new(
@@ -1352,32 +1917,69 @@ async fn process_stream<B: Backend>(
         let (cmd, env) = shell::as_user(&user, &envs, argv);
         let workdir =
             config.cwd.clone().filter(|c| !c.is_empty()).unwrap_or_else(|| shell::home_of(&user));
-        let req =
-            ExecRequest { cmd, env, workdir: Some(workdir), timeout_s: None, stdin_b64: None };
-        let rx = e2b.backend.exec(sb.id.clone(), req).await.map_err(api_to_connect)?;
-        let pid = sb.next_pid.fetch_add(1, Ordering::Relaxed);
-        let (ktx, krx) = oneshot::channel();
+        let dir = format!("{}/{}", shell::ENVD_DIR, random_hex(8));
+        let gc = std::mem::take(&mut *lock(&sb.gc));
+        let req = ExecRequest {
+            cmd: shell::launch(&dir, &gc, cmd),
+            env,
+            workdir: Some(workdir),
+            timeout_s: None,
+            stdin_b64: None,
+        };
+        let head = match e2b.backend.exec(sb.id.clone(), req).await {
+            Ok(rx) => read_header(rx).await,
+            Err(e) => Err(HeaderFail { code: None, stderr: String::new(), error: Some(e) }),
+        };
+        let (h, rx, pending) = match head {
+            Ok(x) => x,
+            Err(f) => {
+                lock(&sb.gc).extend(gc);
+                return Err(match (f.error, f.code) {
+                    (Some(e), _) => e2b.exec_failed(&sb, e).await,
+                    (None, Some(126 | 127)) => ConnectError::new(Code::InvalidArgument, f.stderr),
+                    (None, Some(137)) if !e2b.alive(&sb).await => dead_error(&sb.id),
+                    (None, code) => ConnectError::new(
+                        Code::Internal,
+                        format!("the process did not start (exit {code:?}): {}", f.stderr),
+                    ),
+                });
+            }
+        };
         let p = Arc::new(Proc {
-            pid,
+            pid: h.pid,
             tag,
             config,
+            dir,
             subs: Mutex::new(Vec::new()),
-            ended: Mutex::new(false),
-            kill: Mutex::new(Some(ktx)),
+            st: Mutex::new(ProcState { attached: true, ..Default::default() }),
         });
         let events = p
             .subscribe()
             .ok_or_else(|| ConnectError::new(Code::Internal, "process ended at once"))?;
-        lock(&sb.procs).insert(pid, p.clone());
-        tokio::spawn(pump(sb.clone(), p.clone(), rx, krx));
-        (p, events)
+        lock(&sb.procs).insert(p.pid, p.clone());
+        e2b.persist(&sb);
+        tokio::spawn(pump(e2b.clone(), sb.clone(), p.clone(), rx, pending, 0));
+        (p.pid, events)
     } else {
         let req: envd::SelectRequest = connect::decode_stream_request(raw)?;
         let p = find_proc(&sb, req.process.as_ref())?;
-        let events = p.subscribe().ok_or_else(|| {
-            ConnectError::new(Code::NotFound, format!("process {} has ended", p.pid))
-        })?;
-        (p, events)
+        let events = match p.subscribe() {
+            Some(ev) => {
+                if !lock(&p.st).attached {
+                    e2b.attach(&sb, &p).await;
+                }
+                ev
+            }
+            None => {
+                // Ended: its end, as the stream would have told it.
+                let (tx, rx) = mpsc::unbounded_channel();
+                if let Some(end) = lock(&p.st).ended.clone() {
+                    let _ = tx.send(Ok(ProcessEvent::End(end)));
+                }
+                rx
+            }
+        };
+        (p.pid, events)
     };
     let keepalive = headers
         .get("keepalive-ping-interval")
@@ -1387,15 +1989,15 @@ async fn process_stream<B: Backend>(
         .map(Duration::from_secs);
     let deadline = connect::timeout_ms(headers).map(Duration::from_millis);
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
-    tokio::spawn(stream_events(proc_.pid, events, tx, keepalive, deadline));
+    tokio::spawn(stream_events(pid, events, tx, keepalive, deadline));
     Ok(connect::stream_head(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))))
 }
 
 /// Forward a process's events to one client stream: the start event, then what happens, until
-/// the end event, the deadline, or the client leaving.
+/// the end event (or an error end of stream), the deadline, or the client leaving.
 async fn stream_events(
     pid: u32,
-    mut events: mpsc::UnboundedReceiver<ProcessEvent>,
+    mut events: Events,
     tx: mpsc::Sender<Result<Bytes, std::convert::Infallible>>,
     keepalive: Option<Duration>,
     deadline: Option<Duration>,
@@ -1411,7 +2013,7 @@ async fn stream_events(
     loop {
         tokio::select! {
             ev = events.recv() => match ev {
-                Some(ev) => {
+                Some(Ok(ev)) => {
                     let end = matches!(ev, ProcessEvent::End(_));
                     if tx.send(Ok(send(ev))).await.is_err() {
                         return;
@@ -1420,6 +2022,10 @@ async fn stream_events(
                         let _ = tx.send(Ok(connect::end_stream(None))).await;
                         return;
                     }
+                }
+                Some(Err(e)) => {
+                    let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
+                    return;
                 }
                 None => {
                     let e = ConnectError::new(Code::Unavailable, "the process's output stream ended (the sandbox was paused or killed)");
@@ -1442,38 +2048,33 @@ async fn stream_events(
     }
 }
 
-/// Own a process's exec stream: fan its frames out as envd events until it exits or is killed.
-async fn pump(
+/// Own the exec stream attached to `p` (generation `gen`): fan its output out as envd
+/// events; when it ends, say what that means ([`E2b::stream_ended`]). The process itself does
+/// not depend on this stream: a client leaving, or the stream ending, never kills it.
+async fn pump<B: Backend>(
+    e2b: Shared<B>,
     sb: Arc<Sb>,
     p: Arc<Proc>,
     mut rx: mpsc::Receiver<ExecFrame>,
-    mut kill: oneshot::Receiver<()>,
+    pending: Vec<ExecFrame>,
+    gen: u64,
 ) {
-    let end = loop {
-        tokio::select! {
-            f = rx.recv() => match f {
-                Some(ExecFrame::Stdout { d }) => p.publish(ProcessEvent::Data(DataEvent::Stdout(d))),
-                Some(ExecFrame::Stderr { d }) => p.publish(ProcessEvent::Data(DataEvent::Stderr(d))),
-                Some(ExecFrame::Exit { code, .. }) => {
-                    break EndEvent { exit_code: code, exited: true, status: format!("exit status {code}"), error: None };
-                }
-                Some(ExecFrame::Error { error }) => {
-                    let msg = if error.hint.is_empty() { error.message } else { format!("{} ({})", error.message, error.hint) };
-                    break EndEvent { exit_code: -1, exited: false, status: "error".into(), error: Some(msg) };
-                }
-                None => break EndEvent { exit_code: -1, exited: false, status: "error".into(), error: Some("the exec stream ended without an exit status".into()) },
-            },
-            _ = &mut kill => {
-                // Dropping the exec stream kills the command and whatever holds its output.
-                drop(rx);
-                break EndEvent { exit_code: -1, exited: false, status: "signal: killed".into(), error: None };
-            }
+    let mut pending = pending.into_iter();
+    let last = loop {
+        let f = match pending.next() {
+            Some(f) => Some(f),
+            None => rx.recv().await,
+        };
+        match f {
+            Some(ExecFrame::Stdout { d }) => p.publish(ProcessEvent::Data(DataEvent::Stdout(d))),
+            Some(ExecFrame::Stderr { d }) => p.publish(ProcessEvent::Data(DataEvent::Stderr(d))),
+            Some(ExecFrame::Exit { code, .. }) => break Ok(code),
+            Some(ExecFrame::Error { error }) => break Err(error),
+            None => break Err(ApiError::internal("the exec stream ended without an exit status")),
         }
     };
-    *lock(&p.ended) = true;
-    p.publish(ProcessEvent::End(end));
-    lock(&p.subs).clear();
-    lock(&sb.procs).remove(&p.pid);
+    drop(rx);
+    e2b.stream_ended(&sb, &p, gen, last).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1508,13 +2109,14 @@ async fn download<B: Backend>(
     headers: HeaderMap,
     Query(q): Query<FileQuery>,
 ) -> Result<Response, RestError> {
-    let sb = envd_sandbox(&e2b, &headers).map_err(envd_rest_error)?;
+    let sb = envd_sandbox(&e2b, &headers).await.map_err(envd_rest_error)?;
     let user = file_user(&q, &headers).map_err(envd_rest_error)?;
     let path = shell::absolute(
         q.path.as_deref().ok_or_else(|| RestError::new(400, "path is required"))?,
         &user,
     );
-    let r = run_collect(&e2b, &sb, &user, shell::read(&path), None).await?;
+    let r =
+        run_collect(&e2b, &sb, &user, shell::read(&path), None).await.map_err(envd_rest_error)?;
     if r.code != 0 {
         return Err(envd_rest_error(fs_error(&r, &path)));
     }
@@ -1527,7 +2129,7 @@ async fn upload<B: Backend>(
     req: Request,
 ) -> Result<Response, RestError> {
     let headers = req.headers().clone();
-    let sb = envd_sandbox(&e2b, &headers).map_err(envd_rest_error)?;
+    let sb = envd_sandbox(&e2b, &headers).await.map_err(envd_rest_error)?;
     let user = file_user(&q, &headers).map_err(envd_rest_error)?;
     let too_big = || {
         RestError::new(413, format!("upload exceeds the {MAX_UPLOAD}-byte limit of Crab's E2B front door; split it or copy it with a command"))
@@ -1585,7 +2187,9 @@ async fn upload<B: Backend>(
     let mut out = Vec::new();
     for (path, data) in files {
         let path = shell::absolute(&path, &user);
-        let r = run_collect(&e2b, &sb, &user, shell::write(&path), Some(&data)).await?;
+        let r = run_collect(&e2b, &sb, &user, shell::write(&path), Some(&data))
+            .await
+            .map_err(envd_rest_error)?;
         if r.code != 0 {
             return Err(envd_rest_error(fs_error(&r, &path)));
         }

@@ -1,6 +1,7 @@
 //! What the E2B front door remembers across daemon restarts: one versioned JSON file per E2B
 //! sandbox under `<state>/e2b/sandboxes/` (its template, metadata, envs, absolute deadline,
-//! auto-pause flag, run state, pause point and snapshots), written atomically, and the
+//! auto-pause flag, run state, pause point, snapshots and envd process table), written
+//! atomically, and the
 //! per-daemon secret (`<state>/e2b/token-secret`, mode 0600) from which each sandbox's envd
 //! access token is derived (HMAC-SHA256 of the sandbox id), so no token is stored. The format is
 //! documented in `docs/format.md` ("E2B front-door state").
@@ -14,8 +15,11 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-/// Version of a sandbox file.
-pub const FORMAT: u32 = 1;
+/// Version of a sandbox file (2 added `processes` and `gc`; version 1 files still load).
+pub const FORMAT: u32 = 2;
+
+/// The oldest sandbox file version this crab reads.
+pub const OLDEST_FORMAT: u32 = 1;
 
 /// The run state of an E2B sandbox as persisted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,6 +46,46 @@ pub struct StoredSnapshot {
     /// Names given at creation (also accepted as templates).
     #[serde(default)]
     pub names: Vec<String>,
+}
+
+/// How an envd process ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredEnd {
+    /// Its exit code (`-1` when killed by a signal).
+    pub exit_code: i32,
+    /// Whether it exited by itself.
+    pub exited: bool,
+    /// `exit status N`, `signal: killed`, or why it is unknown.
+    pub status: String,
+    /// What failed, when something did.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// One process started through envd (`process.Process/Start`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredProcess {
+    /// Its pid in the sandbox (the supervisor's; what the SDK selects it by).
+    pub pid: u32,
+    /// Its tag, if the start gave one.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// The program.
+    pub cmd: String,
+    /// Its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// The environment the start added.
+    #[serde(default)]
+    pub envs: HashMap<String, String>,
+    /// The working directory the start asked for.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Its directory in the sandbox (`/run/crab-envd/<hex>`: output, exit status).
+    pub dir: String,
+    /// How it ended; `None` while it runs.
+    #[serde(default)]
+    pub ended: Option<StoredEnd>,
 }
 
 /// One E2B sandbox as persisted (`<state>/e2b/sandboxes/<id>.json`).
@@ -73,6 +117,13 @@ pub struct SandboxFile {
     /// Snapshots taken of it.
     #[serde(default)]
     pub snapshots: Vec<StoredSnapshot>,
+    /// Processes started through envd: those running, and the last ones that ended (so a
+    /// `Connect` by pid still gets their end).
+    #[serde(default)]
+    pub processes: Vec<StoredProcess>,
+    /// Directories in the sandbox of processes reported ended, removed at the next start.
+    #[serde(default)]
+    pub gc: Vec<String>,
 }
 
 /// Why the state directory could not be used.
@@ -240,10 +291,10 @@ fn parse_file(path: &Path) -> Result<SandboxFile, String> {
     let v: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| format!("not JSON ({e})"))?;
     match v.get("format").and_then(|f| f.as_u64()) {
-        Some(n) if n == u64::from(FORMAT) => {}
+        Some(n) if (u64::from(OLDEST_FORMAT)..=u64::from(FORMAT)).contains(&n) => {}
         Some(n) => {
             return Err(format!(
-                "format version {n} is not {FORMAT}, the one this crab reads (written by another crab version)"
+                "format version {n} is not one this crab reads ({OLDEST_FORMAT}..={FORMAT}; written by another crab version)"
             ))
         }
         None => return Err("it has no format version".into()),
@@ -280,6 +331,22 @@ mod tests {
                 fs_only: false,
                 names: vec!["n".into()],
             }],
+            processes: vec![StoredProcess {
+                pid: 7,
+                tag: None,
+                cmd: "/bin/bash".into(),
+                args: vec!["-l".into(), "-c".into(), "sleep 9".into()],
+                envs: HashMap::new(),
+                cwd: Some("/tmp".into()),
+                dir: "/run/crab-envd/ab12".into(),
+                ended: Some(StoredEnd {
+                    exit_code: 3,
+                    exited: true,
+                    status: "exit status 3".into(),
+                    error: None,
+                }),
+            }],
+            gc: vec!["/run/crab-envd/cd34".into()],
         }
     }
 
@@ -293,10 +360,21 @@ mod tests {
         s.save(&sample("e2b-a")).unwrap();
         s.save(&sample("e2b-b")).unwrap();
         std::fs::write(d.join("sandboxes/e2b-c.json"), b"{not json").unwrap();
+        // A version-1 file (no process table) still loads.
+        let mut v1 = serde_json::to_value(sample("e2b-v1")).unwrap();
+        v1["format"] = 1.into();
+        v1.as_object_mut().unwrap().remove("processes");
+        v1.as_object_mut().unwrap().remove("gc");
+        std::fs::write(d.join("sandboxes/e2b-v1.json"), serde_json::to_vec(&v1).unwrap()).unwrap();
         std::fs::write(d.join("sandboxes/e2b-d.json"), br#"{"format": 99, "id": "e2b-d"}"#)
             .unwrap();
         let got = s.load();
-        assert_eq!(got, vec![sample("e2b-a"), sample("e2b-b")]);
+        let mut old = sample("e2b-v1");
+        old.format = 1;
+        old.processes.clear();
+        old.gc.clear();
+        assert_eq!(got, vec![sample("e2b-a"), sample("e2b-b"), old]);
+        s.delete("e2b-v1").unwrap();
         // The bad files are left for inspection.
         assert!(d.join("sandboxes/e2b-c.json").exists());
         // Tokens survive a reopen (same secret), differ per sandbox and per secret.

@@ -44,8 +44,13 @@ impl Backend for Fake {
         _name: String,
         req: ExecRequest,
     ) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
+        // An envd start's supervisor says its pid first ("7\n").
+        let launch = req.cmd.get(3).map(String::as_str) == Some("crab-envd");
         self.execs.lock().unwrap().push(req);
         let (tx, rx) = mpsc::channel(4);
+        if launch {
+            tx.send(ExecFrame::Stdout { d: "Nwo=".into() }).await.unwrap();
+        }
         tx.send(ExecFrame::Stdout { d: "aGkK".into() }).await.unwrap();
         tx.send(ExecFrame::Exit { code: 0, timed_out: false, duration_ms: 1.0 }).await.unwrap();
         Ok(rx)
@@ -66,6 +71,9 @@ impl Backend for Fake {
         Ok("c000002".into())
     }
     async fn resume(&self, _name: String, _point: String) -> Result<(), ApiError> {
+        Ok(())
+    }
+    async fn start(&self, _name: String) -> Result<(), ApiError> {
         Ok(())
     }
     async fn sandboxes(&self) -> Result<Vec<(String, bool)>, ApiError> {
@@ -170,13 +178,14 @@ async fn lifecycle_auth_and_envd_stream() {
         rest = &rest[5 + len..];
     }
     assert!(rest.is_empty());
-    assert_eq!(frames[0].1["event"]["start"]["pid"], 1);
+    assert_eq!(frames[0].1["event"]["start"]["pid"], 7);
     assert_eq!(frames[1].1["event"]["data"]["stdout"], "aGkK");
     assert_eq!(frames[2].1["event"]["end"]["exitCode"], 0);
     assert_eq!(frames[3], (2, serde_json::json!({})));
     // The command ran as `user` with the sandbox's envs, in the user's home.
     let exec = fake.execs.lock().unwrap()[0].clone();
-    assert_eq!(exec.cmd[0], "setpriv");
+    assert_eq!(exec.cmd[..2], ["/bin/sh", "-c"], "{:?}", exec.cmd);
+    assert!(exec.cmd.contains(&"setpriv".to_string()), "{:?}", exec.cmd);
     assert!(exec.cmd.contains(&"A=1".to_string()), "{:?}", exec.cmd);
     assert_eq!(exec.workdir.as_deref(), Some("/home/user"));
     // Snapshot, then create from it: a fork, not a create.

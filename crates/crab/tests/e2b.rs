@@ -110,7 +110,7 @@ fn run_flows(only: &str) {
         &url,
         "sdk_flows.py",
         &[],
-        &[("CRAB_E2B_ONLY", only), ("CRAB_DAEMON_CAPEFF", &caps)],
+        &[("CRAB_E2B_ONLY", only), ("CRAB_DAEMON_CAPEFF", &caps), ("CRAB_BIN", common::bin())],
     );
     for name in only.split(',') {
         assert!(stdout.contains(&format!("ok {name}")), "check {name} did not pass:\n{stdout}");
@@ -130,6 +130,22 @@ fn sdk_snapshots_fork_pause() {
 #[test]
 fn sdk_errors_and_timeout() {
     run_flows("errors,timeout");
+}
+
+/// envd processes and pauses: a refused pause (CRIU cannot dump the sandbox) leaves a
+/// background command running with its stream flowing; a pause that works keeps it in the
+/// pause point, and after connect it is listed, followed by pid and killed by pid.
+#[test]
+fn sdk_pause_keeps_background_commands() {
+    run_flows("pause_keeps_commands");
+}
+
+/// A sandbox whose init is killed outside the E2B API: not running through the SDK (info,
+/// list, is_running); commands, files and a running command's wait() raise at once;
+/// connect brings it back from its newest restore point.
+#[test]
+fn sdk_dead_sandbox_is_not_running() {
+    run_flows("dead_sandbox");
 }
 
 /// A dump that CRIU cannot do here (a uid-1000 process, no CAP_SYS_RESOURCE) is refused with
@@ -213,6 +229,18 @@ fn sdk_state_survives_a_daemon_restart() {
     assert!(info.contains("\"held\"") && info.contains("delete_snapshot"), "{info}");
     d.crab_ok(&["sandbox", "rm", "--force", made["doomed"].as_str().unwrap()]);
     d.stop();
+    // While the daemon is down, one background command of the worker ends (exit 7): the
+    // restarted front door must report it ended, not running.
+    let root = crab_common::paths::StateDir::new(&d.state)
+        .sandbox_rootfs(made["worker"].as_str().unwrap());
+    std::fs::write(root.join("tmp/stop-now"), b"").unwrap();
+    let ended = || {
+        std::fs::read_dir(root.join("run/crab-envd"))
+            .unwrap()
+            .flatten()
+            .any(|e| std::fs::read_to_string(e.path().join("exit")).is_ok_and(|c| c.trim() == "7"))
+    };
+    assert!(common::wait_until(10.0, ended), "the stopper did not end while the daemon was down");
     d.restart();
     let out = run_sdk(&python, &url, "restart_flows.py", &["after", st], &[]);
     assert!(out.contains("ok after"), "{out}");

@@ -106,6 +106,10 @@ impl Backend for HostBackend {
         self.run(Action::Restore { name, checkpoint: Some(point) }).await.map(|_| ())
     }
 
+    async fn start(&self, name: String) -> Result<(), ApiError> {
+        self.run(Action::Start { name }).await.map(|_| ())
+    }
+
     async fn sandboxes(&self) -> Result<Vec<(String, bool)>, ApiError> {
         match self.run(Action::ListSandboxes).await? {
             Outcome::Sandboxes(v) => Ok(v

@@ -9,11 +9,13 @@ it: the same sandboxes answer). Prints `ok PHASE`; any failure raises (non-zero 
 import json
 import os
 import sys
+import threading
 import time
 
 import httpx
 from e2b import Sandbox
 from e2b.exceptions import NotFoundException, SandboxException
+from e2b.sandbox.commands.command_handle import CommandExitException
 
 API = os.environ["E2B_API_URL"]
 KEY = os.environ["E2B_API_KEY"]
@@ -53,10 +55,38 @@ def gone(sid):
         raise
 
 
+def swallow(f):
+    try:
+        f()
+    except Exception:  # noqa: BLE001 - the stream ends with the daemon; that is the point
+        pass
+
+
+def until(what, cond, timeout=10.0):
+    end = time.time() + timeout
+    while not cond():
+        assert time.time() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def before(state_path):
     worker = Sandbox.create("base", metadata={"role": "worker"}, envs={"FROM_CREATE": "kept"})
     worker.files.write("/home/user/notes.txt", "written before the restart")
     worker.commands.run("echo 41 > /tmp/counter")
+    # Background commands across the restart: one keeps running (and printing), one ends while
+    # the daemon is down (the test creates /tmp/stop-now in its root from the host).
+    seen = []
+    ticker = worker.commands.run(
+        "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.1; done", background=True
+    )
+    # The sync SDK hands a background command's output only to wait()'s callbacks.
+    threading.Thread(target=lambda: swallow(lambda: ticker.wait(on_stdout=seen.append)), daemon=True).start()
+    until("the ticker's output", lambda: "tick 1" in "".join(seen))
+    stopper = worker.commands.run(
+        "while [ ! -e /tmp/stop-now ]; do sleep 0.1; done; echo bye; exit 7", background=True
+    )
+    listed = [p.pid for p in worker.commands.list()]
+    assert ticker.pid in listed and stopper.pid in listed, listed
     # Paused before the restart, resumed after it (its pause point is persisted).
     sleeper = Sandbox.create("base")
     sleeper.commands.run(
@@ -91,6 +121,8 @@ def before(state_path):
         "sleeper": sleeper.sandbox_id,
         "doomed": doomed.sandbox_id,
         "snapshot": snap.snapshot_id,
+        "ticker": ticker.pid,
+        "stopper": stopper.pid,
     }
     with open(state_path, "w") as f:
         json.dump(state, f)
@@ -117,6 +149,37 @@ def after(state_path):
     assert sb.files.read("/home/user/notes.txt") == "written before the restart"
     r = sb.commands.run("cat /tmp/counter; echo $FROM_CREATE")
     assert r.stdout == "41\nkept\n", repr(r.stdout)
+    # The envd process table came back: the ticker still runs (listed, followed by pid, killed
+    # by pid); the stopper ended while the daemon was down: not listed, and connecting to it
+    # by pid tells its exit status.
+    listed = [p.pid for p in sb.commands.list()]
+    assert st["ticker"] in listed and st["stopper"] not in listed, (listed, st)
+    try:
+        sb.commands.connect(st["stopper"]).wait()
+        raise AssertionError("the stopper's exit 7 was not reported")
+    except CommandExitException as e:
+        assert e.exit_code == 7, e.exit_code
+    seen, box = [], {}
+    t = sb.commands.connect(st["ticker"])
+
+    def wait():
+        try:
+            t.wait(on_stdout=seen.append)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            box["error"] = e
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    until("the ticker's output after the restart", lambda: "tick" in "".join(seen))
+    assert sb.commands.kill(st["ticker"])
+    waiter.join(20)
+    assert not waiter.is_alive(), "wait() of a killed command hung"
+    assert isinstance(box.get("error"), CommandExitException), box
+    assert st["ticker"] not in [p.pid for p in sb.commands.list()]
+    left = sb.commands.run(
+        f"for i in $(seq 50); do [ -d /proc/{st['ticker']} ] || {{ echo gone; exit 0; }}; sleep 0.1; done; echo still"
+    )
+    assert left.stdout == "gone\n", left.stdout
     listed = [s.sandbox_id for s in Sandbox.list().next_items()]
     assert st["worker"] in listed and st["timer"] in listed, listed
     # The paused one is still paused, and connect resumes it with its process.

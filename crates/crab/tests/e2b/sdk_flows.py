@@ -7,18 +7,23 @@ at the end, pass or fail. `CRAB_E2B_ONLY=name,name` runs a subset.
 """
 
 import asyncio
+import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
 import httpx
-from e2b import AsyncSandbox, Sandbox, SandboxQuery
+from e2b import AsyncSandbox, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import (
     AuthenticationException,
     InvalidArgumentException,
     NotFoundException,
     SandboxException,
+    SandboxNotRunningException,
 )
 from e2b.sandbox.commands.command_handle import CommandExitException
 
@@ -198,6 +203,131 @@ def check_pause_connect():
     again.kill()
 
 
+def until(what, cond, timeout=10.0):
+    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds."""
+    end = time.time() + timeout
+    while not cond():
+        assert time.time() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+class Waiter:
+    """handle.wait(on_stdout=...) in a thread from now on (the sync SDK hands a background
+    command's output only to wait()'s callbacks); .raised() answers what wait() raised."""
+
+    def __init__(self, handle, on_stdout=None):
+        self.box = {}
+        self.t = threading.Thread(target=self._run, args=(handle, on_stdout), daemon=True)
+        self.t.start()
+
+    def _run(self, handle, on_stdout):
+        try:
+            self.box["result"] = handle.wait(on_stdout=on_stdout)
+        except BaseException as e:  # noqa: BLE001 - the caller asserts on it
+            self.box["error"] = e
+
+    def raised(self, timeout=20.0):
+        self.t.join(timeout)
+        assert not self.t.is_alive(), f"handle.wait() hung for {timeout} s"
+        return self.box.get("error")
+
+
+def wait_raises(handle, timeout=20.0):
+    """What handle.wait() raises (None if it returns); fails if it hangs."""
+    return Waiter(handle).raised(timeout)
+
+
+TICKER = "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.1; done"
+
+
+def check_pause_keeps_commands():
+    """A refused pause leaves background commands running and their streams flowing; a pause
+    that works keeps them in the pause point, and after connect they are listed, followed and
+    killed by pid (root: CRIU dumps a non-root process only with CAP_SYS_RESOURCE)."""
+    sb = create()
+    seen = []
+    h = sb.commands.run(TICKER, background=True, user="root")
+    w = Waiter(h, seen.append)
+    until("the ticker's output", lambda: "tick 2" in "".join(seen))
+    # A 3 MiB deleted-but-open file: CRIU refuses it (over its 1 MiB ghost limit), whatever the
+    # host's capabilities, after the pause has checked what it checks first.
+    sb.commands.run(
+        "nohup python3 -c 'import os,time; f=open(\"/tmp/ghost\",\"wb\"); f.write(b\"x\"*(3<<20)); f.flush(); os.unlink(\"/tmp/ghost\"); time.sleep(1000)' >/dev/null 2>&1 & echo $! >/tmp/ghost.pid",
+        user="root",
+    )
+    sb.commands.run("for i in $(seq 50); do [ -e /tmp/ghost ] || exit 0; sleep 0.1; done; exit 1", user="root")
+    try:
+        sb.pause()
+        raise AssertionError("a pause CRIU cannot dump succeeded")
+    except SandboxException as e:
+        assert "ghost" in str(e) or "criu" in str(e).lower(), e
+    assert sb.get_info().state.value == "running"
+    # The stream goes on (nothing was stopped), the command is still listed.
+    n = len(seen)
+    until("output after the refused pause", lambda: len(seen) > n + 2)
+    assert h.pid in [p.pid for p in sb.commands.list()], "the refused pause lost the command"
+    sb.commands.run("p=$(cat /tmp/ghost.pid); kill $p; for i in $(seq 50); do [ -d /proc/$p ] || exit 0; sleep 0.1; done; exit 1", user="root")
+    # Now the pause works: the stream ends saying so (E2B's streams do not survive a pause).
+    assert sb.pause()
+    err = w.raised()
+    assert isinstance(err, SandboxException) and "paused" in str(err), repr(err)
+    again = Sandbox.connect(sb.sandbox_id)
+    assert h.pid in [p.pid for p in again.commands.list()], "the command is gone after resume"
+    later = []
+    c = again.commands.connect(h.pid)
+    cw = Waiter(c, later.append)
+    until("output after the resume", lambda: "tick" in "".join(later))
+    assert again.commands.kill(h.pid)
+    err = cw.raised()
+    assert isinstance(err, CommandExitException), repr(err)
+    assert h.pid not in [p.pid for p in again.commands.list()]
+    gone = again.commands.run(f"for i in $(seq 50); do [ -d /proc/{h.pid} ] || {{ echo gone; exit 0; }}; sleep 0.1; done; echo still")
+    assert gone.stdout == "gone\n", gone.stdout
+    again.kill()
+
+
+def crab_json(*args):
+    out = subprocess.run([os.environ["CRAB_BIN"], "--json", *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def check_dead_sandbox():
+    """The sandbox's init killed from outside the E2B API: the SDK sees it not running (info,
+    list, is_running), its commands and files calls and a running command's wait() raise at
+    once (not hang), and connect brings it back from its newest restore point."""
+    sb = create()
+    sb.files.write("/home/user/kept.txt", "before the snapshot")
+    snap = sb.create_snapshot(mode="filesystem")
+    h = sb.commands.run("sleep 600", background=True)
+    init = crab_json("sandbox", "inspect", sb.sandbox_id)["init_pid"]
+    os.kill(init, signal.SIGKILL)
+    err = wait_raises(h)
+    assert isinstance(err, SandboxNotRunningException), repr(err)
+    assert sb.get_info().state.value == "paused"
+    running = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()]
+    assert sb.sandbox_id not in running, running
+    assert not sb.is_running()
+    for what, call in [
+        ("commands.run", lambda: sb.commands.run("true")),
+        ("files.read", lambda: sb.files.read("/home/user/kept.txt")),
+        ("files.write", lambda: sb.files.write("/tmp/x", "x")),
+        ("commands.list", lambda: sb.commands.list()),
+    ]:
+        t = time.time()
+        try:
+            call()
+            raise AssertionError(f"{what} on a dead sandbox succeeded")
+        except SandboxNotRunningException as e:
+            assert "outside the E2B API" in str(e), (what, e)
+        assert time.time() - t < 10, f"{what} took {time.time() - t:.1f} s"
+    back = Sandbox.connect(sb.sandbox_id)
+    assert back.is_running() and back.get_info().state.value == "running"
+    assert back.files.read("/home/user/kept.txt") == "before the snapshot"
+    assert back.commands.run("echo alive").stdout == "alive\n"
+    back.kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id)
+
+
 def check_timeout():
     sb = create(timeout=3)
     assert sb.commands.run("echo alive").stdout == "alive\n"
@@ -341,6 +471,8 @@ CHECKS = [
     ("errors", check_errors),
     ("snapshots_fork", check_snapshots_and_fork),
     ("pause_connect", check_pause_connect),
+    ("pause_keeps_commands", check_pause_keeps_commands),
+    ("dead_sandbox", check_dead_sandbox),
     ("timeout", check_timeout),
     ("capability", check_capability),
 ]

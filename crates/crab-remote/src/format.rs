@@ -8,7 +8,7 @@ use crate::error::{RemoteError, Result};
 use crate::id::Id;
 
 /// Version of every framed object this build writes; it reads `1..=FORMAT_VERSION`.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 const TRAILER_TAG: &[u8] = b"\nblake3 ";
 /// `\nblake3 ` + 64 hex + `\n`.
@@ -280,7 +280,34 @@ pub struct Entry {
     /// Device number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdev: Option<u64>,
+    /// Extended attributes in the `user.` namespace, sorted by name (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xattrs: Option<Vec<Xattr>>,
+    /// Regular file that is another name of an earlier file of the same tree (a hard link):
+    /// that file's path from the tree's root, hex (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_hex: Option<String>,
 }
+
+/// One extended attribute.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Xattr {
+    /// Its full name (`user.…`).
+    pub name: String,
+    /// Its value, hex.
+    pub value_hex: String,
+}
+
+/// Extended attributes carried: only this namespace (see `docs/format.md`).
+pub const XATTR_PREFIX: &str = "user.";
+/// At most this many extended attributes per entry.
+pub const XATTR_MAX_COUNT: usize = 64;
+/// Longest extended attribute name, bytes (the kernel's `XATTR_NAME_MAX`).
+pub const XATTR_MAX_NAME: usize = 255;
+/// Largest extended attribute value, bytes (the kernel's `XATTR_SIZE_MAX`).
+pub const XATTR_MAX_VALUE: usize = 65536;
+/// Largest sum of an entry's extended attribute values, bytes.
+pub const XATTR_MAX_TOTAL: usize = 256 * 1024;
 
 /// A directory listing, entries sorted by name bytes.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
@@ -352,13 +379,23 @@ mod tests {
 
     #[test]
     fn newer_version_is_refused() {
-        let mut v2 = b"crab-remote-point 2\n{}".to_vec();
+        let mut v2 = b"crab-remote-point 3\n{}".to_vec();
         let sum = blake3::hash(&v2);
         v2.extend_from_slice(b"\nblake3 ");
         v2.extend_from_slice(sum.to_hex().as_bytes());
         v2.push(b'\n');
-        let err = unframe("point", &v2, "p").expect_err("v2");
-        assert!(err.to_string().contains("version 2"), "{err}");
+        let err = unframe("point", &v2, "p").expect_err("v3");
+        assert!(err.to_string().contains("version 3"), "{err}");
+    }
+
+    #[test]
+    fn version_1_objects_are_still_read() {
+        let mut v1 = b"crab-remote-point 1\n{}".to_vec();
+        let sum = blake3::hash(&v1);
+        v1.extend_from_slice(b"\nblake3 ");
+        v1.extend_from_slice(sum.to_hex().as_bytes());
+        v1.push(b'\n');
+        assert_eq!(unframe("point", &v1, "p").expect("v1"), b"{}");
     }
 
     #[test]
@@ -375,6 +412,8 @@ mod tests {
             subtree: None,
             target_hex: None,
             rdev: None,
+            xattrs: None,
+            link_hex: None,
         };
         for bad in ["", ".", "..", "a/b", "../x"] {
             e.name = Some(bad.into());

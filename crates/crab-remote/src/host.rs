@@ -36,13 +36,22 @@ impl HostFacts {
 
 /// Refuse to restore `rec`'s processes on a host with facts `here` and CRIU `criu` when what
 /// CRIU needs differs: architecture, kernel release, CRIU version, or a CPU flag the dumping
-/// host had and this one lacks. A point without processes always passes.
+/// host had and this one lacks; or when the point does not carry the filesystem its processes
+/// ran on. A point without processes always passes.
+///
+/// There is no check of this host's image against the point's: the processes come back on the
+/// point's own complete filesystem tree (every file verified by its hash), never on a local
+/// image's files. A local image is only a starting copy that `local::materialize` patches into
+/// that tree, and only when its own tree id equals the point's image's.
 pub fn preflight(rec: &PointRecord, here: &HostFacts, criu: Option<&str>) -> Result<()> {
     if rec.procs.is_none() {
         return Ok(());
     }
     let point = format!("{}@{}", rec.sandbox, rec.point);
     let fail = |mismatch: String| Err(RemoteError::Preflight { point: point.clone(), mismatch });
+    if rec.fs.is_none() {
+        return fail("it has process images but no filesystem tree for them to run on".to_string());
+    }
     let there = &rec.host;
     if there.machine != here.machine {
         return fail(format!(
@@ -91,8 +100,8 @@ mod tests {
             exported_at_ms: 0,
             host,
             manifest: Content::default(),
-            fs: None,
             procs: Some(crate::id::Id([1; 32])),
+            fs: Some(crate::id::Id([2; 32])),
             criu_version: Some("4.2.1".into()),
             conversation: None,
             image: None,
@@ -111,6 +120,10 @@ mod tests {
         assert!(err.to_string().contains("kernel 5.10.0-old"), "{err}");
         let err = preflight(&rec(here.clone()), &here, Some("4.1.1")).expect_err("criu");
         assert!(err.to_string().contains("CRIU 4.2.1"), "{err}");
+        let mut no_fs = rec(here.clone());
+        no_fs.fs = None;
+        let err = preflight(&no_fs, &here, Some("4.2.1")).expect_err("no fs");
+        assert!(err.to_string().contains("no filesystem tree"), "{err}");
         let mut more = here.clone();
         more.cpu_flags.push("avx9000".into());
         let err = preflight(&rec(more), &here, Some("4.2.1")).expect_err("flags");

@@ -6,8 +6,13 @@
 //! export in this process: btrfs snapshots of one subvolume keep inode numbers, so a file
 //! the sandbox did not touch since its image or its previous point is not read again.
 //!
-//! Not carried: extended attributes (file capabilities), sockets, and hard links (each link
-//! comes back as its own copy of the content). Device nodes come back only for the harmless
+//! Hard links are carried: a file whose inode an earlier entry of the walk already had names
+//! that entry's path (`link_hex`), and the restore links it to the file it restored there
+//! (resolved beneath the tree's root, no symlink followed, a regular file). Extended
+//! attributes are carried in the `user.` namespace only, within size caps; `security.*`
+//! (file capabilities, SELinux labels), `trusted.*` and `system.*` (ACLs) are neither exported
+//! nor accepted from the remote — a point from the remote must not be able to grant a binary
+//! capabilities or label it for the host's policy. Not carried: sockets. Device nodes come back only for the harmless
 //! character devices a root file system ships (`null`, `zero`, `full`, `random`, `urandom`,
 //! `tty`, `console`, `ptmx`); others are skipped with a warning.
 
@@ -19,7 +24,10 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{RemoteError, Result};
-use crate::format::{BlobKind, Content, Entry, EntryKind, Tree};
+use crate::format::{
+    BlobKind, Content, Entry, EntryKind, Tree, Xattr, XATTR_MAX_COUNT, XATTR_MAX_NAME,
+    XATTR_MAX_TOTAL, XATTR_MAX_VALUE, XATTR_PREFIX,
+};
 use crate::id::Id;
 use crate::repo::{Packer, Repo};
 
@@ -92,7 +100,143 @@ fn base_entry(kind: EntryKind, m: &std::fs::Metadata) -> Entry {
         subtree: None,
         target_hex: None,
         rdev: None,
+        xattrs: None,
+        link_hex: None,
     }
+}
+
+/// The `user.*` extended attributes of `path` (not following a symlink), sorted; those over
+/// the caps are left out with a warning.
+fn read_xattrs(path: &Path) -> Result<Option<Vec<Xattr>>> {
+    let names = match xattr::list(path) {
+        Ok(n) => n,
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(None),
+        Err(e) => return Err(RemoteError::Io { op: "listxattr", path: path.into(), source: e }),
+    };
+    let mut out = Vec::new();
+    let mut total = 0;
+    for n in names {
+        let Some(name) = n.to_str().filter(|n| n.starts_with(XATTR_PREFIX)) else { continue };
+        let Some(value) = xattr::get(path, name).map_err(|e| RemoteError::Io {
+            op: "getxattr",
+            path: path.into(),
+            source: e,
+        })?
+        else {
+            continue;
+        };
+        total += value.len();
+        if name.len() > XATTR_MAX_NAME
+            || value.len() > XATTR_MAX_VALUE
+            || total > XATTR_MAX_TOTAL
+            || out.len() == XATTR_MAX_COUNT
+        {
+            tracing::warn!(path = %path.display(), name, "extended attribute over the caps; not exported");
+            continue;
+        }
+        out.push(Xattr { name: name.to_string(), value_hex: hex::encode(&value) });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((!out.is_empty()).then_some(out))
+}
+
+/// Check `e`'s extended attributes against the rules (namespace, caps, no duplicates).
+fn checked_xattrs(e: &Entry, what: &str) -> Result<Vec<(String, Vec<u8>)>> {
+    let Some(list) = &e.xattrs else { return Ok(Vec::new()) };
+    if list.len() > XATTR_MAX_COUNT {
+        return Err(RemoteError::corrupt(what, format!("{} extended attributes", list.len())));
+    }
+    let mut out: Vec<(String, Vec<u8>)> = Vec::with_capacity(list.len());
+    let mut total = 0;
+    for x in list {
+        let value = hex::decode(&x.value_hex).map_err(|_| {
+            RemoteError::corrupt(what, format!("extended attribute {:?} is not hex", x.name))
+        })?;
+        total += value.len();
+        if !x.name.starts_with(XATTR_PREFIX)
+            || x.name.len() == XATTR_PREFIX.len()
+            || x.name.len() > XATTR_MAX_NAME
+            || x.name.contains('\0')
+        {
+            return Err(RemoteError::corrupt(
+                what,
+                format!(
+                    "extended attribute name {:?} is not user.* (the only namespace carried)",
+                    x.name
+                ),
+            ));
+        }
+        if value.len() > XATTR_MAX_VALUE || total > XATTR_MAX_TOTAL {
+            return Err(RemoteError::corrupt(what, "extended attributes over the size caps"));
+        }
+        if out.iter().any(|(n, _)| *n == x.name) {
+            return Err(RemoteError::corrupt(
+                what,
+                format!("duplicate extended attribute {:?}", x.name),
+            ));
+        }
+        out.push((x.name.clone(), value));
+    }
+    Ok(out)
+}
+
+/// Make `path`'s `user.*` extended attributes exactly `e`'s (others are left alone).
+fn sync_xattrs(path: &Path, e: &Entry) -> Result<()> {
+    let want = checked_xattrs(e, &path.display().to_string())?;
+    let have = match xattr::list(path) {
+        Ok(n) => n.collect::<Vec<_>>(),
+        Err(err) if err.raw_os_error() == Some(libc::EOPNOTSUPP) && want.is_empty() => Vec::new(),
+        Err(err) => {
+            return Err(RemoteError::Io { op: "listxattr", path: path.into(), source: err })
+        }
+    };
+    for n in have {
+        let Some(name) = n.to_str().filter(|n| n.starts_with(XATTR_PREFIX)) else { continue };
+        if !want.iter().any(|(w, _)| w == name) {
+            xattr::remove(path, name).map_err(|err| RemoteError::Io {
+                op: "removexattr",
+                path: path.into(),
+                source: err,
+            })?;
+        }
+    }
+    for (name, value) in &want {
+        xattr::set(path, name, value).map_err(|err| RemoteError::Io {
+            op: "setxattr",
+            path: path.into(),
+            source: err,
+        })?;
+    }
+    Ok(())
+}
+
+/// The file an entry's `link_hex` names: beneath `root`, every component a plain name, every
+/// directory on the way a real directory (no symlink followed), the file a regular file.
+fn link_target(root: &Path, e: &Entry, object: &str) -> Result<PathBuf> {
+    let hexed = e.link_hex.as_deref().unwrap_or_default();
+    let rel = hex::decode(hexed)
+        .map_err(|_| RemoteError::corrupt(object, "hard link path is not hex"))?;
+    let bad = |why: &str| {
+        RemoteError::corrupt(
+            object,
+            format!("hard link to {:?}: {why}", String::from_utf8_lossy(&rel)),
+        )
+    };
+    let comps: Vec<&[u8]> = rel.split(|&b| b == b'/').collect();
+    let mut p = root.to_path_buf();
+    for (i, c) in comps.iter().enumerate() {
+        if c.is_empty() || *c == b"." || *c == b".." || c.contains(&0) {
+            return Err(bad("not a plain relative path"));
+        }
+        p.push(OsStr::from_bytes(c));
+        let m =
+            std::fs::symlink_metadata(&p).map_err(|_| bad("no such file restored before it"))?;
+        let last = i + 1 == comps.len();
+        if (!last && !m.is_dir()) || (last && !m.is_file()) {
+            return Err(bad("not a regular file beneath the tree's root"));
+        }
+    }
+    Ok(p)
 }
 
 impl Repo {
@@ -103,6 +247,8 @@ impl Repo {
         root: &Path,
         stats: &mut TreeStats,
     ) -> Result<Id> {
+        // (dev, inode) of files with more than one name → the first name's path and content.
+        let mut links: HashMap<(u64, u64), (PathBuf, Content)> = HashMap::new();
         let mut stack = vec![ExportFrame {
             abs: root.to_path_buf(),
             rel: PathBuf::new(),
@@ -147,6 +293,7 @@ impl Repo {
             let mut entry = if ft.is_dir() {
                 let mut e = base_entry(EntryKind::Dir, &m);
                 e.set_name(&name);
+                e.xattrs = read_xattrs(&abs)?;
                 let names = list_dir(&abs)?;
                 stack.push(ExportFrame {
                     abs,
@@ -159,7 +306,21 @@ impl Repo {
                 continue;
             } else if ft.is_file() {
                 let mut e = base_entry(EntryKind::File, &m);
-                e.content = Some(self.export_file(packer, &abs, rel, &m, stats).await?);
+                let key = (m.dev(), m.ino());
+                match links.get(&key).filter(|_| m.nlink() > 1) {
+                    Some((first, c)) => {
+                        e.link_hex = Some(hex::encode(first.as_os_str().as_bytes()));
+                        e.content = Some(c.clone());
+                    }
+                    None => {
+                        let c = self.export_file(packer, &abs, rel.clone(), &m, stats).await?;
+                        if m.nlink() > 1 {
+                            links.insert(key, (rel, c.clone()));
+                        }
+                        e.content = Some(c);
+                    }
+                }
+                e.xattrs = read_xattrs(&abs)?;
                 e
             } else if ft.is_symlink() {
                 let target = std::fs::read_link(&abs).map_err(RemoteError::io("readlink", &abs))?;
@@ -172,7 +333,9 @@ impl Repo {
                 e.rdev = Some(m.rdev());
                 e
             } else if ft.is_fifo() {
-                base_entry(EntryKind::Fifo, &m)
+                let mut e = base_entry(EntryKind::Fifo, &m);
+                e.xattrs = read_xattrs(&abs)?;
+                e
             } else {
                 tracing::debug!(path = %abs.display(), "not exporting a socket");
                 continue;
@@ -337,9 +500,19 @@ impl Repo {
         e: &Entry,
         object: &str,
         what: &str,
+        links_root: &Path,
         stats: &mut TreeStats,
     ) -> Result<()> {
         let path = path.to_path_buf();
+        if e.kind == EntryKind::File && e.link_hex.is_some() {
+            let target = link_target(links_root, e, object)?;
+            let size = std::fs::symlink_metadata(&target).map(|m| m.len()).ok();
+            if size != e.content.as_ref().map(|c| c.size) {
+                return Err(RemoteError::corrupt(object, "a hard link's size is not its file's"));
+            }
+            // One inode: its metadata is the first name's, already applied.
+            return std::fs::hard_link(&target, &path).map_err(RemoteError::io("link", &path));
+        }
         match e.kind {
             EntryKind::Dir => {
                 return Err(RemoteError::corrupt(object, "a directory is not a leaf"))
@@ -450,7 +623,8 @@ impl Repo {
                         Some(o)
                             if o.kind == EntryKind::File
                                 && e.kind == EntryKind::File
-                                && o.content == e.content =>
+                                && o.content == e.content
+                                && o.link_hex == e.link_hex =>
                         {
                             metas.push((path, e))
                         }
@@ -458,7 +632,7 @@ impl Repo {
                             if other.is_some() {
                                 removes.push(path.clone());
                             }
-                            if let Some(c) = &e.content {
+                            if let (Some(c), None) = (&e.content, &e.link_hex) {
                                 data.extend_from_slice(&c.chunks);
                             }
                             creates.push((path, e, object.clone()));
@@ -479,17 +653,22 @@ impl Repo {
             res.map_err(RemoteError::io("remove", path))?;
         }
         self.prefetch(&data, what).await?;
-        for (path, e, object) in creates {
+        // In the export's walk order (a hard link's file comes before it), hard links last:
+        // the files they name are in place by then.
+        creates.sort_by(|a, b| a.0.cmp(&b.0));
+        let (links, creates): (Vec<_>, Vec<_>) =
+            creates.into_iter().partition(|(_, e, _)| e.link_hex.is_some());
+        for (path, e, object) in creates.into_iter().chain(links) {
             if e.kind == EntryKind::Dir {
                 let sub = e
                     .subtree
                     .ok_or_else(|| RemoteError::corrupt(&object, "directory without subtree"))?;
                 std::fs::create_dir(&path).map_err(RemoteError::io("mkdir", &path))?;
-                let s = self.restore_tree(&sub, &path, what).await?;
+                let s = self.restore_tree_in(&sub, &path, dest, what).await?;
                 stats.logical_bytes += s.logical_bytes;
                 apply_meta(&path, &e)?;
             } else {
-                self.create_leaf(&path, &e, &object, what, &mut stats).await?;
+                self.create_leaf(&path, &e, &object, what, dest, &mut stats).await?;
             }
         }
         for (path, e) in metas.iter().rev() {
@@ -503,6 +682,18 @@ impl Repo {
         &self,
         root: &Id,
         dest: &Path,
+        what: &str,
+    ) -> Result<TreeStats> {
+        self.restore_tree_in(root, dest, dest, what).await
+    }
+
+    /// [`Repo::restore_tree`] of a subtree: hard links resolve beneath `links_root`, the
+    /// directory the whole tree is materialized in.
+    async fn restore_tree_in(
+        &self,
+        root: &Id,
+        dest: &Path,
+        links_root: &Path,
         what: &str,
     ) -> Result<TreeStats> {
         let (_, data) = self.tree_blobs(root, what).await?;
@@ -546,7 +737,7 @@ impl Repo {
                     continue;
                 }
                 _ => {
-                    self.create_leaf(&path, &e, &object, what, &mut stats).await?;
+                    self.create_leaf(&path, &e, &object, what, links_root, &mut stats).await?;
                 }
             }
         }
@@ -572,13 +763,15 @@ fn mknod(path: &Path, mode: u32, rdev: u64) -> Result<()> {
     Ok(())
 }
 
-/// Owner, then mode (chown clears set-id bits), then mtime; never follows a symlink.
+/// Owner, then mode (chown clears set-id bits), `user.*` extended attributes, then mtime;
+/// never follows a symlink.
 fn apply_meta(path: &Path, e: &Entry) -> Result<()> {
     std::os::unix::fs::lchown(path, Some(e.uid), Some(e.gid))
         .map_err(RemoteError::io("chown", path))?;
     if e.kind != EntryKind::Symlink {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(e.mode & 0o7777))
             .map_err(RemoteError::io("chmod", path))?;
+        sync_xattrs(path, e)?;
     }
     let c = cpath(path)?;
     let ts = libc::timespec {

@@ -369,6 +369,9 @@ async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_diff
     std::fs::remove_dir_all(point.join("etc/sub")).ok();
     std::fs::create_dir_all(point.join("etc/sub")).expect("mkdir");
     std::fs::write(point.join("etc/sub/mid.bin"), noise(4, 300 * 1024)).expect("write");
+    std::fs::hard_link(point.join("new/deeper/file"), point.join("etc/sub/link-to-new"))
+        .expect("link");
+    xattr::set(point.join("new/deeper/file"), "user.crab", b"x").expect("xattr");
     let repo = fx.repo("cache-a").await;
     let mut src = fx.source("c000001", &point);
     src.image = Some(("img".into(), image.clone()));
@@ -387,6 +390,11 @@ async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_diff
     other.patch_tree_into(&base, &target, &dest).await.expect("patch");
     assert_eq!(describe(&point), describe(&dest));
     assert_eq!(other.local_tree_id(&dest).await.expect("hash"), target);
+    assert_eq!(ino(&dest.join("new/deeper/file")).0, ino(&dest.join("etc/sub/link-to-new")).0);
+    assert_eq!(
+        xattr::get(dest.join("etc/sub/link-to-new"), "user.crab").expect("get").as_deref(),
+        Some(&b"x"[..])
+    );
     // big.bin (3 MiB, unchanged) was not downloaded: far fewer blobs than the whole tree.
     let patched_blobs = blob_count(&fx.path("cache-b"));
     std::fs::create_dir(fx.path("full")).expect("mkdir");
@@ -394,4 +402,50 @@ async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_diff
     fresh.import_tree(&target, &fx.path("full")).await.expect("full import");
     let full_blobs = blob_count(&fx.path("cache-c"));
     assert!(patched_blobs + 3 <= full_blobs, "patched {patched_blobs} blobs, full {full_blobs}");
+}
+
+/// `(inode, nlink)` of a path.
+fn ino(p: &Path) -> (u64, u64) {
+    let m = std::fs::symlink_metadata(p).expect("stat");
+    (m.ino(), m.nlink())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hard_links_and_user_xattrs_come_back_and_other_namespaces_do_not() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    std::fs::write(root.join("etc/linked"), b"one inode, two names\n").expect("write");
+    std::fs::hard_link(root.join("etc/linked"), root.join("etc/sub/also-linked")).expect("link");
+    xattr::set(root.join("etc/linked"), "user.crab.note", b"kept").expect("user xattr");
+    xattr::set(root.join("etc"), "user.crab.dir", b"on a directory").expect("dir xattr");
+    // Root only: a namespace the remote must not carry.
+    let trusted = xattr::set(root.join("etc/linked"), "trusted.crab", b"dropped").is_ok();
+    let repo = fx.repo("cache-a").await;
+    repo.export_point(&fx.source("c000001", &root)).await.expect("export");
+
+    let other = fx.repo("cache-b").await;
+    let rec = other.load_point("sb1", None).await.expect("load");
+    let out = fx.path("out-fs");
+    std::fs::create_dir(&out).expect("mkdir");
+    other
+        .import_point(&rec, &ImportTarget { fs_dir: Some(out.clone()), procs_dir: None })
+        .await
+        .expect("import");
+    assert_eq!(describe(&root), describe(&out));
+    let (a, b) = (ino(&out.join("etc/linked")), ino(&out.join("etc/sub/also-linked")));
+    assert_eq!(a.0, b.0, "the two names share one inode");
+    assert_eq!(a.1, 2);
+    assert_eq!(
+        xattr::get(out.join("etc/sub/also-linked"), "user.crab.note").expect("get").as_deref(),
+        Some(&b"kept"[..])
+    );
+    assert_eq!(
+        xattr::get(out.join("etc"), "user.crab.dir").expect("get").as_deref(),
+        Some(&b"on a directory"[..])
+    );
+    if trusted {
+        assert_eq!(xattr::get(out.join("etc/linked"), "trusted.crab").expect("get"), None);
+    }
+    // The point's tree restored onto a copy of an older tree keeps the links too.
+    assert_eq!(other.local_tree_id(&out).await.expect("hash"), rec.fs.expect("fs"));
 }

@@ -2,7 +2,8 @@
 //! (`scripts/s3-test-server.sh`), daemon A (its own state dir, pool, proxy port) exports a
 //! full checkpoint (`crab checkpoint --durable`), is stopped and its state dir deleted; daemon
 //! B (another state dir, pool, port) builds a sandbox from the remote point with
-//! `crab sandbox create --from-remote` and finds the file and the running process again.
+//! `crab sandbox create --from-remote` and finds the file, two hard-linked names of one file
+//! with its `user.*` extended attribute, and the running process again.
 //! The image daemon A needs is imported from the test daemon's state dir (`make test` builds it).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -56,7 +57,9 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
         "--",
         "sh",
         "-c",
-        "echo from-host-a > /root/state.txt; nohup sleep 4242 >/dev/null 2>&1 &",
+        "echo from-host-a > /root/state.txt; echo linked > /root/l1; ln /root/l1 /root/l2; \
+         python3 -c \"import os; os.setxattr('/root/l1', 'user.crab', b'carried')\"; \
+         nohup sleep 4242 >/dev/null 2>&1 &",
     ]);
     let taken: serde_json::Value = serde_json::from_str(&a.crab_ok(&[
         "--json",
@@ -85,6 +88,17 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
     b.crab_ok(&["sandbox", "create", "--from-remote", &name, "--name", &copy]);
     let file = b.crab_ok(&["exec", &copy, "--", "cat", "/root/state.txt"]);
     assert_eq!(file, "from-host-a\n");
+    // Two hard-linked names, one inode, its user.* extended attribute.
+    let links = b.crab_ok(&[
+        "exec",
+        &copy,
+        "--",
+        "python3",
+        "-c",
+        "import os; a, b = os.stat('/root/l1'), os.stat('/root/l2'); \
+         print(a.st_ino == b.st_ino, a.st_nlink, os.getxattr('/root/l2', 'user.crab'))",
+    ]);
+    assert_eq!(links, "True 2 b'carried'\n");
     let ps = b.crab_ok(&["exec", &copy, "--", "sh", "-c", "ps -eo args || ls /proc"]);
     assert!(ps.contains("sleep 4242"), "the process did not come back: {ps}");
     b.crab_ok(&["remote", "check"]);

@@ -3,7 +3,7 @@
 #
 # Idempotent and fast: one dpkg-query call decides whether anything is missing;
 # when everything is installed it exits without touching apt (≈ 30-70 ms warm;
-# ≈ 15 s cold on a fresh bookworm minbase chroot, 24 packages).
+# ≈ 15 s cold on a fresh bookworm minbase chroot, 29 packages).
 # Only when something is missing does it run `apt-get update` and
 # `apt-get install --no-install-recommends` for exactly the missing packages.
 # Non-interactive; needs root (or passwordless sudo) only when installing.
@@ -21,6 +21,7 @@ PACKAGES=(
     clang llvm libelf-dev zlib1g-dev pkg-config
     libbpf-dev   # <bpf/bpf_helpers.h> & co. for the BPF C sources
     bpftool      # `bpftool btf dump file /sys/kernel/btf/vmlinux format c` → vmlinux.h
+    libseccomp-dev  # the default seccomp profile is compiled with libseccomp (crab-sandbox)
     # local tier: btrfs on a loop-mounted sparse file
     btrfs-progs util-linux kmod
     # CRIU private install (scripts/install-criu.sh)

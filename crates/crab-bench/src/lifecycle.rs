@@ -5,7 +5,9 @@
 //! `full` checkpoint, an in-place restore of that full point (checked: the server answers and
 //! the counter moves on). Then one fork of `fork_count` branches from the newest full point.
 //! With `big_mib`, a second sandbox holding a process with that much touched memory is
-//! checkpointed `full` once more (the 1 GiB case of issue 4).
+//! checkpointed `full` once more (the 1 GiB case of issue 4). With `compare_privileged`, a
+//! `--privileged` twin runs the same rounds interleaved (order alternating), to measure what
+//! the default security profile costs checkpoints and restores.
 
 use std::time::Instant;
 
@@ -28,12 +30,35 @@ pub struct LifecycleOptions {
     pub fork_count: usize,
     /// Also checkpoint a process with this much memory (MiB; 0 = no).
     pub big_mib: usize,
+    /// Run the rounds on a `--privileged` twin too, interleaved.
+    pub compare_privileged: bool,
 }
 
 impl Default for LifecycleOptions {
     fn default() -> Self {
-        LifecycleOptions { image: "debian".into(), rounds: 10, fork_count: 8, big_mib: 0 }
+        LifecycleOptions {
+            image: "debian".into(),
+            rounds: 10,
+            fork_count: 8,
+            big_mib: 0,
+            compare_privileged: false,
+        }
     }
+}
+
+/// The rounds of the `--privileged` twin, and the default profile's ratios to them (p50).
+#[derive(Debug, Clone, Serialize)]
+pub struct PrivilegedRounds {
+    /// `fs` checkpoints of the twin.
+    pub checkpoint_fs_ms: Summary,
+    /// `full` checkpoints of the twin.
+    pub checkpoint_full_ms: Summary,
+    /// In-place restores of the twin.
+    pub restore_ms: Summary,
+    /// Default-profile full checkpoint p50 / twin's.
+    pub full_ratio_p50: f64,
+    /// Default-profile restore p50 / twin's.
+    pub restore_ratio_p50: f64,
 }
 
 /// Results of [`run`] (ms).
@@ -53,6 +78,50 @@ pub struct LifecycleReport {
     pub fork_ms: f64,
     /// `full` checkpoint of the `big_mib` process, when asked for.
     pub big_full_ms: Option<f64>,
+    /// The `--privileged` twin's rounds, when asked for.
+    pub privileged: Option<PrivilegedRounds>,
+}
+
+/// What the rounds of one sandbox measured (ms, bytes).
+#[derive(Default)]
+struct Rounds {
+    fs: Vec<f64>,
+    full: Vec<f64>,
+    restore: Vec<f64>,
+    bytes: Vec<u64>,
+}
+
+/// One round on `sb`: an `fs` checkpoint, a `full` one, an in-place restore of it, checked.
+async fn round(
+    client: &Client,
+    sb: &str,
+    round: usize,
+    turn: &mut usize,
+    r: &mut Rounds,
+) -> Result<(), ApiError> {
+    sh_ok(client, sb, &format!("echo {round} > /root/round"), 10.0).await?;
+    let t = Instant::now();
+    checkpoint(client, sb, "fs", *turn, 0).await?;
+    r.fs.push(ms(t));
+    *turn += 1;
+    let t = Instant::now();
+    let p = checkpoint(client, sb, "full", *turn, 0).await?;
+    r.full.push(ms(t));
+    r.bytes.push(p.size_bytes);
+    *turn += 1;
+    let t = Instant::now();
+    client
+        .call::<_, serde_json::Value>(
+            Method::POST,
+            &format!("/v1/sandboxes/{sb}/restore"),
+            Some(&serde_json::json!({ "checkpoint": p.id })),
+        )
+        .await?;
+    r.restore.push(ms(t));
+    sh_ok(client, sb, CHECK, 20.0).await.map_err(|e| {
+        ApiError::internal(format!("after restore {round} of {sb}, the sandbox lost state: {e}"))
+    })?;
+    Ok(())
 }
 
 fn ms(t: Instant) -> f64 {
@@ -91,31 +160,26 @@ async fn measure(
     sbx::create(client, &opts.image, &sb).await?;
     made.push(sb.clone());
     sh_ok(client, &sb, SERVICES, 30.0).await?;
-    let (mut fs, mut full, mut restore, mut bytes) = (vec![], vec![], vec![], vec![]);
-    let mut turn = 1;
-    for round in 0..opts.rounds {
-        sh_ok(client, &sb, &format!("echo {round} > /root/round"), 10.0).await?;
-        let t = Instant::now();
-        checkpoint(client, &sb, "fs", turn, 0).await?;
-        fs.push(ms(t));
-        turn += 1;
-        let t = Instant::now();
-        let p = checkpoint(client, &sb, "full", turn, 0).await?;
-        full.push(ms(t));
-        bytes.push(p.size_bytes);
-        turn += 1;
-        let t = Instant::now();
-        client
-            .call::<_, serde_json::Value>(
-                Method::POST,
-                &format!("/v1/sandboxes/{sb}/restore"),
-                Some(&serde_json::json!({ "checkpoint": p.id })),
-            )
-            .await?;
-        restore.push(ms(t));
-        sh_ok(client, &sb, CHECK, 20.0).await.map_err(|e| {
-            ApiError::internal(format!("after restore {round}, the sandbox lost state: {e}"))
-        })?;
+    let twin = if opts.compare_privileged {
+        let p = format!("{tag}-priv");
+        sbx::create_with(client, &opts.image, &p, None, true).await?;
+        made.push(p.clone());
+        sh_ok(client, &p, SERVICES, 30.0).await?;
+        Some(p)
+    } else {
+        None
+    };
+    let (mut main, mut other) = (Rounds::default(), Rounds::default());
+    let (mut turn, mut twin_turn) = (1usize, 1usize);
+    for i in 0..opts.rounds {
+        let twin_first = i % 2 == 1;
+        if let (Some(p), true) = (&twin, twin_first) {
+            round(client, p, i, &mut twin_turn, &mut other).await?;
+        }
+        round(client, &sb, i, &mut turn, &mut main).await?;
+        if let (Some(p), false) = (&twin, twin_first) {
+            round(client, p, i, &mut twin_turn, &mut other).await?;
+        }
     }
     let names: Vec<String> = (0..opts.fork_count).map(|i| format!("{tag}-f{i}")).collect();
     let t = Instant::now();
@@ -151,14 +215,26 @@ async fn measure(
     } else {
         None
     };
-    bytes.sort_unstable();
+    main.bytes.sort_unstable();
+    let (full, restore) = (Summary::of(&main.full), Summary::of(&main.restore));
+    let privileged = twin.map(|_| {
+        let (pf, pr) = (Summary::of(&other.full), Summary::of(&other.restore));
+        PrivilegedRounds {
+            checkpoint_fs_ms: Summary::of(&other.fs),
+            full_ratio_p50: full.p50 / pf.p50,
+            restore_ratio_p50: restore.p50 / pr.p50,
+            checkpoint_full_ms: pf,
+            restore_ms: pr,
+        }
+    });
     Ok(LifecycleReport {
         options: opts.clone(),
-        checkpoint_fs_ms: Summary::of(&fs),
-        checkpoint_full_ms: Summary::of(&full),
-        full_point_bytes: bytes.get(bytes.len() / 2).copied().unwrap_or(0),
-        restore_ms: Summary::of(&restore),
+        checkpoint_fs_ms: Summary::of(&main.fs),
+        checkpoint_full_ms: full,
+        full_point_bytes: main.bytes.get(main.bytes.len() / 2).copied().unwrap_or(0),
+        restore_ms: restore,
         fork_ms,
         big_full_ms,
+        privileged,
     })
 }

@@ -45,6 +45,10 @@ pub struct Features {
     /// The daemon exports restore points to a `--remote` store (the SDK's `durable`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<FeatureStatus>,
+    /// cgroup2 is mounted with `favordynmods`, so joining a sandbox's cgroups (every exec,
+    /// start and restore) does not wait for an RCU grace period.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_favordynmods: Option<FeatureStatus>,
 }
 
 /// Whether one kernel feature works here, and what the probe saw.

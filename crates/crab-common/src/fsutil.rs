@@ -1,6 +1,7 @@
 //! The one atomic, durable file write every persisted record goes through: `<path>.tmp`, fsync,
 //! rename over `path`, fsync of the directory. A failed directory fsync is an error (the rename
-//! may not survive a crash), never ignored.
+//! may not survive a crash), never ignored. [`write_replace`] is the same without the fsyncs,
+//! for records whose loss in a host crash loses nothing the crash does not lose anyway.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -29,6 +30,18 @@ fn io<'a>(
 pub fn fsync_dir(dir: &Path) -> Result<(), AtomicWriteError> {
     let f = std::fs::File::open(dir).map_err(io("open", dir))?;
     f.sync_all().map_err(io("fsync", dir))
+}
+
+/// Write `bytes` to `path` atomically (readers see the old or the new content, never a torn
+/// one) but not durably: no fsync, so after a host crash the old content (or nothing) may be
+/// back. On btrfs the next transaction commit (any snapshot makes one) and on ext4's ordered
+/// journal the next fsync on the filesystem commit this rename too.
+pub fn write_replace(path: &Path, bytes: &[u8]) -> Result<(), AtomicWriteError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).map_err(io("write", &tmp))?;
+    std::fs::rename(&tmp, path).map_err(io("rename", &tmp))
 }
 
 /// Write `bytes` to `path` atomically and durably.

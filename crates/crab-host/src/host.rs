@@ -61,6 +61,11 @@ pub struct HostOptions {
     pub nat_range: Option<String>,
     /// Disk quota of sandboxes created without one (`crab daemon --default-disk`).
     pub default_disk: Option<u64>,
+    /// Remount cgroup2 with `favordynmods` if it lacks it (`crab daemon
+    /// --no-cgroup-favordynmods` turns this off).
+    pub cgroup_favordynmods: bool,
+    /// Ready-made root filesystems kept per recently used image (`crab daemon --warm-roots`).
+    pub warm_roots: usize,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -77,6 +82,8 @@ pub struct Host {
     sandbox_proxies: Mutex<HashMap<String, ProxyServer>>,
     /// Whether soft-dirty page tracking works on this kernel (probed at start-up).
     soft_dirty: crab_criu::soft_dirty::SoftDirty,
+    /// Whether cgroup2 has `favordynmods` (set at start-up unless turned off), and why (not).
+    favordynmods: FeatureStatus,
     /// The durable tier and its exporter (`--remote`).
     remote: Option<Arc<RemoteTier>>,
 }
@@ -225,6 +232,14 @@ impl Host {
                 }
             }));
         }
+        runtime.set_warm_roots(opts.warm_roots);
+        let (available, reason) = runtime.tune_cgroup_migrations(opts.cgroup_favordynmods);
+        if available {
+            tracing::info!(%reason, "cgroup migrations: favordynmods");
+        } else {
+            tracing::warn!(%reason, "cgroup migrations are slow (6-27 ms per exec, start and restore)");
+        }
+        let favordynmods = FeatureStatus { available, reason };
         let soft_dirty = crab_criu::soft_dirty::probe();
         tracing::info!(
             available = soft_dirty.available,
@@ -273,6 +288,7 @@ impl Host {
             proxy: Mutex::new(None),
             sandbox_proxies: Mutex::new(HashMap::new()),
             soft_dirty,
+            favordynmods,
             remote,
         });
         let _ = hooks.0.set(Arc::downgrade(&host));
@@ -374,6 +390,7 @@ impl Host {
                             reason: "no --remote store configured".into(),
                         },
                     }),
+                    cgroup_favordynmods: Some(self.favordynmods.clone()),
                 },
                 proxy_listen: Some(self.coordinator.config().listen.to_string()),
             })),
@@ -390,7 +407,11 @@ impl Host {
                 }
                 let state = self.state().clone();
                 let name = req.name.clone().unwrap_or_else(|| req.distro.clone());
+                let rt = self.runtime.clone();
                 blocking(move || {
+                    // A rebuilt image's ready roots are stale (they would be dropped at the next
+                    // create anyway); drop them now.
+                    rt.forget_image(&name);
                     let i = image::build_debian(
                         &state,
                         &name,
@@ -404,7 +425,9 @@ impl Host {
             }
             Action::ImportImage { req, progress } => {
                 let state = self.state().clone();
+                let rt = self.runtime.clone();
                 blocking(move || {
+                    rt.forget_image(&req.name);
                     let path = PathBuf::from(&req.path);
                     Ok(Outcome::Image(image::import(&state, &req.name, &path, progress.as_ref())?))
                 })
@@ -412,8 +435,10 @@ impl Host {
             }
             Action::RemoveImage { name } => {
                 let state = self.state().clone();
+                let rt = self.runtime.clone();
                 blocking(move || {
                     image::remove(&state, &name)?;
+                    rt.forget_image(&name);
                     Ok(Outcome::Removed { removed: true })
                 })
                 .await

@@ -89,6 +89,54 @@ impl Hierarchy {
         Ok(Hierarchy { v2: v2.ok_or(CgroupError::NoCgroup2)?, v1 })
     }
 
+    /// Make task migrations into cgroups cheap: ensure the cgroup2 mount has `favordynmods`
+    /// (kernel ≥ 6.0), remounting it with its current options plus that one when `enable`.
+    ///
+    /// Without it every write to a `cgroup.procs` (each `crab exec`, sandbox start and restore
+    /// joins the sandbox's cgroups) takes the global `cgroup_threadgroup_rwsem` for writing,
+    /// which waits for an RCU grace period: 6–27 ms per migration measured on these hosts when
+    /// migrations are seconds apart (an agent's turns), ≈ 0.05 ms with it. The price, per the
+    /// kernel's documentation, is a slightly slower fork and exit host-wide (the rwsem's reader
+    /// side loses its per-CPU fast path). The option stays set when the daemon exits (another
+    /// daemon may rely on it); `mount -o remount,<opts without favordynmods>` reverts it.
+    pub fn favordynmods(&self, enable: bool) -> (bool, String) {
+        let info = match fs::read_to_string("/proc/self/mountinfo") {
+            Ok(i) => i,
+            Err(e) => return (false, format!("cannot read /proc/self/mountinfo: {e}")),
+        };
+        let Some((mnt_opts, super_opts)) = mount_options(&info, &self.v2) else {
+            return (false, format!("{} is not in /proc/self/mountinfo", self.v2.display()));
+        };
+        let has = super_opts.split(',').any(|o| o == "favordynmods");
+        if has {
+            return (true, format!("{} is mounted with favordynmods", self.v2.display()));
+        }
+        if !enable {
+            return (
+                false,
+                "off (crab daemon --no-cgroup-favordynmods): each cgroup migration waits for an RCU grace period".into(),
+            );
+        }
+        match remount_cgroup2(&self.v2, &mnt_opts, &super_opts, true) {
+            Ok(data) => (true, format!("remounted {} with {data}", self.v2.display())),
+            Err(e) => (false, format!("{e}; cgroup migrations wait for RCU grace periods")),
+        }
+    }
+
+    /// Turn cgroup2's `favordynmods` on or off (the benchmark's A/B; the daemon only turns it
+    /// on, in [`Hierarchy::favordynmods`]). Returns whether it was on before.
+    pub fn set_favordynmods(&self, on: bool) -> Result<bool, String> {
+        let info = fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+        let (mnt_opts, super_opts) = mount_options(&info, &self.v2)
+            .ok_or_else(|| format!("{} is not in /proc/self/mountinfo", self.v2.display()))?;
+        let was = super_opts.split(',').any(|o| o == "favordynmods");
+        if was != on {
+            remount_cgroup2(&self.v2, &mnt_opts, &super_opts, on)?;
+        }
+        Ok(was)
+    }
+
     /// Remove the (parent) cgroup `rel` from every hierarchy where it is empty: a directory
     /// with child cgroups or processes stays (rmdir refuses it). Returns how many went.
     pub fn remove_if_empty(&self, rel: &str) -> usize {
@@ -112,6 +160,67 @@ impl Hierarchy {
             v1: self.v1.iter().map(|(c, m)| (c.clone(), m.join(rel))).collect(),
         }
     }
+}
+
+/// The per-mount and the superblock options of the mount at `point` in a mountinfo text.
+fn mount_options(info: &str, point: &Path) -> Option<(String, String)> {
+    info.lines().rev().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let mut l = left.split(' ');
+        if Path::new(l.nth(4)?) != point {
+            return None;
+        }
+        let mnt_opts = l.next()?.to_string();
+        let super_opts = right.split(' ').nth(2)?.to_string();
+        Some((mnt_opts, super_opts))
+    })
+}
+
+/// Remount the cgroup2 mount at `point` with its current options, `favordynmods` added or
+/// removed (a cgroup2 remount sets every cgroup option anew, so the others are passed again).
+fn remount_cgroup2(
+    point: &Path,
+    mnt_opts: &str,
+    super_opts: &str,
+    favordynmods: bool,
+) -> Result<String, String> {
+    let keep = super_opts.split(',').filter(|o| !matches!(*o, "rw" | "ro" | "" | "favordynmods"));
+    let data = keep.chain(favordynmods.then_some("favordynmods")).collect::<Vec<_>>().join(",");
+    nix::mount::mount(
+        None::<&str>,
+        point,
+        None::<&str>,
+        remount_flags(mnt_opts),
+        Some(data.as_str()),
+    )
+    .map_err(|e| {
+        format!(
+            "mount -o remount,{data} {}: {e} (kernels before 6.0 lack favordynmods)",
+            point.display()
+        )
+    })?;
+    Ok(data)
+}
+
+/// The `MS_*` flags that keep a mount's per-mount options across `MS_REMOUNT` (a remount sets
+/// them all anew).
+fn remount_flags(mnt_opts: &str) -> nix::mount::MsFlags {
+    use nix::mount::MsFlags;
+    let mut f = MsFlags::MS_REMOUNT;
+    for o in mnt_opts.split(',') {
+        f |= match o {
+            "ro" => MsFlags::MS_RDONLY,
+            "nosuid" => MsFlags::MS_NOSUID,
+            "nodev" => MsFlags::MS_NODEV,
+            "noexec" => MsFlags::MS_NOEXEC,
+            "noatime" => MsFlags::MS_NOATIME,
+            "nodiratime" => MsFlags::MS_NODIRATIME,
+            "relatime" => MsFlags::MS_RELATIME,
+            "strictatime" => MsFlags::MS_STRICTATIME,
+            _ => MsFlags::empty(),
+        };
+    }
+    f
 }
 
 /// The cgroup directories of one sandbox.
@@ -360,5 +469,31 @@ fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
             }
             Err(e) => return Err(io("remove", dir)(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::mount::MsFlags;
+
+    const INFO: &str = "\
+25 30 0:22 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - tmpfs tmpfs rw,mode=755
+35 25 0:30 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot
+36 25 0:31 / /sys/fs/cgroup/memory rw,relatime shared:11 - cgroup cgroup rw,memory
+";
+
+    #[test]
+    fn remount_keeps_every_option() {
+        let (mnt, sup) = mount_options(INFO, Path::new("/sys/fs/cgroup/unified")).expect("found");
+        assert_eq!(mnt, "rw,nosuid,nodev,noexec,relatime");
+        assert_eq!(sup, "rw,nsdelegate,memory_recursiveprot");
+        let f = remount_flags(&mnt);
+        for want in [MsFlags::MS_REMOUNT, MsFlags::MS_NOSUID, MsFlags::MS_NODEV, MsFlags::MS_NOEXEC]
+        {
+            assert!(f.contains(want), "{want:?} lost");
+        }
+        assert!(!f.contains(MsFlags::MS_RDONLY));
+        assert!(mount_options(INFO, Path::new("/sys/fs/cgroup/pids")).is_none());
     }
 }

@@ -21,6 +21,7 @@ pub mod quota;
 pub mod runtime;
 pub mod seccomp;
 pub mod spawn;
+pub mod warm;
 
 pub use error::{Result, SandboxError};
 pub use runtime::{Runtime, RuntimeConfig, SandboxRecord};

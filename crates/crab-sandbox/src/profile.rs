@@ -193,7 +193,7 @@ pub fn restrict_process(
     caps::clear(None, CapSet::Ambient).map_err(err("clear ambient capabilities"))?;
     drop_bounding(&keep)?;
     caps::set(None, CapSet::Inheritable, &keep).map_err(err("set inheritable capabilities"))?;
-    // seccompiler sets no_new_privs itself before installing the filter.
+    // `install` sets no_new_privs before installing the filter.
     crate::seccomp::install(filters).map_err(err("install seccomp filter"))?;
     caps::set(None, CapSet::Effective, &keep).map_err(err("set effective capabilities"))?;
     caps::set(None, CapSet::Permitted, &keep).map_err(err("set permitted capabilities"))?;

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -100,6 +100,8 @@ pub struct Runtime {
     /// Disk quota of sandboxes created without one (`crab daemon --default-disk`); 0 = none.
     default_disk: std::sync::atomic::AtomicU64,
     nat: Nat,
+    /// Ready-made root filesystems of recently used images (`crab daemon --warm-roots`).
+    warm: Arc<crate::warm::WarmRoots>,
     sandboxes: Mutex<HashMap<String, SandboxRecord>>,
     /// Names being created right now (reserved against clashes).
     creating: Mutex<Vec<String>>,
@@ -136,6 +138,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| SandboxError::io(e.op, e.path)(e.source))
 }
 
+/// Write `bytes` to `path` atomically, not durably ([`crab_common::fsutil::write_replace`]).
+fn write_replace(path: &Path, bytes: &[u8]) -> Result<()> {
+    crab_common::fsutil::write_replace(path, bytes)
+        .map_err(|e| SandboxError::io(e.op, e.path)(e.source))
+}
+
 impl SandboxRecord {
     /// Its cgroup relative to a hierarchy root (`crab/<name>` for records that predate
     /// per-daemon cgroups).
@@ -154,18 +162,37 @@ impl Runtime {
         })?;
         let quota = quota::enable(&cfg.state.pool());
         let nat = Nat::new(&cfg.state.instance());
+        let warm = crate::warm::WarmRoots::new(&cfg.state);
         let rt = Runtime {
             cfg,
             hier,
             quota,
             default_disk: std::sync::atomic::AtomicU64::new(0),
             nat,
+            warm,
             sandboxes: Mutex::new(HashMap::new()),
             creating: Mutex::new(Vec::new()),
         };
         rt.load()?;
         rt.adopt_nat();
         Ok(rt)
+    }
+
+    /// Ensure (when `enable`) that cgroup2 has `favordynmods` — see
+    /// [`Hierarchy::favordynmods`] — and say whether it is on, and why (not).
+    pub fn tune_cgroup_migrations(&self, enable: bool) -> (bool, String) {
+        self.hier.favordynmods(enable)
+    }
+
+    /// Keep `n` ready-made root filesystems per recently used image, so creates need no
+    /// snapshot of their own (0, the default, turns it off).
+    pub fn set_warm_roots(&self, n: usize) {
+        self.warm.set_target(n);
+    }
+
+    /// Delete the ready roots of image `name` (it is being rebuilt, re-imported or removed).
+    pub fn forget_image(&self, name: &str) {
+        self.warm.forget(name);
     }
 
     /// The state directory.
@@ -451,13 +478,16 @@ impl Runtime {
         // this state directory sees a dead sandbox rather than a leftover to discard.
         claim_dir(&self.cfg.state, &rec)?;
         let rootfs = self.cfg.state.sandbox_rootfs(name);
-        btrfs::snapshot(image_root, &rootfs, false)?;
+        if !self.warm.take(image, image_root, &rootfs) {
+            btrfs::snapshot(image_root, &rootfs, false)?;
+        }
         self.limit_disk(&rootfs, limits)?;
         personalize(&rootfs, name)?;
         let (init_pid, init_start) = self.start_init(name, net, limits, profile)?;
         rec.init_pid = init_pid;
         rec.init_start = init_start;
-        self.save(&rec)?;
+        // Not fsynced (five fsyncs were most of a create on a busy disk): see `save_lazy`.
+        self.save_lazy(&rec)?;
         tracing::info!(sandbox = name, pid = init_pid, "sandbox created");
         Ok(rec)
     }
@@ -478,6 +508,18 @@ impl Runtime {
         let bytes =
             serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
         write_atomic(&self.cfg.state.sandbox_record(&rec.name), &bytes)
+    }
+
+    /// Persist a new sandbox's record atomically but without fsync. A daemon restart reads it
+    /// back (page cache); only a host crash before the pool's next btrfs transaction commit
+    /// (every snapshot commits one, so the sandbox's first checkpoint at the latest; else the
+    /// commit interval, 30 s by default) can lose it — and with it a sandbox that has no restore point yet, whose processes the
+    /// crash kills and whose files had not been synced either.
+    fn save_lazy(&self, rec: &SandboxRecord) -> Result<()> {
+        let rec = self.with_lease(rec);
+        let bytes =
+            serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
+        write_replace(&self.cfg.state.sandbox_record(&rec.name), &bytes)
     }
 
     /// Replace the in-memory and on-disk record (used after a restore re-creates the init).
@@ -714,7 +756,7 @@ pub fn claim_dir(state: &StateDir, rec: &SandboxRecord) -> Result<()> {
     fs::create_dir(&prep).map_err(SandboxError::io("create", &prep))?;
     let claimed = serde_json::to_vec_pretty(rec)
         .map_err(|e| SandboxError::Other(format!("encoding the record of {name}: {e}")))
-        .and_then(|bytes| write_atomic(&prep.join("sandbox.json"), &bytes))
+        .and_then(|bytes| write_replace(&prep.join("sandbox.json"), &bytes))
         .and_then(|()| {
             nix::fcntl::renameat2(
                 None,
@@ -734,9 +776,8 @@ pub fn claim_dir(state: &StateDir, rec: &SandboxRecord) -> Result<()> {
         let _ = fs::remove_dir_all(&prep);
         return Err(e);
     }
-    if let Ok(d) = fs::File::open(state.sandboxes()) {
-        let _ = d.sync_all();
-    }
+    // No fsync: the claim guards against another process of this host, not against a crash
+    // (after one, a half-made sandbox directory is a dead sandbox or a leftover either way).
     Ok(())
 }
 

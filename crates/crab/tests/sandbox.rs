@@ -281,3 +281,69 @@ fn version_reports_soft_dirty() {
     assert_eq!(sd["available"].as_bool(), Some(here.available), "{v}");
     assert!(!sd["reason"].as_str().unwrap_or("").is_empty(), "{v}");
 }
+
+fn ready_roots(image: &str) -> Vec<String> {
+    let prefix = format!("warm-{image}-");
+    let mut v: Vec<String> = std::fs::read_dir(state_dir().join("pool/tmp"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    v.sort();
+    v
+}
+
+/// The daemon keeps ready-made roots of a used image (`--warm-roots`, 2 by default); a create
+/// takes one, each sandbox still gets its own root, and a rebuilt or removed image's ready roots
+/// are never handed out and do not stay behind.
+#[test]
+fn ready_roots_serve_creates_and_never_outlive_their_image() {
+    common::ensure_daemon();
+    let image = unique("t-warm");
+    let src = std::env::temp_dir().join(&image);
+    std::fs::create_dir_all(src.join("etc")).unwrap();
+    std::fs::write(src.join("etc/marker"), "v1\n").unwrap();
+    crab_ok(&["image", "import", &image, src.to_str().unwrap()]);
+    let a = unique("t-warm-a");
+    crab_ok(&["sandbox", "create", &image, "--name", &a]);
+    assert!(
+        wait_until(20.0, || ready_roots(&image).len() == 2),
+        "no ready roots after the first create: {:?}",
+        ready_roots(&image)
+    );
+    let before = ready_roots(&image);
+    let b = unique("t-warm-b");
+    crab_ok(&["sandbox", "create", &image, "--name", &b]);
+    let after = ready_roots(&image);
+    assert!(
+        before.iter().any(|r| !after.contains(r)),
+        "no ready root was taken: {before:?} → {after:?}"
+    );
+    let root = |n: &str| state_dir().join("pool/sandboxes").join(n).join("rootfs");
+    assert_eq!(std::fs::read_to_string(root(&b).join("etc/hostname")).unwrap(), format!("{b}\n"));
+    std::fs::write(root(&a).join("etc/marker"), "changed in a\n").unwrap();
+    assert_eq!(std::fs::read_to_string(root(&b).join("etc/marker")).unwrap(), "v1\n");
+    // Re-import the image: its old ready roots go; the next create gets the new content.
+    assert!(wait_until(20.0, || ready_roots(&image).len() == 2));
+    let old = ready_roots(&image);
+    std::fs::write(src.join("etc/marker"), "v2\n").unwrap();
+    crab_ok(&["image", "rm", &image]);
+    assert!(
+        ready_roots(&image).is_empty(),
+        "ready roots outlived image rm: {:?}",
+        ready_roots(&image)
+    );
+    crab_ok(&["image", "import", &image, src.to_str().unwrap()]);
+    let c = unique("t-warm-c");
+    crab_ok(&["sandbox", "create", &image, "--name", &c]);
+    assert_eq!(std::fs::read_to_string(root(&c).join("etc/marker")).unwrap(), "v2\n");
+    assert!(wait_until(20.0, || ready_roots(&image).len() == 2));
+    assert!(ready_roots(&image).iter().all(|r| !old.contains(r)), "an old ready root survived");
+    for n in [&a, &b, &c] {
+        crab_ok(&["sandbox", "rm", "--force", n]);
+    }
+    crab_ok(&["image", "rm", &image]);
+    assert!(ready_roots(&image).is_empty());
+    let _ = std::fs::remove_dir_all(&src);
+}

@@ -33,7 +33,7 @@ pub struct ExecOutput {
 
 /// Create a sandbox `name` from `image` (private network).
 pub async fn create(client: &Client, image: &str, name: &str) -> Result<SandboxInfo, ApiError> {
-    create_with_policy(client, image, name, None).await
+    create_with(client, image, name, None, false).await
 }
 
 /// Create a sandbox `name` from `image` (private network) with checkpoint policy `policy`
@@ -44,13 +44,25 @@ pub async fn create_with_policy(
     name: &str,
     policy: Option<&str>,
 ) -> Result<SandboxInfo, ApiError> {
+    create_with(client, image, name, policy, false).await
+}
+
+/// Create a sandbox `name` from `image` (private network), with `policy` and `--privileged`
+/// when asked.
+pub async fn create_with(
+    client: &Client,
+    image: &str,
+    name: &str,
+    policy: Option<&str>,
+    privileged: bool,
+) -> Result<SandboxInfo, ApiError> {
     let req = SandboxCreateRequest {
         image: image.to_string(),
         name: Some(name.to_string()),
         net: Default::default(),
         nat_range: None,
         limits: Default::default(),
-        privileged: false,
+        privileged,
         checkpoint_policy: policy.map(str::to_string),
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await

@@ -54,6 +54,10 @@ pub(super) enum BenchCmd {
         /// Also checkpoint a process holding this many MiB (0 = no).
         #[arg(long, default_value_t = 0)]
         big_mib: usize,
+        /// Run the same rounds on a `--privileged` twin, interleaved, to measure what the
+        /// default security profile costs checkpoints and restores.
+        #[arg(long)]
+        privileged: bool,
     },
     /// The e2b SDK through the daemon's E2B API (`Sandbox.create` + `commands.run("true")` +
     /// `kill`) vs the same through the crab CLI, interleaved; create-from-snapshot and
@@ -144,6 +148,15 @@ pub(super) enum BenchCmd {
         /// default security profile's cost side by side.
         #[arg(long)]
         privileged: bool,
+        /// Pause this long (ms) before each create and exec, as an agent's commands are
+        /// spaced: back-to-back loops hide costs that return after a quiet moment (RCU grace
+        /// periods of cgroup migrations).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+        gap_ms: u64,
+        /// Also measure every create and exec with cgroup2's `favordynmods` off, interleaved
+        /// (remounts this host's cgroup2 between calls; its state is restored afterwards).
+        #[arg(long)]
+        favordynmods_ab: bool,
     },
 }
 
@@ -297,10 +310,15 @@ pub(super) async fn run(
                 );
             }
         }
-        BenchCmd::Lifecycle { image, rounds, fork_count, big_mib } => {
+        BenchCmd::Lifecycle { image, rounds, fork_count, big_mib, privileged } => {
             eprintln!("bench lifecycle: {rounds} rounds, a fork of {fork_count} ...");
-            let opts =
-                crab_bench::lifecycle::LifecycleOptions { image, rounds, fork_count, big_mib };
+            let opts = crab_bench::lifecycle::LifecycleOptions {
+                image,
+                rounds,
+                fork_count,
+                big_mib,
+                compare_privileged: privileged,
+            };
             let r = crab_bench::lifecycle::run(client, &opts).await?;
             if json {
                 print_json(&r);
@@ -319,6 +337,20 @@ pub(super) async fn run(
                 );
                 if let Some(b) = r.big_full_ms {
                     println!("full checkpoint of a {big_mib} MiB process: {b:.1} ms");
+                }
+                if let Some(p) = &r.privileged {
+                    latency_table(
+                        &[
+                            ("checkpoint fs --privileged", &p.checkpoint_fs_ms),
+                            ("checkpoint full --privileged", &p.checkpoint_full_ms),
+                            ("restore --privileged", &p.restore_ms),
+                        ],
+                        1,
+                    );
+                    println!(
+                        "default profile vs --privileged (p50): full checkpoint {:.3}x, restore {:.3}x",
+                        p.full_ratio_p50, p.restore_ratio_p50
+                    );
                 }
             }
         }
@@ -390,18 +422,33 @@ pub(super) async fn run(
                 );
             }
         }
-        BenchCmd::Foundation { image, creates, execs, privileged } => {
-            eprintln!("bench foundation: {creates} creates, {execs} exec/host pairs ...");
-            let r = crab_bench::foundation::run(
-                client,
-                &exe,
-                state.root(),
-                &image,
+        BenchCmd::Foundation { image, creates, execs, privileged, gap_ms, favordynmods_ab } => {
+            eprintln!(
+                "bench foundation: {creates} creates, {execs} exec/host pairs, {gap_ms} ms apart ..."
+            );
+            let hier = crab_sandbox::cgroup::Hierarchy::detect()
+                .map_err(|e| ApiError::internal(format!("cgroup hierarchy: {e}")))?;
+            let switch = |on: bool| hier.set_favordynmods(on).map(drop);
+            let was_on = if favordynmods_ab {
+                Some(hier.set_favordynmods(true).map_err(ApiError::internal)?)
+            } else {
+                None
+            };
+            let opts = crab_bench::foundation::FoundationOptions {
+                image: &image,
                 creates,
                 execs,
-                privileged,
-            )
-            .await?;
+                compare_privileged: privileged,
+                gap: std::time::Duration::from_millis(gap_ms),
+                favordynmods: favordynmods_ab.then_some(&switch as _),
+            };
+            let r = crab_bench::foundation::run(client, &exe, state.root(), &opts).await;
+            if let Some(was) = was_on {
+                if let Err(e) = hier.set_favordynmods(was) {
+                    eprintln!("warning: could not put cgroup2 favordynmods back to {was}: {e}");
+                }
+            }
+            let r = r?;
             if json {
                 print_json(&r);
             } else {
@@ -425,6 +472,19 @@ pub(super) async fn run(
                     println!(
                         "default profile vs --privileged (p50): create {:.3}x, exec {:+.2} ms",
                         p.create_ratio_p50, p.exec_delta_p50_ms
+                    );
+                }
+                if let Some(f) = &r.favordynmods_off {
+                    latency_table(
+                        &[
+                            ("create, favordynmods off", &f.create_ms),
+                            ("exec true, favordynmods off", &f.exec_true_ms),
+                        ],
+                        2,
+                    );
+                    println!(
+                        "favordynmods off vs on (p50): create {:.3}x, exec {:+.2} ms",
+                        f.create_ratio_p50, f.exec_delta_p50_ms
                     );
                 }
             }

@@ -69,6 +69,17 @@ pub(super) struct DaemonArgs {
     /// checkpoints need.
     #[arg(long, env = "CRAB_DEFAULT_DISK", value_parser = parse_size)]
     default_disk: Option<u64>,
+    /// Leave the host's cgroup2 mount as it is. By default the daemon remounts cgroup2 with
+    /// `favordynmods` (kernel >= 6.0) when it lacks it: without it every join of a sandbox's
+    /// cgroups (each exec, start and restore) waits for an RCU grace period, 6-27 ms here;
+    /// the cost is slightly slower fork/exit host-wide. `crab version --json` shows the state.
+    #[arg(long)]
+    no_cgroup_favordynmods: bool,
+    /// Ready-made root filesystems (writable btrfs snapshots, made in the background) kept per
+    /// recently used image, so `sandbox create` renames one into place instead of taking a
+    /// snapshot, a btrfs transaction commit, on the caller's time. 0 turns it off.
+    #[arg(long, env = "CRAB_WARM_ROOTS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=64))]
+    warm_roots: u64,
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -120,6 +131,8 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         nat_range: a.nat_range,
         e2b,
         default_disk: a.default_disk,
+        cgroup_favordynmods: !a.no_cgroup_favordynmods,
+        warm_roots: a.warm_roots as usize,
     };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or

@@ -118,7 +118,14 @@ pub fn main() -> ExitCode {
         args.insert(1, "docker".into());
     }
     let cli = Cli::parse_from(args);
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // The daemon and the benchmarks run many tasks at once; every other command is one
+    // request, for which a single-threaded runtime starts faster (no worker threads, no CPU
+    // count read from cgroup files): `crab exec` runs once per agent command.
+    let mut builder = match cli.cmd {
+        Cmd::Daemon(_) | Cmd::Bench { .. } => tokio::runtime::Builder::new_multi_thread(),
+        _ => tokio::runtime::Builder::new_current_thread(),
+    };
+    let rt = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -156,6 +163,10 @@ async fn run(cli: Cli) -> ExitCode {
                     if let Some(sd) = &v.features.soft_dirty {
                         let on = if sd.available { "available" } else { "unavailable" };
                         println!("soft-dirty page tracking: {on} ({})", sd.reason);
+                    }
+                    if let Some(f) = &v.features.cgroup_favordynmods {
+                        let on = if f.available { "on" } else { "off" };
+                        println!("cgroup2 favordynmods: {on} ({})", f.reason);
                     }
                 }
                 ExitCode::SUCCESS

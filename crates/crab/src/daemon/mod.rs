@@ -50,6 +50,10 @@ pub struct DaemonOptions {
     pub e2b: Option<E2bOptions>,
     /// `--default-disk`: the disk quota of sandboxes created without `--disk`.
     pub default_disk: Option<u64>,
+    /// Remount cgroup2 with `favordynmods` at start (off with `--no-cgroup-favordynmods`).
+    pub cgroup_favordynmods: bool,
+    /// `--warm-roots`: ready-made root filesystems per recently used image.
+    pub warm_roots: usize,
 }
 
 /// Where and for whom the E2B-compatible API is served.
@@ -89,6 +93,8 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         remote: opts.remote.clone(),
         nat_range: Some(opts.nat_range.clone()),
         default_disk: opts.default_disk,
+        cgroup_favordynmods: opts.cgroup_favordynmods,
+        warm_roots: opts.warm_roots,
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

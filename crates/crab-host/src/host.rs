@@ -237,7 +237,7 @@ impl Host {
         if available {
             tracing::info!(%reason, "cgroup migrations: favordynmods");
         } else {
-            tracing::warn!(%reason, "cgroup migrations are slow (6-27 ms per exec, start and restore)");
+            tracing::warn!(%reason, "cgroup migrations may wait for RCU grace periods (up to 6-27 ms per exec, start and restore)");
         }
         let favordynmods = FeatureStatus { available, reason };
         let soft_dirty = crab_criu::soft_dirty::probe();

@@ -94,8 +94,9 @@ impl Hierarchy {
     ///
     /// Without it every write to a `cgroup.procs` (each `crab exec`, sandbox start and restore
     /// joins the sandbox's cgroups) takes the global `cgroup_threadgroup_rwsem` for writing,
-    /// which waits for an RCU grace period: 6–27 ms per migration measured on these hosts when
-    /// migrations are seconds apart (an agent's turns), ≈ 0.05 ms with it. The price, per the
+    /// which may wait for an RCU grace period: 6–27 ms per migration measured on a quiet host
+    /// with migrations 200 ms apart, ≈ 0.05 ms with it (on a busier host the wait did not
+    /// always happen; docs/performance.md). The price, per the
     /// kernel's documentation, is a slightly slower fork and exit host-wide (the rwsem's reader
     /// side loses its per-CPU fast path). The option stays set when the daemon exits (another
     /// daemon may rely on it); `mount -o remount,<opts without favordynmods>` reverts it.

@@ -70,8 +70,9 @@ pub(super) struct DaemonArgs {
     #[arg(long, env = "CRAB_DEFAULT_DISK", value_parser = parse_size)]
     default_disk: Option<u64>,
     /// Leave the host's cgroup2 mount as it is. By default the daemon remounts cgroup2 with
-    /// `favordynmods` (kernel >= 6.0) when it lacks it: without it every join of a sandbox's
-    /// cgroups (each exec, start and restore) waits for an RCU grace period, 6-27 ms here;
+    /// `favordynmods` (kernel >= 6.0) when it lacks it: without it a join of a sandbox's
+    /// cgroups (each exec, start and restore) can wait for an RCU grace period (6-27 ms on a
+    /// quiet host here);
     /// the cost is slightly slower fork/exit host-wide. `crab version --json` shows the state.
     #[arg(long)]
     no_cgroup_favordynmods: bool,

@@ -597,12 +597,7 @@ impl Repo {
                 let mut seen: HashSet<Vec<u8>> = HashSet::new();
                 for e in new.entries {
                     let name = e.name_bytes(&object)?;
-                    if !seen.insert(name.clone()) {
-                        return Err(RemoteError::corrupt(
-                            object,
-                            format!("duplicate entry {:?}", String::from_utf8_lossy(&name)),
-                        ));
-                    }
+                    first_of_name(&mut seen, &name, &object)?;
                     let path = dir.join(OsStr::from_bytes(&name));
                     stats.entries += 1;
                     let old = old_by.remove(&name);
@@ -717,12 +712,7 @@ impl Repo {
             let object = format!("tree {tree_id}");
             let name = e.name_bytes(&object)?;
             let Some(seen) = names.last_mut() else { break };
-            if !seen.insert(name.clone()) {
-                return Err(RemoteError::corrupt(
-                    object,
-                    format!("duplicate entry {:?}", String::from_utf8_lossy(&name)),
-                ));
-            }
+            first_of_name(seen, &name, &object)?;
             let path = dir.join(OsStr::from_bytes(&name));
             stats.entries += 1;
             match e.kind {
@@ -792,4 +782,18 @@ fn apply_meta(path: &Path, e: &Entry) -> Result<()> {
         });
     }
     Ok(())
+}
+/// Refuse a tree that names `name` twice (remote bytes are untrusted).
+fn first_of_name(
+    seen: &mut HashSet<Vec<u8>>,
+    name: &[u8],
+    object: &str,
+) -> Result<(), RemoteError> {
+    if seen.insert(name.to_vec()) {
+        return Ok(());
+    }
+    Err(RemoteError::corrupt(
+        object.to_string(),
+        format!("duplicate entry {:?}", String::from_utf8_lossy(name)),
+    ))
 }

@@ -183,13 +183,7 @@ async fn measure(
     }
     let names: Vec<String> = (0..opts.fork_count).map(|i| format!("{tag}-f{i}")).collect();
     let t = Instant::now();
-    let forked = client
-        .call::<_, serde_json::Value>(
-            Method::POST,
-            &format!("/v1/sandboxes/{sb}/fork"),
-            Some(&serde_json::json!({ "count": opts.fork_count, "names": names })),
-        )
-        .await;
+    let forked = sbx::fork(client, &sb, None, &names).await;
     let fork_ms = ms(t);
     // Whatever the answer, remove every branch that exists.
     made.extend(names.iter().cloned());

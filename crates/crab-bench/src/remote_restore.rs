@@ -500,14 +500,7 @@ async fn measure(
         // Local fork of 1.
         let name = format!("{sb}-l{round}");
         let t = Instant::now();
-        let forked: Result<Value, ApiError> = a
-            .client
-            .call(
-                Method::POST,
-                &format!("/v1/sandboxes/{sb}/fork"),
-                Some(&json!({ "checkpoint": point_id, "count": 1, "names": [name] })),
-            )
-            .await;
+        let forked = sbx::fork(&a.client, &sb, Some(&point_id), std::slice::from_ref(&name)).await;
         local_fork1.push(ms(t));
         forked?;
         check(&a.client, &name, "local fork").await?;
@@ -523,14 +516,7 @@ async fn measure(
         let names: Vec<String> =
             (0..opts.fork_count).map(|i| format!("{sb}-lf{round}-{i}")).collect();
         let t = Instant::now();
-        let forked: Result<Value, ApiError> = a
-            .client
-            .call(
-                Method::POST,
-                &format!("/v1/sandboxes/{sb}/fork"),
-                Some(&json!({ "checkpoint": point_id, "count": opts.fork_count, "names": names })),
-            )
-            .await;
+        let forked = sbx::fork(&a.client, &sb, Some(&point_id), &names).await;
         local_fork.push(ms(t));
         let checked = match forked {
             Ok(_) => {

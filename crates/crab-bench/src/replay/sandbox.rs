@@ -229,6 +229,23 @@ pub async fn restore(client: &Client, name: &str) -> Result<Value, ApiError> {
         .await
 }
 
+/// Fork sandbox `name` into the branches `names` from point `checkpoint` (its newest when
+/// `None`).
+pub async fn fork(
+    client: &Client,
+    name: &str,
+    checkpoint: Option<&str>,
+    names: &[String],
+) -> Result<Value, ApiError> {
+    client
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{name}/fork"),
+            Some(&json!({"checkpoint": checkpoint, "count": names.len(), "names": names})),
+        )
+        .await
+}
+
 /// Checkpoint traffic of sandbox `name`: the bytes of its distinct parts, read from the
 /// manifests of its store on the host (`<pool>/checkpoints/<name>/points/*.manifest`, see
 /// `docs/format.md`): each process image's `bytes` plus each filesystem snapshot's

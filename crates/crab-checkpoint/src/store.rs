@@ -332,8 +332,15 @@ impl Store {
 
     /// Take the store's lock if nobody holds it; `None` when someone does, or when the store
     /// directory is gone (someone removed the sandbox's points meanwhile).
+    ///
+    /// It never creates the lock file: a store whose lock file is missing was never locked
+    /// (so nothing of it is staged) or is being removed, and creating the file then would
+    /// put an entry back into a directory its remover is deleting (its `rmdir` would fail
+    /// and the removed sandbox's store would stay behind).
     pub fn try_lock(&self) -> Result<Option<StoreLock>> {
-        let file = match self.lock_file() {
+        let existing =
+            std::fs::OpenOptions::new().write(true).open(self.dir.join("lock"));
+        let file = match existing {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(CheckpointError::io("open", &self.dir.join("lock"), e)),

@@ -285,3 +285,29 @@ fn restore_marker_builds_on_an_older_base() {
     st.snapshot_fs(&root).unwrap();
     assert!(st.publish(Draft::new(PointKind::Restore, 3)).is_err());
 }
+
+/// Recovery's `try_lock` never creates the lock file: during a removal (the remover holds the
+/// lock and is deleting the directory) it must not put an entry back, or the removed
+/// sandbox's store would stay behind.
+#[test]
+fn try_lock_creates_nothing_in_a_store_being_removed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(tmp.path());
+    let lock = store.dir().join("lock");
+    assert!(store.try_lock().unwrap().is_none(), "no lock file yet: nothing to recover");
+    assert!(!lock.exists(), "try_lock created {}", lock.display());
+
+    let held = store.lock().unwrap();
+    assert!(store.try_lock().unwrap().is_none(), "held elsewhere");
+    // The remover unlinks the lock file before the directory goes.
+    std::fs::remove_file(&lock).unwrap();
+    assert!(store.try_lock().unwrap().is_none());
+    assert!(!lock.exists(), "try_lock brought the lock file back");
+    drop(held);
+    store.remove_all().unwrap();
+    assert!(!store.dir().exists());
+
+    let again = open(tmp.path());
+    drop(again.lock().unwrap());
+    assert!(again.try_lock().unwrap().is_some(), "an existing, free lock is taken");
+}

@@ -1187,6 +1187,7 @@ impl Checkpointer {
             held: None,
             // A branch checkpoints like its source.
             checkpoint_policy: src.checkpoint_policy,
+            harness: src.harness.clone(),
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);

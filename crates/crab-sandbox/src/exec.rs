@@ -6,6 +6,11 @@
 //! their output (`nohup srv >log 2>&1 &`) keep running after the exec returns. When the timeout
 //! fires or the caller goes away, every process of the sandbox that still holds one of the
 //! exec's pipes is killed, so no orphaned command keeps writing after its turn.
+//!
+//! An exec with `stdin_session` keeps its stdin open as a pipe the daemon holds and feeds with
+//! what [`Sessions::write`] is given (`POST .../exec/{session}/stdin`), until `eof` or the end
+//! of the command: a shell held this way runs command after command without a file of its
+//! own in the sandbox (the replay's persistent session, `crab exec -i`).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
@@ -54,12 +59,128 @@ pub fn kill_pipe_holders(cg: &SandboxCgroup, inodes: &[u64]) -> usize {
     killed
 }
 
+/// What a session's stdin is fed with.
+#[derive(Debug)]
+struct StdinChunk {
+    data: Vec<u8>,
+    eof: bool,
+    done: tokio::sync::oneshot::Sender<std::io::Result<usize>>,
+}
+
+/// The open exec sessions of a runtime: (sandbox, session) → the feed of its stdin.
+#[derive(Debug, Default)]
+pub struct Sessions {
+    open: std::sync::Mutex<std::collections::HashMap<(String, String), mpsc::Sender<StdinChunk>>>,
+}
+
+/// The stdin side of a registered session, handed to [`run`].
+#[derive(Debug)]
+pub struct SessionStdin {
+    key: (String, String),
+    rx: mpsc::Receiver<StdinChunk>,
+}
+
+impl Sessions {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<
+        '_,
+        std::collections::HashMap<(String, String), mpsc::Sender<StdinChunk>>,
+    > {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Register session `session` of sandbox `sandbox` (before its exec starts, so a write
+    /// sent as soon as the exec's stream answers finds it). Refused when the name is taken.
+    pub fn register(&self, sandbox: &str, session: &str) -> Result<SessionStdin> {
+        crab_common::names::validate("exec session", session)
+            .map_err(|e| SandboxError::Invalid(e.message))?;
+        let key = (sandbox.to_string(), session.to_string());
+        let mut open = self.lock();
+        if open.get(&key).is_some_and(|tx| !tx.is_closed()) {
+            return Err(SandboxError::Conflict(format!(
+                "sandbox {sandbox} already has an open exec session {session:?}; pick another stdin_session name"
+            )));
+        }
+        let (tx, rx) = mpsc::channel(16);
+        open.insert(key.clone(), tx);
+        Ok(SessionStdin { key, rx })
+    }
+
+    fn forget(&self, key: &(String, String)) {
+        let mut open = self.lock();
+        if open.get(key).is_some_and(|tx| tx.is_closed()) {
+            open.remove(key);
+        }
+    }
+
+    /// Write `data` to the stdin of session `session` of `sandbox` (then close it when `eof`);
+    /// answers once the bytes are in the pipe. Unknown or ended sessions are a 404-style error.
+    pub async fn write(
+        &self,
+        sandbox: &str,
+        session: &str,
+        data: Vec<u8>,
+        eof: bool,
+    ) -> Result<usize> {
+        let tx = self.lock().get(&(sandbox.to_string(), session.to_string())).cloned();
+        let gone = || {
+            SandboxError::Conflict(format!(
+                "no open exec session {session:?} in sandbox {sandbox} (it ended, or was never started with stdin_session)"
+            ))
+        };
+        let tx = tx.ok_or_else(gone)?;
+        let (done, answer) = tokio::sync::oneshot::channel();
+        tx.send(StdinChunk { data, eof, done }).await.map_err(|_| gone())?;
+        match answer.await {
+            Ok(Ok(n)) => Ok(n),
+            Ok(Err(e)) => Err(SandboxError::Conflict(format!(
+                "exec session {session:?} of sandbox {sandbox}: its stdin is closed ({e}); the command stopped reading"
+            ))),
+            Err(_) => Err(gone()),
+        }
+    }
+}
+
+/// Feed a session's stdin from its channel until eof, the channel's end or a write error.
+async fn feed(
+    mut stdin: tokio::process::ChildStdin,
+    first: Option<Vec<u8>>,
+    mut rx: mpsc::Receiver<StdinChunk>,
+) {
+    if let Some(d) = first {
+        if stdin.write_all(&d).await.is_err() {
+            return;
+        }
+    }
+    while let Some(c) = rx.recv().await {
+        let r = stdin.write_all(&c.data).await.map(|()| c.data.len());
+        let failed = r.is_err();
+        let _ = c.done.send(r);
+        if failed || c.eof {
+            break;
+        }
+    }
+    let _ = stdin.shutdown().await;
+}
+
 /// Run `req` in sandbox `name`, sending frames to `tx`. The last frame is `Exit` or `Error`.
-pub async fn run(rt: Arc<Runtime>, name: String, req: ExecRequest, tx: mpsc::Sender<ExecFrame>) {
-    let frame = match run_inner(&rt, &name, &req, &tx).await {
+/// `session`: the stdin feed registered for `req.stdin_session`.
+pub async fn run(
+    rt: Arc<Runtime>,
+    name: String,
+    req: ExecRequest,
+    tx: mpsc::Sender<ExecFrame>,
+    session: Option<SessionStdin>,
+) {
+    let key = session.as_ref().map(|s| s.key.clone());
+    let frame = match run_inner(&rt, &name, &req, &tx, session).await {
         Ok(f) => f,
         Err(e) => ExecFrame::Error { error: e.into() },
     };
+    if let Some(k) = key {
+        rt.sessions().forget(&k);
+    }
     let _ = tx.send(frame).await;
 }
 
@@ -68,6 +189,7 @@ async fn run_inner(
     name: &str,
     req: &ExecRequest,
     tx: &mpsc::Sender<ExecFrame>,
+    session: Option<SessionStdin>,
 ) -> Result<ExecFrame> {
     let spec = rt.exec_spec(name, req)?;
     let stdin_data = match &req.stdin_b64 {
@@ -83,7 +205,11 @@ async fn run_inner(
     let mut child = tokio::process::Command::new(rt.helper_exe())
         .arg("__nsexec")
         .arg(json)
-        .stdin(if stdin_data.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin_data.is_some() || session.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -94,12 +220,21 @@ async fn run_inner(
     let mut err =
         child.stderr.take().ok_or_else(|| SandboxError::Other("no stderr pipe".into()))?;
     let mut inodes: Vec<u64> = [pipe_inode(&out), pipe_inode(&err)].into_iter().flatten().collect();
-    if let (Some(data), Some(mut stdin)) = (stdin_data, child.stdin.take()) {
-        inodes.extend(pipe_inode(&stdin));
-        tokio::spawn(async move {
-            let _ = stdin.write_all(&data).await;
-            let _ = stdin.shutdown().await;
-        });
+    match (session, child.stdin.take()) {
+        (Some(s), Some(stdin)) => {
+            inodes.extend(pipe_inode(&stdin));
+            tokio::spawn(feed(stdin, stdin_data, s.rx));
+        }
+        (None, Some(mut stdin)) => {
+            inodes.extend(pipe_inode(&stdin));
+            if let Some(data) = stdin_data {
+                tokio::spawn(async move {
+                    let _ = stdin.write_all(&data).await;
+                    let _ = stdin.shutdown().await;
+                });
+            }
+        }
+        _ => {}
     }
     let deadline = req.timeout_s.map(|s| start + Duration::from_secs_f64(s.max(0.0)));
     let sleep = async {

@@ -894,6 +894,19 @@ impl Checkpointer {
                             .map_err(sandbox_err(sandbox))?,
                     );
                 }
+                // Exec sessions' pipes to the daemon come back as new pipes it holds (the
+                // client re-attaches): without them a restored shell would read end-of-file
+                // and its children write into pipes nobody reads.
+                let wiring = self.rt.sessions().prepare_restore(sandbox).unwrap_or_else(|e| {
+                    tracing::warn!(sandbox, error = %e, "exec sessions not re-wired");
+                    Default::default()
+                });
+                for (key, fd) in &wiring.inherit {
+                    opts.inherit_fd.push(crab_criu::InheritFd {
+                        key: key.clone(),
+                        fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+                    });
+                }
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
                     // A branch restored to its origin point carries its source's UTS name.
@@ -905,6 +918,11 @@ impl Checkpointer {
                     Ok(())
                 })?;
                 let pid = u32::try_from(r.pid).unwrap_or(0);
+                if !wiring.inherit.is_empty() {
+                    let pids = cg.pids().unwrap_or_default();
+                    let n = self.rt.sessions().finish_restore(sandbox, wiring, &pids);
+                    tracing::debug!(sandbox, sessions = n, "exec sessions re-wired");
+                }
                 if rec.net == NetMode::Nat {
                     self.rt.nat().finish_restore(sandbox, pid).map_err(sandbox_err(sandbox))?;
                 }

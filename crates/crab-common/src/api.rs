@@ -330,8 +330,20 @@ pub struct ExecRequest {
     pub stdin_session: Option<String>,
 }
 
-/// `POST /v1/sandboxes/{name}/exec/{session}/stdin`'s answer: bytes written to the command's
-/// stdin (the request body, raw), and whether it was closed (`?eof=true`).
+/// `POST /v1/sandboxes/{name}/exec/{session}/stdin`: bytes for the stdin of an exec started
+/// with `stdin_session`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdinWrite {
+    /// The bytes, base64 (absent: none).
+    #[serde(default)]
+    pub d: String,
+    /// Close the command's stdin after them.
+    #[serde(default)]
+    pub eof: bool,
+}
+
+/// The answer to a [`StdinWrite`]: bytes written to the command's stdin pipe, and whether it
+/// was closed after them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StdinWritten {
     /// Bytes written.

@@ -100,6 +100,14 @@ pub enum Action {
         /// Command, environment, timeout, stdin.
         req: ExecRequest,
     },
+    /// Stream the output of an exec session that came back with a restore, and take over its
+    /// stdin; the outcome is the stream of its frames.
+    ExecAttach {
+        /// Sandbox name.
+        name: String,
+        /// The exec's `stdin_session`.
+        session: String,
+    },
     /// Feed the stdin of an exec started with `stdin_session`.
     ExecStdin {
         /// Sandbox name.
@@ -235,6 +243,7 @@ impl Action {
             Action::Start { .. } => "start",
             Action::Exec { .. } => "exec",
             Action::ExecStdin { .. } => "exec_stdin",
+            Action::ExecAttach { .. } => "exec_attach",
             Action::Inspect { .. } => "inspect",
             Action::Checkpoint { .. } => "checkpoint",
             Action::ListCheckpoints { .. } => "list_checkpoints",

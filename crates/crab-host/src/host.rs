@@ -490,6 +490,12 @@ impl Host {
                 tokio::spawn(crab_sandbox::exec::run(self.runtime.clone(), name, req, tx, session));
                 Ok(Outcome::Exec(rx))
             }
+            Action::ExecAttach { name, session } => {
+                self.runtime.record(&name)?;
+                let (tx, rx) = tokio::sync::mpsc::channel(64);
+                tokio::spawn(crab_sandbox::exec::attach(self.runtime.clone(), name, session, tx));
+                Ok(Outcome::Exec(rx))
+            }
             Action::ExecStdin { name, session, data, eof } => {
                 let written = self.runtime.sessions().write(&name, &session, data, eof).await?;
                 Ok(Outcome::StdinWritten(crab_common::api::StdinWritten { written, eof }))
@@ -609,6 +615,7 @@ impl Host {
         })
         .await?;
         self.detach(&name);
+        self.runtime.sessions().forget_sandbox(&name);
         self.close_sandbox_proxy(&name).await;
         self.coordinator.forget(&name);
         self.policy.clear(&name);

@@ -43,7 +43,9 @@ impl Harness {
                 ));
             }
             cmd.push(regex::Regex::new(p).map_err(|e| {
-                HarnessSpecError(format!("harness.cmd pattern {p:?} is not a regular expression: {e}"))
+                HarnessSpecError(format!(
+                    "harness.cmd pattern {p:?} is not a regular expression: {e}"
+                ))
             })?);
         }
         let mut paths = Vec::new();
@@ -72,7 +74,8 @@ impl Harness {
     /// Whether a change of the exact sandbox path `path` is under a declared harness path.
     pub fn covers_path(&self, path: &str) -> bool {
         self.paths.iter().any(|p| {
-            path == p || (path.starts_with(p.as_str()) && path.as_bytes().get(p.len()) == Some(&b'/'))
+            path == p
+                || (path.starts_with(p.as_str()) && path.as_bytes().get(p.len()) == Some(&b'/'))
         })
     }
 
@@ -138,11 +141,8 @@ pub(crate) fn is_harness_with(
 /// [`is_harness_with`], reading the command lines from /proc.
 pub(crate) fn is_harness(h: &Harness, pid: u32, l: Lineage) -> bool {
     let own = cmdline(pid);
-    let par = if l.born_epoch == 0 && l.exec_epoch == 0 {
-        parent(pid).and_then(cmdline)
-    } else {
-        None
-    };
+    let par =
+        if l.born_epoch == 0 && l.exec_epoch == 0 { parent(pid).and_then(cmdline) } else { None };
     is_harness_with(h, l, own.as_deref(), par.as_deref())
 }
 
@@ -167,8 +167,8 @@ mod tests {
             .expect_err("empty");
         assert!(e.0.contains("every process"), "{e}");
         for p in ["rel/dir", "/a/../b", "/"] {
-            let e = Harness::compile(&HarnessSpec { cmd: vec![], paths: vec![p.into()] })
-                .expect_err(p);
+            let e =
+                Harness::compile(&HarnessSpec { cmd: vec![], paths: vec![p.into()] }).expect_err(p);
             assert!(e.0.contains("harness.paths"), "{e}");
         }
     }
@@ -192,7 +192,12 @@ mod tests {
         assert!(is_harness_with(&h, Lineage { born_epoch: 3, exec_epoch: 5 }, me, None));
         // A fork of the harness that never exec'd (a `( loop ) &` subshell): not harness.
         assert!(!is_harness_with(&h, Lineage { born_epoch: 4, exec_epoch: 0 }, me, me));
-        assert!(!is_harness_with(&h, Lineage { born_epoch: 4, exec_epoch: 0 }, me, Some("crab-init")));
+        assert!(!is_harness_with(
+            &h,
+            Lineage { born_epoch: 4, exec_epoch: 0 },
+            me,
+            Some("crab-init")
+        ));
         // What the harness runs has its own command line.
         assert!(!is_harness_with(
             &h,
@@ -201,7 +206,12 @@ mod tests {
             me
         ));
         // Present at attach (restored): harness unless its parent is one too.
-        assert!(is_harness_with(&h, Lineage { born_epoch: 0, exec_epoch: 0 }, me, Some("crab-init")));
+        assert!(is_harness_with(
+            &h,
+            Lineage { born_epoch: 0, exec_epoch: 0 },
+            me,
+            Some("crab-init")
+        ));
         assert!(!is_harness_with(&h, Lineage { born_epoch: 0, exec_epoch: 0 }, me, me));
         // Gone or a kernel thread: not harness.
         assert!(!is_harness_with(&h, Lineage { born_epoch: 0, exec_epoch: 0 }, None, None));

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    HarnessSpec,
-    ExecRequest, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState, SecurityProfile,
+    ExecRequest, HarnessSpec, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState,
+    SecurityProfile,
 };
 use crab_common::names;
 use crab_common::paths::StateDir;

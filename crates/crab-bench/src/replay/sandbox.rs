@@ -64,6 +64,7 @@ pub async fn create_with(
         limits: Default::default(),
         privileged,
         checkpoint_policy: policy.map(str::to_string),
+        harness: Default::default(),
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
 }
@@ -113,6 +114,7 @@ pub async fn exec(
         workdir: workdir.map(str::to_string),
         timeout_s: Some(timeout_s),
         stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
+        stdin_session: None,
     };
     let t = Instant::now();
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());

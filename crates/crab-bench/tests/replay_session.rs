@@ -65,6 +65,10 @@ async fn the_session_writes_nothing_and_keeps_shell_state() {
     sandbox::restore(&client, &name).await.expect("restore");
     let o = run(&client, &name, "echo \"$PWD $CRAB_T $V\"; cat /root/f").await;
     assert_eq!(o.code, 0, "{}", o.content);
-    assert!(o.content.contains("/tmp 42 7\nx\n"), "the restored session lost its state: {}", o.content);
+    assert!(
+        o.content.contains("/tmp 42 7\nx\n"),
+        "the restored session lost its state: {}",
+        o.content
+    );
     agent::end_session(&name).await;
 }

@@ -20,6 +20,8 @@ use crate::abi::{
     S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT, S_PENDING_LOST,
     S_PROC_OVERFLOW, S_PROC_STATE, S_SHM, S_UNTRACKABLE,
 };
+use crab_common::CheckpointKind;
+
 use crate::error::InspectorError;
 use crate::maps::{self, Bss};
 use crate::pool::{KeyPool, Outer, SandboxMaps};
@@ -77,6 +79,8 @@ struct Reg {
     maps: SandboxMaps,
     /// The sandbox's declared harness ([`Inspector::set_harness`]).
     harness: Option<crate::harness::Harness>,
+    /// Changes under harness paths were left out since the last turn that took a snapshot.
+    harness_dirty: bool,
 }
 
 struct Loaded {
@@ -515,6 +519,7 @@ impl Inner {
                 maps: sm,
                 first_epoch: epoch,
                 harness: None,
+                harness_dirty: false,
             },
         );
         tracing::info!(sandbox, key, cgroup_id, level, "sandbox attached to the inspector");
@@ -720,7 +725,22 @@ impl Inner {
         if close {
             reg.carry = next_carry;
         }
-        Ok(decide(sandbox, e + 1 - reg.first_epoch, facts))
+        let dirty = reg.harness_dirty || facts.processes.harness_path_changes > 0;
+        let mut v = decide(sandbox, e + 1 - reg.first_epoch, facts);
+        if dirty && v.kind == CheckpointKind::Process {
+            // A dump pairs with the newest snapshot; the harness's files changed since it
+            // (left out of the verdicts), and CRIU refuses an open file whose size moved.
+            v.kind = CheckpointKind::Full;
+            v.reasons.push(
+                "files under the harness paths changed since the last snapshot: the dump takes a new one"
+                    .into(),
+            );
+        }
+        if close {
+            reg.harness_dirty =
+                dirty && !matches!(v.kind, CheckpointKind::Fs | CheckpointKind::Full);
+        }
+        Ok(v)
     }
 }
 

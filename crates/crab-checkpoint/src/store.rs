@@ -338,8 +338,7 @@ impl Store {
     /// put an entry back into a directory its remover is deleting (its `rmdir` would fail
     /// and the removed sandbox's store would stay behind).
     pub fn try_lock(&self) -> Result<Option<StoreLock>> {
-        let existing =
-            std::fs::OpenOptions::new().write(true).open(self.dir.join("lock"));
+        let existing = std::fs::OpenOptions::new().write(true).open(self.dir.join("lock"));
         let file = match existing {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),

@@ -2,9 +2,10 @@
 //! helper.
 //!
 //! Namespaces and `fork` do not mix with a multi-threaded async daemon, so the daemon re-executes
-//! its own binary (`crab __start-sandbox SPEC` / `crab __nsexec SPEC`) for the work that needs a
-//! fresh single-threaded process. The `crab` binary dispatches to [`start_sandbox`] and
-//! [`exec_in_sandbox`] before it starts any runtime.
+//! its own binary (`crab __start-sandbox SPEC` / `crab __nsexec SPEC`), or the small
+//! `crab-nsexec` built beside it, for the work that needs a fresh single-threaded process. Both
+//! binaries dispatch to [`start_sandbox`] and [`exec_in_sandbox`] before they start any runtime;
+//! [`HELPER_ABI`] tells whether two binaries were built from the same sources.
 //!
 //! * The **starter** joins the sandbox's cgroups, unshares pid, mount, uts, ipc and (unless the
 //!   network mode is `host`) net namespaces, and forks the sandbox's pid 1. That child makes the
@@ -33,6 +34,53 @@ use serde::{Deserialize, Serialize};
 use crab_common::api::{NetMode, SecurityProfile};
 
 use crate::profile;
+
+/// Digest of the sources the helpers' specs and behaviour come from (see `build.rs`). A helper
+/// binary that reports another value (`__helper-abi`) was built from other sources and must
+/// not be given this build's specs.
+pub const HELPER_ABI: &str = env!("CRAB_HELPER_ABI");
+
+/// File name of the small helper binary built beside `crab`.
+pub const SMALL_HELPER: &str = "crab-nsexec";
+
+/// The binary to run the namespace helpers with, given `crab`'s own path: the small
+/// [`SMALL_HELPER`] beside it when it answers `__helper-abi` with this build's [`HELPER_ABI`],
+/// else `exe` itself. Returns the choice, whether it is the small helper, and what was seen.
+pub fn choose_helper(exe: &Path) -> (PathBuf, bool, String) {
+    let small = exe.with_file_name(SMALL_HELPER);
+    if exe.file_name().is_some_and(|n| n == SMALL_HELPER) || !small.is_file() {
+        return (
+            exe.to_path_buf(),
+            false,
+            format!("{}: no {SMALL_HELPER} beside it", exe.display()),
+        );
+    }
+    let seen = std::process::Command::new(&small)
+        .arg("__helper-abi")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output();
+    match seen {
+        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == HELPER_ABI => {
+            (small.clone(), true, small.display().to_string())
+        }
+        Ok(o) => (
+            exe.to_path_buf(),
+            false,
+            format!(
+                "{}: {} was built from other sources (helper ABI {:?}, this build {HELPER_ABI}); rebuild both with `cargo build -p crab`",
+                exe.display(),
+                small.display(),
+                String::from_utf8_lossy(&o.stdout).trim()
+            ),
+        ),
+        Err(e) => (
+            exe.to_path_buf(),
+            false,
+            format!("{}: running {} failed: {e}", exe.display(), small.display()),
+        ),
+    }
+}
 
 /// Cgroup directories a helper must join.
 #[derive(Debug, Clone, Serialize, Deserialize)]

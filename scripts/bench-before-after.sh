@@ -42,7 +42,7 @@ WORK=$(mktemp -d)
 trap 'for s in before after; do CRAB_STATE_DIR=$BASE-$s "$HERE/daemon.sh" stop || true; done; rm -rf "$WORK"' EXIT
 
 start() { # start SIDE BIN PORT
-    CRAB_STATE_DIR=$BASE-$1 CRAB_PROXY_LISTEN=127.0.0.1:$3 CRAB_E2B_LISTEN= \
+    CRAB_STATE_DIR=$BASE-$1 CRAB_PROXY_LISTEN=127.0.0.1:$3 env -u CRAB_E2B_LISTEN \
         "$HERE/daemon.sh" restart "$2" >/dev/null
 }
 stop() { CRAB_STATE_DIR=$BASE-$1 "$HERE/daemon.sh" stop; }

@@ -10,6 +10,8 @@
 #     --image-from DIR      root filesystem both state dirs import as `debian` when they lack it
 #                           (default: the debian image of ${CRAB_STATE_DIR:-/var/lib/crab})
 #     --json FILE           every per-round report and the summary, as JSON
+#   AFTER_PRIVILEGED=1      the after build also measures `--privileged` sandboxes, interleaved
+#                           (for a BEFORE older than the default security profile)
 #
 # Each build gets its own state directory ($BA_STATE-before, $BA_STATE-after; BA_STATE defaults to
 # /var/lib/crab-ba) and its own proxy port, because an older daemon need not read a newer one's
@@ -68,14 +70,18 @@ for r in $(seq 1 "$ROUNDS"); do
         bin=$BEFORE port=7491; [ $side = after ] && bin=$AFTER port=7492
         start $side "$bin" $port
         echo "round $r: $side (load $(cut -d' ' -f1 /proc/loadavg))" >&2
-        "$bin" --state-dir "$BASE-$side" --json bench foundation --creates "$CREATES" --execs "$EXECS" \
+        # The after build also measures `--privileged` sandboxes (no security profile) in the
+        # same run, when BEFORE predates the profile (AFTER_PRIVILEGED=1): then the profile's
+        # own cost (issue 10) and the rest of the change can be told apart.
+        extra=(); [ $side = after ] && [ "${AFTER_PRIVILEGED:-0}" = 1 ] && extra=(--privileged)
+        "$bin" --state-dir "$BASE-$side" --json bench foundation --creates "$CREATES" --execs "$EXECS" "${extra[@]}" \
             >"$WORK/foundation-$side-$r.json"
         # The bench leaves its sandboxes; remove them so every round starts alike.
         for n in $("$bin" --state-dir "$BASE-$side" --json sandbox ls | python3 -c 'import json,sys; print(" ".join(s["name"] for s in json.load(sys.stdin)))'); do
             "$bin" --state-dir "$BASE-$side" sandbox rm --force "$n" >/dev/null 2>&1 || true
         done
         if [ "$LROUNDS" -gt 0 ]; then
-            "$AFTER" --state-dir "$BASE-$side" --json bench lifecycle --rounds "$LROUNDS" --fork 2 \
+            "$AFTER" --state-dir "$BASE-$side" --json bench lifecycle --rounds "$LROUNDS" --fork 2 "${extra[@]}" \
                 >"$WORK/lifecycle-$side-$r.json"
         fi
         stop $side
@@ -103,8 +109,15 @@ rows = [
     ("restore p50", "lifecycle", lambda j: j["restore_ms"]["p50"]),
     ("fork of 2", "lifecycle", lambda j: j["fork_ms"]),
 ]
+priv = [
+    ("sandbox create p50, after --privileged", "foundation", lambda j: j["privileged"]["create_ms"]["p50"]),
+    ("crab exec true p50, after --privileged", "foundation", lambda j: j["privileged"]["exec_true_ms"]["p50"]),
+    ("checkpoint fs p50, after --privileged", "lifecycle", lambda j: j["privileged"]["checkpoint_fs_ms"]["p50"]),
+    ("checkpoint full p50, after --privileged", "lifecycle", lambda j: j["privileged"]["checkpoint_full_ms"]["p50"]),
+    ("restore p50, after --privileged", "lifecycle", lambda j: j["privileged"]["restore_ms"]["p50"]),
+]
 summary = {}
-print(f"{'measure (ms; median of the rounds)':36} {'before':>9} {'after':>9} {'after/before':>13}")
+print(f"{'measure (ms; median of the rounds)':40} {'before':>9} {'after':>9} {'after/before':>13}")
 for name, kind, get in rows:
     b = [get(j) for j in load(kind, "before")]
     a = [get(j) for j in load(kind, "after")]
@@ -112,7 +125,16 @@ for name, kind, get in rows:
         continue
     mb, ma = statistics.median(b), statistics.median(a)
     summary[name] = {"before": b, "after": a, "ratio": ma / mb}
-    print(f"{name:36} {mb:9.2f} {ma:9.2f} {ma / mb:12.3f}x")
+    print(f"{name:40} {mb:9.2f} {ma:9.2f} {ma / mb:12.3f}x")
+# The after build's privileged twin against the same before figures.
+for (name, kind, get), (base, _, bget) in zip(priv, [rows[0], rows[1], rows[3], rows[4], rows[5]]):
+    a = [get(j) for j in load(kind, "after") if j.get("privileged")]
+    b = [bget(j) for j in load(kind, "before")]
+    if not a or not b:
+        continue
+    mb, ma = statistics.median(b), statistics.median(a)
+    summary[name] = {"before": b, "after": a, "ratio": ma / mb}
+    print(f"{name:40} {mb:9.2f} {ma:9.2f} {ma / mb:12.3f}x")
 if out:
     with open(out, "w") as f:
         json.dump({"summary": summary,

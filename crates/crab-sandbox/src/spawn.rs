@@ -474,3 +474,42 @@ fn exec_child(spec: &ExecSpec, argv: &[CString], envp: &[CString]) -> i32 {
         None => 126,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn script(path: &Path, body: &str) {
+        std::fs::write(path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    #[test]
+    fn the_small_helper_is_used_only_when_built_from_the_same_sources() {
+        let dir = tempfile::tempdir().unwrap();
+        let crab = dir.path().join("crab");
+        script(&crab, "exit 0");
+        let small = dir.path().join(SMALL_HELPER);
+
+        let (exe, is_small, why) = choose_helper(&crab);
+        assert_eq!((exe.as_path(), is_small), (crab.as_path(), false), "{why}");
+        assert!(why.contains("no crab-nsexec"), "{why}");
+
+        script(&small, "echo 0123456789abcdef");
+        let (exe, is_small, why) = choose_helper(&crab);
+        assert_eq!((exe.as_path(), is_small), (crab.as_path(), false), "{why}");
+        assert!(
+            why.contains("built from other sources") && why.contains("cargo build -p crab"),
+            "{why}"
+        );
+
+        script(&small, "exit 3");
+        assert!(!choose_helper(&crab).1, "a helper that fails its ABI query is not used");
+
+        script(&small, &format!("[ \"$1\" = __helper-abi ] && echo {HELPER_ABI}"));
+        let (exe, is_small, why) = choose_helper(&crab);
+        assert_eq!((exe.as_path(), is_small), (small.as_path(), true), "{why}");
+    }
+}

@@ -49,9 +49,10 @@ test: build lint
 	@scripts/daemon.sh stop
 
 # The Python SDK (python/) against the running daemon, in the venv of scripts/install-python-sdk.sh;
-# test_ray.py starts a two-node Ray cluster on loopback with two more daemons of its own.
+# test_ray.py starts a two-node Ray cluster on loopback with two more daemons of its own;
+# test_mini_swe_agent.py runs the real mini-swe-agent through a crab-docker link.
 test-python:
-	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh --with-ray | tail -n 1) -m pytest python/tests -q
+	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh --with-ray --with-agents | tail -n 1) -m pytest python/tests -q
 
 bench: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
 bench: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys

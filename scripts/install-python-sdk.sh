@@ -11,22 +11,47 @@
 # last line. The SDK itself is not installed there: the tests import it from the checkout
 # (python/src), so one venv serves every checkout. Idempotent: a second run only compares the
 # stamp with the pins below (≈ 0.01 s). Needs python3 with the venv module
-# (scripts/install-deps.sh). `--with-ray` adds the pinned Ray for the Ray integration tests.
+# (scripts/install-deps.sh). Extras, in any combination:
+#   --with-ray      the pinned Ray for the Ray integration tests (python/tests/test_ray.py)
+#   --with-agents   the pinned mini-swe-agent, run for real through `crab docker`
+#                   (python/tests/test_mini_swe_agent.py; ≈ 1 min and ≈ 700 MB the first time)
 set -euo pipefail
 
 PINS=(httpx==0.28.1 pytest==9.2.0 setuptools==80.9.0 wheel==0.45.1)
 RAY_PINS=(ray==2.60.0)
+AGENT_PINS=(mini-swe-agent==2.4.6)
 VENV=${CRAB_PY_VENV:-/opt/crab/python-sdk/venv}
 
 want=("${PINS[@]}")
-if [[ "${1:-}" == "--with-ray" ]]; then
-    want+=("${RAY_PINS[@]}")
-fi
+for arg in "$@"; do
+    case "$arg" in
+        --with-ray) want+=("${RAY_PINS[@]}") ;;
+        --with-agents) want+=("${AGENT_PINS[@]}") ;;
+        *) echo "usage: $0 [--with-ray] [--with-agents]" >&2; exit 2 ;;
+    esac
+done
 STAMP=$VENV/.crab-pins
-if [[ -x "$VENV/bin/python" && -f "$STAMP" ]] && [[ "$(cat "$STAMP")" == "${want[*]}" || "$(cat "$STAMP")" == "${want[*]} ${RAY_PINS[*]}" ]]; then
+# The stamp lists every pin installed so far; nothing to do when it holds all of ours.
+have=()
+if [[ -x "$VENV/bin/python" && -f "$STAMP" ]]; then
+    read -r -a have <"$STAMP" || true
+fi
+missing=0
+for p in "${want[@]}"; do
+    found=0
+    for h in "${have[@]}"; do [[ "$h" == "$p" ]] && found=1 && break; done
+    ((found)) || missing=1
+done
+if ((!missing)); then
     echo "$VENV/bin/python"
     exit 0
 fi
+# Keep what an earlier run installed (another extra), unless we pin that package differently.
+for h in "${have[@]}"; do
+    dup=0
+    for p in "${want[@]}"; do [[ "${h%%==*}" == "${p%%==*}" ]] && dup=1 && break; done
+    ((dup)) || want+=("$h")
+done
 
 mkdir -p "$(dirname "$VENV")"
 if [[ ! -x "$VENV/bin/python" ]]; then

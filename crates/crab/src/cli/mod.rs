@@ -88,7 +88,7 @@ enum Cmd {
         args: Vec<String>,
     },
     /// A docker-CLI front for harnesses that shell out to `docker` (run, exec, stop, start,
-    /// kill, rm, ps, inspect); also reached as `crab-docker`, a link to this binary.
+    /// kill, rm, ps, inspect, cp); also reached as `crab-docker`, a link to this binary.
     #[command(subcommand)]
     Docker(docker::DockerCmd),
 }

@@ -1,17 +1,19 @@
 """crab_sandbox.ray on a real two-node Ray cluster on loopback: `ray start --head` (127.0.0.2)
 and `ray start --address` (127.0.0.3), each "node" bound to its own Crab daemon (own state
 dir, pool and proxy port) and both daemons sharing one file:// remote store — the shape of two
-hosts. Rollouts fork across the nodes; a rollout whose node is lost finishes on the other from
-its last durable point.
+hosts. Rollouts fork across the nodes (the SDK's own test, then examples/ray_tree_rollouts.py);
+a rollout whose node is lost — its daemon killed, its state dir deleted, its Ray node stopped —
+finishes on the other from its last durable point (examples/ray_spot.py; runs last).
 
-Cost (debug build, loaded 2-core machine): ≈ 2–4 min — the image is imported into the first
-daemon (≈ 20 s) and exported to the store once (later runs reuse the store), and each restore
-from the store on the other node materializes the whole tree (≈ 40–60 s). The daemons' state
-dirs are made fresh for every run and deleted afterwards.
+Cost (debug build, loaded 2-core machine): ≈ 2 min — the image is imported into both daemons
+(≈ 20 s each), the rest is forks, restores from the store and Ray's own start-up. The daemons'
+state dirs (under $CRAB_RAY_TEST_DIR, default /var/lib/crab-pyray) are made fresh for every run
+and deleted afterwards.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -126,13 +128,15 @@ def cluster(daemon: Daemon) -> Iterator[Dict[str, object]]:
     # The shared remote starts empty too (it grew by every earlier run's points).
     shutil.rmtree(store, ignore_errors=True)
     da, db = own_daemon(a_state, remote), own_daemon(b_state, remote)
-    if "debian" not in [i["name"] for i in da.request("GET", "/v1/images")]:
-        src = Path(state_dir()) / "pool" / "images" / "debian"
-        subprocess.run(
-            [crab_bin(), "--state-dir", str(a_state), "image", "import", "debian", str(src)],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+    # Both nodes have the image (the spot example starts its rollout on B).
+    for d, st in ((da, a_state), (db, b_state)):
+        if "debian" not in [i["name"] for i in d.request("GET", "/v1/images")]:
+            src = Path(state_dir()) / "pool" / "images" / "debian"
+            subprocess.run(
+                [crab_bin(), "--state-dir", str(st), "image", "import", "debian", str(src)],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
     tmp = Path(f"/tmp/crab-pyray-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port(HEAD_IP)
@@ -182,7 +186,7 @@ def cluster(daemon: Daemon) -> Iterator[Dict[str, object]]:
                 pytest.fail(f"the second Ray node did not join: {(tmp / 'worker.log').read_text()[-2000:]}")
             time.sleep(0.5)
         by_ip = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        yield {"a": by_ip[HEAD_IP], "b": by_ip[WORKER_IP], "da": da, "db": db, "worker": worker}
+        yield {"a": by_ip[HEAD_IP], "b": by_ip[WORKER_IP], "da": da, "db": db, "worker": worker, "b_state": b_state}
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -194,7 +198,7 @@ def cluster(daemon: Daemon) -> Iterator[Dict[str, object]]:
         shutil.rmtree(store, ignore_errors=True)
 
 
-def test_tree_rollouts_across_nodes_and_recovery_after_node_loss(cluster: Dict[str, object]) -> None:
+def test_fork_spreads_branches_across_nodes_with_their_processes(cluster: Dict[str, object]) -> None:
     from crab_sandbox.ray import CrabSandbox, create
 
     a, b, da, db = cluster["a"], cluster["b"], cluster["da"], cluster["db"]
@@ -232,30 +236,59 @@ def test_tree_rollouts_across_nodes_and_recovery_after_node_loss(cluster: Dict[s
         assert states[0] != states[1] and all(s.startswith(b"base\n") for s in states), states
         assert ray.get(task.read_file.remote("/work/f")) == b"base\n"
         print(f"\nfork(2, spread) across 2 nodes: {fork_s:.1f} s (one branch from the remote store)")
-
-        # Spot loss: the rollout on node B reaches a durable point at turn 1, then does turn 2;
-        # node B is lost (its Ray node stopped, the sandbox and its local points removed from
-        # its daemon). It comes back on A from turn 1: turn 2 is lost, nothing before it.
-        spot = branches[homes.index(b)]
-        spot_name = names[homes.index(b)]
-        ray.get(spot.exec.remote("echo turn1 > /work/turn"))
-        ray.get(spot.checkpoint.remote(kind="fs", durable=True))
-        ray.get(spot.exec.remote("echo turn2 > /work/turn"))
-        worker = cluster["worker"]
-        worker.stop()  # type: ignore[attr-defined]
-        Sandbox(spot_name, db).kill()
-        t0 = time.monotonic()
-        back = CrabSandbox.recover(spot_name, avoid=b)
-        assert ray.get(back.node_id.remote()) == a
-        recover_s = time.monotonic() - t0
-        made.append(Sandbox(ray.get(back.name.remote()), da))
-        assert ray.get(back.read_file.remote("/work/turn")) == b"turn1\n"
-        assert ray.get(back.read_file.remote("/work/f")).startswith(b"base\nrollout-")
-        assert ray.get(back.get_status.remote()) == "running"
-        print(f"recover after node loss: {recover_s:.1f} s")
     finally:
         for sb in made:
             try:
                 sb.kill()
             except Exception:  # noqa: BLE001 - best effort, the daemon may be gone
                 pass
+
+
+def example(name: str):
+    """``examples/NAME.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_ray_tree_rollouts(cluster: Dict[str, object]) -> None:
+    """examples/ray_tree_rollouts.py's main as the issue has it: 8 rollouts, 4 per node (those
+    on node B from one restore from the store)."""
+    a, b = cluster["a"], cluster["b"]
+    rep = example("ray_tree_rollouts").main(rollouts=8)
+    rows = rep["rollouts"]
+    assert len(rows) == 8
+    assert rep["per_node"] == {a: 4, b: 4}, rep["per_node"]
+    # Each continued its own way: score(10) = 10 * (i + 2); the states differ; every branch
+    # kept the task's history and its running process; the task itself is untouched.
+    assert [r["output"] for r in rows] == [str(10 * (i + 2)) for i in range(8)], rows
+    assert rep["distinct"], rows
+    assert all(r["history"] == ["base", "1"] for r in rows), rows
+    assert rep["task_untouched"]
+
+
+def test_example_ray_spot(cluster: Dict[str, object]) -> None:
+    """examples/ray_spot.py's main, node B lost for real mid-run: the example's own loss (the
+    rollout's sandbox removed, B's daemon SIGKILLed, its state directory deleted), then B's Ray
+    node stopped too. The rollout finishes on A from its last durable point. Runs last: B is
+    gone afterwards."""
+    a, b, worker, b_state = cluster["a"], cluster["b"], cluster["worker"], cluster["b_state"]
+    spot = example("ray_spot")
+    assert isinstance(b_state, Path)
+
+    def lose(node: str, sandbox: str) -> None:
+        assert node == b
+        spot.lose_node(node, sandbox)
+        assert not b_state.exists(), "the lost node's state directory is still there"
+        worker.stop()  # type: ignore[attr-defined]
+
+    with pytest.raises(SystemExit):  # refuses without being told it may destroy a node
+        spot.main(node=b)
+    rep = spot.main(turns=4, lose_after=3, durable_every=2, node=b, destroy_node_state=True, lose=lose)
+    assert (rep["node_before"], rep["node_after"]) == (b, a), rep
+    assert rep["resumed_after_turn"] == 2 and rep["turns_lost"] == 1, rep
+    assert rep["log"] == ["turn 1", "turn 2", "turn 3", "turn 4"], rep["log"]
+    assert rep["process_running_after_recovery"], rep
+    print(f"\nrecover after node loss (ray_spot): {rep['recover_s']:.1f} s")

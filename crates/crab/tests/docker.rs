@@ -159,3 +159,114 @@ fn run_in_the_foreground_with_rm_and_refusals() {
     // `crab docker` is the same front as the link.
     assert!(crab_ok(&["docker", "version"]).contains("crab daemon"));
 }
+
+/// A tar with one member named exactly `name` (the tar crate's builder would refuse `..`).
+fn raw_tar(name: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut h = tar::Header::new_gnu();
+    h.as_gnu_mut().unwrap().name[..name.len()].copy_from_slice(name);
+    h.set_size(data.len() as u64);
+    h.set_mode(0o644);
+    h.set_cksum();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&h, data).unwrap();
+    b.into_inner().unwrap()
+}
+
+#[test]
+fn cp_copies_files_and_trees_both_ways_and_refuses_unsafe_archives() {
+    ensure_daemon();
+    let (_dir, d) = docker_link();
+    let name = unique("dk-cp");
+    let _guard = Sandbox { name: name.clone() };
+    ok(&d, &["run", "-d", "--name", &name, "debian", "sleep", "1h"]);
+    let host = tempfile::tempdir().unwrap();
+    let h = host.path();
+    // A tree with a binary file, a subdirectory and a symlink.
+    let proj = h.join("proj");
+    std::fs::create_dir_all(proj.join("sub")).unwrap();
+    std::fs::write(proj.join("a.txt"), "alpha\n").unwrap();
+    let binary: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    std::fs::write(proj.join("sub/b.bin"), &binary).unwrap();
+    std::os::unix::fs::symlink("a.txt", proj.join("link")).unwrap();
+    let p = |x: &std::path::Path| x.to_str().unwrap().to_string();
+    let sb = |path: &str| format!("{name}:{path}");
+    let in_sb = |script: &str| ok(&d, &["exec", &name, "sh", "-c", script]);
+
+    // A directory onto a missing path becomes it; onto an existing directory goes into it.
+    ok(&d, &["cp", &p(&proj), &sb("/work")]);
+    assert_eq!(in_sb("cat /work/a.txt; readlink /work/link"), "alpha\na.txt\n");
+    assert_eq!(
+        in_sb("md5sum < /work/sub/b.bin").split_whitespace().next(),
+        Some(md5(&binary).as_str())
+    );
+    ok(&d, &["cp", &p(&proj), &sb("/work")]);
+    assert_eq!(in_sb("cat /work/proj/a.txt"), "alpha\n");
+    // SRC/. copies the contents; a file gets the new name or lands in a directory.
+    ok(&d, &["cp", &format!("{}/.", p(&proj)), &sb("/flat")]);
+    assert_eq!(in_sb("ls /flat | sort | tr '\\n' ' '"), "a.txt link sub ");
+    ok(&d, &["cp", &p(&proj.join("a.txt")), &sb("/work/renamed.txt")]);
+    ok(&d, &["cp", &p(&proj.join("a.txt")), &sb("/work/sub")]);
+    assert_eq!(in_sb("cat /work/renamed.txt /work/sub/a.txt"), "alpha\nalpha\n");
+
+    // Out: a tree to a missing host path, a file into a host directory, a tar on stdout.
+    in_sb("echo from-sandbox > /work/sub/new.txt");
+    ok(&d, &["cp", &sb("/work/sub"), &p(&h.join("out"))]);
+    assert_eq!(std::fs::read(h.join("out/b.bin")).unwrap(), binary);
+    assert_eq!(std::fs::read_to_string(h.join("out/new.txt")).unwrap(), "from-sandbox\n");
+    ok(&d, &["cp", &sb("/work/link"), &p(h)]);
+    assert_eq!(std::fs::read_link(h.join("link")).unwrap(), std::path::Path::new("a.txt"));
+    let out = docker(&d, &["cp", &sb("/work/renamed.txt"), "-"], None);
+    assert!(out.status.success(), "{out:?}");
+    let mut ar = tar::Archive::new(&out.stdout[..]);
+    let names: Vec<String> =
+        ar.entries().unwrap().map(|e| e.unwrap().path().unwrap().display().to_string()).collect();
+    assert_eq!(names, vec!["renamed.txt"]);
+    // In from a tar on stdin, into an existing directory.
+    let out = docker(&d, &["cp", "-", &sb("/work")], Some(&raw_tar(b"piped.txt", b"piped\n")));
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(in_sb("cat /work/piped.txt"), "piped\n");
+
+    // Refusals: an unsafe member on stdin (nothing extracted), a missing source, an unknown
+    // sandbox, a missing parent, no sandbox side.
+    let refused = |args: &[&str], stdin: Option<&[u8]>, needle: &str| {
+        let out = docker(&d, args, stdin);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(125), "{args:?}: {out:?}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(err.contains("hint:"), "{args:?}: no hint in {err}");
+    };
+    refused(
+        &["cp", "-", &sb("/work")],
+        Some(&raw_tar(b"../../evil.txt", b"x")),
+        "unsafe member \"../../evil.txt\"",
+    );
+    refused(&["cp", "-", &sb("/work")], Some(&raw_tar(b"/etc/evil.txt", b"x")), "absolute");
+    assert!(
+        docker(&d, &["exec", &name, "sh", "-c", "ls /evil.txt /etc/evil.txt"], None).status.code()
+            != Some(0)
+    );
+    refused(&["cp", &sb("/nope"), &p(h)], None, "no such file or directory");
+    refused(&["cp", &p(&h.join("nope")), &sb("/work")], None, "nope");
+    refused(&["cp", &p(&proj), "no-such-sandbox-x:/work"], None, "no-such-sandbox-x");
+    refused(&["cp", &p(&proj), &sb("/no/parent/here")], None, "does not exist");
+    refused(&["cp", &p(&proj), &p(&h.join("x"))], None, "names a sandbox");
+
+    // A hostile sandbox: its `tar` emits a member outside the copied name. The host refuses it
+    // and writes nothing.
+    let evil = raw_tar(b"../escaped.txt", b"pwned\n");
+    let out = docker(&d, &["exec", "-i", &name, "sh", "-c", "cat > /evil.tar"], Some(&evil));
+    assert!(out.status.success(), "{out:?}");
+    in_sb("mv /usr/bin/tar /usr/bin/tar.real; printf '#!/bin/sh\\ncat /evil.tar\\n' > /usr/bin/tar; chmod +x /usr/bin/tar");
+    let dest = h.join("hostile");
+    std::fs::create_dir(&dest).unwrap();
+    refused(&["cp", &sb("/work/a.txt"), &p(&dest)], None, "unsafe member");
+    assert!(!h.join("escaped.txt").exists() && std::fs::read_dir(&dest).unwrap().next().is_none());
+}
+
+fn md5(data: &[u8]) -> String {
+    let mut child =
+        Command::new("md5sum").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(data).unwrap();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+}

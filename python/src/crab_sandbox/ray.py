@@ -192,15 +192,39 @@ class _CrabSandboxActor:
         order = others + [here]
         placement = [order[i % len(order)] for i in range(count)]
         local = self.fork_here(placement.count(here), p) if here in placement else []
+        # One restore from the store per other node (the point's tree is materialized once
+        # there, then forked locally into that node's share), all nodes at once.
+        shares = {n: [_branch_name(self._sb.name) for _ in range(placement.count(n))] for n in others if n in placement}
+        restored = dict(
+            zip(
+                shares,
+                ray.get(
+                    [
+                        _restore_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote(
+                            p.ref, names
+                        )
+                        for n, names in shares.items()
+                    ]
+                ),
+            )
+        )
         handles = []
         for node in placement:
             if node == here:
                 handles.append(CrabSandbox.options(**_pinned(here)).remote(attach=local.pop(0), socket=self._daemon.socket))
             else:
-                handles.append(
-                    CrabSandbox.options(**_pinned(node)).remote(from_remote=p.ref, name=_branch_name(self._sb.name))
-                )
+                handles.append(CrabSandbox.options(**_pinned(node)).remote(attach=restored[node].pop(0)))
         return handles
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _restore_here(source: str, names: List[str], fs_only: bool = False) -> List[str]:
+    """On the node it is pinned to: ``len(names)`` sandboxes from ``source`` in the remote store
+    (one download and materialization, then local forks); their names."""
+    v = Daemon().request(
+        "POST", "/v1/remote/restore", {"source": source, "names": names, "count": len(names), "fs_only": fs_only}
+    )
+    return [str(b["sandbox"]) for b in v["branches"]]
 
 
 #: The actor class. Every instance holds a slot of :data:`NODE_RESOURCE`; pin it with

@@ -5,8 +5,8 @@
 //! starts its command detached with `-d`), `exec` is `crab exec`, `stop` publishes a restore
 //! point and then kills the sandbox's processes (files and points stay; `start` restores the
 //! newest point), `kill` stops without a checkpoint, `rm` removes (with `-f` also a running
-//! one), `ps` and `inspect` describe. Exit codes follow docker's: the command's own, 125 when
-//! Crab failed.
+//! one), `ps` and `inspect` describe, `cp` copies files and trees in and out (`docker_cp.rs`).
+//! Exit codes follow docker's: the command's own, 125 when Crab failed.
 
 use std::process::ExitCode;
 
@@ -20,6 +20,9 @@ use crab_common::ApiError;
 use super::exec::{exec_streaming, stdin_b64};
 use super::{parse_size, print_json};
 use crate::output::{age, print_error, table};
+
+#[path = "docker_cp.rs"]
+mod cp;
 
 #[derive(Debug, Subcommand)]
 pub(super) enum DockerCmd {
@@ -83,6 +86,24 @@ pub(super) enum DockerCmd {
         /// Sandbox names.
         #[arg(required = true)]
         names: Vec<String>,
+    },
+    /// Copy files and directory trees between the host and a sandbox: `cp SRC NAME:DST`,
+    /// `cp NAME:SRC DST`; `-` is a tar stream on stdin (extracted into the directory DST) or
+    /// stdout. `SRC/.` copies a directory's contents.
+    Cp {
+        /// Keep the archive's owners (uid/gid); without it copied files belong to root.
+        #[arg(short = 'a', long = "archive")]
+        archive: bool,
+        /// Follow symlinks in SRC (copy what they point at).
+        #[arg(short = 'L', long = "follow-link")]
+        follow_link: bool,
+        /// Accepted for compatibility (no progress is printed).
+        #[arg(short = 'q', long = "quiet")]
+        quiet: bool,
+        /// Source: a host path, `NAME:PATH` or `-`.
+        src: String,
+        /// Destination: a host path, `NAME:PATH` or `-`.
+        dst: String,
     },
     /// Client and daemon versions.
     Version,
@@ -297,6 +318,9 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
                 None => print_json(&docs),
             }
             Ok(ExitCode::SUCCESS)
+        }
+        DockerCmd::Cp { archive, follow_link, quiet: _, src, dst } => {
+            cp::cp(client, &src, &dst, cp::CpOpts { archive, follow: follow_link }).await
         }
         DockerCmd::Version => {
             let v: VersionInfo = client.call::<(), _>(Method::GET, "/v1/version", None).await?;

@@ -88,7 +88,7 @@ enum Cmd {
         args: Vec<String>,
     },
     /// A docker-CLI front for harnesses that shell out to `docker` (run, exec, stop, start,
-    /// kill, rm, ps, inspect); also reached as `crab-docker`, a link to this binary.
+    /// kill, rm, ps, inspect, cp); also reached as `crab-docker`, a link to this binary.
     #[command(subcommand)]
     Docker(docker::DockerCmd),
 }
@@ -167,6 +167,10 @@ async fn run(cli: Cli) -> ExitCode {
                     if let Some(f) = &v.features.cgroup_favordynmods {
                         let on = if f.available { "on" } else { "off" };
                         println!("cgroup2 favordynmods: {on} ({})", f.reason);
+                    }
+                    if let Some(f) = &v.features.namespace_helper {
+                        let which = if f.available { "small crab-nsexec" } else { "crab itself" };
+                        println!("namespace helpers: {which} ({})", f.reason);
                     }
                 }
                 ExitCode::SUCCESS

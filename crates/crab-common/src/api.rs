@@ -49,6 +49,10 @@ pub struct Features {
     /// start and restore) does not wait for an RCU grace period.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_favordynmods: Option<FeatureStatus>,
+    /// The namespace helpers run from the small `crab-nsexec` beside `crab` (available) or
+    /// from `crab` itself; the reason names the binary in use and, when it is `crab`, why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_helper: Option<FeatureStatus>,
 }
 
 /// Whether one kernel feature works here, and what the probe saw.

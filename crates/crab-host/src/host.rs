@@ -48,7 +48,8 @@ pub struct HostOptions {
     pub state: StateDir,
     /// Size of a new sparse pool image.
     pub pool_size: u64,
-    /// The binary that runs the namespace helpers (`crab __start-sandbox`, `crab __nsexec`).
+    /// The `crab` binary; the namespace helpers (`__start-sandbox`, `__nsexec`) run from the
+    /// small `crab-nsexec` beside it when that was built from the same sources, else from it.
     pub helper_exe: PathBuf,
     /// The LLM proxy's configuration (listen address, upstreams).
     pub proxy: ProxyConfig,
@@ -84,6 +85,8 @@ pub struct Host {
     soft_dirty: crab_criu::soft_dirty::SoftDirty,
     /// Whether cgroup2 has `favordynmods` (set at start-up unless turned off), and why (not).
     favordynmods: FeatureStatus,
+    /// Whether the namespace helpers run from the small `crab-nsexec`, and which binary.
+    helper: FeatureStatus,
     /// The durable tier and its exporter (`--remote`).
     remote: Option<Arc<RemoteTier>>,
 }
@@ -186,11 +189,15 @@ impl Host {
     /// (or why there is none), checkpoint recovery, the engine, and the LLM proxy on
     /// `opts.proxy.listen`; every running sandbox is tracked and gets its in-sandbox proxy.
     pub async fn open(opts: HostOptions) -> Result<Arc<Host>, HostError> {
-        let cfg = RuntimeConfig {
-            state: opts.state.clone(),
-            pool_size: opts.pool_size,
-            helper_exe: opts.helper_exe.clone(),
-        };
+        let (helper_exe, small, reason) = crab_sandbox::spawn::choose_helper(&opts.helper_exe);
+        if small {
+            tracing::info!(helper = %reason, "namespace helpers: the small binary");
+        } else {
+            tracing::warn!(%reason, "namespace helpers run from crab itself (a few ms more per exec and start)");
+        }
+        let helper = FeatureStatus { available: small, reason };
+        let cfg =
+            RuntimeConfig { state: opts.state.clone(), pool_size: opts.pool_size, helper_exe };
         let runtime = blocking(move || Runtime::open(cfg).map_err(HostError::from)).await?;
         if let Some(r) = &opts.nat_range {
             runtime.nat().set_default_range(r).map_err(|e| {
@@ -289,6 +296,7 @@ impl Host {
             sandbox_proxies: Mutex::new(HashMap::new()),
             soft_dirty,
             favordynmods,
+            helper,
             remote,
         });
         let _ = hooks.0.set(Arc::downgrade(&host));
@@ -391,6 +399,7 @@ impl Host {
                         },
                     }),
                     cgroup_favordynmods: Some(self.favordynmods.clone()),
+                    namespace_helper: Some(self.helper.clone()),
                 },
                 proxy_listen: Some(self.coordinator.config().listen.to_string()),
             })),

@@ -2,9 +2,10 @@
 //! helper.
 //!
 //! Namespaces and `fork` do not mix with a multi-threaded async daemon, so the daemon re-executes
-//! its own binary (`crab __start-sandbox SPEC` / `crab __nsexec SPEC`) for the work that needs a
-//! fresh single-threaded process. The `crab` binary dispatches to [`start_sandbox`] and
-//! [`exec_in_sandbox`] before it starts any runtime.
+//! its own binary (`crab __start-sandbox SPEC` / `crab __nsexec SPEC`), or the small
+//! `crab-nsexec` built beside it, for the work that needs a fresh single-threaded process. Both
+//! binaries dispatch to [`start_sandbox`] and [`exec_in_sandbox`] before they start any runtime;
+//! [`HELPER_ABI`] tells whether two binaries were built from the same sources.
 //!
 //! * The **starter** joins the sandbox's cgroups, unshares pid, mount, uts, ipc and (unless the
 //!   network mode is `host`) net namespaces, and forks the sandbox's pid 1. That child makes the
@@ -33,6 +34,53 @@ use serde::{Deserialize, Serialize};
 use crab_common::api::{NetMode, SecurityProfile};
 
 use crate::profile;
+
+/// Digest of the sources the helpers' specs and behaviour come from (see `build.rs`). A helper
+/// binary that reports another value (`__helper-abi`) was built from other sources and must
+/// not be given this build's specs.
+pub const HELPER_ABI: &str = env!("CRAB_HELPER_ABI");
+
+/// File name of the small helper binary built beside `crab`.
+pub const SMALL_HELPER: &str = "crab-nsexec";
+
+/// The binary to run the namespace helpers with, given `crab`'s own path: the small
+/// [`SMALL_HELPER`] beside it when it answers `__helper-abi` with this build's [`HELPER_ABI`],
+/// else `exe` itself. Returns the choice, whether it is the small helper, and what was seen.
+pub fn choose_helper(exe: &Path) -> (PathBuf, bool, String) {
+    let small = exe.with_file_name(SMALL_HELPER);
+    if exe.file_name().is_some_and(|n| n == SMALL_HELPER) || !small.is_file() {
+        return (
+            exe.to_path_buf(),
+            false,
+            format!("{}: no {SMALL_HELPER} beside it", exe.display()),
+        );
+    }
+    let seen = std::process::Command::new(&small)
+        .arg("__helper-abi")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output();
+    match seen {
+        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == HELPER_ABI => {
+            (small.clone(), true, small.display().to_string())
+        }
+        Ok(o) => (
+            exe.to_path_buf(),
+            false,
+            format!(
+                "{}: {} was built from other sources (helper ABI {:?}, this build {HELPER_ABI}); rebuild both with `cargo build -p crab`",
+                exe.display(),
+                small.display(),
+                String::from_utf8_lossy(&o.stdout).trim()
+            ),
+        ),
+        Err(e) => (
+            exe.to_path_buf(),
+            false,
+            format!("{}: running {} failed: {e}", exe.display(), small.display()),
+        ),
+    }
+}
 
 /// Cgroup directories a helper must join.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -424,5 +472,44 @@ fn exec_child(spec: &ExecSpec, argv: &[CString], envp: &[CString]) -> i32 {
         Some(nix::errno::Errno::ENOENT) => fail(format!("{prog}: command not found"), 127),
         Some(e) => fail(format!("cannot run {prog}: {e}"), 126),
         None => 126,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn script(path: &Path, body: &str) {
+        std::fs::write(path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    #[test]
+    fn the_small_helper_is_used_only_when_built_from_the_same_sources() {
+        let dir = tempfile::tempdir().unwrap();
+        let crab = dir.path().join("crab");
+        script(&crab, "exit 0");
+        let small = dir.path().join(SMALL_HELPER);
+
+        let (exe, is_small, why) = choose_helper(&crab);
+        assert_eq!((exe.as_path(), is_small), (crab.as_path(), false), "{why}");
+        assert!(why.contains("no crab-nsexec"), "{why}");
+
+        script(&small, "echo 0123456789abcdef");
+        let (exe, is_small, why) = choose_helper(&crab);
+        assert_eq!((exe.as_path(), is_small), (crab.as_path(), false), "{why}");
+        assert!(
+            why.contains("built from other sources") && why.contains("cargo build -p crab"),
+            "{why}"
+        );
+
+        script(&small, "exit 3");
+        assert!(!choose_helper(&crab).1, "a helper that fails its ABI query is not used");
+
+        script(&small, &format!("[ \"$1\" = __helper-abi ] && echo {HELPER_ABI}"));
+        let (exe, is_small, why) = choose_helper(&crab);
+        assert_eq!((exe.as_path(), is_small), (small.as_path(), true), "{why}");
     }
 }

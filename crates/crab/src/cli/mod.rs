@@ -168,6 +168,10 @@ async fn run(cli: Cli) -> ExitCode {
                         let on = if f.available { "on" } else { "off" };
                         println!("cgroup2 favordynmods: {on} ({})", f.reason);
                     }
+                    if let Some(f) = &v.features.namespace_helper {
+                        let which = if f.available { "small crab-nsexec" } else { "crab itself" };
+                        println!("namespace helpers: {which} ({})", f.reason);
+                    }
                 }
                 ExitCode::SUCCESS
             })

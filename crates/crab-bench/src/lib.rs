@@ -5,6 +5,7 @@
 //! inspector's benchmark is the `crab-inspector-bench` binary (its own workload, root only).
 
 pub mod foundation;
+pub mod harness_agent;
 pub mod lifecycle;
 pub mod proxy;
 pub mod remote;

@@ -225,6 +225,13 @@ async fn replay_one(
     let t0 = Instant::now();
     let mut kinds = Vec::new();
     for (turn, step) in t.steps.iter().enumerate() {
+        // The session's shell is the sandbox's harness: a turn that changed its state asks
+        // for a dump itself (see replay::agent::take_state_changed).
+        let kind = if kind == "auto" && t.shell_state && agent::take_state_changed(name).await {
+            "full"
+        } else {
+            kind
+        };
         let p = take_checkpoint(client, name, kind, turn, 2 * turn + 2).await?;
         kinds.push(p.kind);
         agent::execute(client, name, &step.action, wd, t.shell_state, opts.exec_timeout_s).await?;

@@ -32,6 +32,7 @@ async fn the_session_writes_nothing_and_keeps_shell_state() {
     let o = run(&client, &name, "cd /tmp && export CRAB_T=42 && V=7; pwd").await;
     assert_eq!(o.code, 0, "{}", o.content);
     assert!(o.content.contains("/tmp"), "{}", o.content);
+    assert!(agent::take_state_changed(&name).await, "cd/export/assignment changed the shell");
     sandbox::checkpoint(&client, &name, "full", 0, 0).await.expect("base checkpoint");
 
     // A turn that does nothing through the session is a skip: no file, no process.
@@ -43,11 +44,24 @@ async fn the_session_writes_nothing_and_keeps_shell_state() {
         !v["processes"]["harness_ran"].as_array().unwrap().is_empty(),
         "the session's shell ran but is not reported as harness: {v}"
     );
+    assert!(!agent::take_state_changed(&name).await, "`true` changed the shell's state?");
+    for (cmd, what) in
+        [("V=8", "a variable"), ("f() { :; }", "a function"), ("set -o noglob", "an option")]
+    {
+        run(&client, &name, cmd).await;
+        assert!(agent::take_state_changed(&name).await, "{what} changed: not seen");
+    }
+    run(&client, &name, "V=7; set +o noglob; unset -f f").await;
+    agent::take_state_changed(&name).await;
+    verdict(&client, &name).await;
 
     // State persists; streams, exit codes and non-ASCII commands come through exactly.
     let o = run(&client, &name, "echo \"$PWD $CRAB_T $V héllo\"; echo oops >&2; false").await;
     assert_eq!(o.code, 1, "{}", o.content);
     assert!(o.content.contains("/tmp 42 7 héllo\noops\n"), "{}", o.content);
+    // Errors name the command's own line, not how many the session has read.
+    let o = run(&client, &name, "nosuchcommand").await;
+    assert!(o.content.contains("line 1: nosuchcommand"), "{}", o.content);
     verdict(&client, &name).await;
 
     // What the agent does through the session still counts.

@@ -142,32 +142,79 @@ const SENTINEL: &str = "\u{1e}crab-replay-end-7f3c9a";
 
 /// Shell functions defined once per session: `__crab_read N` reads the next N bytes of the
 /// session's stdin (bytes: in the C locale) into `__crab_c`; `__crab_end RC` prints the
-/// sentinels.
+/// shell's state (working directory, umask, variables, functions, aliases, options, traps,
+/// jobs) after a `SENTINEL~` marker, then the sentinels.
 fn session_prelude() -> String {
     format!(
         "__crab_read() {{ local LC_ALL=C; IFS= read -r -N \"$1\" __crab_c; }}\n\
-         __crab_end() {{ printf '%s:%d\\n' '{SENTINEL}' \"$1\"; printf '%s\\n' '{SENTINEL}' >&2; }}\n"
+         __crab_end() {{ printf '%s~' '{SENTINEL}'; \
+         {{ pwd; umask; declare -p; declare -f; alias; set -o; shopt -p; trap -p; jobs -p; }} 2>/dev/null; \
+         printf '%s:%d\\n' '{SENTINEL}' \"$1\"; printf '%s\\n' '{SENTINEL}' >&2; }}\n"
     )
 }
 
 /// One command as written to the session's stdin: its bytes are read by `__crab_read` (never
-/// parsed as part of the stream), then evaluated in the session's shell with stdin from
-/// `/dev/null`, so `cd`, `export` and shell variables persist.
+/// parsed as part of the stream), then sourced in the session's shell from a here-string on fd
+/// 3 with stdin from `/dev/null`, so `cd`, `export` and shell variables persist and error
+/// messages name the command's own line (`line 1:`), not the session's input line.
 fn session_input(command: &str) -> Vec<u8> {
     let mut v = format!("__crab_read {}\n", command.len()).into_bytes();
     v.extend_from_slice(command.as_bytes());
-    v.extend_from_slice(b"\neval \"$__crab_c\" </dev/null; __crab_end $?\n");
+    v.extend_from_slice(b"\n. /dev/fd/3 3<<<\"$__crab_c\" </dev/null; __crab_end $?\n");
     v
+}
+
+/// Variables whose values change by themselves (or with the sentinel's own call): not state.
+const DYNAMIC: &[&str] = &[
+    "BASH_ARGC",
+    "BASH_ARGV",
+    "BASH_COMMAND",
+    "BASH_LINENO",
+    "BASH_SOURCE",
+    "BASHPID",
+    "EPOCHREALTIME",
+    "EPOCHSECONDS",
+    "FUNCNAME",
+    "HISTCMD",
+    "LINENO",
+    "PIPESTATUS",
+    "RANDOM",
+    "SECONDS",
+    "SRANDOM",
+    "_",
+    "__crab_c",
+];
+
+/// A digest of the shell state `__crab_end` printed, without its self-changing variables.
+fn state_digest(state: &[u8]) -> [u8; 32] {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    for line in String::from_utf8_lossy(state).lines() {
+        if let Some(rest) = line.strip_prefix("declare ") {
+            let name = rest.split_whitespace().nth(1).unwrap_or("");
+            let name = name.split('=').next().unwrap_or("");
+            if DYNAMIC.contains(&name) {
+                continue;
+            }
+        }
+        h.update(line.as_bytes());
+        h.update(b"\n");
+    }
+    h.finalize().into()
 }
 
 /// A persistent session: a shell in the sandbox held by the daemon through an exec session
 /// (its stdin fed by the stdin route, its output streamed back); nothing of it is written into
 /// the sandbox. Its shell is a child of the sandbox's init (so dumps hold it) and the session's
 /// pipes come back with a restore, picked up again by attaching.
-struct Session {
-    frames: tokio::sync::mpsc::UnboundedReceiver<ExecFrame>,
+pub(crate) struct Session {
+    pub(crate) frames: tokio::sync::mpsc::UnboundedReceiver<ExecFrame>,
     task: tokio::task::JoinHandle<()>,
     ended: bool,
+    /// Digest of the shell's state after its last command.
+    state: Option<[u8; 32]>,
+    /// Its digest at the last [`take_state_changed`].
+    checkpointed: Option<[u8; 32]>,
 }
 
 impl Drop for Session {
@@ -187,7 +234,7 @@ fn slot(sb: &str) -> Slot {
 }
 
 /// Follow the exec stream at `path` (`body`: its request) in a task of its own.
-fn follow(client: &Client, path: String, body: Value) -> Session {
+pub(crate) fn follow(client: &Client, path: String, body: Value) -> Session {
     let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
     let client = client.clone();
     let task = tokio::spawn(async move {
@@ -201,17 +248,23 @@ fn follow(client: &Client, path: String, body: Value) -> Session {
             let _ = err_tx.send(ExecFrame::Error { error });
         }
     });
-    Session { frames, task, ended: false }
+    Session { frames, task, ended: false, state: None, checkpointed: None }
 }
 
 async fn write_stdin(client: &Client, sb: &str, data: &[u8]) -> Result<(), ApiError> {
+    write_session_stdin(client, sb, SESSION_NAME, data).await
+}
+
+/// Write `data` to the stdin of exec session `session` of sandbox `sb`.
+pub(crate) async fn write_session_stdin(
+    client: &Client,
+    sb: &str,
+    session: &str,
+    data: &[u8],
+) -> Result<(), ApiError> {
     let body = json!({"d": base64::engine::general_purpose::STANDARD.encode(data)});
     let _: Value = client
-        .call(
-            hyper::Method::POST,
-            &format!("/v1/sandboxes/{sb}/exec/{SESSION_NAME}/stdin"),
-            Some(&body),
-        )
+        .call(hyper::Method::POST, &format!("/v1/sandboxes/{sb}/exec/{session}/stdin"), Some(&body))
         .await?;
     Ok(())
 }
@@ -255,14 +308,16 @@ enum SessionRun {
     Gone(Option<sandbox::ExecOutput>),
 }
 
+/// Where the sentinel ends a stream's output in `buf`: on stdout `SENTINEL:<code>\n` (`with_code`),
+/// on stderr `SENTINEL\n`; (its offset, the code).
 fn take_sentinel(buf: &[u8], with_code: bool) -> Option<(usize, i32)> {
-    let tok = SENTINEL.as_bytes();
-    let at = buf.windows(tok.len()).position(|w| w == tok)?;
+    let mut tok = SENTINEL.as_bytes().to_vec();
+    tok.push(if with_code { b':' } else { b'\n' });
+    let at = buf.windows(tok.len()).position(|w| w == tok.as_slice())?;
     if !with_code {
-        return buf[at + tok.len()..].contains(&b'\n').then_some((at, 0));
+        return Some((at, 0));
     }
     let rest = &buf[at + tok.len()..];
-    let rest = rest.strip_prefix(b":")?;
     let nl = rest.iter().position(|b| *b == b'\n')?;
     let code = std::str::from_utf8(&rest[..nl]).ok()?.parse().ok()?;
     Some((at, code))
@@ -295,15 +350,27 @@ async fn run_in_session(
         // Its stream ended (the sandbox was killed, or restored): a restore brings the
         // session's pipes back for attaching; otherwise it is gone.
         let path = format!("/v1/sandboxes/{sb}/exec/{SESSION_NAME}/attach");
+        let checkpointed = s.checkpointed;
         *s = follow(client, path, json!({}));
+        // The restored shell's state is the restore point's.
+        (s.state, s.checkpointed) = (checkpointed, checkpointed);
         attached = true;
         // An attach that finds nothing answers an error at once.
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     };
     let t = std::time::Instant::now();
-    write_stdin(client, sb, &session_input(command)).await?;
+    match write_stdin(client, sb, &session_input(command)).await {
+        Ok(()) => {}
+        // It ended between the frames read above and this write (its shell exited).
+        Err(e) if e.code == crab_common::ErrorCode::Conflict => {
+            *g = None;
+            return Ok(SessionRun::Gone(None));
+        }
+        Err(e) => return Err(e),
+    }
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let (mut got_out, mut got_err) = (None, None);
+    let mut state: Option<[u8; 32]> = None;
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs_f64(timeout_s);
     let b64 = base64::engine::general_purpose::STANDARD;
     let finish = |out: Vec<u8>, err: Vec<u8>, code: i32, timed_out: bool| {
@@ -332,7 +399,15 @@ async fn run_in_session(
             Some(ExecFrame::Stdout { d }) if got_out.is_none() => {
                 out.extend(b64.decode(d).unwrap_or_default());
                 if let Some((at, code)) = take_sentinel(&out, true) {
-                    out.truncate(at);
+                    let tok = SENTINEL.as_bytes();
+                    let mark = out[..at]
+                        .windows(tok.len() + 1)
+                        .rposition(|w| w[..tok.len()] == *tok && w[tok.len()] == b'~');
+                    let cut = mark.unwrap_or(at);
+                    if let Some(m) = mark {
+                        state = Some(state_digest(&out[m + tok.len() + 1..at]));
+                    }
+                    out.truncate(cut);
                     got_out = Some(code);
                 }
             }
@@ -350,7 +425,22 @@ async fn run_in_session(
             }
         }
     }
+    s.state = state;
     Ok(SessionRun::Done(finish(out, err, got_out.unwrap_or(0), false)))
+}
+
+/// Whether the shell state of sandbox `sb`'s session (working directory, variables, functions,
+/// options, traps, jobs) changed since the last call; the next call compares with now. The
+/// session's shell is the replay sandboxes' harness, so its running alone never calls for a
+/// dump: a turn that changed its state must ask for one (the replay then takes `full`
+/// instead of `auto`). A session never asked about, or whose state is unknown, has changed.
+pub async fn take_state_changed(sb: &str) -> bool {
+    let slot = slot(sb);
+    let mut g = slot.lock().await;
+    let Some(s) = g.as_mut() else { return false };
+    let changed = s.state.is_none() || s.state != s.checkpointed;
+    s.checkpointed = s.state;
+    changed
 }
 
 /// Exit code reported when the session died during a command (it ran `exit`, or was killed).

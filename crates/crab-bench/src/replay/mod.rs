@@ -630,6 +630,12 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
         }
         let tb = Instant::now();
         let kind = if via_proxy { None } else { job.method.checkpoint_kind() };
+        // The session's shell is the sandbox's harness: a turn that changed its state (a
+        // `cd`, an `export`, a job) asks for a dump itself.
+        let kind = match kind {
+            Some("auto") if t.shell_state && agent::take_state_changed(name).await => Some("full"),
+            k => k,
+        };
         let (answer, point) = tokio::join!(agent::ask(&url, name, &conv), async {
             match kind {
                 Some(k) => Some(take_checkpoint(client, name, k, turn, conv.len()).await),

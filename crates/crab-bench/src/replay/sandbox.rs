@@ -64,9 +64,15 @@ pub async fn create_with(
         limits: Default::default(),
         privileged,
         checkpoint_policy: policy.map(str::to_string),
-        // The persistent session's shell is the instrument's: see `agent`.
+        // The persistent session's shell is the instrument's (see `agent`), declared when the
+        // replay takes the checkpoints itself and can ask for a dump when the shell's state
+        // changed; through the proxy nothing can, so its running counts there.
         harness: crab_common::api::HarnessSpec {
-            cmd: vec![super::agent::SESSION_HARNESS.into()],
+            cmd: if policy.is_none() {
+                vec![super::agent::SESSION_HARNESS.into()]
+            } else {
+                Vec::new()
+            },
             paths: Vec::new(),
         },
     };

@@ -109,6 +109,24 @@ pub(super) enum BenchCmd {
         #[arg(long)]
         no_testbed: bool,
     },
+    /// The verdict mix of an agent running inside its sandbox (a scripted stand-in for
+    /// mini-swe-agent there: a Python process keeping its conversation in memory and running
+    /// each command of the trajectories in a fresh bash), with and without `--harness-cmd`
+    /// naming it, side by side on the same turns (`POST .../turns` at each boundary).
+    HarnessAgent {
+        /// Trajectory files (*.jsonl) or folders of them.
+        #[arg(long, num_args = 1.., value_delimiter = ',', default_value = "../shared/traces/mini-swe-agent")]
+        traces: Vec<std::path::PathBuf>,
+        /// At most this many trajectories (0 = all).
+        #[arg(long, default_value_t = 4)]
+        limit: usize,
+        /// At most this many turns of each (0 = all).
+        #[arg(long, default_value_t = 0)]
+        max_turns: usize,
+        /// Image of the sandboxes.
+        #[arg(long, default_value = "debian")]
+        image: String,
+    },
     /// Restore from the durable tier vs a local restore of the same point, in one run: local
     /// in-place restore and forks on a host of its own, `sandbox create --from-remote` and
     /// `fork --from-remote --count N` on fresh hosts (cold cache) from a `file://` remote and
@@ -359,6 +377,31 @@ pub(super) async fn run(
         }
         BenchCmd::Remote { traces, limit, sandboxes, image, remote, no_testbed } => {
             bench_remote(client, traces, limit, sandboxes, image, remote, no_testbed, json).await?;
+        }
+        BenchCmd::HarnessAgent { traces, limit, max_turns, image } => {
+            let opts =
+                crab_bench::harness_agent::HarnessAgentOptions { traces, limit, max_turns, image };
+            eprintln!("bench harness-agent: {limit} trajectories, agent inside each sandbox, declared as harness or not ...");
+            let r = crab_bench::harness_agent::run(client, &opts).await?;
+            if json {
+                print_json(&r);
+            } else {
+                let row = |label: &str, c: &crab_bench::replay::report::Counts| {
+                    vec![
+                        label.to_string(),
+                        c.skip.to_string(),
+                        c.fs.to_string(),
+                        c.process.to_string(),
+                        c.full.to_string(),
+                    ]
+                };
+                let rows = vec![
+                    row("agent declared (--harness-cmd)", &r.excluded),
+                    row("agent not declared", &r.included),
+                ];
+                table(&["arm", "skip", "fs", "process", "full"], &rows);
+                println!("{} trajectories, {:.0} s", r.runs.len(), r.wall_s);
+            }
         }
         BenchCmd::RemoteRestore { image, rounds, fork_rounds, fork_count, mib, s3_script } => {
             let opts = crab_bench::remote_restore::RemoteRestoreOptions {

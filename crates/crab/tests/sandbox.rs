@@ -65,6 +65,35 @@ fn stdin_passes_through_with_i() {
 }
 
 #[test]
+fn stdin_streams_with_i() {
+    // The command sees each line as it is written, long before stdin closes (issue 11: `exec
+    // -i` streams stdin), and megabytes go through.
+    use std::io::{BufRead, Write};
+    let sb = Sandbox::new("t-stdin-stream");
+    let mut child = std::process::Command::new(common::bin())
+        .args(["--state-dir", state_dir().to_str().unwrap(), "exec", "-i", &sb.name, "--"])
+        .args(["sh", "-c", "read a; echo got $a; read b; echo got $b; wc -c"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    stdin.write_all(b"one\n").unwrap();
+    stdin.flush().unwrap();
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "got one\n", "the first line did not come through while stdin was open");
+    stdin.write_all(b"two\n").unwrap();
+    stdin.write_all(&vec![b'x'; 3 << 20]).unwrap();
+    drop(stdin);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    assert_eq!(rest, format!("got two\n{}\n", 3 << 20));
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
 fn background_server_answers_a_later_exec() {
     let sb = Sandbox::new("t-srv");
     sb.sh_ok("cd /tmp && echo served > index.html && nohup python3 -m http.server 8000 >/tmp/http.log 2>&1 &");

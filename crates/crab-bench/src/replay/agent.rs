@@ -332,6 +332,20 @@ async fn run_in_session(
     let slot = slot(sb);
     let mut g = slot.lock().await;
     let mut attached = false;
+    if g.is_none() {
+        // Gone (it died, or was never started here) — unless a restore brought it back,
+        // waiting to be attached: try that first.
+        let (_, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut dead = Session {
+            frames: rx,
+            task: tokio::spawn(async {}),
+            ended: true,
+            state: None,
+            checkpointed: None,
+        };
+        dead.ended = true;
+        *g = Some(dead);
+    }
     let s = loop {
         let Some(s) = g.as_mut() else { return Ok(SessionRun::Gone(None)) };
         // What background processes printed since the last command belongs to no command.

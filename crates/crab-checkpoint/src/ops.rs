@@ -927,7 +927,7 @@ impl Checkpointer {
                 }
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
-                    set_up_fresh_netns(n, fresh_net)?;
+                    set_up_fresh_netns(&n, fresh_net)?;
                     // A branch restored to its origin point carries its source's UTS name.
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -1345,7 +1345,7 @@ impl Checkpointer {
                     );
                 }
                 let r = criu.restore_with(&opts, |n| {
-                    set_up_fresh_netns(n, fresh_net)?;
+                    set_up_fresh_netns(&n, fresh_net)?;
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
                             set_hostname_of(pid, name)?;

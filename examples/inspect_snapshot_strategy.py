@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,6 +105,7 @@ async def run(kind: str = "full", image: str = "debian", socket: Optional[str] =
                         await sb.kill()
                     except Exception:  # noqa: BLE001 - best effort at the end
                         pass
+            shutil.rmtree(root, ignore_errors=True)  # the core's sample dirs of this run
 
 
 def main(kind: str = "full", image: str = "debian", socket: Optional[str] = None) -> Dict[str, Any]:

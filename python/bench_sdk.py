@@ -54,6 +54,8 @@ def main() -> int:
     ap.add_argument("--crab", default=str(HERE.parent / "target" / "release" / "crab"), help="the crab binary for the CLI side")
     ap.add_argument("--fork", type=int, default=8, help="branches of the fork measurement (0: skip)")
     ap.add_argument("--json-out", help="write the samples here")
+    ap.add_argument("--across", metavar="DIR", help="also measure fork within vs across two daemons and recovery (see above)")
+    ap.add_argument("--across-rounds", type=int, default=2)
     a = ap.parse_args()
     if not os.path.exists(a.crab):
         alt = HERE.parent / "target" / "debug" / "crab"
@@ -122,9 +124,127 @@ def main() -> int:
           f"sdk async / CLI = {statistics.median(samples['sdk async']) / base:.3f}")
     if fork_ms is not None:
         print(f"fork({a.fork}) of a full point within one daemon: {fork_ms:.0f} ms ({fork_ms / a.fork:.0f} ms/branch)")
+    across = None
+    if a.across:
+        across = two_nodes(a.crab, state, Path(a.across), a.fork or 8, a.across_rounds)
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"samples_ms": samples, "daemon_ms": inner, "fork_ms": fork_ms}, indent=1))
+        Path(a.json_out).write_text(
+            json.dumps({"samples_ms": samples, "daemon_ms": inner, "fork_ms": fork_ms, "across": across}, indent=1)
+        )
     return 0
+
+
+def start_daemon(crab: str, state: Path, remote: str) -> Daemon:
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    log = open(state / "logs" / "daemon.log", "ab")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRAB_E2B")}
+    subprocess.Popen(
+        ["setsid", "-f", crab, "daemon", "--state-dir", str(state), "--pool-size", "8G", "--remote", remote,
+         "--proxy-listen", "127.0.0.1:0"],
+        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    ).wait()
+    d = Daemon(state / "crab.sock")
+    for _ in range(1200):
+        try:
+            d.version()
+            return d
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.05)
+    raise SystemExit(f"bench_sdk: the daemon on {state} did not come up; see {state}/logs/daemon.log")
+
+
+def lose(state: Path) -> None:
+    """SIGKILL the daemon on ``state`` and delete the state dir (its pool unmounted first)."""
+    import shutil
+    import signal
+
+    try:
+        pid = int((state / "daemon.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            os.kill(pid, 0)
+            time.sleep(0.05)
+    except (OSError, ValueError):
+        pass
+    pool = state / "pool"
+    if os.path.ismount(pool) and subprocess.run(["umount", str(pool)]).returncode != 0:
+        subprocess.run(["umount", "-l", str(pool)])
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def two_nodes(crab: str, state: str, base: Path, count: int, rounds: int) -> Dict[str, object]:
+    """fork(count) within node A vs on node B from the shared store; then recovery after A's loss."""
+    import shutil
+
+    if base.exists():
+        raise SystemExit(f"bench_sdk: --across {base} exists; give a fresh directory (it is deleted afterwards)")
+    a_state, b_state, c_state, store = base / "a", base / "b", base / "c", base / "store"
+    store.mkdir(parents=True)
+    remote = f"file://{store}"
+    res: Dict[str, object] = {"count": count, "within_ms": [], "across_ms": [], "order": []}
+    try:
+        da, db = start_daemon(crab, a_state, remote), start_daemon(crab, b_state, remote)
+        src = Path(state) / "pool" / "images" / "debian"
+        subprocess.run([crab, "--state-dir", str(a_state), "image", "import", "debian", str(src)], check=True,
+                       stdout=subprocess.DEVNULL)
+        sb = Sandbox.create("debian", name=f"bench-x-{os.getpid()}", daemon=da)
+        sb.exec("mkdir -p /work && echo base > /work/f && (nohup sleep 99999 >/dev/null 2>&1 &)")
+        t0 = time.perf_counter()
+        p = sb.checkpoint(kind="full", durable=True)
+        res["first_export_ms"] = (time.perf_counter() - t0) * 1e3
+        print(f"\nacross: a full point made durable in an empty store in {res['first_export_ms']:.0f} ms (includes the image)")
+        for r in range(rounds):
+            order = ["within", "across"] if r % 2 == 0 else ["across", "within"]
+            for what in order:
+                t0 = time.perf_counter()
+                if what == "within":
+                    made = [b.name for b in sb.fork(count, p)]
+                    dd = da
+                else:
+                    names = [f"{sb.name}-r{r}-{i}" for i in range(count)]
+                    v = db.request("POST", "/v1/remote/restore", {"source": p.ref, "names": names, "count": count})
+                    made = [str(b["sandbox"]) for b in v["branches"]]
+                    dd = db
+                ms = (time.perf_counter() - t0) * 1e3
+                res[f"{what}_ms"].append(ms)  # type: ignore[union-attr]
+                res["order"].append(what)  # type: ignore[union-attr]
+                ok = Sandbox(made[-1], dd).exec("cat /work/f; pgrep -c -x sleep").stdout.split()
+                assert ok == ["base", "1"], ok
+                for n in made:
+                    Sandbox(n, dd).kill()
+        name = sb.name
+        sb.exec("echo after-point > /work/f")  # lost with the node: after the newest durable point
+        t0 = time.perf_counter()
+        Sandbox(name, da).kill()
+        lose(a_state)
+        res["lose_ms"] = (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        back = Sandbox.from_remote(name, daemon=db)
+        res["recover_ms"] = (time.perf_counter() - t0) * 1e3
+        got = back.exec("cat /work/f; pgrep -c -x sleep").stdout.split()
+        assert got == ["base", "1"], got
+        back.kill()
+        # B had materialized the point for the forks: a warm recovery. A node that never saw
+        # it (C, started now) has to fetch and materialize the whole tree: a cold one.
+        dc = start_daemon(crab, c_state, remote)
+        t0 = time.perf_counter()
+        cold = Sandbox.from_remote(name, daemon=dc)
+        res["recover_cold_ms"] = (time.perf_counter() - t0) * 1e3
+        got = cold.exec("cat /work/f; pgrep -c -x sleep").stdout.split()
+        assert got == ["base", "1"], got
+        cold.kill()
+        print(f"after:  {busy()}")
+        w, x = res["within_ms"], res["across_ms"]
+        print(f"fork({count}) of a durable full point, per round ({rounds} rounds, alternating order):")
+        print(f"  within node A (local fork):             {', '.join(f'{v:.0f}' for v in w)} ms")  # type: ignore[union-attr]
+        print(f"  on node B from the store (count={count}):   {', '.join(f'{v:.0f}' for v in x)} ms")  # type: ignore[union-attr]
+        print(f"recover after A's loss (newest durable point, files + processes): on B (had the point's tree "
+              f"from the forks) {res['recover_ms']:.0f} ms; on a fresh node C {res['recover_cold_ms']:.0f} ms")
+        return res
+    finally:
+        for st in (a_state, b_state, c_state):
+            lose(st)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,53 @@ def test_example_ray_tree_rollouts(cluster: Dict[str, object]) -> None:
     assert rep["task_untouched"]
 
 
+def test_inspect_strategy_resumes_on_another_node_from_the_store(cluster: Dict[str, object]) -> None:
+    """crab_sandbox.inspect's durable path: attempt 1 snapshots on node A (durable in the shared
+    store); attempt 2 runs on node B — a fresh sandbox there, a strategy on B's daemon, the refs
+    adopted — and restore brings checkpoint 1's files and process into it from the store."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from crab_sandbox import AsyncDaemon, AsyncSandbox
+    from crab_sandbox.inspect import CrabSnapshotStrategy
+
+    da, db = cluster["da"], cluster["db"]
+    assert isinstance(da, Daemon) and isinstance(db, Daemon)
+    base = Path(f"/tmp/crab-inspect-ray-{os.getpid()}")
+    sub = "sandboxes/default/crab"
+    c1 = SimpleNamespace(sandbox_name="default", storage_dir=str(base / "a1" / sub), resuming=False)
+    c2 = SimpleNamespace(sandbox_name="default", storage_dir=str(base / "a2" / sub), resuming=True)
+
+    async def go() -> None:
+        async with AsyncDaemon(da.socket) as a, AsyncDaemon(db.socket) as b:
+            first = await AsyncSandbox.create("debian", name=unique("insp-a"), daemon=a)
+            fresh = await AsyncSandbox.create("debian", name=unique("insp-b"), daemon=b)
+            try:
+                s1 = CrabSnapshotStrategy("full", daemon=a)
+                await s1.setup(first, c1)
+                await first.exec("mkdir -p /work && echo one > /work/n && (nohup sleep 4242 >/dev/null 2>&1 &)")
+                ref = await s1.snapshot(first, None, 1, c1)
+                assert ref.durable and ref.restores_processes, ref
+                s2 = CrabSnapshotStrategy("full", daemon=b)
+                await s2.setup(fresh, c2)
+                await s2.adopt(SimpleNamespace(sample_checkpoints_dir=str(base / "a1"), storage_subpath=sub), c2)
+                await s2.discard_orphans(1, c2)
+                await s2.restore(fresh, s2.refs(c2)[-1], c2)
+                r = await fresh.exec("cat /work/n; pgrep -c -x sleep")
+                assert r.stdout.split() == ["one", "1"], r
+            finally:
+                for sb in (first, fresh):
+                    try:
+                        await sb.kill()
+                    except Exception:  # noqa: BLE001 - best effort
+                        pass
+
+    try:
+        asyncio.run(go())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_example_ray_spot(cluster: Dict[str, object]) -> None:
     """examples/ray_spot.py's main, node B lost for real mid-run: the example's own loss (the
     rollout's sandbox removed, B's daemon SIGKILLed, its state directory deleted), then B's Ray

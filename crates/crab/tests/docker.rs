@@ -1,7 +1,8 @@
 //! `crab docker` through a `crab-docker` link, driven the way mini-swe-agent's docker
 //! environment drives `docker` (see ../shared/agents.md): `run -d --name … -w … IMAGE sleep 2h`,
 //! `exec -w … -e K=V… NAME bash -lc CMD` per action, `stop` at the end — then what a harness
-//! does with the result: `ps`, `inspect -f`, `start`, `kill`, `rm`. Real daemon, real CRIU (root).
+//! does with the result: `ps`, `inspect -f`, `start`, `kill`, `rm`; and `cp` both ways (trees, `-`
+//! tar streams, unsafe archives from stdin and from a hostile sandbox). Real daemon, real CRIU (root).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crab_testkit::daemon as common;

@@ -284,7 +284,7 @@ fn private_network_after_restore_and_in_a_fork() {
     assert!(fresh.trim_end().ends_with("200"), "{fresh}");
 
     crab_ok(&["checkpoint", &a.name, "--kind", "full"]);
-    a.sh_ok("pkill -f http.server; true");
+    a.sh_ok("pkill -f 'http[.]server'; true");
     crab_ok(&["restore", &a.name]);
     assert_eq!(private_net_state(&a), fresh, "after the restore");
 

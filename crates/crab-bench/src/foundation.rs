@@ -152,6 +152,7 @@ pub async fn run(
                     limits: Default::default(),
                     privileged,
                     checkpoint_policy: None,
+                    harness: Default::default(),
                 };
                 tokio::time::sleep(o.gap).await;
                 let t = Instant::now();

@@ -384,6 +384,7 @@ pub async fn run(
             if let Err(e) = res {
                 local.errors.push(format!("{} ({label}): {}", t.id, e.message));
             }
+            agent::end_session(&name).await;
             let _ = sandbox::remove(&client, &name).await;
             let (into, into_ms) = &mut results.lock().await[method];
             into.absorb(local);

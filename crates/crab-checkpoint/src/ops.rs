@@ -925,6 +925,19 @@ impl Checkpointer {
                             .map_err(sandbox_err(sandbox))?,
                     );
                 }
+                // Exec sessions' pipes to the daemon come back as new pipes it holds (the
+                // client re-attaches): without them a restored shell would read end-of-file
+                // and its children write into pipes nobody reads.
+                let wiring = self.rt.sessions().prepare_restore(sandbox).unwrap_or_else(|e| {
+                    tracing::warn!(sandbox, error = %e, "exec sessions not re-wired");
+                    Default::default()
+                });
+                for (key, fd) in &wiring.inherit {
+                    opts.inherit_fd.push(crab_criu::InheritFd {
+                        key: key.clone(),
+                        fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+                    });
+                }
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
                     set_up_fresh_netns(&n, fresh_net)?;
@@ -937,6 +950,11 @@ impl Checkpointer {
                     Ok(())
                 })?;
                 let pid = u32::try_from(r.pid).unwrap_or(0);
+                if !wiring.inherit.is_empty() {
+                    let pids = cg.pids().unwrap_or_default();
+                    let n = self.rt.sessions().finish_restore(sandbox, wiring, &pids);
+                    tracing::debug!(sandbox, sessions = n, "exec sessions re-wired");
+                }
                 if rec.net == NetMode::Nat {
                     self.rt.nat().finish_restore(sandbox, pid).map_err(sandbox_err(sandbox))?;
                 }
@@ -1219,6 +1237,7 @@ impl Checkpointer {
             held: None,
             // A branch checkpoints like its source.
             checkpoint_policy: src.checkpoint_policy,
+            harness: src.harness.clone(),
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);

@@ -157,6 +157,7 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
             limits: Limits::default(),
             privileged: false,
             checkpoint_policy: None,
+            harness: Default::default(),
         })
         .unwrap();
         let (code, out) = sh(&rt, n, TICKER);

@@ -111,6 +111,7 @@ impl Sb {
             limits: Limits::default(),
             privileged,
             checkpoint_policy: None,
+            harness: Default::default(),
         };
         rt.create(&req).unwrap();
         Sb { rt, ck, name, extra: Vec::new(), _guard: guard }

@@ -175,6 +175,32 @@ pub struct SandboxCreateRequest {
     /// is refused naming the field and the accepted values.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_policy: Option<String>,
+    /// The sandbox's harness (`crab sandbox create --harness-cmd/--harness-path`): processes and
+    /// paths whose activity alone never calls for a checkpoint. Absent: none.
+    #[serde(default, skip_serializing_if = "HarnessSpec::is_empty")]
+    pub harness: HarnessSpec,
+}
+
+/// What a sandbox declares as its harness (an agent, a SWE-ReX server, a session shell running
+/// inside it): their running alone never calls for a process dump, and changes under `paths`
+/// do not count, while every dump still holds them (docs/architecture.md "Harness exclusion").
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HarnessSpec {
+    /// Regular expressions (Rust `regex` syntax) matched against a process's command line, its
+    /// argv joined by single spaces. A process is harness when one matches the command line
+    /// its own exec gave it (not one inherited by a fork).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cmd: Vec<String>,
+    /// Absolute paths inside the sandbox: changes at or beneath one do not count.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<String>,
+}
+
+impl HarnessSpec {
+    /// Nothing declared.
+    pub fn is_empty(&self) -> bool {
+        self.cmd.is_empty() && self.paths.is_empty()
+    }
 }
 
 /// `PATCH /v1/sandboxes/{name}`: change settings of an existing sandbox (absent fields stay).
@@ -244,6 +270,9 @@ pub struct SandboxInfo {
     /// What its turn boundaries checkpoint (`auto` for older daemons, which had no policy).
     #[serde(default)]
     pub checkpoint_policy: crate::CheckpointPolicy,
+    /// Its declared harness (empty: none; older daemons had none).
+    #[serde(default, skip_serializing_if = "HarnessSpec::is_empty")]
+    pub harness: HarnessSpec,
 }
 
 /// Parse the `checkpoint_policy` field of a request: absent is `None`; a bad value is an
@@ -297,6 +326,34 @@ pub struct ExecRequest {
     pub timeout_s: Option<f64>,
     /// Standard input, base64; absent means `/dev/null`.
     pub stdin_b64: Option<String>,
+    /// Keep the command's stdin open as a pipe fed through
+    /// `POST /v1/sandboxes/{name}/exec/{session}/stdin` while it runs: `session` is a name the
+    /// caller picks, unique among the sandbox's open exec sessions. `stdin_b64`, when also
+    /// given, is written first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin_session: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{name}/exec/{session}/stdin`: bytes for the stdin of an exec started
+/// with `stdin_session`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdinWrite {
+    /// The bytes, base64 (absent: none).
+    #[serde(default)]
+    pub d: String,
+    /// Close the command's stdin after them.
+    #[serde(default)]
+    pub eof: bool,
+}
+
+/// The answer to a [`StdinWrite`]: bytes written to the command's stdin pipe, and whether it
+/// was closed after them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdinWritten {
+    /// Bytes written.
+    pub written: usize,
+    /// Whether stdin was closed after them.
+    pub eof: bool,
 }
 
 /// One frame of an exec's streamed response.

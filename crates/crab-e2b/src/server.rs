@@ -750,6 +750,7 @@ impl<B: Backend> E2b<B> {
             workdir: Some("/".into()),
             timeout_s: None,
             stdin_b64: None,
+            stdin_session: None,
         };
         let head = match self.backend.exec(sb.id.clone(), req).await {
             Ok(rx) => read_header(rx).await,
@@ -1194,6 +1195,7 @@ async fn create<B: Backend>(
                 limits: Default::default(),
                 privileged: false,
                 checkpoint_policy: None,
+                harness: Default::default(),
             })
             .await?;
     }
@@ -1618,6 +1620,7 @@ async fn run_collect<B: Backend>(
         workdir: Some("/".into()),
         timeout_s: Some(120.0),
         stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
+        stdin_session: None,
     };
     let mut rx = match e2b.backend.exec(sb.id.clone(), req).await {
         Ok(rx) => rx,
@@ -1971,6 +1974,7 @@ async fn process_stream<B: Backend>(
             workdir: Some(workdir),
             timeout_s: None,
             stdin_b64: None,
+            stdin_session: None,
         };
         let head = match e2b.backend.exec(sb.id.clone(), req).await {
             Ok(rx) => read_header(rx).await,

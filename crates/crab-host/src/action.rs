@@ -100,6 +100,25 @@ pub enum Action {
         /// Command, environment, timeout, stdin.
         req: ExecRequest,
     },
+    /// Stream the output of an exec session that came back with a restore, and take over its
+    /// stdin; the outcome is the stream of its frames.
+    ExecAttach {
+        /// Sandbox name.
+        name: String,
+        /// The exec's `stdin_session`.
+        session: String,
+    },
+    /// Feed the stdin of an exec started with `stdin_session`.
+    ExecStdin {
+        /// Sandbox name.
+        name: String,
+        /// The exec's `stdin_session`.
+        session: String,
+        /// Bytes to write.
+        data: Vec<u8>,
+        /// Close its stdin after them.
+        eof: bool,
+    },
     /// The inspector's verdict on the current turn; `close` also closes the turn.
     Inspect {
         /// Sandbox name.
@@ -223,6 +242,8 @@ impl Action {
             Action::Retire { .. } => "retire",
             Action::Start { .. } => "start",
             Action::Exec { .. } => "exec",
+            Action::ExecStdin { .. } => "exec_stdin",
+            Action::ExecAttach { .. } => "exec_attach",
             Action::Inspect { .. } => "inspect",
             Action::Checkpoint { .. } => "checkpoint",
             Action::ListCheckpoints { .. } => "list_checkpoints",
@@ -356,6 +377,8 @@ pub enum Outcome {
     /// The frames of a running command.
     #[serde(skip)]
     Exec(mpsc::Receiver<ExecFrame>),
+    /// Bytes written to an exec session's stdin.
+    StdinWritten(crab_common::api::StdinWritten),
     /// A verdict.
     Verdict(Box<Verdict>),
     /// A checkpoint taken.

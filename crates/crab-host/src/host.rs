@@ -489,9 +489,25 @@ impl Host {
             Action::Exec { name, req } => {
                 // Unknown sandboxes are refused before the stream starts.
                 self.runtime.record(&name)?;
+                // A streamed stdin is registered before the stream answers, so a write sent
+                // as soon as it does finds it.
+                let session = match &req.stdin_session {
+                    Some(s) => Some(self.runtime.sessions().register(&name, s)?),
+                    None => None,
+                };
                 let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(crab_sandbox::exec::run(self.runtime.clone(), name, req, tx));
+                tokio::spawn(crab_sandbox::exec::run(self.runtime.clone(), name, req, tx, session));
                 Ok(Outcome::Exec(rx))
+            }
+            Action::ExecAttach { name, session } => {
+                self.runtime.record(&name)?;
+                let (tx, rx) = tokio::sync::mpsc::channel(64);
+                tokio::spawn(crab_sandbox::exec::attach(self.runtime.clone(), name, session, tx));
+                Ok(Outcome::Exec(rx))
+            }
+            Action::ExecStdin { name, session, data, eof } => {
+                let written = self.runtime.sessions().write(&name, &session, data, eof).await?;
+                Ok(Outcome::StdinWritten(crab_common::api::StdinWritten { written, eof }))
             }
             Action::Inspect { name, close } => {
                 self.runtime.record(&name)?;
@@ -583,6 +599,14 @@ impl Host {
         self: &Arc<Self>,
         req: crab_common::api::SandboxCreateRequest,
     ) -> Result<Outcome, HostError> {
+        // A bad harness declaration is refused before anything is created.
+        crab_inspector::harness::Harness::compile(&req.harness).map_err(|e| {
+            HostError(ApiError::new(
+                crab_common::ErrorCode::InvalidRequest,
+                e.0,
+                "fix or drop --harness-cmd / --harness-path",
+            ))
+        })?;
         let rt = self.runtime.clone();
         let info = blocking(move || Ok(rt.create(&req)?)).await?;
         self.attach(&info.name);
@@ -600,6 +624,7 @@ impl Host {
         })
         .await?;
         self.detach(&name);
+        self.runtime.sessions().forget_sandbox(&name);
         self.close_sandbox_proxy(&name).await;
         self.coordinator.forget(&name);
         self.policy.clear(&name);
@@ -1031,7 +1056,23 @@ impl Host {
             let cg = self.runtime.cgroup(name);
             match i.attach(name, &cg.v2) {
                 Ok(h) => tracing::debug!(sandbox = name, key = h.key, "inspector attached"),
-                Err(e) => tracing::warn!(sandbox = name, error = %e, "inspector attach failed"),
+                Err(e) => {
+                    tracing::warn!(sandbox = name, error = %e, "inspector attach failed");
+                    return;
+                }
+            }
+            // The record's harness (validated at create; a record edited into a bad one
+            // declares none, which only costs checkpoints).
+            let spec = self.runtime.record(name).map(|r| r.harness).unwrap_or_default();
+            if !spec.is_empty() {
+                match crab_inspector::harness::Harness::compile(&spec) {
+                    Ok(h) => {
+                        if let Err(e) = i.set_harness(name, Some(h)) {
+                            tracing::warn!(sandbox = name, error = %e, "harness not set");
+                        }
+                    }
+                    Err(e) => tracing::warn!(sandbox = name, error = %e, "harness ignored"),
+                }
             }
         }
     }

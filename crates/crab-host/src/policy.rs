@@ -145,7 +145,7 @@ mod tests {
             turn: 1,
             kind,
             changeset: Vec::new(),
-            processes: ProcessChanges { born, died: Vec::new(), ran },
+            processes: ProcessChanges { born, died: Vec::new(), ran, ..Default::default() },
             reasons: Vec::new(),
             conservative: false,
         }

@@ -20,6 +20,8 @@ use crate::abi::{
     S_FOREIGN_MEM, S_FS_UNKNOWN, S_MOUNT, S_NS, S_OVERFLOW, S_PATH_FAULT, S_PENDING_LOST,
     S_PROC_OVERFLOW, S_PROC_STATE, S_SHM, S_UNTRACKABLE,
 };
+use crab_common::CheckpointKind;
+
 use crate::error::InspectorError;
 use crate::maps::{self, Bss};
 use crate::pool::{KeyPool, Outer, SandboxMaps};
@@ -75,6 +77,10 @@ struct Reg {
     /// Epoch of turn 1 (sandbox keys are reused; their epochs only grow).
     first_epoch: u64,
     maps: SandboxMaps,
+    /// The sandbox's declared harness ([`Inspector::set_harness`]).
+    harness: Option<crate::harness::Harness>,
+    /// Changes under harness paths were left out since the last turn that took a snapshot.
+    harness_dirty: bool,
 }
 
 struct Loaded {
@@ -286,6 +292,23 @@ impl Inspector {
         }
     }
 
+    /// Declare (or, with `None`, clear) the harness of an attached sandbox: from its next
+    /// verdict on, harness processes that ran and changes under harness paths are left out
+    /// (see `harness.rs`).
+    pub fn set_harness(
+        &self,
+        sandbox: &str,
+        harness: Option<crate::harness::Harness>,
+    ) -> Result<(), InspectorError> {
+        let mut g = self.lock()?;
+        let reg = g
+            .sandboxes
+            .get_mut(sandbox)
+            .ok_or_else(|| InspectorError::NotAttached(sandbox.to_string()))?;
+        reg.harness = harness;
+        Ok(())
+    }
+
     /// The names of the attached sandboxes.
     pub fn sandboxes(&self) -> Vec<String> {
         self.lock().map(|g| g.sandboxes.keys().cloned().collect()).unwrap_or_default()
@@ -490,7 +513,14 @@ impl Inner {
         }
         self.sandboxes.insert(
             sandbox.to_string(),
-            Reg { handle: handle.clone(), carry: Vec::new(), maps: sm, first_epoch: epoch },
+            Reg {
+                handle: handle.clone(),
+                carry: Vec::new(),
+                maps: sm,
+                first_epoch: epoch,
+                harness: None,
+                harness_dirty: false,
+            },
         );
         tracing::info!(sandbox, key, cgroup_id, level, "sandbox attached to the inspector");
         Ok(handle)
@@ -636,6 +666,7 @@ impl Inner {
         // Processes.
         let p = maps::dump(&reg.maps.procs, "procs")?;
         let mut long_lived: Vec<u32> = Vec::new();
+        let mut lineage: HashMap<u32, crate::harness::Lineage> = HashMap::new();
         let mut gc: Vec<Vec<u8>> = Vec::new();
         for (k, v) in p.iter() {
             let pr = ProcRec::parse(v);
@@ -655,6 +686,13 @@ impl Inner {
                 if dead && pr.died_epoch == e {
                     facts.processes.died.push(pid);
                 } else if !died_by_end {
+                    lineage.insert(
+                        pid,
+                        crate::harness::Lineage {
+                            born_epoch: pr.born_epoch,
+                            exec_epoch: pr.exec_epoch,
+                        },
+                    );
                     if pr.ran_epoch.max(pr.exec_epoch) >= e {
                         facts.processes.ran.push(pid);
                     } else {
@@ -676,6 +714,9 @@ impl Inner {
             }
         }
         long_lived.retain(|p| !facts.processes.ran.contains(p));
+        if let Some(h) = &reg.harness {
+            harness_split(h, &mut facts, &lineage);
+        }
         mapped_file_checks(&mut facts, &long_lived);
         facts.processes.born.sort_unstable();
         facts.processes.died.sort_unstable();
@@ -684,8 +725,54 @@ impl Inner {
         if close {
             reg.carry = next_carry;
         }
-        Ok(decide(sandbox, e + 1 - reg.first_epoch, facts))
+        let dirty = reg.harness_dirty || facts.processes.harness_path_changes > 0;
+        let mut v = decide(sandbox, e + 1 - reg.first_epoch, facts);
+        if dirty && v.kind == CheckpointKind::Process {
+            // A dump pairs with the newest snapshot; the harness's files changed since it
+            // (left out of the verdicts), and CRIU refuses an open file whose size moved.
+            v.kind = CheckpointKind::Full;
+            v.reasons.push(
+                "files under the harness paths changed since the last snapshot: the dump takes a new one"
+                    .into(),
+            );
+        }
+        if close {
+            reg.harness_dirty =
+                dirty && !matches!(v.kind, CheckpointKind::Fs | CheckpointKind::Full);
+        }
+        Ok(v)
     }
+}
+
+/// Move the harness processes out of `ran` (keeping them for the mapped-file rules, which
+/// they obey like any process that ran) and drop exact changes under harness paths (a rename
+/// counts unless both its ends are covered).
+fn harness_split(
+    h: &crate::harness::Harness,
+    facts: &mut TurnFacts,
+    lineage: &HashMap<u32, crate::harness::Lineage>,
+) {
+    if h.has_cmd() {
+        let ran = std::mem::take(&mut facts.processes.ran);
+        for pid in ran {
+            match lineage.get(&pid) {
+                Some(l) if crate::harness::is_harness(h, pid, *l) => {
+                    facts.processes.harness_ran.push(pid)
+                }
+                _ => facts.processes.ran.push(pid),
+            }
+        }
+    }
+    let before = facts.changeset.len();
+    facts.changeset.retain(|c| {
+        let covered = c.exact && h.covers_path(&c.path);
+        let from_covered = match &c.op {
+            ChangeOp::Rename { from } => h.covers_path(from),
+            _ => true,
+        };
+        !(covered && from_covered)
+    });
+    facts.processes.harness_path_changes = before - facts.changeset.len();
 }
 
 /// Mapped-file rules, read from /proc at the boundary:

@@ -8,6 +8,7 @@
 
 mod abi;
 mod error;
+pub mod harness;
 mod inspector;
 mod maps;
 mod pool;

@@ -75,6 +75,17 @@ pub struct ProcessChanges {
     /// Processes alive at the last checkpoint that ran (were scheduled, exec'd or made threads)
     /// in the turn.
     pub ran: Vec<u32>,
+    /// Harness processes (the sandbox's declared harness, see `harness.rs`) that ran in the
+    /// turn: left out of the verdict, still in every dump.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub harness_ran: Vec<u32>,
+    /// Changes under the sandbox's declared harness paths, left out of the changeset.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub harness_path_changes: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl ProcessChanges {

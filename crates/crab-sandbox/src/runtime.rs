@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    ExecRequest, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState, SecurityProfile,
+    ExecRequest, HarnessSpec, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState,
+    SecurityProfile,
 };
 use crab_common::names;
 use crab_common::paths::StateDir;
@@ -37,8 +38,8 @@ use crate::{image, pool, quota};
 pub static INIT_BINARY: &[u8] = include_bytes!(env!("CRAB_INIT_BIN"));
 
 /// Version of the `sandbox.json` format (2 added `checkpoint_policy`; format-1 records load with
-/// the `auto` policy).
-pub const RECORD_FORMAT: u32 = 2;
+/// the `auto` policy; 3 added `harness`, absent in older records: none).
+pub const RECORD_FORMAT: u32 = 3;
 
 /// The persisted record of a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,6 +79,9 @@ pub struct SandboxRecord {
     /// What its turn boundaries checkpoint (format 2; absent in format-1 records: `auto`).
     #[serde(default)]
     pub checkpoint_policy: CheckpointPolicy,
+    /// Its declared harness (format 3; absent: none).
+    #[serde(default, skip_serializing_if = "HarnessSpec::is_empty")]
+    pub harness: HarnessSpec,
 }
 
 /// Options of the runtime.
@@ -105,6 +109,8 @@ pub struct Runtime {
     sandboxes: Mutex<HashMap<String, SandboxRecord>>,
     /// Names being created right now (reserved against clashes).
     creating: Mutex<Vec<String>>,
+    /// Open exec sessions (streamed stdin).
+    sessions: crate::exec::Sessions,
 }
 
 use crab_common::clock::now_s as now;
@@ -172,6 +178,7 @@ impl Runtime {
             warm,
             sandboxes: Mutex::new(HashMap::new()),
             creating: Mutex::new(Vec::new()),
+            sessions: crate::exec::Sessions::default(),
         };
         rt.load()?;
         rt.adopt_nat();
@@ -355,6 +362,7 @@ impl Runtime {
             profile: Some(crate::profile::report(&rec.profile)),
             held: rec.held.clone(),
             checkpoint_policy: rec.checkpoint_policy,
+            harness: rec.harness.clone(),
         }
     }
 
@@ -435,7 +443,16 @@ impl Runtime {
             _ => Ok(()),
         }
         .and_then(|()| {
-            self.create_reserved(&name, &req.image, &image_root, req.net, &limits, profile, policy)
+            self.create_reserved(
+                &name,
+                &req.image,
+                &image_root,
+                req.net,
+                &limits,
+                profile,
+                policy,
+                &req.harness,
+            )
         });
         if result.is_err() {
             self.discard(&name);
@@ -457,6 +474,7 @@ impl Runtime {
         limits: &Limits,
         profile: SecurityProfile,
         checkpoint_policy: CheckpointPolicy,
+        harness: &HarnessSpec,
     ) -> Result<SandboxRecord> {
         let mut rec = SandboxRecord {
             format: RECORD_FORMAT,
@@ -473,6 +491,7 @@ impl Runtime {
             nat: None,
             held: None,
             checkpoint_policy,
+            harness: harness.clone(),
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -688,10 +707,15 @@ impl Runtime {
             cmd: req.cmd.clone(),
             env,
             workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
-            stdin: req.stdin_b64.is_some(),
+            stdin: req.stdin_b64.is_some() || req.stdin_session.is_some(),
             profile: rec.profile,
             seccomp: compiled_filters(&rec.profile)?,
         })
+    }
+
+    /// The open exec sessions (streamed stdin).
+    pub fn sessions(&self) -> &crate::exec::Sessions {
+        &self.sessions
     }
 
     /// The helper binary.

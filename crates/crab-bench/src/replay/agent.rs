@@ -3,32 +3,33 @@
 //! and appends the observation the way mini-swe-agent formats it.
 //!
 //! Commands run either as a fresh `bash -c` each (mini-swe-agent) or in one persistent bash
-//! session (traces marked `shell_state`, so `cd` and `export` persist). The session is a bash
-//! started in the background inside the sandbox, reading commands from a fifo it holds open
-//! read-write (so it never sees end-of-file), its output appended to a file. Each command is
-//! written to `cmd.sh`, and one line is fed to the fifo: `. cmd.sh </dev/null; echo $? > rc`.
-//! The `rc` file is the sentinel: when it appears, the output file holds exactly that command's
-//! output and `rc` its exit code. The session lives in `/run/crab-replay/` inside the sandbox:
-//! part of the sandbox's state, checkpointed and restored with it like any user process. When
-//! a recovery lost it (no process image), the next command finds it dead and starts a new one in
-//! the initial working directory, as a restarted agent harness would.
+//! session (traces marked `shell_state`, so `cd` and `export` persist). The session writes
+//! nothing into the sandbox (the instrument must not create the effects it measures): it is a
+//! bash held by the daemon through an exec session — its stdin a pipe fed through
+//! `POST .../exec/{session}/stdin`, its stdout and stderr streamed back — re-parented to the
+//! sandbox's init and started under the argv[0] `crab-replay-session`, which the replay's
+//! sandboxes declare as their harness (`--harness-cmd`), so its own running never makes a
+//! turn a process turn, while every dump still holds it. Each command's bytes are read by the
+//! shell's `read -N` (never parsed as part of the stream) and evaluated with stdin from
+//! `/dev/null`; a sentinel printed after it on stdout (with the exit code) and on stderr marks
+//! its end on each stream. It is part of the sandbox's state, checkpointed and restored with it
+//! like any user process: after a restore the daemon hands its re-created pipes back and the
+//! agent attaches to them. When a recovery lost it (no process image), the next command finds
+//! it gone and starts a new one in the initial working directory, as a restarted agent harness
+//! would.
 
+use base64::Engine as _;
 use serde_json::{json, Value};
 
 use crab_client::Client;
+use crab_common::api::ExecFrame;
 use crab_common::ApiError;
 
 use super::llm::post_json;
 use super::sandbox;
 
-/// Where the persistent session lives inside the sandbox.
-pub const SESSION_DIR: &str = "/run/crab-replay";
-
 /// Longest observation kept in the conversation (mini-swe-agent keeps head and tail).
 const MAX_OBSERVATION: usize = 10_000;
-
-/// Exit code of the run script meaning "the session is gone".
-const SESSION_GONE: i32 = 222;
 
 /// The bash tool as offered to the LLM.
 fn tools() -> Value {
@@ -124,37 +125,243 @@ fn format_observation(code: i32, out: &[u8]) -> String {
     format!("<returncode>{code}</returncode>\n<output>\n{body}</output>")
 }
 
-/// Start the persistent session in `workdir` (replacing a dead one).
-pub async fn start_session(client: &Client, sb: &str, workdir: &str) -> Result<(), ApiError> {
-    let script = format!(
-        "D={SESSION_DIR}; mkdir -p $D && rm -f $D/in $D/rc && mkfifo $D/in && : > $D/out && \
-         cd {wd} 2>/dev/null || cd /; \
-         bash --noprofile --norc 0<>$D/in >>$D/out 2>&1 & echo $! > $D/pid",
-        wd = shell_quote(workdir)
-    );
-    sandbox::sh_ok(client, sb, &script, 30.0).await.map(|_| ())
+/// argv[0] of the persistent session's shell: what the sandbox's harness pattern
+/// ([`SESSION_HARNESS`]) names.
+pub const SESSION_ARGV0: &str = "crab-replay-session";
+
+/// The harness pattern of every replay sandbox: the persistent session's shell (its running
+/// alone is the instrument's, not the agent's; what it runs is the agent's).
+pub const SESSION_HARNESS: &str = "^crab-replay-session ";
+
+/// Name of the session's exec (its `stdin_session`).
+const SESSION_NAME: &str = "replay";
+
+/// The sentinel the session prints after each command: on stdout followed by the exit code
+/// and a newline, on stderr followed by a newline. No command prints it.
+const SENTINEL: &str = "\u{1e}crab-replay-end-7f3c9a";
+
+/// Shell functions defined once per session: `__crab_read N` reads the next N bytes of the
+/// session's stdin (bytes: in the C locale) into `__crab_c`; `__crab_end RC` prints the
+/// sentinels.
+fn session_prelude() -> String {
+    format!(
+        "__crab_read() {{ local LC_ALL=C; IFS= read -r -N \"$1\" __crab_c; }}\n\
+         __crab_end() {{ printf '%s:%d\\n' '{SENTINEL}' \"$1\"; printf '%s\\n' '{SENTINEL}' >&2; }}\n"
+    )
 }
 
-const RUN_IN_SESSION: &str = r#"D=/run/crab-replay
-P=$(cat $D/pid 2>/dev/null)
-[ -n "$P" ] && kill -0 "$P" 2>/dev/null || exit 222
-cat > $D/cmd.sh
-: > $D/out
-rm -f $D/rc $D/rc.tmp
-echo ". $D/cmd.sh </dev/null; echo \$? > $D/rc.tmp; mv $D/rc.tmp $D/rc" > $D/in
-while [ ! -e $D/rc ]; do
-  kill -0 "$P" 2>/dev/null || { cat $D/out; exit 223; }
-  sleep 0.01
-done
-cat $D/out
-exit $(cat $D/rc)
-"#;
+/// One command as written to the session's stdin: its bytes are read by `__crab_read` (never
+/// parsed as part of the stream), then evaluated in the session's shell with stdin from
+/// `/dev/null`, so `cd`, `export` and shell variables persist.
+fn session_input(command: &str) -> Vec<u8> {
+    let mut v = format!("__crab_read {}\n", command.len()).into_bytes();
+    v.extend_from_slice(command.as_bytes());
+    v.extend_from_slice(b"\neval \"$__crab_c\" </dev/null; __crab_end $?\n");
+    v
+}
+
+/// A persistent session: a shell in the sandbox held by the daemon through an exec session
+/// (its stdin fed by the stdin route, its output streamed back); nothing of it is written into
+/// the sandbox. Its shell is a child of the sandbox's init (so dumps hold it) and the session's
+/// pipes come back with a restore, picked up again by attaching.
+struct Session {
+    frames: tokio::sync::mpsc::UnboundedReceiver<ExecFrame>,
+    task: tokio::task::JoinHandle<()>,
+    ended: bool,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One sandbox's session (locked for a whole command; sandboxes do not wait for each other).
+type Slot = std::sync::Arc<tokio::sync::Mutex<Option<Session>>>;
+
+fn slot(sb: &str) -> Slot {
+    static S: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, Slot>>> =
+        std::sync::OnceLock::new();
+    let mut m = S.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    m.entry(sb.to_string()).or_default().clone()
+}
+
+/// Follow the exec stream at `path` (`body`: its request) in a task of its own.
+fn follow(client: &Client, path: String, body: Value) -> Session {
+    let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
+    let client = client.clone();
+    let task = tokio::spawn(async move {
+        let err_tx = tx.clone();
+        let r = client
+            .stream(&path, &body, |f: ExecFrame| {
+                let _ = tx.send(f);
+            })
+            .await;
+        if let Err(error) = r {
+            let _ = err_tx.send(ExecFrame::Error { error });
+        }
+    });
+    Session { frames, task, ended: false }
+}
+
+async fn write_stdin(client: &Client, sb: &str, data: &[u8]) -> Result<(), ApiError> {
+    let body = json!({"d": base64::engine::general_purpose::STANDARD.encode(data)});
+    let _: Value = client
+        .call(
+            hyper::Method::POST,
+            &format!("/v1/sandboxes/{sb}/exec/{SESSION_NAME}/stdin"),
+            Some(&body),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Start the persistent session in `workdir` (replacing an earlier one of this sandbox).
+pub async fn start_session(client: &Client, sb: &str, workdir: &str) -> Result<(), ApiError> {
+    let slot = slot(sb);
+    let mut g = slot.lock().await;
+    // Dropping an earlier one closes its stream: the daemon kills whatever holds its pipes.
+    *g = None;
+    let launch = format!(
+        "cd {wd} 2>/dev/null || cd /; \
+         (exec setsid bash -c 'exec -a {SESSION_ARGV0} bash --noprofile --norc') <&0 &",
+        wd = shell_quote(workdir)
+    );
+    let mut req = sandbox::exec_request(vec!["bash".into(), "-c".into(), launch], Some("/"), None);
+    req.stdin_session = Some(SESSION_NAME.into());
+    let body = serde_json::to_value(&req)
+        .map_err(|e| ApiError::internal(format!("encoding the session's exec: {e}")))?;
+    *g = Some(follow(client, format!("/v1/sandboxes/{sb}/exec"), body));
+    drop(g);
+    // The session's name is registered before the exec's stream answers; a write that comes
+    // before the exec's helper started waits in the pipe.
+    let mut tries = 0;
+    loop {
+        match write_stdin(client, sb, session_prelude().as_bytes()).await {
+            Ok(()) => return Ok(()),
+            Err(e) if tries < 50 && e.message.contains("no open exec session") => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Output of one command in the session, or why there is none.
+enum SessionRun {
+    Done(sandbox::ExecOutput),
+    /// The session is gone (not there, or it died during the command: `partial` output).
+    Gone(Option<sandbox::ExecOutput>),
+}
+
+fn take_sentinel(buf: &[u8], with_code: bool) -> Option<(usize, i32)> {
+    let tok = SENTINEL.as_bytes();
+    let at = buf.windows(tok.len()).position(|w| w == tok)?;
+    if !with_code {
+        return buf[at + tok.len()..].contains(&b'\n').then_some((at, 0));
+    }
+    let rest = &buf[at + tok.len()..];
+    let rest = rest.strip_prefix(b":")?;
+    let nl = rest.iter().position(|b| *b == b'\n')?;
+    let code = std::str::from_utf8(&rest[..nl]).ok()?.parse().ok()?;
+    Some((at, code))
+}
+
+async fn run_in_session(
+    client: &Client,
+    sb: &str,
+    command: &str,
+    timeout_s: f64,
+) -> Result<SessionRun, ApiError> {
+    let slot = slot(sb);
+    let mut g = slot.lock().await;
+    let mut attached = false;
+    let s = loop {
+        let Some(s) = g.as_mut() else { return Ok(SessionRun::Gone(None)) };
+        // What background processes printed since the last command belongs to no command.
+        while let Ok(f) = s.frames.try_recv() {
+            if matches!(f, ExecFrame::Exit { .. } | ExecFrame::Error { .. }) {
+                s.ended = true;
+            }
+        }
+        if !s.ended {
+            break s;
+        }
+        if attached {
+            *g = None;
+            return Ok(SessionRun::Gone(None));
+        }
+        // Its stream ended (the sandbox was killed, or restored): a restore brings the
+        // session's pipes back for attaching; otherwise it is gone.
+        let path = format!("/v1/sandboxes/{sb}/exec/{SESSION_NAME}/attach");
+        *s = follow(client, path, json!({}));
+        attached = true;
+        // An attach that finds nothing answers an error at once.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let t = std::time::Instant::now();
+    write_stdin(client, sb, &session_input(command)).await?;
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let (mut got_out, mut got_err) = (None, None);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs_f64(timeout_s);
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let finish = |out: Vec<u8>, err: Vec<u8>, code: i32, timed_out: bool| {
+        let mut output = out.clone();
+        output.extend_from_slice(&err);
+        sandbox::ExecOutput {
+            output,
+            stdout: out,
+            stderr: err,
+            code,
+            timed_out,
+            ms: t.elapsed().as_secs_f64() * 1e3,
+        }
+    };
+    while got_out.is_none() || got_err.is_none() {
+        let f = match tokio::time::timeout_at(deadline, s.frames.recv()).await {
+            Err(_) => {
+                // Timed out: drop the session (the daemon kills what holds its pipes); the
+                // next command starts a new one, as a harness would.
+                *g = None;
+                return Ok(SessionRun::Done(finish(out, err, 124, true)));
+            }
+            Ok(f) => f,
+        };
+        match f {
+            Some(ExecFrame::Stdout { d }) if got_out.is_none() => {
+                out.extend(b64.decode(d).unwrap_or_default());
+                if let Some((at, code)) = take_sentinel(&out, true) {
+                    out.truncate(at);
+                    got_out = Some(code);
+                }
+            }
+            Some(ExecFrame::Stderr { d }) if got_err.is_none() => {
+                err.extend(b64.decode(d).unwrap_or_default());
+                if let Some((at, _)) = take_sentinel(&err, false) {
+                    err.truncate(at);
+                    got_err = Some(());
+                }
+            }
+            Some(ExecFrame::Stdout { .. } | ExecFrame::Stderr { .. }) => {}
+            Some(ExecFrame::Exit { .. } | ExecFrame::Error { .. }) | None => {
+                *g = None;
+                return Ok(SessionRun::Gone(Some(finish(out, err, SESSION_DIED, false))));
+            }
+        }
+    }
+    Ok(SessionRun::Done(finish(out, err, got_out.unwrap_or(0), false)))
+}
+
+/// Exit code reported when the session died during a command (it ran `exit`, or was killed).
+const SESSION_DIED: i32 = 223;
 
 fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-/// Run `command` in sandbox `sb`: a fresh `bash -c` in `workdir`, or in the persistent session.
+/// Run `command` in sandbox `sb`: a fresh `bash -c` in `workdir`, or in the persistent session
+/// (started again in `workdir` when it is gone, as a restarted agent harness would).
 pub async fn execute(
     client: &Client,
     sb: &str,
@@ -164,22 +371,20 @@ pub async fn execute(
     timeout_s: f64,
 ) -> Result<Observation, ApiError> {
     let out = if persistent {
-        let run = || {
-            sandbox::exec(
-                client,
-                sb,
-                vec!["bash".into(), "-c".into(), RUN_IN_SESSION.into()],
-                Some("/"),
-                Some(command.as_bytes()),
-                timeout_s,
-            )
-        };
-        let mut out = run().await?;
-        if out.code == SESSION_GONE {
-            start_session(client, sb, workdir).await?;
-            out = run().await?;
+        match run_in_session(client, sb, command, timeout_s).await? {
+            SessionRun::Done(o) | SessionRun::Gone(Some(o)) => o,
+            SessionRun::Gone(None) => {
+                start_session(client, sb, workdir).await?;
+                match run_in_session(client, sb, command, timeout_s).await? {
+                    SessionRun::Done(o) | SessionRun::Gone(Some(o)) => o,
+                    SessionRun::Gone(None) => {
+                        return Err(ApiError::internal(format!(
+                            "the persistent session of sandbox {sb} died as it started"
+                        )))
+                    }
+                }
+            }
         }
-        out
     } else {
         sandbox::exec(
             client,
@@ -196,6 +401,11 @@ pub async fn execute(
         code: out.code,
         ms: out.ms,
     })
+}
+
+/// Forget sandbox `sb`'s session (it is being removed).
+pub async fn end_session(sb: &str) {
+    *slot(sb).lock().await = None;
 }
 
 /// The tool message for `obs`.

@@ -571,6 +571,7 @@ async fn run_one(ctx: &Ctx, job: &Job) -> RunResult {
         r.error = Some(format!("{} ({})", e.message, e.code.as_str()));
     }
     ctx.llm.unregister(&name);
+    agent::end_session(&name).await;
     let _ = sandbox::remove(&ctx.client, &name).await;
     r
 }

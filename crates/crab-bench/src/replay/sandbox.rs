@@ -64,6 +64,11 @@ pub async fn create_with(
         limits: Default::default(),
         privileged,
         checkpoint_policy: policy.map(str::to_string),
+        // The persistent session's shell is the instrument's: see `agent`.
+        harness: crab_common::api::HarnessSpec {
+            cmd: vec![super::agent::SESSION_HARNESS.into()],
+            paths: Vec::new(),
+        },
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
 }
@@ -92,16 +97,9 @@ pub async fn version(client: &Client) -> Result<VersionInfo, ApiError> {
     Ok(v)
 }
 
-/// Run `cmd` in sandbox `name`.
-pub async fn exec(
-    client: &Client,
-    name: &str,
-    cmd: Vec<String>,
-    workdir: Option<&str>,
-    stdin: Option<&[u8]>,
-    timeout_s: f64,
-) -> Result<ExecOutput, ApiError> {
-    let req = ExecRequest {
+/// The request of `cmd` in `workdir` with the replay's environment.
+pub fn exec_request(cmd: Vec<String>, workdir: Option<&str>, stdin: Option<&[u8]>) -> ExecRequest {
+    ExecRequest {
         cmd,
         env: vec![
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
@@ -111,9 +109,23 @@ pub async fn exec(
             "GIT_PAGER=cat".into(),
         ],
         workdir: workdir.map(str::to_string),
-        timeout_s: Some(timeout_s),
+        timeout_s: None,
         stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
-    };
+        stdin_session: None,
+    }
+}
+
+/// Run `cmd` in sandbox `name`.
+pub async fn exec(
+    client: &Client,
+    name: &str,
+    cmd: Vec<String>,
+    workdir: Option<&str>,
+    stdin: Option<&[u8]>,
+    timeout_s: f64,
+) -> Result<ExecOutput, ApiError> {
+    let mut req = exec_request(cmd, workdir, stdin);
+    req.timeout_s = Some(timeout_s);
     let t = Instant::now();
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
     let mut exit: Option<(i32, bool)> = None;

@@ -241,6 +241,7 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
                 workdir: a.workdir,
                 timeout_s: None,
                 stdin_b64: stdin,
+                stdin_session: None,
             };
             Ok(exec_streaming(client, &a.name, req, json).await)
         }
@@ -386,6 +387,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
         },
         privileged: a.privileged,
         checkpoint_policy: None,
+        harness: Default::default(),
         nat_range: None,
     };
     let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
@@ -432,7 +434,14 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
     }
     let stdin = if a.interactive { Some(stdin_b64()?) } else { None };
     let cmd = if a.cmd.is_empty() { vec!["sh".to_string()] } else { a.cmd };
-    let req = ExecRequest { cmd, env, workdir: a.workdir, timeout_s: None, stdin_b64: stdin };
+    let req = ExecRequest {
+        cmd,
+        env,
+        workdir: a.workdir,
+        timeout_s: None,
+        stdin_b64: stdin,
+        stdin_session: None,
+    };
     let code = exec_streaming(client, &name, req, json).await;
     if a.rm {
         let _: serde_json::Value = client

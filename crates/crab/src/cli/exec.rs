@@ -55,8 +55,14 @@ pub(super) async fn run(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
     } else {
         None
     };
-    let req =
-        ExecRequest { cmd: a.cmd, env: a.env, workdir: a.workdir, timeout_s: a.timeout, stdin_b64 };
+    let req = ExecRequest {
+        cmd: a.cmd,
+        env: a.env,
+        workdir: a.workdir,
+        timeout_s: a.timeout,
+        stdin_b64,
+        stdin_session: None,
+    };
     exec_streaming(client, &a.sandbox, req, json).await
 }
 

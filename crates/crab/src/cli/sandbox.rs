@@ -61,6 +61,17 @@ pub(super) enum SandboxCmd {
         /// is released at once). Change it later with `crab sandbox update`.
         #[arg(long, value_name = "POLICY", default_value = "auto", value_parser = ["auto", "full", "fs", "none"])]
         checkpoint_policy: String,
+        /// Mark the sandbox's harness (an agent, a SWE-ReX server, a session shell running in
+        /// it): a regular expression matched against each process's command line (argv
+        /// joined by spaces). A process whose own exec gave it a matching command line never
+        /// calls for a process dump by running alone; it is still in every dump taken for
+        /// another reason. What it forks and execs is not harness. Repeatable.
+        #[arg(long, value_name = "PATTERN")]
+        harness_cmd: Vec<String>,
+        /// A path inside the sandbox whose changes do not count for the verdict (the
+        /// harness's own files: logs, caches). Still in every snapshot. Repeatable.
+        #[arg(long, value_name = "PATH")]
+        harness_path: Vec<String>,
     },
     /// Change settings of a sandbox: its checkpoint policy (from its next turn on).
     Update {
@@ -128,6 +139,8 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             disk,
             privileged,
             checkpoint_policy,
+            harness_cmd,
+            harness_path,
         } => {
             if let Some(src) = from_remote {
                 let names = name.into_iter().collect();
@@ -146,6 +159,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                 },
                 privileged,
                 checkpoint_policy: Some(checkpoint_policy),
+                harness: crab_common::api::HarnessSpec { cmd: harness_cmd, paths: harness_path },
             };
             let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
             if json {

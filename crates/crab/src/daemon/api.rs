@@ -37,6 +37,8 @@ pub fn router(d: Arc<Host>) -> Router {
             get(sandboxes::get).delete(sandboxes::remove).patch(sandboxes::update),
         )
         .route("/v1/sandboxes/{name}/exec", post(sandboxes::exec))
+        .route("/v1/sandboxes/{name}/exec/{session}/stdin", post(sandboxes::exec_stdin))
+        .route("/v1/sandboxes/{name}/exec/{session}/attach", post(sandboxes::exec_attach))
         .route("/v1/sandboxes/{name}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{name}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{name}/inspect", get(inspect::peek).post(inspect::close))

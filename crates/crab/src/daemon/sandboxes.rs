@@ -1,4 +1,4 @@
-//! Sandbox routes: create, list, describe, update (checkpoint policy), remove, stop, start, exec (streamed).
+//! Sandbox routes: create, list, describe, update (checkpoint policy), remove, stop, start, exec (streamed), an exec session's stdin.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,7 +7,10 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
 
-use crab_common::api::{ExecRequest, SandboxCreateRequest, SandboxUpdateRequest, StopRequest};
+use base64::Engine as _;
+use crab_common::api::{
+    ExecRequest, SandboxCreateRequest, SandboxUpdateRequest, StdinWrite, StopRequest,
+};
 use crab_host::{Action, Host};
 
 use super::api::{err, parse, parse_or_default, render};
@@ -51,6 +54,37 @@ pub async fn exec(State(h): State<Arc<Host>>, Path(name): Path<String>, body: By
         Err(e) => return err(e),
     };
     render(h.execute(Action::Exec { name, req }).await)
+}
+
+/// `POST /v1/sandboxes/{name}/exec/{session}/stdin`: feed an exec session's stdin.
+pub async fn exec_stdin(
+    State(h): State<Arc<Host>>,
+    Path((name, session)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let req: StdinWrite = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return err(e),
+    };
+    let data = match base64::engine::general_purpose::STANDARD.decode(&req.d) {
+        Ok(d) => d,
+        Err(e) => {
+            return err(crab_common::ApiError::invalid(
+                format!("d is not base64: {e}"),
+                "send the bytes base64-encoded in \"d\"",
+            ))
+        }
+    };
+    render(h.execute(Action::ExecStdin { name, session, data, eof: req.eof }).await)
+}
+
+/// `POST /v1/sandboxes/{name}/exec/{session}/attach`: the output stream of a restored exec
+/// session (and its stdin, through `.../stdin`).
+pub async fn exec_attach(
+    State(h): State<Arc<Host>>,
+    Path((name, session)): Path<(String, String)>,
+) -> Response {
+    render(h.execute(Action::ExecAttach { name, session }).await)
 }
 
 pub async fn stop(State(h): State<Arc<Host>>, Path(name): Path<String>, body: Bytes) -> Response {

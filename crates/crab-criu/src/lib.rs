@@ -194,6 +194,10 @@ pub struct RestoreOpts {
     /// Namespaces to join instead of restoring: `(kind, path)` such as `("net",
     /// "/proc/42/ns/net")`.
     pub join_ns: Vec<(String, String)>,
+    /// Namespaces CRIU creates empty instead of restoring their contents (clone flags, e.g.
+    /// `CLONE_NEWNET`: a new network namespace without the dumped links, addresses, routes,
+    /// rules, iptables and sysctls; the caller sets it up at `setup-namespaces`). 0: none.
+    pub empty_ns: u32,
     /// Cgroup directories (v2 and/or v1) that `criu swrk` joins before it starts, so that the
     /// restored tree, which it forks, starts in them. Use with `manage_cgroups:
     /// Some(CgroupMode::Ignore)` to place a restored tree in cgroups other than the dumped ones
@@ -230,6 +234,7 @@ impl RestoreOpts {
             external: Vec::new(),
             manage_cgroups: None,
             join_ns: Vec::new(),
+            empty_ns: 0,
             join_cgroups: Vec::new(),
             cgroup_ns: false,
             orphan_pts_master: false,

@@ -628,6 +628,7 @@ pub(crate) fn restore(criu: &Criu, o: &RestoreOpts, hook: Option<Hook<'_>>) -> R
         orphan_pts_master: bool_opt(o.orphan_pts_master),
         weak_sysctls: bool_opt(o.weak_sysctls),
         lsm_profile: o.lsm_profile.clone(),
+        empty_ns: (o.empty_ns != 0).then_some(o.empty_ns),
         ..dirs.opts(o.log_level)
     };
     let inherit: Vec<RawFd> = o.inherit_fd.iter().map(|i| i.fd).collect();

@@ -226,6 +226,31 @@ pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
     }
 }
 
+/// Give the network namespace of `pid` what a fresh `private` sandbox's has: `lo` up and (with
+/// `allow_ping`) unprivileged ICMP sockets. For a restore that lets CRIU create the namespace
+/// empty (`empty_ns`) instead of replaying the dumped links, addresses, routes, rules and
+/// iptables with eight `ip`/`iptables` runs: a sandbox without `CAP_NET_ADMIN` (the default
+/// profile) cannot have changed any of them. Runs on a thread of its own, which alone enters the
+/// namespace (`setns` of a network namespace affects only the calling thread) and then ends.
+pub fn set_up_private_netns(pid: u32, allow_ping: bool) -> Result<(), String> {
+    let path = format!("/proc/{pid}/ns/net");
+    let ns = File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
+    std::thread::Builder::new()
+        .name("crab-netns".into())
+        .spawn(move || -> Result<(), String> {
+            nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)
+                .map_err(|e| format!("setns({path}): {e}"))?;
+            set_loopback_up().map_err(|e| format!("bring up lo in {path}: {e}"))?;
+            if allow_ping {
+                profile::allow_ping();
+            }
+            Ok(())
+        })
+        .map_err(|e| format!("start the netns thread: {e}"))?
+        .join()
+        .map_err(|_| "the netns thread panicked".to_string())?
+}
+
 fn set_loopback_up() -> Result<(), String> {
     // SAFETY: plain socket(2) call; the fd is owned by `sock` right after.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };

@@ -245,9 +245,9 @@ fn checkpoint_policy_decides_what_each_turn_takes() {
     let msg = format!("{} {}", e["message"], e["hint"]);
     assert!(msg.contains("checkpoint_policy") && msg.contains("auto, full, fs or none"), "{msg}");
     assert!(!crab(&["sandbox", "inspect", &name]).status.success(), "no sandbox was created");
-    // The record keeps the policy: format 2, and a daemon reading it sees it.
+    // The record keeps the policy (since format 2), and a daemon reading it sees it.
     let rec = crab_common::paths::StateDir::new(common::state_dir()).sandbox_record(&sb.name);
     let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(&rec).unwrap()).unwrap();
-    assert_eq!(rec["format"], 2);
+    assert_eq!(rec["format"], crab_sandbox::runtime::RECORD_FORMAT);
     assert_eq!(rec["checkpoint_policy"], "auto");
 }

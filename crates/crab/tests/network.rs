@@ -4,7 +4,9 @@
 //! addresses, its gateway or another sandbox, still reaches the in-sandbox LLM endpoint; after a
 //! full checkpoint and an in-place restore it keeps its address and its network, a fork branch
 //! gets a network and an address of its own; `rm` leaves no host interface, route or (for the
-//! last `nat` sandbox) table behind; bad ranges are a 400 naming the problem.
+//! last `nat` sandbox) table behind; bad ranges are a 400 naming the problem. A `private`
+//! sandbox's namespace (created empty by CRIU at a restore or fork, set up by the daemon) holds
+//! what a fresh one does.
 //!
 //! Needs root, CRIU, iproute2, nftables and the default image.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -253,4 +255,42 @@ fn bad_nat_ranges_are_refused_with_400() {
         !state_dir().join("pool/sandboxes").join(&name).exists(),
         "a refused create left a sandbox"
     );
+}
+
+/// What a `private` sandbox's network namespace holds — only `lo`, up, with 127.0.0.1 and
+/// unprivileged ping allowed (`ping` itself is not in the image) — and a server on 127.0.0.1
+/// answering through it.
+fn private_net_state(sb: &Sandbox) -> String {
+    sb.sh_ok(
+        "ip -o link | awk '{print $2, $3}'; ip -o addr show dev lo | awk '{print $4}'; \
+         cat /proc/sys/net/ipv4/ping_group_range; \
+         python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8000/\").status)'",
+    )
+}
+
+/// A restore or fork of a `private` sandbox gets a fresh network namespace that CRIU creates
+/// empty and the daemon sets up (`empty_ns`), not a replay of the dumped one: it must hold the
+/// same as the original's, and the restored server must answer on it.
+#[test]
+fn private_network_after_restore_and_in_a_fork() {
+    // SAFETY: geteuid has no preconditions.
+    assert!(unsafe { libc::geteuid() } == 0, "needs root (CRAB_REQUIRE_PRIVILEGED)");
+    let a = Sandbox::new("t-pnet");
+    a.sh_ok("cd /tmp && setsid python3 -m http.server 8000 --bind 127.0.0.1 </dev/null >/dev/null 2>&1 &");
+    assert!(wait_until(10.0, || connects(&a, "127.0.0.1", 8000)), "server did not start");
+    let fresh = private_net_state(&a);
+    assert!(fresh.contains("lo: <LOOPBACK,UP,LOWER_UP>"), "{fresh}");
+    assert!(fresh.contains("127.0.0.1/8") && fresh.contains("0\t2147483647"), "{fresh}");
+    assert!(fresh.trim_end().ends_with("200"), "{fresh}");
+
+    crab_ok(&["checkpoint", &a.name, "--kind", "full"]);
+    a.sh_ok("pkill -f 'http[.]server'; true");
+    crab_ok(&["restore", &a.name]);
+    assert_eq!(private_net_state(&a), fresh, "after the restore");
+
+    let out = crab_ok(&["--json", "fork", &a.name, "--count", "1"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let branch = v[0]["sandbox"].as_str().expect("fork names its branch").to_string();
+    let b = Sandbox { name: branch };
+    assert_eq!(private_net_state(&b), fresh, "in the fork");
 }

@@ -100,37 +100,33 @@ def load(kind, side):
             with open(p) as f:
                 rs.append(json.load(f))
     return rs
+# (name, report kind, key path): the before figure and the after one read the same path; a row
+# with `twin` reads the after build's --privileged twin (`privileged.<path>`) instead.
 rows = [
-    ("sandbox create p50", "foundation", lambda j: j["create_ms"]["p50"]),
-    ("crab exec true p50", "foundation", lambda j: j["exec_true_ms"]["p50"]),
-    ("host true p50", "foundation", lambda j: j["host_true_ms"]["p50"]),
-    ("checkpoint fs p50", "lifecycle", lambda j: j["checkpoint_fs_ms"]["p50"]),
-    ("checkpoint full p50", "lifecycle", lambda j: j["checkpoint_full_ms"]["p50"]),
-    ("restore p50", "lifecycle", lambda j: j["restore_ms"]["p50"]),
-    ("fork of 2", "lifecycle", lambda j: j["fork_ms"]),
+    ("sandbox create p50", "foundation", ["create_ms", "p50"], False),
+    ("crab exec true p50", "foundation", ["exec_true_ms", "p50"], False),
+    ("host true p50", "foundation", ["host_true_ms", "p50"], False),
+    ("checkpoint fs p50", "lifecycle", ["checkpoint_fs_ms", "p50"], False),
+    ("checkpoint full p50", "lifecycle", ["checkpoint_full_ms", "p50"], False),
+    ("restore p50", "lifecycle", ["restore_ms", "p50"], False),
+    ("fork of 2", "lifecycle", ["fork_ms"], False),
+    ("sandbox create p50, after --privileged", "foundation", ["create_ms", "p50"], True),
+    ("crab exec true p50, after --privileged", "foundation", ["exec_true_ms", "p50"], True),
+    ("checkpoint fs p50, after --privileged", "lifecycle", ["checkpoint_fs_ms", "p50"], True),
+    ("checkpoint full p50, after --privileged", "lifecycle", ["checkpoint_full_ms", "p50"], True),
+    ("restore p50, after --privileged", "lifecycle", ["restore_ms", "p50"], True),
 ]
-priv = [
-    ("sandbox create p50, after --privileged", "foundation", lambda j: j["privileged"]["create_ms"]["p50"]),
-    ("crab exec true p50, after --privileged", "foundation", lambda j: j["privileged"]["exec_true_ms"]["p50"]),
-    ("checkpoint fs p50, after --privileged", "lifecycle", lambda j: j["privileged"]["checkpoint_fs_ms"]["p50"]),
-    ("checkpoint full p50, after --privileged", "lifecycle", lambda j: j["privileged"]["checkpoint_full_ms"]["p50"]),
-    ("restore p50, after --privileged", "lifecycle", lambda j: j["privileged"]["restore_ms"]["p50"]),
-]
+def get(j, path):
+    for k in path:
+        j = j.get(k) if isinstance(j, dict) else None
+    return j
 summary = {}
 print(f"{'measure (ms; median of the rounds)':40} {'before':>9} {'after':>9} {'after/before':>13}")
-for name, kind, get in rows:
-    b = [get(j) for j in load(kind, "before")]
-    a = [get(j) for j in load(kind, "after")]
+for name, kind, path, twin in rows:
+    b = [v for v in (get(j, path) for j in load(kind, "before")) if v is not None]
+    apath = ["privileged"] + path if twin else path
+    a = [v for v in (get(j, apath) for j in load(kind, "after")) if v is not None]
     if not b or not a:
-        continue
-    mb, ma = statistics.median(b), statistics.median(a)
-    summary[name] = {"before": b, "after": a, "ratio": ma / mb}
-    print(f"{name:40} {mb:9.2f} {ma:9.2f} {ma / mb:12.3f}x")
-# The after build's privileged twin against the same before figures.
-for (name, kind, get), (base, _, bget) in zip(priv, [rows[0], rows[1], rows[3], rows[4], rows[5]]):
-    a = [get(j) for j in load(kind, "after") if j.get("privileged")]
-    b = [bget(j) for j in load(kind, "before")]
-    if not a or not b:
         continue
     mb, ma = statistics.median(b), statistics.median(a)
     summary[name] = {"before": b, "after": a, "ratio": ma / mb}

@@ -8,6 +8,20 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// A Python HTTP server on 127.0.0.1:9000 whose every GET answers the next value of an
+/// in-memory counter: a process whose state only a process checkpoint keeps.
+pub const COUNTER_PY: &str = r#"
+import http.server, socketserver
+n = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global n
+        n += 1
+        self.send_response(200); self.end_headers(); self.wfile.write(str(n).encode())
+    def log_message(self, *a): pass
+socketserver.TCPServer(("127.0.0.1", 9000), H).serve_forever()
+"#;
+
 pub fn state_dir() -> PathBuf {
     PathBuf::from(std::env::var("CRAB_STATE_DIR").unwrap_or_else(|_| "/var/lib/crab".into()))
 }

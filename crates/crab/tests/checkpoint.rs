@@ -5,17 +5,7 @@ use crab_testkit::daemon as common;
 
 use common::{cgroup_parent, crab, crab_ok, wait_until, Sandbox};
 
-const COUNTER: &str = r#"
-import http.server, socketserver
-n = 0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        global n
-        n += 1
-        self.send_response(200); self.end_headers(); self.wfile.write(str(n).encode())
-    def log_message(self, *a): pass
-socketserver.TCPServer(("127.0.0.1", 9000), H).serve_forever()
-"#;
+use common::COUNTER_PY as COUNTER;
 
 fn start_counter(sb: &Sandbox) {
     let script = COUNTER.replace('\'', "'\\''");

@@ -23,17 +23,7 @@ while True:
     time.sleep(0.05)
 "#;
 
-const COUNTER: &str = r#"
-import http.server, socketserver
-n = 0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        global n
-        n += 1
-        self.send_response(200); self.end_headers(); self.wfile.write(str(n).encode())
-    def log_message(self, *a): pass
-socketserver.TCPServer(("127.0.0.1", 9000), H).serve_forever()
-"#;
+use common::COUNTER_PY as COUNTER;
 
 fn put(sb: &Sandbox, path: &str, text: &str) {
     let t = text.replace('\'', "'\\''");

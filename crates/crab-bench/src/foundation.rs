@@ -145,14 +145,9 @@ pub async fn run(
                     (false, false) => "o",
                 };
                 let req = SandboxCreateRequest {
-                    image: image.to_string(),
                     name: Some(format!("bench-create-{}-{tag}{i}", std::process::id())),
-                    net: Default::default(),
-                    nat_range: None,
-                    limits: Default::default(),
                     privileged,
-                    checkpoint_policy: None,
-                    harness: Default::default(),
+                    ..SandboxCreateRequest::new(image)
                 };
                 tokio::time::sleep(o.gap).await;
                 let t = Instant::now();

@@ -94,17 +94,13 @@ pub struct HarnessAgentReport {
 
 async fn create(client: &Client, image: &str, name: &str, harness: bool) -> Result<(), ApiError> {
     let req = SandboxCreateRequest {
-        image: image.to_string(),
         name: Some(name.to_string()),
-        net: Default::default(),
-        nat_range: None,
-        limits: Default::default(),
-        privileged: false,
         checkpoint_policy: Some("auto".into()),
         harness: HarnessSpec {
             cmd: if harness { vec![AGENT_HARNESS.into()] } else { Vec::new() },
             paths: Vec::new(),
         },
+        ..SandboxCreateRequest::new(image)
     };
     let _: SandboxInfo = client.call(hyper::Method::POST, "/v1/sandboxes", Some(&req)).await?;
     Ok(())

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crab_checkpoint::{CheckpointRequest, Checkpointer, Config};
-use crab_common::api::{ExecRequest, Limits, NetMode, SandboxCreateRequest};
+use crab_common::api::{ExecRequest, NetMode, SandboxCreateRequest};
 use crab_common::paths::StateDir;
 use crab_common::CheckpointKind;
 use crab_sandbox::{Runtime, RuntimeConfig};
@@ -150,14 +150,9 @@ fn concurrent_checkpoint_restore_fork_beside_another_process() {
     let names: Vec<String> = (0..SANDBOXES).map(|i| format!("{prefix}-{i}")).collect();
     for n in &names {
         rt.create(&SandboxCreateRequest {
-            image: "debian".into(),
             name: Some(n.clone()),
             net: NetMode::Private,
-            nat_range: None,
-            limits: Limits::default(),
-            privileged: false,
-            checkpoint_policy: None,
-            harness: Default::default(),
+            ..SandboxCreateRequest::new("debian")
         })
         .unwrap();
         let (code, out) = sh(&rt, n, TICKER);

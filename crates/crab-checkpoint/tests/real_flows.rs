@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crab_checkpoint::{CheckpointError, CheckpointRequest, Checkpointer, Config};
-use crab_common::api::{ExecRequest, Limits, NetMode, SandboxCreateRequest};
+use crab_common::api::{ExecRequest, NetMode, SandboxCreateRequest};
 use crab_common::paths::StateDir;
 use crab_common::{CheckpointKind, PointKind};
 use crab_sandbox::{Runtime, RuntimeConfig};
@@ -104,14 +104,10 @@ impl Sb {
         let ck = Arc::new(Checkpointer::new(rt.clone(), Config::default()));
         let name = format!("ckt-{}-{tag}", std::process::id());
         let req = SandboxCreateRequest {
-            image: "debian".into(),
             name: Some(name.clone()),
             net,
-            nat_range: None,
-            limits: Limits::default(),
             privileged,
-            checkpoint_policy: None,
-            harness: Default::default(),
+            ..SandboxCreateRequest::new("debian")
         };
         rt.create(&req).unwrap();
         Sb { rt, ck, name, extra: Vec::new(), _guard: guard }

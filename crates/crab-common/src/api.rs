@@ -181,6 +181,24 @@ pub struct SandboxCreateRequest {
     pub harness: HarnessSpec,
 }
 
+impl SandboxCreateRequest {
+    /// A request for a sandbox from `image` with every other field at its default (the name
+    /// generated, `private` network, no limits, the default profile and checkpoint policy, no
+    /// harness): callers set what they need with struct-update syntax.
+    pub fn new(image: impl Into<String>) -> Self {
+        SandboxCreateRequest {
+            image: image.into(),
+            name: None,
+            net: NetMode::default(),
+            nat_range: None,
+            limits: Limits::default(),
+            privileged: false,
+            checkpoint_policy: None,
+            harness: HarnessSpec::default(),
+        }
+    }
+}
+
 /// What a sandbox declares as its harness (an agent, a SWE-ReX server, a session shell running
 /// inside it): their running alone never calls for a process dump, and changes under `paths`
 /// do not count, while every dump still holds them (docs/architecture.md "Harness exclusion").

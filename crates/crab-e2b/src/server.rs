@@ -1188,14 +1188,9 @@ async fn create<B: Backend>(
         };
         e2b.backend
             .create(SandboxCreateRequest {
-                image,
                 name: Some(id.clone()),
                 net,
-                nat_range: None,
-                limits: Default::default(),
-                privileged: false,
-                checkpoint_policy: None,
-                harness: Default::default(),
+                ..SandboxCreateRequest::new(image)
             })
             .await?;
     }

@@ -57,11 +57,7 @@ pub async fn create_with(
     privileged: bool,
 ) -> Result<SandboxInfo, ApiError> {
     let req = SandboxCreateRequest {
-        image: image.to_string(),
         name: Some(name.to_string()),
-        net: Default::default(),
-        nat_range: None,
-        limits: Default::default(),
         privileged,
         checkpoint_policy: policy.map(str::to_string),
         // The persistent session's shell is the instrument's (see `agent`), declared when the
@@ -75,6 +71,7 @@ pub async fn create_with(
             },
             paths: Vec::new(),
         },
+        ..SandboxCreateRequest::new(image)
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
 }

@@ -376,7 +376,6 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
     }
     let _ = (a.tty, a.init);
     let req = SandboxCreateRequest {
-        image: a.image,
         name: a.name,
         net: net_mode(&a.network)?,
         limits: Limits {
@@ -386,9 +385,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
             ..Default::default()
         },
         privileged: a.privileged,
-        checkpoint_policy: None,
-        harness: Default::default(),
-        nat_range: None,
+        ..SandboxCreateRequest::new(a.image)
     };
     let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
     let name = s.name.clone();

@@ -218,21 +218,19 @@ def two_nodes(crab: str, state: str, base: Path, count: int, rounds: int) -> Dic
         Sandbox(name, da).kill()
         lose(a_state)
         res["lose_ms"] = (time.perf_counter() - t0) * 1e3
-        t0 = time.perf_counter()
-        back = Sandbox.from_remote(name, daemon=db)
-        res["recover_ms"] = (time.perf_counter() - t0) * 1e3
-        got = back.exec("cat /work/f; pgrep -c -x sleep").stdout.split()
-        assert got == ["base", "1"], got
-        back.kill()
+        def recover(daemon, key):
+            """Bring the lost sandbox back on `daemon` from its newest durable point, timed."""
+            t0 = time.perf_counter()
+            back = Sandbox.from_remote(name, daemon=daemon)
+            res[key] = (time.perf_counter() - t0) * 1e3
+            got = back.exec("cat /work/f; pgrep -c -x sleep").stdout.split()
+            assert got == ["base", "1"], got
+            back.kill()
+
+        recover(db, "recover_ms")
         # B had materialized the point for the forks: a warm recovery. A node that never saw
         # it (C, started now) has to fetch and materialize the whole tree: a cold one.
-        dc = start_daemon(crab, c_state, remote)
-        t0 = time.perf_counter()
-        cold = Sandbox.from_remote(name, daemon=dc)
-        res["recover_cold_ms"] = (time.perf_counter() - t0) * 1e3
-        got = cold.exec("cat /work/f; pgrep -c -x sleep").stdout.split()
-        assert got == ["base", "1"], got
-        cold.kill()
+        recover(start_daemon(crab, c_state, remote), "recover_cold_ms")
         print(f"after:  {busy()}")
         w, x = res["within_ms"], res["across_ms"]
         print(f"fork({count}) of a durable full point, per round ({rounds} rounds, alternating order):")

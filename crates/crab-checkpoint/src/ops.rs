@@ -229,18 +229,12 @@ fn set_up_fresh_netns(n: &crab_criu::Notify, fresh: bool) -> std::result::Result
 }
 
 fn set_hostname_of(pid: i32, name: &str) -> std::result::Result<(), String> {
-    let path = format!("/proc/{pid}/ns/uts");
-    let name = name.to_owned();
-    std::thread::scope(|s| {
-        s.spawn(move || -> std::result::Result<(), String> {
-            let f = std::fs::File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
-            nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWUTS)
-                .map_err(|e| format!("setns {path}: {e}"))?;
-            nix::unistd::sethostname(&name).map_err(|e| format!("sethostname {name}: {e}"))
-        })
-        .join()
-        .unwrap_or_else(|_| Err("hostname thread panicked".into()))
-    })
+    crab_sandbox::spawn::in_namespace_of(
+        pid as u32,
+        "uts",
+        nix::sched::CloneFlags::CLONE_NEWUTS,
+        || nix::unistd::sethostname(name).map_err(|e| format!("sethostname {name}: {e}")),
+    )
 }
 
 /// A frozen cgroup, thawed when dropped (errors then only logged) or by [`Freeze::thaw`].

@@ -746,16 +746,10 @@ impl<B: Backend> E2b<B> {
         };
         let req = ExecRequest {
             cmd: shell::follow(&p.dir, p.pid),
-            env: Vec::new(),
             workdir: Some("/".into()),
-            timeout_s: None,
-            stdin_b64: None,
-            stdin_session: None,
+            ..Default::default()
         };
-        let head = match self.backend.exec(sb.id.clone(), req).await {
-            Ok(rx) => read_header(rx).await,
-            Err(e) => Err(HeaderFail { code: None, stderr: String::new(), error: Some(e) }),
-        };
+        let head = exec_header(&*self.backend, sb.id.clone(), req).await;
         match head {
             Ok((h, rx, pending)) if h.running => {
                 tokio::spawn(pump(self.clone(), sb.clone(), p.clone(), rx, pending, gen));
@@ -934,6 +928,19 @@ struct HeaderFail {
     stderr: String,
     /// The exec's own failure.
     error: Option<ApiError>,
+}
+
+/// Run `req` in sandbox `id` and read its header line ([`read_header`]); a failure to start
+/// the exec is a [`HeaderFail`] with the exec's error.
+async fn exec_header<B: Backend>(
+    backend: &B,
+    id: String,
+    req: ExecRequest,
+) -> Result<(Header, mpsc::Receiver<ExecFrame>, Vec<ExecFrame>), HeaderFail> {
+    match backend.exec(id, req).await {
+        Ok(rx) => read_header(rx).await,
+        Err(e) => Err(HeaderFail { code: None, stderr: String::new(), error: Some(e) }),
+    }
 }
 
 /// Read the header line off `rx`; answers it, the stream, and the frames that came with it
@@ -1967,14 +1974,9 @@ async fn process_stream<B: Backend>(
             cmd: shell::launch(&dir, &gc, req.stdin == Some(true), cmd),
             env,
             workdir: Some(workdir),
-            timeout_s: None,
-            stdin_b64: None,
-            stdin_session: None,
+            ..Default::default()
         };
-        let head = match e2b.backend.exec(sb.id.clone(), req).await {
-            Ok(rx) => read_header(rx).await,
-            Err(e) => Err(HeaderFail { code: None, stderr: String::new(), error: Some(e) }),
-        };
+        let head = exec_header(&*e2b.backend, sb.id.clone(), req).await;
         let (h, rx, pending) = match head {
             Ok(x) => x,
             Err(f) => {

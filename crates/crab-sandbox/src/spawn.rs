@@ -226,29 +226,42 @@ pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
     }
 }
 
+/// Run `f` on a thread of its own that first enters `pid`'s namespace of kind `ns` (`net`,
+/// `uts`, ...: kinds `setns` allows a thread of a multi-threaded process to enter, and which
+/// affect only that thread), then ends. For the daemon's work inside a restored sandbox's
+/// namespaces, which must not leave any of its own threads there.
+pub fn in_namespace_of<T: Send>(
+    pid: u32,
+    ns: &str,
+    flag: CloneFlags,
+    f: impl FnOnce() -> Result<T, String> + Send,
+) -> Result<T, String> {
+    let path = format!("/proc/{pid}/ns/{ns}");
+    let file = File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                nix::sched::setns(&file, flag).map_err(|e| format!("setns({path}): {e}"))?;
+                f()
+            })
+            .join()
+            .unwrap_or_else(|_| Err(format!("the thread in {path} panicked")))
+    })
+}
+
 /// Give the network namespace of `pid` what a fresh `private` sandbox's has: `lo` up and (with
 /// `allow_ping`) unprivileged ICMP sockets. For a restore that lets CRIU create the namespace
 /// empty (`empty_ns`) instead of replaying the dumped links, addresses, routes, rules and
 /// iptables with eight `ip`/`iptables` runs: a sandbox without `CAP_NET_ADMIN` (the default
-/// profile) cannot have changed any of them. Runs on a thread of its own, which alone enters the
-/// namespace (`setns` of a network namespace affects only the calling thread) and then ends.
+/// profile) cannot have changed any of them.
 pub fn set_up_private_netns(pid: u32, allow_ping: bool) -> Result<(), String> {
-    let path = format!("/proc/{pid}/ns/net");
-    let ns = File::open(&path).map_err(|e| format!("open {path}: {e}"))?;
-    std::thread::Builder::new()
-        .name("crab-netns".into())
-        .spawn(move || -> Result<(), String> {
-            nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)
-                .map_err(|e| format!("setns({path}): {e}"))?;
-            set_loopback_up().map_err(|e| format!("bring up lo in {path}: {e}"))?;
-            if allow_ping {
-                profile::allow_ping();
-            }
-            Ok(())
-        })
-        .map_err(|e| format!("start the netns thread: {e}"))?
-        .join()
-        .map_err(|_| "the netns thread panicked".to_string())?
+    in_namespace_of(pid, "net", CloneFlags::CLONE_NEWNET, || {
+        set_loopback_up().map_err(|e| format!("bring up lo in the netns of {pid}: {e}"))?;
+        if allow_ping {
+            profile::allow_ping();
+        }
+        Ok(())
+    })
 }
 
 fn set_loopback_up() -> Result<(), String> {

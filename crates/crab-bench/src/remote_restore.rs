@@ -76,6 +76,9 @@ pub struct BackendReport {
     pub fork_ms: Summary,
     /// Its fetch + materialize part, ms.
     pub fork_fetch_ms: Summary,
+    /// `sandbox create --from-remote` broken down as the daemon reports it (`stages` of the
+    /// answer: load_point, preflight, materialize_*, fork, attach), ms, in the daemon's order.
+    pub create_stages_ms: Vec<(String, Summary)>,
 }
 
 /// Result of [`run`].
@@ -339,6 +342,7 @@ pub async fn run(
 struct ArmRun {
     total_ms: f64,
     fetch_ms: f64,
+    stages: Vec<(String, f64)>,
     patched: bool,
     hash_ms: f64,
 }
@@ -403,9 +407,32 @@ async fn remote_arm(
     Ok(ArmRun {
         total_ms,
         fetch_ms: out["fetch_ms"].as_f64().unwrap_or(f64::NAN),
+        stages: serde_json::from_value(out["stages"].clone()).unwrap_or_default(),
         patched: out["base_image"].is_string(),
         hash_ms,
     })
+}
+
+/// Per stage (in the order the daemon reports them), the summary over `runs`.
+fn stage_summaries(runs: &[ArmRun]) -> Vec<(String, Summary)> {
+    let mut names: Vec<String> = Vec::new();
+    for r in runs {
+        for (n, _) in &r.stages {
+            if !names.contains(n) {
+                names.push(n.clone());
+            }
+        }
+    }
+    names
+        .into_iter()
+        .map(|n| {
+            let v: Vec<f64> = runs
+                .iter()
+                .filter_map(|r| r.stages.iter().find(|(m, _)| *m == n).map(|(_, ms)| *ms))
+                .collect();
+            (n, Summary::of(&v))
+        })
+        .collect()
 }
 
 fn ratio(a: &Summary, b: &Summary) -> f64 {
@@ -555,6 +582,7 @@ async fn measure(
                 create_fetch_ms: col(c, |r| r.fetch_ms),
                 fork_ms: col(f, |r| r.total_ms),
                 fork_fetch_ms: col(f, |r| r.fetch_ms),
+                create_stages_ms: stage_summaries(c),
             }
         })
         .collect();

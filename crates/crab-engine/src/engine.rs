@@ -28,6 +28,7 @@ use crab_common::CheckpointKind;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use crate::background::{BackgroundPermit, Lane};
 use crate::job::{
     Changeset, ErasedExecutor, ExecError, Executor, Finished, Job, JobError, JobId, JobOp, JobSpec,
 };
@@ -119,6 +120,15 @@ pub struct EngineStats {
     pub running: usize,
     /// Process dumps running.
     pub running_dumps: usize,
+    /// Background work (exports) holding the engine's background lane.
+    #[serde(default)]
+    pub background_running: usize,
+    /// Background work waiting for the lane (behind urgent work or a dump).
+    #[serde(default)]
+    pub background_waiting: usize,
+    /// Times background work paused for urgent work that arrived while it ran.
+    #[serde(default)]
+    pub background_yields: u64,
     /// Per sandbox: aggregates plus what it has queued and running now.
     pub sandboxes: Vec<SandboxView>,
 }
@@ -160,6 +170,7 @@ struct Shared<P> {
     exec: Arc<dyn ErasedExecutor<P>>,
     rt: tokio::runtime::Handle,
     state: Mutex<State<P>>,
+    lane: Arc<Lane>,
 }
 
 struct Queued<P> {
@@ -331,12 +342,22 @@ impl<P: Changeset> Engine<P> {
             wake_pending: false,
             metrics: Metrics::default(),
         };
-        Ok(Engine { shared: Arc::new(Shared { cfg, exec, rt, state: Mutex::new(state) }) })
+        Ok(Engine {
+            shared: Arc::new(Shared { cfg, exec, rt, state: Mutex::new(state), lane: Lane::new() }),
+        })
     }
 
     /// The engine's limits.
     pub fn config(&self) -> &EngineConfig {
         &self.shared.cfg
+    }
+
+    /// Wait for the background lane: normal-priority host work that is not a sandbox's job
+    /// (an export to the durable tier). It is granted to one task at a time, once no urgent
+    /// job is queued or running and no process dump runs; the work then calls
+    /// [`BackgroundPermit::yield_to_urgent`] between its steps. `what` is for the logs.
+    pub async fn background(&self, what: &str) -> BackgroundPermit {
+        self.shared.lane.acquire(what).await
     }
 
     /// Queue a job. If the sandbox already has a queued job that has not started, the two merge
@@ -456,11 +477,15 @@ impl<P: Changeset> Engine<P> {
             })
             .collect();
         sandboxes.sort_by(|a, b| a.sandbox.cmp(&b.sandbox));
+        let lane = self.shared.lane.stats();
         EngineStats {
             queued_normal: st.normal.len(),
             queued_urgent: st.urgent.len(),
             running: st.running.len(),
             running_dumps: st.dumps,
+            background_running: lane.running,
+            background_waiting: lane.waiting,
+            background_yields: lane.yields,
             sandboxes,
         }
     }
@@ -484,6 +509,24 @@ impl<P: Changeset> Engine<P> {
         );
         gauge(&mut out, "crab_engine_running", "Jobs running.", st.running.len() as u64);
         gauge(&mut out, "crab_engine_running_dumps", "Process dumps running.", st.dumps as u64);
+        let lane = self.shared.lane.stats();
+        gauge(
+            &mut out,
+            "crab_engine_background_running",
+            "Background work (exports) holding the background lane.",
+            lane.running as u64,
+        );
+        gauge(
+            &mut out,
+            "crab_engine_background_waiting",
+            "Background work waiting behind urgent work or a dump.",
+            lane.waiting as u64,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP crab_engine_background_yields_total Pauses of background work for urgent work.\n# TYPE crab_engine_background_yields_total counter\ncrab_engine_background_yields_total {}\n# HELP crab_engine_background_granted_total Background lane grants.\n# TYPE crab_engine_background_granted_total counter\ncrab_engine_background_granted_total {}",
+            lane.yields, lane.granted
+        );
         if let Some(b) = &st.bucket {
             let _ = writeln!(
                 out,
@@ -540,6 +583,8 @@ fn pump<P: Changeset>(shared: &Arc<Shared<P>>) {
             Pick::Idle => break,
         }
     }
+    let busy = !st.urgent.is_empty() || st.dumps > 0 || st.running.values().any(|r| r.urgent);
+    shared.lane.publish(busy);
 }
 
 fn start<P: Changeset>(shared: &Arc<Shared<P>>, st: &mut State<P>, id: JobId) {

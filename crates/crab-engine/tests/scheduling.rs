@@ -385,3 +385,64 @@ async fn restores_keep_per_sandbox_order_and_never_coalesce() {
     assert_eq!(done.op, crab_engine::JobOp::Restore);
     assert!(eng.metrics_text().contains("crab_engine_restores_total 1"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_work_waits_behind_urgent_work_and_yields_to_it() {
+    let fake = Fake::with(Duration::ZERO, 0);
+    let eng = Engine::new(EngineConfig::default(), fake.clone()).unwrap();
+    // Nothing urgent: granted at once.
+    let p = tokio::time::timeout(Duration::from_secs(2), eng.background("export 1"))
+        .await
+        .expect("an idle engine grants the lane");
+    assert!(!p.should_yield());
+    assert!(!p.yield_to_urgent().await);
+    assert_eq!(eng.stats().background_running, 1);
+    // One task at a time: a second request waits for the first permit.
+    let second = {
+        let eng = eng.clone();
+        tokio::spawn(async move { eng.background("export 2").await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!second.is_finished(), "the lane holds one task at a time");
+    assert_eq!(eng.stats().background_waiting, 1);
+    drop(p);
+    let p2 = tokio::time::timeout(Duration::from_secs(2), second)
+        .await
+        .expect("the lane is free again")
+        .unwrap();
+    // An urgent job running (the blocker, submitted urgent): the holder is told to yield and
+    // waits until it is done.
+    let mut urgent = spec("blocker", CheckpointKind::Fs, 1);
+    urgent.urgent = true;
+    let b = eng.submit(urgent);
+    fake.wait_started(1);
+    assert!(p2.should_yield());
+    let yielding = tokio::spawn(async move {
+        let waited = p2.yield_to_urgent().await;
+        (waited, p2)
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!yielding.is_finished(), "background work paused while urgent work runs");
+    // A new request is not granted while the urgent job runs either.
+    let third = {
+        let eng = eng.clone();
+        tokio::spawn(async move { eng.background("export 3").await })
+    };
+    fake.release();
+    wait_all(&[b]).await;
+    let (waited, p2) = tokio::time::timeout(Duration::from_secs(2), yielding)
+        .await
+        .expect("resumed after the urgent job")
+        .unwrap();
+    assert!(waited);
+    assert!(eng.stats().background_yields >= 1);
+    drop(p2);
+    let _p3 = tokio::time::timeout(Duration::from_secs(2), third)
+        .await
+        .expect("granted once the urgent job is done")
+        .unwrap();
+    assert!(eng.metrics_text().contains("crab_engine_background_yields_total 1"));
+    // A normal (not urgent) fs job does not hold background work up.
+    let n = eng.submit(spec("s1", CheckpointKind::Fs, 1));
+    wait_all(&[n]).await;
+}

@@ -359,8 +359,8 @@ impl Host {
         &self.checkpointer
     }
 
-    pub(crate) fn engine_stats(&self) -> crab_engine::EngineStats {
-        self.engine.stats()
+    pub(crate) fn engine(&self) -> &Engine<Payload> {
+        &self.engine
     }
 
     /// The remote tier, or the error a host without one answers.
@@ -938,14 +938,14 @@ impl Host {
         };
         crab_common::names::validate("sandbox", &sb)?;
         let t0 = std::time::Instant::now();
+        let mut clock = StageClock { at: t0, stages: Vec::new() };
         let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
+        clock.mark("load_point");
         if !req.fs_only {
-            let criu = crab_criu::Criu::locate()
-                .ok()
-                .and_then(|c| c.version().ok())
-                .map(|v| v.to_string());
+            let criu = blocking(|| Ok(criu_version())).await?;
             crab_remote::preflight(&rec, &crab_remote::HostFacts::local(), criu.as_deref())
                 .map_err(remote_error)?;
+            clock.mark("preflight");
         }
         let store = self.checkpointer.store(&sb)?;
         let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
@@ -957,6 +957,10 @@ impl Host {
         .await
         .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
         .map_err(remote_error)?;
+        clock.at = std::time::Instant::now();
+        for (stage, ms) in &mat.stages {
+            clock.stages.push((format!("materialize_{stage}"), *ms));
+        }
         let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
         let h = self.clone();
         let (sb2, pid, count, names) =
@@ -969,6 +973,7 @@ impl Host {
             Ok(b)
         })
         .await?;
+        clock.mark("fork");
         for b in &branches {
             if let (Some(log), Some(off)) = (&mat.conversation, mat.manifest.conversation_offset) {
                 let path = self.state().sandbox_dir(&b.sandbox).join("conversation.log");
@@ -985,6 +990,7 @@ impl Host {
             }
             self.open_sandbox_proxy(&b.sandbox).await;
         }
+        clock.mark("attach");
         Ok(Outcome::FromRemote(Box::new(FromRemoteReport {
             source: format!("{}@{}", rec.sandbox, rec.point),
             downloaded: mat.fetched,
@@ -992,6 +998,7 @@ impl Host {
             fetch_ms,
             total_ms: t0.elapsed().as_secs_f64() * 1e3,
             fs_only: req.fs_only,
+            stages: clock.stages,
             branches,
         })))
     }
@@ -1121,6 +1128,31 @@ impl Host {
             server.shutdown().await;
         }
     }
+}
+
+/// Consecutive stage times of one action, for its report.
+struct StageClock {
+    at: std::time::Instant,
+    stages: Vec<(String, f64)>,
+}
+
+impl StageClock {
+    fn mark(&mut self, stage: &str) {
+        let now = std::time::Instant::now();
+        self.stages.push((stage.to_string(), now.duration_since(self.at).as_secs_f64() * 1e3));
+        self.at = now;
+    }
+}
+
+/// The installed CRIU's version, asked once (a CRIU session costs milliseconds; the preflight
+/// of every restore from the remote needs it). `None` when CRIU does not answer.
+fn criu_version() -> Option<String> {
+    static VERSION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    VERSION
+        .get_or_init(|| {
+            crab_criu::Criu::locate().ok().and_then(|c| c.version().ok()).map(|v| v.to_string())
+        })
+        .clone()
 }
 
 /// Whether CRIU is installed and answers (asked once, on the first [`Action::Version`]).

@@ -7,8 +7,9 @@
 //! per image), so a point made on an identical image is restored by patching a snapshot of
 //! the local image with what differs instead of downloading the whole tree.
 //!
-//! The exporter runs one export at a time, oldest point first, and yields while the engine has
-//! urgent turn work queued or a dump running (exports are normal-priority work). A failed
+//! The exporter runs one export at a time, oldest point first, in the engine's background lane
+//! (`Engine::background`): it starts only while no urgent turn work is queued or running and no
+//! dump runs, and pauses between files and packs while such work appears. A failed
 //! export (remote down, full, locked by a prune) is retried with exponential backoff up to a
 //! minute; a point is reported durable only after its record is in the remote, which is written
 //! after everything it references. A restarted host asks the remote which points it holds.
@@ -95,6 +96,10 @@ pub struct FromRemoteReport {
     pub total_ms: f64,
     /// Files and conversation only.
     pub fs_only: bool,
+    /// Where the time went: (stage, ms) in order — `load_point`, `preflight`, the
+    /// materialization's own stages (`materialize_index`, `…_manifest`, `…_fs`, `…_procs`,
+    /// `…_verify`, `…_conversation`), `fork` and `attach`.
+    pub stages: Vec<(String, f64)>,
     /// The new sandboxes.
     pub branches: Vec<ForkBranch>,
 }
@@ -121,6 +126,20 @@ pub struct RemoteTier {
     states: Mutex<HashMap<PointKey, (PointState, Option<Instant>)>>,
     wake: tokio::sync::Notify,
     changed: tokio::sync::watch::Sender<u64>,
+}
+
+/// The engine's background lane as the pause of an export.
+#[derive(Debug)]
+struct LanePause(crab_engine::BackgroundPermit);
+
+impl crab_remote::Pause for LanePause {
+    fn pause(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            if self.0.yield_to_urgent().await {
+                tracing::debug!("export resumed after urgent work");
+            }
+        })
+    }
 }
 
 /// Hash every local image whose tree id is not known yet (see
@@ -248,12 +267,12 @@ impl RemoteTier {
         }
         loop {
             let Some(h) = host.upgrade() else { return };
-            let stats = h.engine_stats();
-            if stats.queued_urgent > 0 || stats.running_dumps > 0 {
-                drop(h);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
+            let engine = h.engine().clone();
+            drop(h);
+            // Exports are the engine's background work: granted once no urgent job is queued
+            // or running and no dump runs, paused between steps while one is.
+            let permit = engine.background("export").await;
+            let Some(h) = host.upgrade() else { return };
             let this = self.clone();
             let h2 = h.clone();
             let next = tokio::task::spawn_blocking(move || this.next(&h2)).await.ok().flatten();
@@ -267,6 +286,7 @@ impl RemoteTier {
                     handle.block_on(hash_images(&repo, &state));
                 })
                 .await;
+                drop(permit);
                 tokio::select! {
                     _ = self.wake.notified() => {}
                     _ = tokio::time::sleep(Duration::from_secs(2)) => {}
@@ -284,11 +304,12 @@ impl RemoteTier {
             let repo = self.repo.clone();
             let handle = tokio::runtime::Handle::current();
             let res = match src {
-                Ok(src) => {
-                    tokio::task::spawn_blocking(move || handle.block_on(repo.export_point(&src)))
-                        .await
-                        .unwrap_or_else(|e| Err(RemoteError::Key(format!("export task died: {e}"))))
-                }
+                Ok(src) => tokio::task::spawn_blocking(move || {
+                    let pause = LanePause(permit);
+                    handle.block_on(repo.export_point_with(&src, Some(&pause)))
+                })
+                .await
+                .unwrap_or_else(|e| Err(RemoteError::Key(format!("export task died: {e}")))),
                 Err(e) => Err(e),
             };
             match res {

@@ -6,7 +6,7 @@
 //! The format is versioned and specified in `docs/format.md` ("Remote repository").
 //!
 //! The API is narrow: [`Repo::open`], [`Repo::export_point`], [`Repo::list_points`],
-//! [`Repo::load_point`], [`Repo::import_point`], [`Repo::check`], [`Repo::prune`], and
+//! [`Repo::load_point`], [`Repo::import_point`] ([`Repo::export_point_with`] pauses through a [`Pause`] for more urgent work), [`Repo::check`], [`Repo::prune`], and
 //! [`preflight`] before restoring processes elsewhere.
 
 pub mod crypto;
@@ -27,4 +27,4 @@ pub use host::preflight;
 pub use id::Id;
 pub use maint::{CheckReport, PruneReport};
 pub use point::{ExportReport, ExportSource, ImportTarget, Imported};
-pub use repo::{Repo, RepoOptions};
+pub use repo::{Pause, Repo, RepoOptions};

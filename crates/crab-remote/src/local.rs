@@ -48,6 +48,8 @@ pub fn export_source(state: &StateDir, store: &Store, m: &Manifest) -> Result<Ex
         criu_version: m.procs.as_ref().map(|p| p.criu_version.clone()),
         conversation,
         image,
+        // Published parts: a read-only snapshot and an image directory nothing writes again.
+        immutable_parts: true,
     })
 }
 
@@ -65,6 +67,27 @@ pub struct Materialized {
     pub base_image: Option<String>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
+    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `fs`, `procs`,
+    /// `verify`, `conversation`).
+    pub stages: Vec<(&'static str, f64)>,
+}
+
+/// Stage timer of [`materialize`].
+struct Stages {
+    at: std::time::Instant,
+    done: Vec<(&'static str, f64)>,
+}
+
+impl Stages {
+    fn new() -> Self {
+        Stages { at: std::time::Instant::now(), done: Vec::new() }
+    }
+
+    fn mark(&mut self, stage: &'static str) {
+        let now = std::time::Instant::now();
+        self.done.push((stage, now.duration_since(self.at).as_secs_f64() * 1e3));
+        self.at = now;
+    }
 }
 
 fn remove_any(path: &Path) {
@@ -80,6 +103,18 @@ fn remove_any(path: &Path) {
 /// `rec.sandbox`), downloading only what is missing. With `fs_only` the process images are
 /// left out and the local manifest records none (a fork then starts a fresh init).
 pub async fn materialize(
+    repo: &Repo,
+    state: &StateDir,
+    store: &Store,
+    rec: &PointRecord,
+    fs_only: bool,
+) -> Result<Materialized> {
+    let res = materialize_inner(repo, state, store, rec, fs_only).await;
+    repo.drop_prefetched();
+    res
+}
+
+async fn materialize_inner(
     repo: &Repo,
     state: &StateDir,
     store: &Store,
@@ -112,10 +147,13 @@ pub async fn materialize(
                 fetched: false,
                 base_image: None,
                 elapsed_ms: t0.elapsed().as_millis() as u64,
+                stages: Vec::new(),
             });
         }
     }
+    let mut stages = Stages::new();
     repo.refresh_index().await?;
+    stages.mark("index");
     let what = format!("point {}@{}", rec.sandbox, rec.point);
     let bytes = repo.read_content(&rec.manifest, &format!("{what} manifest")).await?;
     let mut m = crab_checkpoint::manifest::decode(&bytes, &mpath).map_err(|e| {
@@ -124,6 +162,7 @@ pub async fn materialize(
             e.to_string(),
         )
     })?;
+    stages.mark("manifest");
     let mut base_image = None;
     if let (Some(fs), Some(tree)) = (&m.fs, &rec.fs) {
         let dst = store.fs_path(fs.id);
@@ -161,6 +200,7 @@ pub async fn materialize(
             base_image = base.and(rec.image.as_ref().map(|i| i.name.clone()));
         }
     }
+    stages.mark("fs");
     if fs_only {
         m.procs = None;
     } else if let (Some(p), Some(tree)) = (&m.procs, &rec.procs) {
@@ -177,6 +217,7 @@ pub async fn materialize(
             std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
         }
     }
+    stages.mark("procs");
     let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
     crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {
         op: "write manifest",
@@ -187,16 +228,19 @@ pub async fn materialize(
     store
         .verify(&m)
         .map_err(|e| RemoteError::corrupt(format!("{what} (as materialized)"), e.to_string()))?;
+    stages.mark("verify");
     let conversation = match &rec.conversation {
         Some(c) => Some(repo.read_content(c, &format!("{what} conversation")).await?),
         None => None,
     };
+    stages.mark("conversation");
     Ok(Materialized {
         manifest: m,
         conversation,
         fetched: true,
         base_image,
         elapsed_ms: t0.elapsed().as_millis() as u64,
+        stages: stages.done,
     })
 }
 

@@ -8,7 +8,7 @@ use object_store::PutMode;
 use crate::error::{RemoteError, Result};
 use crate::format::{HostFacts, ImageRecord, ImageRef, PointRecord};
 use crate::id::Id;
-use crate::repo::{now_ms, Packer, Repo};
+use crate::repo::{now_ms, Packer, Pause, Repo};
 use crate::tree::TreeStats;
 
 /// What to export: a local restore point, described without reference to the local store's
@@ -37,6 +37,10 @@ pub struct ExportSource {
     pub conversation: Option<Vec<u8>>,
     /// The image the sandbox came from: name and root directory.
     pub image: Option<(String, PathBuf)>,
+    /// `fs_dir` and `procs_dir` never change (a read-only snapshot, a published CRIU image
+    /// directory): a part exported before, by path and root ctime, is not walked again.
+    /// False for a directory that may change below its root.
+    pub immutable_parts: bool,
 }
 
 /// What an export did.
@@ -54,6 +58,9 @@ pub struct ExportReport {
     pub packs: u64,
     /// Bytes read from local files.
     pub read_bytes: u64,
+    /// Directory entries walked (0 when every part was known from an earlier export).
+    #[serde(default)]
+    pub walked_entries: u64,
     /// Wall time, ms.
     pub elapsed_ms: u64,
 }
@@ -89,29 +96,46 @@ impl Repo {
     /// File IO is blocking: run this on a blocking-capable thread (`spawn_blocking` +
     /// `Handle::block_on`) in a latency-sensitive runtime.
     pub async fn export_point(&self, src: &ExportSource) -> Result<ExportReport> {
+        self.export_point_with(src, None).await
+    }
+
+    /// [`Repo::export_point`], pausing through `pause` between its steps (before each file
+    /// it reads and each pack it uploads).
+    pub async fn export_point_with(
+        &self,
+        src: &ExportSource,
+        pause: Option<&dyn Pause>,
+    ) -> Result<ExportReport> {
         let guard = self.lock(false).await?;
-        let res = self.export_locked(src).await;
+        let res = self.export_locked(src, pause).await;
         self.unlock(guard).await;
         res
     }
 
-    async fn export_locked(&self, src: &ExportSource) -> Result<ExportReport> {
+    async fn export_locked(
+        &self,
+        src: &ExportSource,
+        pause: Option<&dyn Pause>,
+    ) -> Result<ExportReport> {
         let t0 = std::time::Instant::now();
         self.refresh_index().await?;
-        let mut packer = Packer::new(self);
+        let mut packer = Packer::with_pause(self, pause);
         let mut stats = TreeStats::default();
         let image = match &src.image {
             Some((name, dir)) => Some(self.export_image(&mut packer, name, dir, &mut stats).await?),
             None => None,
         };
-        let fs = match &src.fs_dir {
-            Some(d) => Some(self.export_tree(&mut packer, d, &mut stats).await?),
-            None => None,
-        };
-        let procs = match &src.procs_dir {
-            Some(d) => Some(self.export_tree(&mut packer, d, &mut stats).await?),
-            None => None,
-        };
+        let mut parts = Vec::new();
+        for dir in [&src.fs_dir, &src.procs_dir] {
+            parts.push(match dir {
+                Some(d) if src.immutable_parts => {
+                    Some(self.export_part(&mut packer, d, &mut stats).await?)
+                }
+                Some(d) => Some(self.export_tree(&mut packer, d, &mut stats).await?),
+                None => None,
+            });
+        }
+        let (fs, procs) = (parts[0], parts[1]);
         let conversation = match &src.conversation {
             Some(c) => Some(self.export_bytes(&mut packer, c).await?),
             None => None,
@@ -152,6 +176,7 @@ impl Repo {
             dedup_blobs,
             packs,
             read_bytes: stats.read_bytes,
+            walked_entries: stats.entries,
             elapsed_ms: t0.elapsed().as_millis() as u64,
         };
         tracing::info!(
@@ -174,20 +199,45 @@ impl Repo {
         dir: &Path,
         stats: &mut TreeStats,
     ) -> Result<ImageRef> {
-        let m = std::fs::metadata(dir).map_err(RemoteError::io("stat image", dir))?;
-        let key = (dir.to_path_buf(), m.ctime() * 1_000_000_000 + m.ctime_nsec());
-        let cached = self.image_cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied();
-        if let Some(tree) = cached {
-            if packer.has(&tree) {
-                return Ok(ImageRef { name: name.into(), tree });
-            }
-        }
         // The image's files count once, as the image, not as part of every point.
         let mut own = TreeStats::default();
-        let tree = self.export_tree(packer, dir, &mut own).await?;
+        let tree = self.export_part(packer, dir, &mut own).await?;
         stats.read_bytes += own.read_bytes;
-        self.image_cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, tree);
+        stats.entries += own.entries;
         Ok(ImageRef { name: name.into(), tree })
+    }
+
+    /// Export an immutable part (an image root, a read-only filesystem snapshot, a published
+    /// CRIU image directory). A part exported before, by path and root ctime, whose root tree
+    /// the repository still holds is not walked again: a skip point, which shares its parts
+    /// with the point before it, costs its manifest and record only. (Blobs a stored tree
+    /// references are kept with it by `prune`, which removes only unreferenced blobs.)
+    async fn export_part(
+        &self,
+        packer: &mut Packer<'_>,
+        dir: &Path,
+        stats: &mut TreeStats,
+    ) -> Result<Id> {
+        let m = std::fs::metadata(dir).map_err(RemoteError::io("stat", dir))?;
+        let key = (dir.to_path_buf(), m.ctime() * 1_000_000_000 + m.ctime_nsec());
+        let cached = self.part_cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied();
+        if let Some((tree, logical)) = cached {
+            if packer.has(&tree) {
+                packer.dedup_blobs += 1;
+                stats.logical_bytes += logical;
+                return Ok(tree);
+            }
+        }
+        let mut own = TreeStats::default();
+        let tree = self.export_tree(packer, dir, &mut own).await?;
+        stats.entries += own.entries;
+        stats.logical_bytes += own.logical_bytes;
+        stats.read_bytes += own.read_bytes;
+        self.part_cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, (tree, own.logical_bytes));
+        Ok(tree)
     }
 
     /// Images exported to the remote: (name, root tree), oldest first.

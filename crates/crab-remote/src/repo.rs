@@ -87,9 +87,26 @@ pub struct Repo {
     bandwidth_bps: Option<u64>,
     throttle_next: Mutex<Option<Instant>>,
     index: Mutex<IndexState>,
+    /// Chunk lists of files exported before, by path, inode, size, mtime and ctime.
     pub(crate) file_cache: Mutex<HashMap<crate::tree::FileKey, crate::format::Content>>,
-    pub(crate) image_cache: Mutex<HashMap<(PathBuf, i64), Id>>,
+    /// Root trees of immutable parts exported before (see `Repo::export_part`), by path and
+    /// root ctime, with their logical size.
+    pub(crate) part_cache: Mutex<HashMap<(PathBuf, i64), (Id, u64)>>,
+    /// Blobs [`Repo::prefetch`] just downloaded, decoded and verified, held for the read that
+    /// asked for them so it neither reads them back from the cache nor decodes them twice.
+    hot: Mutex<HotBlobs>,
 }
+
+/// Plaintext of prefetched blobs; each is taken by its first read, at most [`HOT_MAX`]
+/// bytes are held, and [`Repo::drop_prefetched`] forgets what no read took.
+#[derive(Debug, Default)]
+struct HotBlobs {
+    bytes: usize,
+    blobs: HashMap<Id, Vec<u8>>,
+}
+
+/// Bytes of decoded blobs held between a prefetch and the reads it serves.
+const HOT_MAX: usize = 256 << 20;
 
 fn open_store(url: &str) -> Result<(Arc<dyn ObjectStore>, String)> {
     let bad =
@@ -160,7 +177,8 @@ impl Repo {
             throttle_next: Mutex::new(None),
             index: Mutex::new(IndexState::default()),
             file_cache: Mutex::new(HashMap::new()),
-            image_cache: Mutex::new(HashMap::new()),
+            part_cache: Mutex::new(HashMap::new()),
+            hot: Mutex::new(HotBlobs::default()),
         };
         let config = match repo.read_config().await? {
             Some(c) => c,
@@ -417,20 +435,26 @@ impl Repo {
     pub(crate) async fn refresh_index(&self) -> Result<()> {
         let names: Vec<String> = self.list("index").await?.into_iter().map(|(n, _)| n).collect();
         let known: HashSet<String> = lock(&self.index).files.keys().cloned().collect();
-        let mut new = Vec::new();
-        for name in names.iter().filter(|n| !known.contains(*n)) {
-            let bytes = self.get(name, "index").await?;
-            let file: IndexFile = self.open_meta("index", &bytes, name)?;
+        let wanted: Vec<String> = names.iter().filter(|n| !known.contains(*n)).cloned().collect();
+        let mut fetches = futures::stream::iter(wanted.into_iter().map(|name| async move {
+            let bytes = self.get(&name, "index").await?;
+            let file: IndexFile = self.open_meta("index", &bytes, &name)?;
             for e in &file.blobs {
                 if e.length > MAX_BLOB * 2 || e.raw_length > MAX_BLOB {
                     return Err(RemoteError::corrupt(
-                        self.object_name(name),
+                        self.object_name(&name),
                         format!("blob {} is too large", e.id),
                     ));
                 }
             }
-            new.push((name.clone(), file.blobs));
+            Ok((name, file.blobs))
+        }))
+        .buffer_unordered(PREFETCH_PARALLEL);
+        let mut new = Vec::new();
+        while let Some(r) = fetches.next().await {
+            new.push(r?);
         }
+        drop(fetches);
         let live: HashSet<&String> = names.iter().collect();
         let mut st = lock(&self.index);
         st.files.retain(|n, _| live.contains(n));
@@ -490,6 +514,9 @@ impl Repo {
 
     /// Blob `id`, from the local cache or its pack. `what` says who needs it (for errors).
     pub(crate) async fn blob(&self, id: &Id, what: &str) -> Result<Vec<u8>> {
+        if let Some(plain) = self.take_hot(id) {
+            return Ok(plain);
+        }
         let e = match self.lookup(id) {
             Some(e) => e,
             None => {
@@ -580,9 +607,11 @@ impl Repo {
                 for e in entries {
                     let s = (e.offset - start) as usize;
                     let stored = &bytes[s..s + e.length as usize];
-                    // Decode here so a corrupt pack is reported now, naming it.
-                    self.decode_blob(&e, stored, &self.object_name(&rel))?;
+                    // Decode here so a corrupt pack is reported now, naming it; the read
+                    // that asked for it takes the plaintext from memory.
+                    let plain = self.decode_blob(&e, stored, &self.object_name(&rel))?;
                     self.cache_put(&e.id, stored);
+                    self.put_hot(e.id, plain);
                 }
                 Ok::<(), RemoteError>(())
             }))
@@ -591,6 +620,26 @@ impl Repo {
             r?;
         }
         Ok(())
+    }
+
+    fn put_hot(&self, id: Id, plain: Vec<u8>) {
+        let mut hot = lock(&self.hot);
+        if hot.bytes + plain.len() <= HOT_MAX && !hot.blobs.contains_key(&id) {
+            hot.bytes += plain.len();
+            hot.blobs.insert(id, plain);
+        }
+    }
+
+    fn take_hot(&self, id: &Id) -> Option<Vec<u8>> {
+        let mut hot = lock(&self.hot);
+        let plain = hot.blobs.remove(id)?;
+        hot.bytes -= plain.len();
+        Some(plain)
+    }
+
+    /// Forget prefetched blobs no read took (they stay in the on-disk cache).
+    pub fn drop_prefetched(&self) {
+        *lock(&self.hot) = HotBlobs::default();
     }
 
     // ---- locks ----
@@ -734,6 +783,16 @@ pub(crate) struct Packer<'a> {
     pub packs: u64,
     /// Compute ids only: store nothing (the tree id of a local directory).
     dry: bool,
+    /// Asked between steps of an export whether to pause for more urgent work.
+    pause: Option<&'a dyn Pause>,
+}
+
+/// Lets the owner of an export pause it between its steps (before a file is read, before a
+/// pack is uploaded) for more urgent work; crab-host implements it over the engine's
+/// background lane, so an export never holds up a turn.
+pub trait Pause: Send + Sync + std::fmt::Debug {
+    /// Returns when the export may go on.
+    fn pause(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>;
 }
 
 impl<'a> Packer<'a> {
@@ -749,6 +808,19 @@ impl<'a> Packer<'a> {
             dedup_blobs: 0,
             packs: 0,
             dry: false,
+            pause: None,
+        }
+    }
+
+    /// A packer whose export pauses through `pause` between steps.
+    pub fn with_pause(repo: &'a Repo, pause: Option<&'a dyn Pause>) -> Packer<'a> {
+        Packer { pause, ..Packer::new(repo) }
+    }
+
+    /// Pause here if the export's owner asks to (between steps only).
+    pub async fn pause_point(&self) {
+        if let Some(p) = self.pause {
+            p.pause().await;
         }
     }
 
@@ -809,6 +881,7 @@ impl<'a> Packer<'a> {
         if self.open.is_empty() {
             return Ok(());
         }
+        self.pause_point().await;
         let buf = std::mem::take(&mut self.buf);
         let pack = Id::of(&buf);
         let n = buf.len() as u64;

@@ -378,6 +378,7 @@ impl Repo {
                 return Ok(c);
             }
         }
+        packer.pause_point().await;
         let content = self.export_reader(packer, abs, stats).await?;
         if content.size != m.len() {
             tracing::debug!(path = %abs.display(), "file changed while it was exported");

@@ -106,6 +106,7 @@ impl Fixture {
             criu_version: Some("4.2.1".into()),
             conversation: Some(b"CRABCONV 1\nhello".to_vec()),
             image: None,
+            immutable_parts: false,
         }
     }
 }
@@ -172,6 +173,39 @@ async fn unchanged_tree_uploads_only_a_manifest() {
     let third = other.export_point(&fx.source("c000003", &root)).await.expect("export 3");
     assert!(third.uploaded_bytes < 8192, "third export uploaded {} bytes", third.uploaded_bytes);
     assert!(first.uploaded_bytes > 100 * third.uploaded_bytes);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn immutable_parts_exported_before_are_not_walked_again() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let repo = fx.repo("cache").await;
+    let mut src = fx.source("c000001", &root);
+    src.immutable_parts = true;
+    let first = repo.export_point(&src).await.expect("export 1");
+    assert!(first.walked_entries > 0);
+    // A skip point: the same snapshot and image directory as the point before.
+    let mut skip = fx.source("c000002", &root);
+    skip.immutable_parts = true;
+    let second = repo.export_point(&skip).await.expect("export 2");
+    assert_eq!(second.walked_entries, 0, "known immutable parts are not walked");
+    assert_eq!(second.read_bytes, 0);
+    assert_eq!(second.record.fs, first.record.fs, "same tree as the point before");
+    assert_eq!(second.record.procs, first.record.procs);
+    assert_eq!(second.record.size_bytes, first.record.size_bytes, "sizes still counted");
+    assert!(second.uploaded_bytes < 4096, "uploaded {} bytes", second.uploaded_bytes);
+    // Another Repo (another host) has no such knowledge: it walks, and finds the same trees.
+    let other = fx.repo("cache2").await;
+    let mut third = fx.source("c000003", &root);
+    third.immutable_parts = true;
+    let third = other.export_point(&third).await.expect("export 3");
+    assert!(third.walked_entries > 0);
+    assert_eq!(third.record.fs, first.record.fs);
+    // A mutable part is always walked, so a change below its root is seen.
+    std::fs::write(root.join("etc/sub/changed.txt"), b"changed below the root").expect("write");
+    let fourth = repo.export_point(&fx.source("c000004", &root)).await.expect("export 4");
+    assert!(fourth.walked_entries > 0);
+    assert_ne!(fourth.record.fs, first.record.fs, "the change is exported");
 }
 
 fn pack_files(fx: &Fixture) -> Vec<PathBuf> {

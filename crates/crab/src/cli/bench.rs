@@ -443,6 +443,12 @@ pub(super) async fn run(
                         "{}: {} of the restores patched the local image; image hash once per host: p50 {:.0} ms",
                         b.url, b.patched_from_image, b.image_hash_ms.p50
                     );
+                    let stages: Vec<String> = b
+                        .create_stages_ms
+                        .iter()
+                        .map(|(n, v)| format!("{n} {:.1}", v.p50))
+                        .collect();
+                    println!("  create --from-remote by stage, p50 ms: {}", stages.join(", "));
                 }
                 println!(
                     "point {}: {:.1} MiB of process images, {:.1} MiB of files",

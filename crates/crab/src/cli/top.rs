@@ -32,8 +32,14 @@ pub(super) async fn run(client: &Client, a: TopArgs, json: bool) -> Result<ExitC
             }
             let e = &v["engine"];
             println!(
-                "engine: {} urgent, {} normal queued; {} running ({} dumps)",
-                e["queued_urgent"], e["queued_normal"], e["running"], e["running_dumps"]
+                "engine: {} urgent, {} normal queued; {} running ({} dumps); exports: {} running, {} waiting, {} paused for urgent work",
+                e["queued_urgent"],
+                e["queued_normal"],
+                e["running"],
+                e["running_dumps"],
+                e["background_running"].as_u64().unwrap_or(0),
+                e["background_waiting"].as_u64().unwrap_or(0),
+                e["background_yields"].as_u64().unwrap_or(0)
             );
             let mut rows = Vec::new();
             let empty = Vec::new();

@@ -53,6 +53,9 @@ pub struct RemoteRestoreOptions {
     pub mib: usize,
     /// `scripts/s3-test-server.sh` (default: found next to the working directory or the binary).
     pub s3_script: Option<PathBuf>,
+    /// Leave out the bare receiving hosts (nothing but the remote: the whole tree is
+    /// downloaded, tens of seconds per call); only hosts that have the image are measured.
+    pub no_bare: bool,
 }
 
 /// One remote backend's figures, on receiving hosts with or without the image.
@@ -63,6 +66,10 @@ pub struct BackendReport {
     /// The receiving hosts had the sandbox's image (imported, its tree id hashed by the
     /// daemon before the measured call); without, they have nothing but the remote.
     pub with_image: bool,
+    /// The receiving host's daemon had run a sandbox (created, checkpointed with CRIU,
+    /// removed) and loaded the remote's index while idle before the measured call: a fleet
+    /// node that is up, as opposed to a daemon started for the call.
+    pub warm: bool,
     /// Restores that patched the local image instead of downloading the whole tree.
     pub patched_from_image: usize,
     /// Time the receiving daemon took to hash the imported image (once per image and host;
@@ -102,10 +109,12 @@ pub struct RemoteRestoreReport {
     pub local_fork_ms: Summary,
     /// `file://` and S3, receiving hosts without and with the image.
     pub remotes: Vec<BackendReport>,
-    /// p50 of `s3 create` (host with the image) / p50 of `local restore` (budget: ≤ 2).
+    /// p50 of `s3 create` (fresh daemon with the image) / p50 of `local restore` (budget: ≤ 2).
     pub s3_create_vs_local_restore: f64,
     /// The same, on hosts without the image.
     pub s3_create_cold_vs_local_restore: f64,
+    /// The same, on warm hosts with the image (see [`BackendReport::warm`]).
+    pub s3_create_warm_vs_local_restore: f64,
     /// p50 of `s3 create` (host with the image) / p50 of `local fork 1`.
     pub s3_create_vs_local_fork1: f64,
     /// p50 of `s3 fork N` (host with the image) / p50 of `local fork N`.
@@ -347,12 +356,21 @@ struct ArmRun {
     hash_ms: f64,
 }
 
-/// On a fresh host B (`--remote v.0`; with `v.1` the image imported and hashed first):
+/// A receiving host: its remote, whether it has the image, whether it is warm.
+#[derive(Debug, Clone)]
+struct Variant {
+    url: String,
+    with_image: bool,
+    warm: bool,
+}
+
+/// On a fresh host B (`--remote v.url`; `with_image`: the image imported and hashed first;
+/// `warm`: then one sandbox created, checkpointed `full` and removed):
 /// `count` sandboxes from `source`, timed, then checked; B is destroyed afterwards.
 #[allow(clippy::too_many_arguments)]
 async fn remote_arm(
     opts: &RemoteRestoreOptions,
-    v: &(String, bool),
+    v: &Variant,
     dir: PathBuf,
     env: &[(String, String)],
     image: &Path,
@@ -362,14 +380,14 @@ async fn remote_arm(
 ) -> Result<ArmRun, ApiError> {
     let b = daemon(
         dir,
-        ["--pool-size", "8G", "--remote", &v.0].map(String::from).to_vec(),
+        ["--pool-size", "8G", "--remote", &v.url].map(String::from).to_vec(),
         env.to_vec(),
     )
     .await?;
     hosts.push(b);
     let Some(b) = hosts.last() else { return Err(ApiError::internal("no host")) };
     let mut hash_ms = f64::NAN;
-    if v.1 {
+    if v.with_image {
         b.cli(&["image", "import", &opts.image, &image.display().to_string()]).await?;
         // The idle exporter hashes new images within a few seconds.
         let stamp = b.state().join("remote-cache/images").join(format!("{}.json", opts.image));
@@ -385,6 +403,13 @@ async fn remote_arm(
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         hash_ms = ms(t);
+        if v.warm {
+            // The idle exporter loaded the index before it hashed the image (same idle pass).
+            let w = "warmup";
+            b.cli(&["sandbox", "create", &opts.image, "--name", w]).await?;
+            b.cli(&["checkpoint", w, "--kind", "full"]).await?;
+            b.cli(&["sandbox", "rm", "--force", w]).await?;
+        }
     }
     let tag = format!("{}-{}", source.split('@').next().unwrap_or("x"), hosts.len());
     let names: Vec<String> = (0..count).map(|j| format!("{tag}-b{j}")).collect();
@@ -399,7 +424,7 @@ async fn remote_arm(
         .await?;
     let total_ms = ms(t);
     for n in &names {
-        check(&b.client, n, &format!("from {}", v.0)).await?;
+        check(&b.client, n, &format!("from {}", v.url)).await?;
     }
     if let Some(b) = hosts.pop() {
         b.destroy().await;
@@ -505,9 +530,16 @@ async fn measure(
 
     let (mut local_restore, mut local_fork1, mut local_fork) = (vec![], vec![], vec![]);
     // (remote, receiving host has the image)
-    let variants: Vec<(String, bool)> = [file_url, s3_url]
+    let variants: Vec<Variant> = [file_url, s3_url]
         .iter()
-        .flat_map(|u| [(u.to_string(), false), (u.to_string(), true)])
+        .flat_map(|u| {
+            [(false, false), (true, false), (true, true)].map(|(with_image, warm)| Variant {
+                url: u.to_string(),
+                with_image,
+                warm,
+            })
+        })
+        .filter(|v| v.with_image || !opts.no_bare)
         .collect();
     let mut arms: Vec<Vec<ArmRun>> = vec![Vec::new(); variants.len()];
     let mut fork_arms: Vec<Vec<ArmRun>> = vec![Vec::new(); variants.len()];
@@ -574,8 +606,9 @@ async fn measure(
                 Summary::of(&rs.iter().map(g).collect::<Vec<_>>())
             };
             BackendReport {
-                url: v.0.clone(),
-                with_image: v.1,
+                url: v.url.clone(),
+                with_image: v.with_image,
+                warm: v.warm,
                 patched_from_image: c.iter().chain(f).filter(|r| r.patched).count(),
                 image_hash_ms: col(&c.iter().chain(f).cloned().collect::<Vec<_>>(), |r| r.hash_ms),
                 create_ms: col(c, |r| r.total_ms),
@@ -588,10 +621,12 @@ async fn measure(
         .collect();
     let (lr, l1, ln) =
         (Summary::of(&local_restore), Summary::of(&local_fork1), Summary::of(&local_fork));
-    let find = |s3: bool, img: bool| {
-        remotes.iter().find(|r| r.url.starts_with("s3:") == s3 && r.with_image == img)
+    let find = |s3: bool, img: bool, warm: bool| {
+        remotes
+            .iter()
+            .find(|r| r.url.starts_with("s3:") == s3 && r.with_image == img && r.warm == warm)
     };
-    let (s3i, s3c) = (find(true, true), find(true, false));
+    let (s3i, s3c, s3w) = (find(true, true, false), find(true, false, false), find(true, true, true));
     Ok(RemoteRestoreReport {
         options: opts.clone(),
         point: source,
@@ -600,6 +635,7 @@ async fn measure(
         uploaded_bytes,
         s3_create_vs_local_restore: s3i.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
         s3_create_cold_vs_local_restore: s3c.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
+        s3_create_warm_vs_local_restore: s3w.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
         s3_create_vs_local_fork1: s3i.map_or(f64::NAN, |r| ratio(&r.create_ms, &l1)),
         s3_fork_vs_local_fork: s3i.map_or(f64::NAN, |r| ratio(&r.fork_ms, &ln)),
         local_restore_ms: lr,

@@ -97,8 +97,9 @@ pub struct FromRemoteReport {
     /// Files and conversation only.
     pub fs_only: bool,
     /// Where the time went: (stage, ms) in order — `load_point`, `preflight`, the
-    /// materialization's own stages (`materialize_index`, `…_manifest`, `…_fs`, `…_procs`,
-    /// `…_verify`, `…_conversation`), `fork` and `attach`.
+    /// materialization's own stages (`materialize_index`, `…_manifest`, `…_fs_and_procs`
+    /// followed by `…_fs` and `…_procs`, which ran side by side within it, `…_verify`,
+    /// `…_conversation`), `fork` and `attach`.
     pub stages: Vec<(String, f64)>,
     /// The new sandboxes.
     pub branches: Vec<ForkBranch>,
@@ -127,6 +128,10 @@ pub struct RemoteTier {
     wake: tokio::sync::Notify,
     changed: tokio::sync::watch::Sender<u64>,
 }
+
+/// How often an idle exporter loads the index objects other hosts wrote (one LIST, then only
+/// the new objects).
+const INDEX_REFRESH: Duration = Duration::from_secs(30);
 
 /// The engine's background lane as the pause of an export.
 #[derive(Debug)]
@@ -265,6 +270,9 @@ impl RemoteTier {
                 tracing::warn!(error = %e, "cannot list the remote's points; exporting everything")
             }
         }
+        // Keep the repository's index loaded while idle (new index objects only), so a restore
+        // from the remote on this host does not start by reading every index object there is.
+        let mut index_loaded: Option<Instant> = None;
         loop {
             let Some(h) = host.upgrade() else { return };
             let engine = h.engine().clone();
@@ -281,6 +289,12 @@ impl RemoteTier {
                 // restore from the remote patches a local image instead of downloading it.
                 let (repo, state) = (self.repo.clone(), h.state().clone());
                 drop(h);
+                if index_loaded.is_none_or(|t| t.elapsed() >= INDEX_REFRESH) {
+                    match self.repo.refresh_index().await {
+                        Ok(()) => index_loaded = Some(Instant::now()),
+                        Err(e) => tracing::debug!(error = %e, "cannot refresh the remote's index"),
+                    }
+                }
                 let handle = tokio::runtime::Handle::current();
                 let _ = tokio::task::spawn_blocking(move || {
                     handle.block_on(hash_images(&repo, &state));

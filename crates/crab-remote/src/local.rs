@@ -67,8 +67,9 @@ pub struct Materialized {
     pub base_image: Option<String>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
-    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `fs`, `procs`,
-    /// `verify`, `conversation`).
+    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `fs_and_procs` — the
+    /// wall time of `fs` and `procs`, which run side by side and follow it with their own
+    /// times — `verify`, `conversation`).
     pub stages: Vec<(&'static str, f64)>,
 }
 
@@ -163,61 +164,76 @@ async fn materialize_inner(
         )
     })?;
     stages.mark("manifest");
-    let mut base_image = None;
-    if let (Some(fs), Some(tree)) = (&m.fs, &rec.fs) {
-        let dst = store.fs_path(fs.id);
-        if !dst.exists() {
-            let tmp = store.dir().join("fs").join(format!("{}.importing", fs.id));
-            remove_any(&tmp);
-            let base = match &rec.image {
-                Some(img) => matching_image(repo, state, &img.name, &img.tree).await,
-                None => None,
-            };
-            let made = match &base {
-                Some((dir, _)) => crab_sandbox::btrfs::snapshot(dir, &tmp, false),
-                None => crab_sandbox::btrfs::create_subvolume(&tmp),
-            };
-            made.map_err(|e| RemoteError::Io {
-                op: "create subvolume",
-                path: tmp.clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
-            let fs_what = format!("{what} filesystem");
-            let res = match &base {
-                Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
-                None => repo.restore_tree(tree, &tmp, &fs_what).await,
-            };
-            if let Err(e) = res {
+    // The filesystem and the process images are fetched at the same time: their downloads
+    // overlap (each part's file writes run between the other's network waits).
+    let fs_part = async {
+        let t = std::time::Instant::now();
+        let mut base_image = None;
+        if let (Some(fs), Some(tree)) = (&m.fs, &rec.fs) {
+            let dst = store.fs_path(fs.id);
+            if !dst.exists() {
+                let tmp = store.dir().join("fs").join(format!("{}.importing", fs.id));
                 remove_any(&tmp);
-                return Err(e);
+                let base = match &rec.image {
+                    Some(img) => matching_image(repo, state, &img.name, &img.tree).await,
+                    None => None,
+                };
+                let made = match &base {
+                    Some((dir, _)) => crab_sandbox::btrfs::snapshot(dir, &tmp, false),
+                    None => crab_sandbox::btrfs::create_subvolume(&tmp),
+                };
+                made.map_err(|e| RemoteError::Io {
+                    op: "create subvolume",
+                    path: tmp.clone(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                let fs_what = format!("{what} filesystem");
+                let res = match &base {
+                    Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
+                    None => repo.restore_tree(tree, &tmp, &fs_what).await,
+                };
+                if let Err(e) = res {
+                    remove_any(&tmp);
+                    return Err(e);
+                }
+                std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
+                crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
+                    op: "set read-only",
+                    path: dst.clone(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                base_image = base.and(rec.image.as_ref().map(|i| i.name.clone()));
             }
-            std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
-            crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
-                op: "set read-only",
-                path: dst.clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
-            base_image = base.and(rec.image.as_ref().map(|i| i.name.clone()));
         }
-    }
-    stages.mark("fs");
+        Ok::<_, RemoteError>((base_image, t.elapsed().as_secs_f64() * 1e3))
+    };
+    let procs_part = async {
+        let t = std::time::Instant::now();
+        if let (false, Some(p), Some(tree)) = (fs_only, &m.procs, &rec.procs) {
+            let dst = store.proc_dir(p.id);
+            if !dst.exists() {
+                let tmp: PathBuf = store.dir().join("tmp").join(format!("{}.importing", p.id));
+                remove_any(&tmp);
+                std::fs::create_dir_all(&tmp).map_err(RemoteError::io("mkdir", &tmp))?;
+                let res = repo.restore_tree(tree, &tmp, &format!("{what} process images")).await;
+                if let Err(e) = res {
+                    remove_any(&tmp);
+                    return Err(e);
+                }
+                std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
+            }
+        }
+        Ok::<_, RemoteError>(t.elapsed().as_secs_f64() * 1e3)
+    };
+    let (fs_res, procs_res) = futures::join!(fs_part, procs_part);
+    let ((base_image, fs_ms), procs_ms) = (fs_res?, procs_res?);
     if fs_only {
         m.procs = None;
-    } else if let (Some(p), Some(tree)) = (&m.procs, &rec.procs) {
-        let dst = store.proc_dir(p.id);
-        if !dst.exists() {
-            let tmp: PathBuf = store.dir().join("tmp").join(format!("{}.importing", p.id));
-            remove_any(&tmp);
-            std::fs::create_dir_all(&tmp).map_err(RemoteError::io("mkdir", &tmp))?;
-            let res = repo.restore_tree(tree, &tmp, &format!("{what} process images")).await;
-            if let Err(e) = res {
-                remove_any(&tmp);
-                return Err(e);
-            }
-            std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
-        }
     }
-    stages.mark("procs");
+    // The two ran side by side: their own times, and the wall time as `fs_and_procs`.
+    stages.mark("fs_and_procs");
+    stages.done.push(("fs", fs_ms));
+    stages.done.push(("procs", procs_ms));
     let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
     crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {
         op: "write manifest",

@@ -432,7 +432,7 @@ impl Repo {
     // ---- index ----
 
     /// Load index objects written since the last refresh; forget those deleted (by a prune).
-    pub(crate) async fn refresh_index(&self) -> Result<()> {
+    pub async fn refresh_index(&self) -> Result<()> {
         let names: Vec<String> = self.list("index").await?.into_iter().map(|(n, _)| n).collect();
         let known: HashSet<String> = lock(&self.index).files.keys().cloned().collect();
         let wanted: Vec<String> = names.iter().filter(|n| !known.contains(*n)).cloned().collect();

@@ -150,6 +150,10 @@ pub(super) enum BenchCmd {
         /// The S3 test server script (default: scripts/s3-test-server.sh of the checkout).
         #[arg(long)]
         s3_script: Option<std::path::PathBuf>,
+        /// Measure only receiving hosts that have the image (skip the bare ones, which
+        /// download the whole tree: tens of seconds per call).
+        #[arg(long)]
+        no_bare: bool,
     },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
@@ -403,7 +407,15 @@ pub(super) async fn run(
                 println!("{} trajectories, {:.0} s", r.runs.len(), r.wall_s);
             }
         }
-        BenchCmd::RemoteRestore { image, rounds, fork_rounds, fork_count, mib, s3_script } => {
+        BenchCmd::RemoteRestore {
+            image,
+            rounds,
+            fork_rounds,
+            fork_count,
+            mib,
+            s3_script,
+            no_bare,
+        } => {
             let opts = crab_bench::remote_restore::RemoteRestoreOptions {
                 image,
                 rounds,
@@ -411,6 +423,7 @@ pub(super) async fn run(
                 fork_count,
                 mib,
                 s3_script,
+                no_bare,
             };
             eprintln!("bench remote-restore: {rounds} rounds, {fork_rounds} fork rounds of {fork_count} ...");
             let r = crab_bench::remote_restore::run(client, &opts).await?;
@@ -426,7 +439,11 @@ pub(super) async fn run(
                 .into_iter()
                 .chain(r.remotes.iter().flat_map(|b| {
                     let scheme = b.url.split(':').next().unwrap_or("?");
-                    let host = if b.with_image { "image" } else { "bare" };
+                    let host = match (b.with_image, b.warm) {
+                        (true, true) => "warm image",
+                        (true, false) => "fresh image",
+                        _ => "bare",
+                    };
                     [
                         (format!("{scheme} create --from-remote ({host} host)"), &b.create_ms),
                         ("  of which fetch".to_string(), &b.create_fetch_ms),
@@ -440,8 +457,11 @@ pub(super) async fn run(
                 latency_table(&rows, 1);
                 for b in r.remotes.iter().filter(|b| b.with_image) {
                     println!(
-                        "{}: {} of the restores patched the local image; image hash once per host: p50 {:.0} ms",
-                        b.url, b.patched_from_image, b.image_hash_ms.p50
+                        "{} ({} host): {} of the restores patched the local image; image hash once per host: p50 {:.0} ms",
+                        b.url,
+                        if b.warm { "warm" } else { "fresh" },
+                        b.patched_from_image,
+                        b.image_hash_ms.p50
                     );
                     let stages: Vec<String> = b
                         .create_stages_ms
@@ -457,7 +477,8 @@ pub(super) async fn run(
                     r.fs_bytes as f64 / 1048576.0
                 );
                 println!(
-                    "s3 create / local restore (p50): {:.2}x on a host with the image (budget 2x), {:.2}x on a bare host; s3 create / local fork 1: {:.2}x; s3 fork {n} / local fork {n}: {:.2}x",
+                    "s3 create / local restore (p50, budget 2x): {:.2}x on a warm host with the image, {:.2}x on a fresh daemon with the image, {:.2}x on a bare host; s3 create / local fork 1: {:.2}x; s3 fork {n} / local fork {n}: {:.2}x",
+                    r.s3_create_warm_vs_local_restore,
                     r.s3_create_vs_local_restore,
                     r.s3_create_cold_vs_local_restore,
                     r.s3_create_vs_local_fork1,

@@ -360,11 +360,6 @@ pub(crate) async fn prepare_testbeds(
     Ok((testbeds, testbed_names))
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    crate::stats::percentile(v, 0.5)
-}
-
 fn aggregate(
     ctx: &Ctx,
     methods: &[Method],
@@ -460,8 +455,8 @@ fn aggregate(
                 });
             }
         }
-        let wall_ratio = if m == Method::None { 1.0 } else { median(&mut wall_ratios) };
-        let ovh = if m.checkpoint_kind().is_none() { 1.0 } else { median(&mut ovh_ratios) };
+        let wall_ratio = if m == Method::None { 1.0 } else { crate::stats::median(&wall_ratios) };
+        let ovh = if m.checkpoint_kind().is_none() { 1.0 } else { crate::stats::median(&ovh_ratios) };
         rows.push(MethodReport {
             method: m,
             trials: n,

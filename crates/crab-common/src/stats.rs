@@ -340,9 +340,8 @@ mod tests {
     fn percentiles_match_exact_nearest_rank_within_resolution() {
         // An exponential distribution (mean 10 ms) by its quantile function, shuffled.
         let n = 10_000;
-        let mut v: Vec<f64> = (0..n)
-            .map(|i| -10.0 * (1.0 - (f64::from(i) + 0.5) / f64::from(n)).ln())
-            .collect();
+        let mut v: Vec<f64> =
+            (0..n).map(|i| -10.0 * (1.0 - (f64::from(i) + 0.5) / f64::from(n)).ln()).collect();
         v.reverse();
         v.rotate_left(3_333);
         let mut sorted = v.clone();

@@ -336,10 +336,7 @@ fn run(rounds: usize) -> Res<()> {
         "  take() after a 20-file turn: p50 {:.3} ms  p95 {:.3} ms  p99 {:.3} ms",
         take.p50, take.p95, take.p99
     );
-    println!(
-        "  peek() on an open 20-file turn: p50 {:.3} ms  p95 {:.3} ms",
-        peek.p50, peek.p95
-    );
+    println!("  peek() on an open 20-file turn: p50 {:.3} ms  p95 {:.3} ms", peek.p50, peek.p95);
     println!(
         "  take() of an empty turn: p50 {:.3} ms  p95 {:.3} ms",
         empty_take.p50, empty_take.p95

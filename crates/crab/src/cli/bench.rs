@@ -265,7 +265,8 @@ pub(super) async fn run(
                     .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
             }
             if let Some(path) = &a.svg {
-                std::fs::write(path, r.svg())
+                let svg = r.svg().map_err(|e| ApiError::internal(e.to_string()))?;
+                std::fs::write(path, svg)
                     .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
             }
             if json {

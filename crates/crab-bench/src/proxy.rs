@@ -216,8 +216,9 @@ pub async fn bench_proxy(opts: ProxyBenchOptions) -> Result<ProxyBenchReport, Be
     for s in servers {
         s.shutdown().await;
     }
-    let overhead_p50_ms = LatencySummary::of(&dp).p50;
-    let bounds_ratio_p50 = LatencySummary::of(&pu).p50;
+    // Paired differences (may be negative) and ratios are not latencies: exact medians.
+    let overhead_p50_ms = crate::stats::median(&dp);
+    let bounds_ratio_p50 = crate::stats::median(&pu);
     Ok(ProxyBenchReport {
         log_dir: root.display().to_string(),
         options: opts,
@@ -229,7 +230,7 @@ pub async fn bench_proxy(opts: ProxyBenchOptions) -> Result<ProxyBenchReport, Be
         bounds_budget_ratio: BOUNDS_BUDGET_RATIO,
         bounds_within_budget: bounds_ratio_p50 <= BOUNDS_BUDGET_RATIO,
         overhead_p50_ms,
-        overhead_no_fsync_p50_ms: LatencySummary::of(&dq).p50,
+        overhead_no_fsync_p50_ms: crate::stats::median(&dq),
         budget_p50_ms: OVERHEAD_BUDGET_P50_MS,
         within_budget: overhead_p50_ms <= OVERHEAD_BUDGET_P50_MS,
         boundaries,

@@ -415,13 +415,12 @@ pub async fn run(
             m
         });
 
-    let mut turn_s: Vec<f64> = trajs
+    let turn_s: Vec<f64> = trajs
         .iter()
         .flat_map(|t| t.steps.iter())
         .filter_map(|s| Some(s.llm_latency_s? + s.exec_s.unwrap_or(0.0)))
         .collect();
-    turn_s.sort_by(f64::total_cmp);
-    let recorded_turn_s = turn_s.get(turn_s.len() / 2).copied().unwrap_or(f64::NAN);
+    let recorded_turn_s = crate::stats::median(&turn_s);
     let ratio = |a: u64, b: u64| if b == 0 { f64::NAN } else { a as f64 / b as f64 };
     Ok(RemoteBenchReport {
         trajectories: trajs.iter().map(|t| t.id.clone()).collect(),

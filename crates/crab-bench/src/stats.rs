@@ -1,3 +1,4 @@
-//! Percentile summaries: the shared implementation lives in [`crab_common::stats`].
+//! Latency summaries and exact medians: the shared implementation (an HdrHistogram per latency
+//! series) lives in [`crab_common::stats`].
 
-pub use crab_common::stats::{percentile, Summary};
+pub use crab_common::stats::{median, percentile, Latencies, Summary};

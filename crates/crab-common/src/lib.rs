@@ -5,7 +5,7 @@
 //! verdicts, engine jobs and restore points share, the stable error codes of the daemon's API
 //! ([`error`]), the request and response bodies of that API ([`api`]), and the [`progress`] trait
 //! through which long operations report what they are doing (only the CLI draws it), and the
-//! percentile [`stats`] every benchmark reports with; and the three helpers every crate shares
+//! latency [`stats`] every benchmark reports with (an HdrHistogram per series); and the three helpers every crate shares
 //! instead of copying: the poison-tolerant [`sync::lock`], the wall clock [`clock::now_ms`], and
 //! the atomic durable write [`fsutil::write_atomic`] (its only I/O).
 

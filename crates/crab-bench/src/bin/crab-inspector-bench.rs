@@ -196,17 +196,6 @@ impl Drop for Cgroups {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v.get(i).copied().unwrap_or(0.0)
-}
-
 #[derive(Default)]
 struct Series {
     runs: Vec<[f64; 4]>,
@@ -219,11 +208,11 @@ impl Series {
     /// Medians (or minima) of (writes, creates, total) for wall or CPU time.
     fn med(&self, cpu: bool, min: bool) -> (f64, f64, f64) {
         let o = if cpu { 2 } else { 0 };
-        let pick = |mut v: Vec<f64>| {
+        let pick = |v: Vec<f64>| {
             if min {
                 v.iter().copied().fold(f64::INFINITY, f64::min)
             } else {
-                median(&mut v)
+                crab_bench::stats::median(&v)
             }
         };
         let w: Vec<f64> = self.runs.iter().map(|r| r[o]).collect();
@@ -329,30 +318,28 @@ fn run(rounds: usize) -> Res<()> {
             (ac - ic) * 1e3 / CREATES as f64
         );
     }
-    println!("load+attach of the BPF object: median {:.0} ms", median(&mut load_ms));
+    println!("load+attach of the BPF object: median {:.0} ms", crab_bench::stats::median(&load_ms));
     println!();
     println!("BPF program time per run (kernel.bpf_stats_enabled, one loop each):");
     for l in &prog_time {
         println!("  {l}");
     }
     let n = take_ms.len();
+    let (take, peek, empty_take) = (
+        crab_bench::stats::Summary::of(&take_ms),
+        crab_bench::stats::Summary::of(&peek_ms),
+        crab_bench::stats::Summary::of(&empty_take_ms),
+    );
     println!();
     println!("verdict latency, {SANDBOXES} sandboxes registered, each with an open turn of ~20 changes ({n} samples):");
     println!(
         "  take() after a 20-file turn: p50 {:.3} ms  p95 {:.3} ms  p99 {:.3} ms",
-        pct(&mut take_ms, 0.5),
-        pct(&mut take_ms, 0.95),
-        pct(&mut take_ms, 0.99)
+        take.p50, take.p95, take.p99
     );
-    println!(
-        "  peek() on an open 20-file turn: p50 {:.3} ms  p95 {:.3} ms",
-        pct(&mut peek_ms, 0.5),
-        pct(&mut peek_ms, 0.95)
-    );
+    println!("  peek() on an open 20-file turn: p50 {:.3} ms  p95 {:.3} ms", peek.p50, peek.p95);
     println!(
         "  take() of an empty turn: p50 {:.3} ms  p95 {:.3} ms",
-        pct(&mut empty_take_ms, 0.5),
-        pct(&mut empty_take_ms, 0.95)
+        empty_take.p50, empty_take.p95
     );
     drop(cgs);
     let _ = fs::remove_dir_all(&work);

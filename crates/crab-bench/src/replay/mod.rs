@@ -360,11 +360,6 @@ pub(crate) async fn prepare_testbeds(
     Ok((testbeds, testbed_names))
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    crate::stats::percentile(v, 0.5)
-}
-
 fn aggregate(
     ctx: &Ctx,
     methods: &[Method],
@@ -460,8 +455,10 @@ fn aggregate(
                 });
             }
         }
-        let wall_ratio = if m == Method::None { 1.0 } else { median(&mut wall_ratios) };
-        let ovh = if m.checkpoint_kind().is_none() { 1.0 } else { median(&mut ovh_ratios) };
+        let exposed_hist = crate::stats::Latencies::of(&exposed);
+        let wall_ratio = if m == Method::None { 1.0 } else { crate::stats::median(&wall_ratios) };
+        let ovh =
+            if m.checkpoint_kind().is_none() { 1.0 } else { crate::stats::median(&ovh_ratios) };
         rows.push(MethodReport {
             method: m,
             trials: n,
@@ -471,7 +468,8 @@ fn aggregate(
             overhead_no_fault_ratio: ovh,
             checkpoints: counts,
             checkpoint_bytes: bytes,
-            exposed_ms: Summary::of(&exposed),
+            exposed_ms: exposed_hist.summary(),
+            exposed_cdf: exposed_hist.cdf(),
             exposed_breakdown: crab_common::stats::stage_summaries(&breakdowns),
             restore_ms: Summary::of(&restore),
             errors,

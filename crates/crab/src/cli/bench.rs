@@ -258,9 +258,8 @@ pub(super) async fn run(
                 llm_listen: a.llm_listen,
                 ..d
             };
-            let drawer = ProgressDrawer::new();
-            let progress = DrawProgress(&drawer);
-            let r = crab_bench::replay::run(&opts, client, &progress).await?;
+            let drawer = ProgressDrawer::new(json);
+            let r = crab_bench::replay::run(&opts, client, &drawer).await?;
             drawer.draw(&ProgressFrame::Done { result: serde_json::Value::Null });
             if let Some(path) = &a.json_out {
                 let text = serde_json::to_string_pretty(&r)
@@ -269,7 +268,8 @@ pub(super) async fn run(
                     .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
             }
             if let Some(path) = &a.svg {
-                std::fs::write(path, r.svg())
+                let svg = r.svg().map_err(|e| ApiError::internal(e.to_string()))?;
+                std::fs::write(path, svg)
                     .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
             }
             if json {
@@ -563,20 +563,6 @@ pub(super) async fn run(
     Ok(ExitCode::SUCCESS)
 }
 
-struct DrawProgress<'a>(&'a ProgressDrawer);
-
-impl crab_common::Progress for DrawProgress<'_> {
-    fn stage(&self, name: &str, total: Option<u64>) {
-        self.0.draw(&ProgressFrame::Stage { name: name.to_string(), total });
-    }
-    fn advance(&self, done: u64) {
-        self.0.draw(&ProgressFrame::Advance { done });
-    }
-    fn message(&self, line: &str) {
-        self.0.draw(&ProgressFrame::Message { line: line.to_string() });
-    }
-}
-
 /// `crab bench remote`: run it, print the table (or JSON).
 #[allow(clippy::too_many_arguments)]
 async fn bench_remote(
@@ -600,9 +586,8 @@ async fn bench_remote(
         cache_dir: d.cache_dir,
         exec_timeout_s: d.exec_timeout_s,
     };
-    let drawer = ProgressDrawer::new();
-    let progress = DrawProgress(&drawer);
-    let r = crab_bench::remote::run(&opts, client, &progress).await?;
+    let drawer = ProgressDrawer::new(json);
+    let r = crab_bench::remote::run(&opts, client, &drawer).await?;
     drawer.draw(&ProgressFrame::Done { result: serde_json::Value::Null });
     if json {
         print_json(&r);

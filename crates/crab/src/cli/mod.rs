@@ -223,13 +223,11 @@ pub(super) async fn long_op<B: Serialize>(
     body: &B,
     json: bool,
 ) -> Result<serde_json::Value, ApiError> {
-    let drawer = ProgressDrawer::new();
+    let drawer = ProgressDrawer::new(json);
     let mut result: Option<Result<serde_json::Value, ApiError>> = None;
     client
         .stream(path, body, |f: ProgressFrame| {
-            if !json {
-                drawer.draw(&f);
-            }
+            drawer.draw(&f);
             match f {
                 ProgressFrame::Done { result: r } => result = Some(Ok(r)),
                 ProgressFrame::Error { error } => result = Some(Err(error)),

@@ -82,8 +82,8 @@ pub fn masked_restore_external(source: &std::path::Path) -> String {
 /// is a mount point. Its superblock is read-only, so nothing — not the daemon, not a sandbox
 /// holding a bind of it — can add an entry; sandboxes may share it.
 pub fn ensure_masked_source(dir: &std::path::Path) -> crate::Result<()> {
-    use std::os::unix::fs::MetadataExt;
     use crate::SandboxError;
+    use std::os::unix::fs::MetadataExt;
     std::fs::create_dir_all(dir).map_err(SandboxError::io("mkdir", dir))?;
     let parent = dir.parent().unwrap_or(dir);
     let (d, p) = (

@@ -736,23 +736,14 @@ impl Checkpointer {
 
     fn restore_opts(
         &self,
-        sandbox: &str,
         images: &Path,
         log: PathBuf,
         root: &Path,
         cgroups: Vec<PathBuf>,
         profile: &crab_sandbox::profile::SecurityProfile,
         net: NetMode,
-    ) -> Result<RestoreOpts> {
+    ) -> RestoreOpts {
         let mut o = RestoreOpts::new(images, log);
-        if !profile.privileged {
-            // Dumps declare the masked directories external (`profile::MASKED_MOUNT_KEY`):
-            // they come back as read-only binds of the daemon's empty tmpfs. Unused by
-            // images dumped before that, which still hold the tmpfs.
-            let src = self.rt.state().masked();
-            crab_sandbox::profile::ensure_masked_source(&src).map_err(sandbox_err(sandbox))?;
-            o.external.push(crab_sandbox::profile::masked_restore_external(&src));
-        }
         if fresh_netns(net, profile) {
             // See `fresh_netns`: CRIU makes the namespace empty, the hook sets it up.
             o.empty_ns = libc::CLONE_NEWNET as u32;
@@ -781,7 +772,24 @@ impl Checkpointer {
         // The default profile gives every sandbox its own cgroup namespace; CRIU does not
         // restore it with unmanaged cgroups, so criu swrk makes one after joining the groups.
         o.cgroup_ns = !profile.privileged;
-        Ok(o)
+        o
+    }
+
+    /// The `external` entry a restore or fork of `sandbox` needs for its masked directories:
+    /// dumps declare them external (`profile::MASKED_MOUNT_KEY`), and they come back as
+    /// read-only binds of the daemon's empty tmpfs, mounted here if it is not. Unused by
+    /// images dumped before that, which still hold the tmpfs. None for `--privileged`.
+    fn masked_external(
+        &self,
+        sandbox: &str,
+        profile: &crab_sandbox::profile::SecurityProfile,
+    ) -> Result<Option<String>> {
+        if profile.privileged {
+            return Ok(None);
+        }
+        let src = self.rt.state().masked();
+        crab_sandbox::profile::ensure_masked_source(&src).map_err(sandbox_err(sandbox))?;
+        Ok(Some(crab_sandbox::profile::masked_restore_external(&src)))
     }
 
     /// Restore `sandbox` in place to `point` (newest when `None`): filesystem first, then
@@ -1002,14 +1010,14 @@ impl Checkpointer {
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
                 let mut opts = self.restore_opts(
-                    sandbox,
                     &store.proc_dir(p.id),
                     log,
                     rootfs,
                     cgroups,
                     &rec.profile,
                     rec.net,
-                )?;
+                );
+                opts.external.extend(self.masked_external(sandbox, &rec.profile)?);
                 let fresh_net = fresh_netns(rec.net, &rec.profile);
                 if rec.net == NetMode::Nat {
                     // CRIU recreates eth0's veth pair with a new host end; wired below.
@@ -1445,14 +1453,14 @@ impl Checkpointer {
                 // The branch's own hard links: a prune of the source cannot pull the image
                 // away in the middle of the restore.
                 let mut opts = self.restore_opts(
-                    name,
                     &branch.proc_dir(p.id),
                     log,
                     &rootfs,
                     cgroups,
                     &src.profile,
                     src.net,
-                )?;
+                );
+                opts.external.extend(self.masked_external(name, &src.profile)?);
                 let fresh_net = fresh_netns(src.net, &src.profile);
                 if src.net == NetMode::Nat {
                     opts.external.push(

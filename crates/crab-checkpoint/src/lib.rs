@@ -21,7 +21,7 @@ pub use error::{CheckpointError, Result};
 pub use manifest::{FsId, Manifest, PointId, ProcId, Timings};
 pub use ops::{
     BtrfsSnapshots, CheckpointRequest, Checkpointer, Config, ForkBranch, PointSummary,
-    RestoreReport,
+    RestoreReport, Stage,
 };
 pub use snapfs::{CopyFs, SnapshotFs};
 pub use store::{Draft, PruneReport, RecoveryReport, Staging, Store};

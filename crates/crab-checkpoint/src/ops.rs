@@ -171,6 +171,41 @@ pub struct RestoreReport {
     pub procs_ms: f64,
     /// Wall time in ms, total.
     pub total_ms: f64,
+    /// Where the time went, in order (ms each; they add up to `total_ms`): `lock` (the
+    /// sandbox's and the store's locks, the point resolved), `snapshot` (the writable snapshot
+    /// of the point's files, with the verification beside it), `prepare` (quota, init, free
+    /// space), `stop` (the old processes killed and reaped), `swap` (the roots renamed),
+    /// `criu` (cgroup, `criu swrk` and its notifications, until the tree runs), `record`,
+    /// `marker` (the `restore` point published, durable). Absent from older daemons.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<Stage>,
+}
+
+/// One timed stage of a restore.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stage {
+    /// What ran.
+    pub name: String,
+    /// Its wall time in ms.
+    pub ms: f64,
+}
+
+/// Times consecutive stages: each `mark` closes the stage that ran since the previous one.
+struct Stages {
+    last: Instant,
+    done: Vec<Stage>,
+}
+
+impl Stages {
+    fn new(start: Instant) -> Self {
+        Stages { last: start, done: Vec::new() }
+    }
+
+    fn mark(&mut self, name: &str) {
+        let now = Instant::now();
+        self.done.push(Stage { name: name.to_owned(), ms: ms(now - self.last) });
+        self.last = now;
+    }
 }
 
 /// One branch of a fork.
@@ -522,6 +557,11 @@ impl Checkpointer {
                     opts.freeze_cgroup = Some(cg.v2.clone());
                 }
                 opts.manage_cgroups = Some(CgroupMode::Ignore);
+                if !rec.profile.privileged {
+                    // The masked directories' empty tmpfs: re-created by the restore, not
+                    // archived with tar (see `profile::MASKED_MOUNT_KEY`).
+                    opts.external.extend(crab_sandbox::profile::masked_dump_externals());
+                }
                 let full = req.kind == CheckpointKind::Full;
                 let fs_path = if full { Some(staging.fs_path()) } else { None };
                 let mut snap_us = None;
@@ -716,13 +756,40 @@ impl Checkpointer {
         o.tcp_established = true;
         o.ext_unix_sk = true;
         o.file_locks = true;
-        o.network_lock = Some(NetworkLockMethod::Nftables);
+        // CRIU's network lock keeps packets from outside away from TCP connections while they
+        // are half restored. A namespace CRIU makes empty for this restore (`fresh_netns`)
+        // has only `lo` and no way in — no interface, and no task of it runs before the
+        // restore completes — so the lock guards nothing there; it cost an nftables table
+        // added and removed through libnftables, 15–35 ms of CRIU's restore under load
+        // (its log, issue 15). Replayed namespaces (`nat`, `--privileged`) keep it.
+        o.network_lock = Some(if fresh_netns(net, profile) {
+            NetworkLockMethod::Skip
+        } else {
+            NetworkLockMethod::Nftables
+        });
         o.manage_cgroups = Some(CgroupMode::Ignore);
         o.join_cgroups = cgroups;
         // The default profile gives every sandbox its own cgroup namespace; CRIU does not
         // restore it with unmanaged cgroups, so criu swrk makes one after joining the groups.
         o.cgroup_ns = !profile.privileged;
         o
+    }
+
+    /// The `external` entry a restore or fork of `sandbox` needs for its masked directories:
+    /// dumps declare them external (`profile::MASKED_MOUNT_KEY`), and they come back as
+    /// read-only binds of the daemon's empty tmpfs, mounted here if it is not. Unused by
+    /// images dumped before that, which still hold the tmpfs. None for `--privileged`.
+    fn masked_external(
+        &self,
+        sandbox: &str,
+        profile: &crab_sandbox::profile::SecurityProfile,
+    ) -> Result<Option<String>> {
+        if profile.privileged {
+            return Ok(None);
+        }
+        let src = self.rt.state().masked();
+        crab_sandbox::profile::ensure_masked_source(&src).map_err(sandbox_err(sandbox))?;
+        Ok(Some(crab_sandbox::profile::masked_restore_external(&src)))
     }
 
     /// Restore `sandbox` in place to `point` (newest when `None`): filesystem first, then
@@ -740,12 +807,14 @@ impl Checkpointer {
         progress: &dyn Progress,
     ) -> Result<RestoreReport> {
         let started = Instant::now();
+        let mut stages = Stages::new(started);
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
         let store = self.store(sandbox)?;
         let _held = store.lock()?;
         let m = store.resolve(point)?;
+        stages.mark("lock");
         progress.stage("verify", None);
         progress.message(&format!("restore point {} (turn {}, {})", m.id, m.turn, m.kind.as_str()));
         let fs = m.fs.as_ref().ok_or_else(|| {
@@ -788,6 +857,7 @@ impl Checkpointer {
             }
         };
         snap.map_err(|e| CheckpointError::io("snapshot", &staged, e))?;
+        stages.mark("snapshot");
         // Every precondition is checked while the sandbox still runs: the init goes into the
         // staged root (a write that needs space), and the pool must keep room for the swap,
         // the cgroup and CRIU's work. A failure here leaves the sandbox untouched.
@@ -805,13 +875,13 @@ impl Checkpointer {
             }
             return Err(e);
         }
+        stages.mark("prepare");
         progress.stage("filesystem", None);
         // Point of no return for the processes: stop what runs, swap the roots. The replaced
         // root is kept until the new processes run, so a failure can put the files back.
-        let swapped = self
-            .rt
-            .stop(sandbox)
-            .map_err(sandbox_err(sandbox))
+        let stopped = self.rt.stop(sandbox).map_err(sandbox_err(sandbox));
+        stages.mark("stop");
+        let swapped = stopped
             .and_then(|()| {
                 std::fs::rename(&rootfs, &old)
                     .map_err(|e| CheckpointError::io("rename", &rootfs, e))
@@ -820,6 +890,7 @@ impl Checkpointer {
                 std::fs::rename(&staged, &rootfs)
                     .map_err(|e| CheckpointError::io("rename", &staged, e))
             });
+        stages.mark("swap");
         let fs_ms = ms(t_fs.elapsed());
         progress.stage("processes", None);
         let t_p = Instant::now();
@@ -829,14 +900,16 @@ impl Checkpointer {
             Ok(v) => v,
             Err(e) => return Err(self.roll_back_restore(sandbox, &m, &mut rec, e)),
         };
+        stages.mark("criu");
         rec.init_pid = pid;
         rec.init_start = process_start_time(pid).unwrap_or(0);
-        if let Err(e) = self.rt.update(rec.clone()).map_err(sandbox_err(sandbox)) {
+        // Not fsynced: a restore changes only the init's pid and start time (and a `nat`
+        // sandbox's host end), which a host crash makes stale whichever record survives —
+        // the sandbox is dead after it either way. Atomic for readers and daemon restarts.
+        if let Err(e) = self.rt.update_lazy(rec.clone()).map_err(sandbox_err(sandbox)) {
             return Err(self.roll_back_restore(sandbox, &m, &mut rec, e));
         }
-        if let Err(e) = self.fs.delete(&old) {
-            tracing::warn!(path = %old.display(), error = %e, "cannot delete the replaced root");
-        }
+        stages.mark("record");
         // The live sandbox is now point m: say so with a new newest point referencing m's
         // parts, so that the next checkpoint builds on m and a crash-restore of "the newest"
         // does not resurrect the abandoned future.
@@ -846,6 +919,11 @@ impl Checkpointer {
         marker.no_procs = m.procs.is_none();
         marker.sandbox_meta = m.sandbox_meta.clone();
         let marker = store.begin().publish(marker)?;
+        stages.mark("marker");
+        // The replaced root goes after the answer: deleting a subvolume is a btrfs
+        // transaction the caller need not wait for. Under the sandbox's lock, so the next
+        // operation on it (which may make a new `rootfs.old`) waits for it.
+        self.delete_later(sandbox, old);
         let report = RestoreReport {
             sandbox: sandbox.to_owned(),
             point: m.id.to_string(),
@@ -856,9 +934,39 @@ impl Checkpointer {
             fs_ms,
             procs_ms: ms(t_p.elapsed()),
             total_ms: ms(started.elapsed()),
+            stages: stages.done,
         };
-        tracing::info!(sandbox, point = %m.id, ms = report.total_ms, "sandbox restored");
+        tracing::info!(
+            sandbox,
+            point = %m.id,
+            ms = report.total_ms,
+            stages = %report
+                .stages
+                .iter()
+                .map(|s| format!("{} {:.1}", s.name, s.ms))
+                .collect::<Vec<_>>()
+                .join(", "),
+            "sandbox restored"
+        );
         Ok(report)
+    }
+
+    /// Delete `path` (a replaced root subvolume) on a thread of its own, once it holds the
+    /// lock of `sandbox`: after the current operation on it, before the next one.
+    fn delete_later(&self, sandbox: &str, path: PathBuf) {
+        let lock = self.lock(sandbox);
+        let fs = self.fs.clone();
+        let spawned = std::thread::Builder::new().name("crab-delete-root".into()).spawn(move || {
+            let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+            if fs.is_snapshot(&path) || path.exists() {
+                if let Err(e) = fs.delete(&path) {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot delete the replaced root");
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "no thread to delete the replaced root; it is deleted by the next restore");
+        }
     }
 
     /// Refuse `what` unless the pool has room for it: [`MIN_FREE_BYTES`] free.
@@ -909,6 +1017,7 @@ impl Checkpointer {
                     &rec.profile,
                     rec.net,
                 );
+                opts.external.extend(self.masked_external(sandbox, &rec.profile)?);
                 let fresh_net = fresh_netns(rec.net, &rec.profile);
                 if rec.net == NetMode::Nat {
                     // CRIU recreates eth0's veth pair with a new host end; wired below.
@@ -1351,6 +1460,7 @@ impl Checkpointer {
                     &src.profile,
                     src.net,
                 );
+                opts.external.extend(self.masked_external(name, &src.profile)?);
                 let fresh_net = fresh_netns(src.net, &src.profile);
                 if src.net == NetMode::Nat {
                     opts.external.push(

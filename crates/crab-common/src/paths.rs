@@ -6,6 +6,7 @@
 //!   daemon.pid             pid of the running daemon
 //!   pool.img               sparse btrfs image, only when <state> is not on btrfs
 //!   logs/                  CRIU and build logs
+//!   masked/                an empty read-only tmpfs: the source of restored sandboxes' masked dirs
 //!   pool/                  btrfs: a loop mount of pool.img, or a directory when <state> is btrfs
 //!     images/<name>        read-only subvolume: the image's root filesystem
 //!     images/<name>.json   image record
@@ -96,6 +97,11 @@ impl StateDir {
     /// Staging area for work in progress; cleared at daemon start.
     pub fn tmp(&self) -> PathBuf {
         self.pool().join("tmp")
+    }
+    /// An empty read-only tmpfs the daemon mounts here: restored and forked sandboxes get
+    /// their masked `/proc` directories as read-only binds of it (`crab_sandbox::profile`).
+    pub fn masked(&self) -> PathBuf {
+        self.root.join("masked")
     }
 }
 

@@ -830,29 +830,43 @@ impl Host {
         name: String,
         checkpoint: Option<String>,
     ) -> Result<Outcome, HostError> {
+        let t0 = std::time::Instant::now();
         let h = self.clone();
         let n = name.clone();
-        let (report, offset) = blocking(move || {
+        let (report, offset, t_attach) = blocking(move || {
             h.runtime.record(&n)?;
             let offset = h.point_offset(&n, checkpoint.as_deref())?;
             h.detach(&n);
             let r = h.checkpointer.restore(&n, checkpoint.as_deref());
+            let t_attach = std::time::Instant::now();
             // Whatever happened, the sandbox's (possibly new) cgroup is tracked again.
             h.attach(&n);
             h.policy.clear(&n);
             let r = r?;
             // It runs again: no longer only a holder of restore points.
             h.runtime.hold(&n, None)?;
-            Ok((r, offset))
+            Ok((r, offset, t_attach))
         })
         .await?;
+        let t_log = std::time::Instant::now();
         if let Some(off) = offset {
             // Replay: the agent's re-sent requests up to the point are answered from the log.
             if let Err(e) = self.coordinator.restored(&name, off, true).await {
                 tracing::warn!(sandbox = %name, error = %e, "could not rewind the conversation log");
             }
         }
+        let t_proxy = std::time::Instant::now();
         self.open_sandbox_proxy(&name).await;
+        // The host's share around the checkpointer (issue 15's end-to-end budget).
+        tracing::info!(
+            sandbox = %name,
+            checkpointer_ms = report.total_ms,
+            attach_ms = ms_between(t_attach, t_log),
+            log_ms = ms_between(t_log, t_proxy),
+            proxy_ms = t_proxy.elapsed().as_secs_f64() * 1e3,
+            total_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "restore answered"
+        );
         Ok(Outcome::Restored(report))
     }
 
@@ -1167,4 +1181,9 @@ fn criu_status() -> &'static FeatureStatus {
             Err(e) => FeatureStatus { available: false, reason: e.to_string() },
         }
     })
+}
+
+/// Milliseconds from `a` to `b`.
+fn ms_between(a: std::time::Instant, b: std::time::Instant) -> f64 {
+    b.saturating_duration_since(a).as_secs_f64() * 1e3
 }

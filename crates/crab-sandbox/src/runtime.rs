@@ -549,6 +549,15 @@ impl Runtime {
         Ok(())
     }
 
+    /// [`Runtime::update`] without fsync ([`crab_common::fsutil::write_replace`]): for what a
+    /// host crash makes stale anyway (a restored init's pid and start time).
+    pub fn update_lazy(&self, rec: SandboxRecord) -> Result<()> {
+        let rec = self.with_lease(&rec);
+        self.save_lazy(&rec)?;
+        self.lock().insert(rec.name.clone(), rec);
+        Ok(())
+    }
+
     /// Create the cgroup and start a fresh init on the sandbox's current root filesystem.
     /// Returns the init's host pid and start time.
     pub fn start_init(

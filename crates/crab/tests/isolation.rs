@@ -176,6 +176,16 @@ fn corpus(t: &Targets) -> Vec<(&'static str, String)> {
         ("read /proc/kcore", "head -c 1 /proc/kcore | grep -q .".into()),
         ("read /proc/timer_list", "head -c 1 /proc/timer_list | grep -q .".into()),
         ("read /proc/keys", "head -c 1 /proc/keys | grep -q .".into()),
+        // The masked directories stay empty and read-only, also as the daemon's read-only
+        // binds that a restore or fork puts there (profile::MASKED_MOUNT_KEY).
+        ("list masked /proc/acpi", "test -d /proc/acpi && ls -A /proc/acpi | grep -q .".into()),
+        ("write into masked /proc/acpi", "test -d /proc/acpi && touch /proc/acpi/x".into()),
+        // /dev/shm is a directory of /dev's tmpfs bound with nosuid,nodev,noexec.
+        ("exec from /dev/shm", "cp /bin/true /dev/shm/t && /dev/shm/t".into()),
+        (
+            "device node in /dev/shm",
+            "mknod /dev/shm/z c 1 5 && head -c 1 /dev/shm/z | wc -c | grep -q 1".into(),
+        ),
         ("ptrace a process outside", format!("python3 /root/attacks.py ptrace {}", t.outside_pid)),
         (
             "reach host loopback",

@@ -206,6 +206,7 @@ pub(super) async fn restore(
     json: bool,
 ) -> Result<ExitCode, ApiError> {
     let RestoreArgs { sandbox, checkpoint } = a;
+    let t = std::time::Instant::now();
     let v: crab_checkpoint::RestoreReport = client
         .call(
             Method::POST,
@@ -216,10 +217,13 @@ pub(super) async fn restore(
     if json {
         print_json(&v);
     } else {
+        // What the caller waited for (the API round trip, the daemon's work around the
+        // checkpointer included), then the checkpointer's own share.
         println!(
-            "restored {} to {} in {:.1} ms ({})",
+            "restored {} to {} in {:.1} ms (checkpointer {:.1} ms; {})",
             v.sandbox,
             v.point,
+            t.elapsed().as_secs_f64() * 1e3,
             v.total_ms,
             if v.processes_restored {
                 "files and processes"

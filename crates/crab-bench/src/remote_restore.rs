@@ -626,7 +626,8 @@ async fn measure(
             .iter()
             .find(|r| r.url.starts_with("s3:") == s3 && r.with_image == img && r.warm == warm)
     };
-    let (s3i, s3c, s3w) = (find(true, true, false), find(true, false, false), find(true, true, true));
+    let (s3i, s3c, s3w) =
+        (find(true, true, false), find(true, false, false), find(true, true, true));
     Ok(RemoteRestoreReport {
         options: opts.clone(),
         point: source,

@@ -16,6 +16,11 @@
 //!   job reports; while the bucket is in debt only skip jobs start, and a timer wakes the
 //!   scheduler when it refills.
 //!
+//! * Host work that is not a sandbox's job (exports to the durable tier) runs in the background
+//!   lane (`background.rs`): one task at a time, granted while no urgent job is queued or
+//!   running and no dump runs, told to pause when one appears. Each scheduling pass publishes
+//!   that condition to the lane.
+//!
 //! Executors run on tokio's blocking pool; a panicking executor fails its job, not the engine.
 
 use std::collections::{HashMap, HashSet, VecDeque};

@@ -289,17 +289,25 @@ impl RemoteTier {
                 // restore from the remote patches a local image instead of downloading it.
                 let (repo, state) = (self.repo.clone(), h.state().clone());
                 drop(h);
-                if index_loaded.is_none_or(|t| t.elapsed() >= INDEX_REFRESH) {
-                    match self.repo.refresh_index().await {
-                        Ok(()) => index_loaded = Some(Instant::now()),
-                        Err(e) => tracing::debug!(error = %e, "cannot refresh the remote's index"),
-                    }
-                }
+                let refresh = index_loaded.is_none_or(|t| t.elapsed() >= INDEX_REFRESH);
                 let handle = tokio::runtime::Handle::current();
-                let _ = tokio::task::spawn_blocking(move || {
-                    handle.block_on(hash_images(&repo, &state));
+                let refreshed = tokio::task::spawn_blocking(move || {
+                    handle.block_on(async {
+                        let res = match refresh {
+                            true => repo.refresh_index().await.map(|()| true),
+                            false => Ok(false),
+                        };
+                        hash_images(&repo, &state).await;
+                        res
+                    })
                 })
                 .await;
+                match refreshed {
+                    Ok(Ok(true)) => index_loaded = Some(Instant::now()),
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, "cannot refresh the remote's index"),
+                    Err(e) => tracing::warn!(error = %e, "the idle exporter's task died"),
+                }
                 drop(permit);
                 tokio::select! {
                     _ = self.wake.notified() => {}

@@ -454,7 +454,13 @@ impl Checkpointer {
         }
         for p in [old, staged] {
             if p.exists() {
-                self.fs.delete(&p).map_err(|e| CheckpointError::io("delete", &p, e))?;
+                // A restore's deferred deletion of its replaced root (`delete_later`) may
+                // remove it between the check and here: gone is what we want.
+                if let Err(e) = self.fs.delete(&p) {
+                    if p.exists() {
+                        return Err(CheckpointError::io("delete", &p, e));
+                    }
+                }
             }
         }
         ensure_thawed(&self.rt.cgroup(name), name)?;

@@ -59,10 +59,12 @@ def _lose_this_node(sandbox: str) -> str:
             time.sleep(0.05)
         except ProcessLookupError:
             break
-    pool = state / "pool"
-    if os.path.ismount(pool):
-        if subprocess.run(["umount", str(pool)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(pool)], check=False)
+    # The daemon's mounts in its state dir: the pool and the empty read-only tmpfs that masked
+    # paths are bound from.
+    for mount in (state / "pool", state / "masked"):
+        if os.path.ismount(mount):
+            if subprocess.run(["umount", str(mount)], check=False).returncode != 0:
+                subprocess.run(["umount", "-l", str(mount)], check=False)
     shutil.rmtree(state, ignore_errors=True)
     return str(state)
 

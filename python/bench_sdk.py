@@ -166,9 +166,9 @@ def lose(state: Path) -> None:
             time.sleep(0.05)
     except (OSError, ValueError):
         pass
-    pool = state / "pool"
-    if os.path.ismount(pool) and subprocess.run(["umount", str(pool)]).returncode != 0:
-        subprocess.run(["umount", "-l", str(pool)])
+    for mount in (state / "pool", state / "masked"):  # the daemon's mounts in its state dir
+        if os.path.ismount(mount) and subprocess.run(["umount", str(mount)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)])
     shutil.rmtree(state, ignore_errors=True)
 
 

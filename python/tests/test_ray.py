@@ -104,15 +104,17 @@ def stop_daemon(state: Path) -> None:
 
 
 def wipe(state: Path) -> None:
-    """Stop the test daemon on ``state`` and delete the state dir (its pool unmounted first):
+    """Stop the test daemon on ``state`` and delete the state dir (its mounts unmounted first):
     every run starts from fresh daemons, so a pool left broken by an earlier run (host disk
     full) cannot fail this one, and nothing stays on the host's disk afterwards."""
     stop_daemon(state)
-    pool = state / "pool"
-    if os.path.ismount(pool):
-        subprocess.run(["umount", str(pool)], check=False)
-        if os.path.ismount(pool):
-            subprocess.run(["umount", "-l", str(pool)], check=False)
+    # The daemon's mounts in its state dir: the pool and the empty read-only tmpfs that masked
+    # paths are bound from.
+    for mount in (state / "pool", state / "masked"):
+        if os.path.ismount(mount):
+            subprocess.run(["umount", str(mount)], check=False)
+            if os.path.ismount(mount):
+                subprocess.run(["umount", "-l", str(mount)], check=False)
     shutil.rmtree(state, ignore_errors=True)
 
 

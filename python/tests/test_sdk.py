@@ -63,9 +63,11 @@ def test_exec_stream_arrives_live_and_close_kills(sandbox: Sandbox) -> None:
     assert last.exit_code == 3
     # Leaving the stream early kills the command (the daemon sees the connection close).
     marker = unique("sleeper")
-    gen = sandbox.exec_stream(["sh", "-c", f"echo started; exec -a {marker} sleep 60"])
+    # bash: dash's `exec` has no `-a` (it failed at once, racing its error against "started").
+    gen = sandbox.exec_stream(["bash", "-c", f"echo started; exec -a {marker} sleep 60"])
     first = next(gen)
-    assert first.kind == "stdout"
+    assert first.kind == "stdout" and first.data == b"started\n", first
+    assert marker in sandbox.exec("ps -eo args").stdout, "the command is not running"
     gen.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -323,7 +323,11 @@ impl OtherDaemon {
             }
         }
         self.stop();
-        let _ = Command::new("umount").arg("-l").arg(self.state.join("pool")).status();
+        // The daemon's mounts in its state dir: the pool and the empty read-only tmpfs that
+        // masked paths are bound from.
+        for m in ["pool", "masked"] {
+            let _ = Command::new("umount").arg("-l").arg(self.state.join(m)).status();
+        }
         let _ = std::fs::remove_dir_all(&self.state);
     }
 }

@@ -190,24 +190,6 @@ pub struct Stage {
     pub ms: f64,
 }
 
-/// Times consecutive stages: each `mark` closes the stage that ran since the previous one.
-struct Stages {
-    last: Instant,
-    done: Vec<Stage>,
-}
-
-impl Stages {
-    fn new(start: Instant) -> Self {
-        Stages { last: start, done: Vec::new() }
-    }
-
-    fn mark(&mut self, name: &str) {
-        let now = Instant::now();
-        self.done.push(Stage { name: name.to_owned(), ms: ms(now - self.last) });
-        self.last = now;
-    }
-}
-
 /// One branch of a fork.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ForkBranch {
@@ -813,7 +795,7 @@ impl Checkpointer {
         progress: &dyn Progress,
     ) -> Result<RestoreReport> {
         let started = Instant::now();
-        let mut stages = Stages::new(started);
+        let mut stages = crab_common::stats::StageClock::starting(started);
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
@@ -940,7 +922,7 @@ impl Checkpointer {
             fs_ms,
             procs_ms: ms(t_p.elapsed()),
             total_ms: ms(started.elapsed()),
-            stages: stages.done,
+            stages: stages.into_stages().into_iter().map(|(name, ms)| Stage { name, ms }).collect(),
         };
         tracing::info!(
             sandbox,

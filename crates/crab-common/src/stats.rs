@@ -251,6 +251,45 @@ pub fn stage_summaries<'a>(turns: impl IntoIterator<Item = &'a Breakdown>) -> Ve
     out
 }
 
+/// Times the consecutive stages of one operation: each [`StageClock::mark`] closes the stage
+/// that ran since the previous mark (or the start). Stages timed elsewhere (one of two that
+/// ran side by side) are added with [`StageClock::add`]; [`StageClock::restart`] moves the
+/// clock past time already accounted for that way.
+#[derive(Debug, Clone)]
+pub struct StageClock {
+    at: std::time::Instant,
+    done: Vec<(String, f64)>,
+}
+
+impl StageClock {
+    /// A clock whose first stage began at `at`.
+    pub fn starting(at: std::time::Instant) -> Self {
+        StageClock { at, done: Vec::new() }
+    }
+
+    /// Close the stage that ran since the last mark, naming it `stage`.
+    pub fn mark(&mut self, stage: &str) {
+        let now = std::time::Instant::now();
+        self.done.push((stage.to_owned(), now.duration_since(self.at).as_secs_f64() * 1e3));
+        self.at = now;
+    }
+
+    /// Record a stage timed elsewhere, in ms, without moving the clock.
+    pub fn add(&mut self, stage: impl Into<String>, ms: f64) {
+        self.done.push((stage.into(), ms));
+    }
+
+    /// Let the next stage begin now (the time since the last mark is not recorded).
+    pub fn restart(&mut self) {
+        self.at = std::time::Instant::now();
+    }
+
+    /// The stages, in order: (name, ms).
+    pub fn into_stages(self) -> Vec<(String, f64)> {
+        self.done
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -382,5 +421,22 @@ mod tests {
         assert_eq!(median(&[1.013, -0.5, 1.02]), 1.013);
         assert_eq!(median(&[2.0, 1.0]), 1.0, "nearest rank");
         assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn stage_clock_marks_consecutive_stages_and_adds_outside_ones() {
+        let t0 = std::time::Instant::now() - std::time::Duration::from_millis(20);
+        let mut c = StageClock::starting(t0);
+        c.mark("first");
+        c.add("beside", 7.5);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        c.restart();
+        c.mark("second");
+        let st = c.into_stages();
+        let names: Vec<&str> = st.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["first", "beside", "second"]);
+        assert!(st[0].1 >= 20.0, "{st:?}");
+        assert_eq!(st[1].1, 7.5);
+        assert!(st[2].1 < 200.0, "restart skips the time before it: {st:?}");
     }
 }

@@ -952,7 +952,7 @@ impl Host {
         };
         crab_common::names::validate("sandbox", &sb)?;
         let t0 = std::time::Instant::now();
-        let mut clock = StageClock { at: t0, stages: Vec::new() };
+        let mut clock = crab_common::stats::StageClock::starting(t0);
         let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
         clock.mark("load_point");
         if !req.fs_only {
@@ -971,9 +971,9 @@ impl Host {
         .await
         .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
         .map_err(remote_error)?;
-        clock.at = std::time::Instant::now();
+        clock.restart();
         for (stage, ms) in &mat.stages {
-            clock.stages.push((format!("materialize_{stage}"), *ms));
+            clock.add(format!("materialize_{stage}"), *ms);
         }
         let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
         let h = self.clone();
@@ -1012,7 +1012,7 @@ impl Host {
             fetch_ms,
             total_ms: t0.elapsed().as_secs_f64() * 1e3,
             fs_only: req.fs_only,
-            stages: clock.stages,
+            stages: clock.into_stages(),
             branches,
         })))
     }
@@ -1141,20 +1141,6 @@ impl Host {
         if let Some(server) = old {
             server.shutdown().await;
         }
-    }
-}
-
-/// Consecutive stage times of one action, for its report.
-struct StageClock {
-    at: std::time::Instant,
-    stages: Vec<(String, f64)>,
-}
-
-impl StageClock {
-    fn mark(&mut self, stage: &str) {
-        let now = std::time::Instant::now();
-        self.stages.push((stage.to_string(), now.duration_since(self.at).as_secs_f64() * 1e3));
-        self.at = now;
     }
 }
 

@@ -70,25 +70,7 @@ pub struct Materialized {
     /// Where that time went: (stage, ms), in order (`index`, `manifest`, `fs_and_procs` — the
     /// wall time of `fs` and `procs`, which run side by side and follow it with their own
     /// times — `verify`, `conversation`).
-    pub stages: Vec<(&'static str, f64)>,
-}
-
-/// Stage timer of [`materialize`].
-struct Stages {
-    at: std::time::Instant,
-    done: Vec<(&'static str, f64)>,
-}
-
-impl Stages {
-    fn new() -> Self {
-        Stages { at: std::time::Instant::now(), done: Vec::new() }
-    }
-
-    fn mark(&mut self, stage: &'static str) {
-        let now = std::time::Instant::now();
-        self.done.push((stage, now.duration_since(self.at).as_secs_f64() * 1e3));
-        self.at = now;
-    }
+    pub stages: Vec<(String, f64)>,
 }
 
 fn remove_any(path: &Path) {
@@ -152,7 +134,7 @@ async fn materialize_inner(
             });
         }
     }
-    let mut stages = Stages::new();
+    let mut stages = crab_common::stats::StageClock::starting(std::time::Instant::now());
     repo.refresh_index().await?;
     stages.mark("index");
     let what = format!("point {}@{}", rec.sandbox, rec.point);
@@ -232,8 +214,8 @@ async fn materialize_inner(
     }
     // The two ran side by side: their own times, and the wall time as `fs_and_procs`.
     stages.mark("fs_and_procs");
-    stages.done.push(("fs", fs_ms));
-    stages.done.push(("procs", procs_ms));
+    stages.add("fs", fs_ms);
+    stages.add("procs", procs_ms);
     let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
     crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {
         op: "write manifest",
@@ -256,7 +238,7 @@ async fn materialize_inner(
         fetched: true,
         base_image,
         elapsed_ms: t0.elapsed().as_millis() as u64,
-        stages: stages.done,
+        stages: stages.into_stages(),
     })
 }
 

@@ -75,6 +75,10 @@ pub struct Config {
     /// A tmpfs directory where CRIU keeps its kernel-feature cache when the host's `/run` is
     /// not a tmpfs (see [`Criu::with_kdat_cache_dir`]); `None` lets CRIU probe on every run.
     pub criu_kdat_cache: Option<PathBuf>,
+    /// Dump with CRIU's `--track-mem`: the tree's soft-dirty bits are cleared at each dump,
+    /// while it is stopped. Only where the kernel has soft-dirty tracking (CRIU refuses it
+    /// elsewhere); the host sets it from its start-up probe.
+    pub track_mem: bool,
 }
 
 impl Default for Config {
@@ -88,6 +92,7 @@ impl Default for Config {
             freeze_fs_snapshots: true,
             cgroup_freezer: false,
             criu_kdat_cache: Some(PathBuf::from("/dev/shm/crab-criu-run")),
+            track_mem: false,
         }
     }
 }
@@ -299,6 +304,11 @@ impl Checkpointer {
     /// An engine over `rt`'s sandboxes, snapshotting with btrfs.
     pub fn new(rt: Arc<Runtime>, cfg: Config) -> Checkpointer {
         Checkpointer::with_fs(rt, cfg, Arc::new(BtrfsSnapshots))
+    }
+
+    /// Whether dumps clear the tree's soft-dirty bits ([`Config::track_mem`]).
+    pub fn track_mem(&self) -> bool {
+        self.cfg.track_mem
     }
 
     /// An engine with another snapshot implementation.
@@ -533,6 +543,7 @@ impl Checkpointer {
                     DumpOpts::new(i32::try_from(rec.init_pid).unwrap_or(i32::MAX), &images, &log);
                 opts.log_level = self.cfg.criu_log_level;
                 opts.leave_running = true;
+                opts.track_mem = self.cfg.track_mem;
                 opts.tcp_established = true;
                 // A connection still in a listen queue cannot be dumped; rather than fail the
                 // checkpoint, leave it out (its client sees a reset after a restore).

@@ -121,6 +121,10 @@ pub struct DumpOpts {
     pub enable_fs: Vec<String>,
     /// Seconds CRIU may take to freeze the tree.
     pub freeze_timeout_s: Option<u32>,
+    /// Clear the tree's soft-dirty bits at the dump, while it is stopped (CRIU's
+    /// `--track-mem`): a page written after this dump then shows the bit. Only where the
+    /// kernel has soft-dirty tracking ([`soft_dirty::probe`]); CRIU refuses it elsewhere.
+    pub track_mem: bool,
 }
 
 impl DumpOpts {
@@ -146,6 +150,7 @@ impl DumpOpts {
             skip_mnt: Vec::new(),
             enable_fs: Vec::new(),
             freeze_timeout_s: None,
+            track_mem: false,
         }
     }
 }

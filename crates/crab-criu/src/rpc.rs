@@ -149,6 +149,9 @@ pub struct Opts {
     /// Root directory of the restored tree.
     #[prost(string, optional, tag = "13")]
     pub root: Option<String>,
+    /// Clear soft-dirty bits at the dump (`--track-mem`), for later incremental dumps.
+    #[prost(bool, optional, tag = "15")]
+    pub track_mem: Option<bool>,
     /// Descriptor (in the caller) of the work directory (logs, stats).
     #[prost(int32, optional, tag = "17")]
     pub work_dir_fd: Option<i32>,

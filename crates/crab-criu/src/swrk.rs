@@ -565,6 +565,7 @@ pub(crate) fn dump(criu: &Criu, o: &DumpOpts, hook: Option<Hook<'_>>) -> Result<
         skip_mnt: o.skip_mnt.clone(),
         enable_fs: o.enable_fs.clone(),
         timeout: o.freeze_timeout_s,
+        track_mem: bool_opt(o.track_mem),
         ..dirs.opts(o.log_level)
     };
     let started = Instant::now();

@@ -189,6 +189,12 @@ pub enum Action {
         /// Sandbox name.
         name: String,
     },
+    /// The sandbox's declared harness changed its own state: the next decided checkpoint
+    /// dumps the processes (the turn policy's harness rule).
+    HarnessChanged {
+        /// Sandbox name.
+        name: String,
+    },
     /// Prometheus text of the proxy and the engine.
     Metrics,
     /// The live view of `crab top`.
@@ -254,6 +260,7 @@ impl Action {
             Action::Pause { .. } => "pause",
             Action::Conversation { .. } => "conversation",
             Action::Turn { .. } => "turn",
+            Action::HarnessChanged { .. } => "harness_changed",
             Action::Metrics => "metrics",
             Action::Top => "top",
             Action::RemoteList { .. } => "remote_list",
@@ -331,6 +338,15 @@ pub struct TurnMarked {
     pub checkpoint: String,
 }
 
+/// Answer of [`Action::HarnessChanged`].
+#[derive(Debug, Clone, Serialize)]
+pub struct HarnessMarked {
+    /// The sandbox.
+    pub sandbox: String,
+    /// Its next decided checkpoint dumps the processes (always true).
+    pub next_checkpoint_dumps: bool,
+}
+
 /// Answer of [`Action::Stop`] and [`Action::Start`].
 #[derive(Debug, Clone, Serialize)]
 pub struct Lifecycle {
@@ -397,6 +413,8 @@ pub enum Outcome {
     Conversation(Vec<LogRecord>),
     /// A turn marked.
     Turn(TurnMarked),
+    /// A harness change recorded.
+    HarnessMarked(HarnessMarked),
     /// Prometheus text.
     #[serde(skip)]
     Metrics(String),

@@ -88,7 +88,21 @@ impl CheckpointExecutor {
             "checkpoint job"
         );
         let t_call = Instant::now();
-        let m = self.checkpointer.checkpoint(&job.sandbox, req)?;
+        let m = match self.checkpointer.checkpoint(&job.sandbox, req) {
+            Ok(m) => m,
+            Err(e) => {
+                // A failed dump may have cleared soft-dirty bits with no image taken.
+                if kind.dumps_processes() {
+                    self.policy.soft_dirty_dumped(&job.sandbox, false);
+                }
+                return Err(e.into());
+            }
+        };
+        if kind.dumps_processes() {
+            // Policy rule 6: the bits were cleared at this dump (where the kernel has them).
+            let armed = self.checkpointer.track_mem() && m.procs.is_some();
+            self.policy.soft_dirty_dumped(&job.sandbox, armed);
+        }
         let call = t_call.elapsed();
         let stages = stages(&m.timings, kind, call, t0.elapsed());
         let summary = crab_checkpoint::PointSummary::of(&m);

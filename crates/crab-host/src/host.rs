@@ -34,8 +34,8 @@ use crab_sandbox::{image, Runtime, RuntimeConfig};
 use crate::glue::{CheckpointExecutor, Hooks, JobTicket, Payload, SandboxDir};
 use crate::remote::{remote_error, FromRemote, FromRemoteReport, RemoteOptions, RemoteTier};
 use crate::{
-    Action, Decision, HostError, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked,
-    TurnPolicy,
+    Action, Decision, HarnessMarked, HostError, Lifecycle, Outcome, PointView, Pruned, Taken,
+    TopView, TurnMarked, TurnPolicy,
 };
 
 /// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
@@ -254,7 +254,11 @@ impl Host {
             "soft-dirty page tracking"
         );
         let runtime = Arc::new(runtime);
-        let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), Default::default()));
+        // Where soft-dirty works, every dump clears the bits (CRIU's --track-mem), so the
+        // next turn can tell processes that ran from processes that changed (policy rule 6).
+        let config =
+            crab_checkpoint::Config { track_mem: soft_dirty.available, ..Default::default() };
+        let checkpointer = Arc::new(Checkpointer::new(runtime.clone(), config));
         let cp = checkpointer.clone();
         blocking(move || {
             cp.recover().map_err(|e| {
@@ -558,6 +562,14 @@ impl Host {
             Action::Fork { name, req } => self.fork(name, req).await,
             Action::Conversation { name, at } => self.conversation(name, at).await,
             Action::Turn { name } => self.turn(name).await,
+            Action::HarnessChanged { name } => {
+                self.runtime.record(&name)?;
+                self.policy.harness_changed(&name);
+                Ok(Outcome::HarnessMarked(HarnessMarked {
+                    sandbox: name,
+                    next_checkpoint_dumps: true,
+                }))
+            }
             Action::Metrics => {
                 let mut text = self.coordinator.metrics_text();
                 text.push_str(&self.engine.metrics_text());
@@ -703,7 +715,11 @@ impl Host {
             Err(e) => Err(format!("inspector unavailable ({})", e.0.message)),
         };
         let init_pid = self.runtime.record(name).ok().map(|r| r.init_pid);
-        self.policy.decide(name, verdict, init_pid, force_full)
+        // Rule 6 (soft-dirty) only where the kernel tracks written pages.
+        let read = |pid: u32| crab_criu::soft_dirty::process_dirty_pages(pid).ok();
+        let dirty: Option<&dyn Fn(u32) -> Option<usize>> =
+            if self.soft_dirty.available { Some(&read) } else { None };
+        self.policy.decide_with(name, verdict, init_pid, force_full, dirty)
     }
 
     /// Submit a checkpoint job for `name` carrying `decision`'s changeset.

@@ -19,7 +19,9 @@ mod host;
 mod policy;
 pub mod remote;
 
-pub use action::{Action, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked};
+pub use action::{
+    Action, HarnessMarked, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked,
+};
 pub use error::HostError;
 pub use host::{Host, HostOptions, IN_SANDBOX_PROXY};
 pub use policy::{Decision, TurnPolicy};

@@ -13,6 +13,16 @@
 //!    fails or cannot be started; a restore forgets it).
 //! 4. The base rule: a sandbox's first restore point must hold the filesystem (there is no
 //!    earlier snapshot to reference), so it is at least `fs` ([`TurnPolicy::base`]).
+//! 5. The harness rule: a declared harness's running never calls for a dump (the inspector
+//!    leaves it out), but a harness that holds state — a persistent shell whose `cd`, `export`
+//!    or job changed — can say so (`POST /v1/sandboxes/{name}/harness/changed`); the next
+//!    decided checkpoint then dumps the processes ([`TurnPolicy::harness_changed`]).
+//! 6. The soft-dirty rule, only where the kernel tracks soft-dirty pages (`crab version --json`
+//!    → `features.soft_dirty`; not on these hosts' kernels): dumps then clear the bits
+//!    (CRIU's `--track-mem`), and a verdict whose only process change is that processes ran
+//!    drops the dump when none of them wrote a page since the sandbox's last dump
+//!    ([`ignore_quiet`]). Armed per sandbox by a dump that succeeded with the bits cleared;
+//!    disarmed by a failed one and by a restore (its processes' pages are all freshly written).
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -36,6 +46,10 @@ pub struct Decision {
 pub struct TurnPolicy {
     /// Sandboxes whose last checkpoint failed: their next decided checkpoint is `full`.
     force_full: Mutex<HashSet<String>>,
+    /// Sandboxes whose harness said its state changed: their next decided checkpoint dumps.
+    harness_changed: Mutex<HashSet<String>>,
+    /// Sandboxes whose last dump cleared the soft-dirty bits of all their processes.
+    soft_dirty_armed: Mutex<HashSet<String>>,
 }
 
 impl TurnPolicy {
@@ -46,6 +60,31 @@ impl TurnPolicy {
 
     fn set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.force_full.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn harness_set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.harness_changed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn armed_set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.soft_dirty_armed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rule 6: `sandbox`'s dump just succeeded with its processes' soft-dirty bits cleared
+    /// (`armed`), or a dump of it failed (not armed: the bits may be cleared with no image
+    /// taken).
+    pub fn soft_dirty_dumped(&self, sandbox: &str, armed: bool) {
+        if armed {
+            self.armed_set().insert(sandbox.to_string());
+        } else {
+            self.armed_set().remove(sandbox);
+        }
+    }
+
+    /// Remember that `sandbox`'s declared harness changed its own state (rule 5): its next
+    /// decided checkpoint dumps the processes.
+    pub fn harness_changed(&self, sandbox: &str) {
+        self.harness_set().insert(sandbox.to_string());
     }
 
     /// Remember that `sandbox`'s last checkpoint failed (or could not be started).
@@ -59,9 +98,12 @@ impl TurnPolicy {
         self.set().insert(sandbox.to_string());
     }
 
-    /// Forget a pending forced full checkpoint (after a restore, or once taken).
+    /// Forget a pending forced full checkpoint and a pending harness change (after a restore,
+    /// or once taken: the harness's state is then the restored point's).
     pub fn clear(&self, sandbox: &str) {
         self.set().remove(sandbox);
+        self.harness_set().remove(sandbox);
+        self.armed_set().remove(sandbox);
     }
 
     /// Whether `sandbox`'s next checkpoint is forced full.
@@ -72,7 +114,7 @@ impl TurnPolicy {
     /// Decide the kind of `sandbox`'s checkpoint from the inspector's `verdict` (or why there
     /// is none). `init_pid` is the sandbox's init (for the init-only rule); `force_full` forces
     /// a full checkpoint (the caller knows the previous one failed). Consumes a recorded
-    /// failure.
+    /// failure and a recorded harness change.
     pub fn decide(
         &self,
         sandbox: &str,
@@ -80,7 +122,22 @@ impl TurnPolicy {
         init_pid: Option<u32>,
         force_full: bool,
     ) -> Decision {
+        self.decide_with(sandbox, verdict, init_pid, force_full, None)
+    }
+
+    /// [`TurnPolicy::decide`] with rule 6: `dirty` gives the pages a (host) pid wrote since
+    /// its bits were last cleared (`None`: unknown), passed only where soft-dirty works; used
+    /// only when `sandbox`'s last dump armed it.
+    pub fn decide_with(
+        &self,
+        sandbox: &str,
+        verdict: Result<Verdict, String>,
+        init_pid: Option<u32>,
+        force_full: bool,
+        dirty: Option<&dyn Fn(u32) -> Option<usize>>,
+    ) -> Decision {
         let forced = self.set().remove(sandbox) || force_full;
+        let harness = self.harness_set().remove(sandbox);
         let mut reasons = Vec::new();
         match verdict {
             Ok(mut v) => {
@@ -92,7 +149,19 @@ impl TurnPolicy {
                         );
                     }
                 }
+                if let Some(dirty) = dirty.filter(|_| self.armed_set().contains(sandbox)) {
+                    if ignore_quiet(&mut v, dirty) {
+                        reasons.push(
+                            "its processes ran but wrote no page since the last dump (soft-dirty)"
+                                .into(),
+                        );
+                    }
+                }
                 let mut kind = v.kind;
+                if harness && !kind.dumps_processes() {
+                    reasons.push("the sandbox's harness said its state changed".into());
+                    kind = kind.merge(CheckpointKind::Process);
+                }
                 if forced && kind != CheckpointKind::Full {
                     reasons.push("the previous checkpoint failed: taking a full one".into());
                     kind = CheckpointKind::Full;
@@ -123,6 +192,28 @@ pub fn ignore_init(v: &mut Verdict, init_pid: u32) -> bool {
     let p = &v.processes;
     let only_init = p.born.is_empty() && p.died.is_empty() && p.ran == [init_pid];
     if v.conservative || !only_init || !v.reasons.is_empty() {
+        return false;
+    }
+    v.processes.ran.clear();
+    v.kind = match v.kind {
+        CheckpointKind::Full => CheckpointKind::Fs,
+        CheckpointKind::Process => CheckpointKind::Skip,
+        other => other,
+    };
+    true
+}
+
+/// Rule 6: when the verdict's only process change is that processes ran (nothing born or died,
+/// no other reason, not conservative) and `dirty` says every one of them wrote no page since
+/// the last dump cleared its soft-dirty bits, drop the process part. A pid whose pages cannot
+/// be read (gone, too large) keeps the dump. Returns whether the verdict changed.
+pub fn ignore_quiet(v: &mut Verdict, dirty: &dyn Fn(u32) -> Option<usize>) -> bool {
+    let p = &v.processes;
+    let only_ran = p.born.is_empty() && p.died.is_empty() && !p.ran.is_empty();
+    if v.conservative || !only_ran || !v.reasons.is_empty() || !v.kind.dumps_processes() {
+        return false;
+    }
+    if !p.ran.iter().all(|&pid| dirty(pid) == Some(0)) {
         return false;
     }
     v.processes.ran.clear();
@@ -188,6 +279,83 @@ mod tests {
             assert!(d.reasons.is_empty());
             assert_eq!(d.verdict.map(|v| v.kind), Some(k));
         }
+    }
+
+    #[test]
+    fn a_harness_change_dumps_the_next_decided_checkpoint_once() {
+        let p = TurnPolicy::new();
+        p.harness_changed("s");
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Process, "{d:?}");
+        assert!(d.reasons[0].contains("harness"), "{d:?}");
+        // consumed: the next one is the verdict's again; a file change and a harness change
+        // make a full point
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Skip);
+        p.harness_changed("s");
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Full);
+        // another sandbox's change is not this one's; a restore forgets it
+        p.harness_changed("t");
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Skip);
+        p.clear("t");
+        let d = p.decide("t", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        assert_eq!(d.kind, CheckpointKind::Skip);
+    }
+
+    /// Pagemaps recorded on a soft-dirty kernel (see `crab_criu::soft_dirty`'s tests): entries
+    /// of a process that wrote nothing since the clear, and of one that wrote a page.
+    fn recorded_dirty(pid: u32) -> Option<usize> {
+        const CLEAN: u64 = 0xa100_0000_0012_3456;
+        const WRITTEN: u64 = 0xa180_0000_0012_3456;
+        let pagemap: &[u64] = match pid {
+            10 => &[CLEAN, CLEAN, 0],
+            11 => &[CLEAN, WRITTEN],
+            _ => return None, // gone
+        };
+        Some(crab_criu::soft_dirty::dirty_pages(pagemap))
+    }
+
+    #[test]
+    fn soft_dirty_drops_a_dump_of_processes_that_wrote_nothing_once_armed() {
+        let p = TurnPolicy::new();
+        let quiet = verdict(CheckpointKind::Process, vec![10], vec![]);
+        // not armed (no dump cleared the bits yet): the dump stays
+        let d = p.decide_with("s", Ok(quiet.clone()), None, false, Some(&recorded_dirty));
+        assert_eq!(d.kind, CheckpointKind::Process, "{d:?}");
+        p.soft_dirty_dumped("s", true);
+        let d = p.decide_with("s", Ok(quiet.clone()), None, false, Some(&recorded_dirty));
+        assert_eq!(d.kind, CheckpointKind::Skip, "{d:?}");
+        assert!(d.reasons[0].contains("soft-dirty"), "{d:?}");
+        // with file changes too: full becomes fs
+        let d = p.decide_with(
+            "s",
+            Ok(verdict(CheckpointKind::Full, vec![10], vec![])),
+            None,
+            false,
+            Some(&recorded_dirty),
+        );
+        assert_eq!(d.kind, CheckpointKind::Fs, "{d:?}");
+        // a written page, a pid that cannot be read, a birth: the dump stays
+        for v in [
+            verdict(CheckpointKind::Process, vec![10, 11], vec![]),
+            verdict(CheckpointKind::Process, vec![12], vec![]),
+            verdict(CheckpointKind::Process, vec![10], vec![13]),
+        ] {
+            let d = p.decide_with("s", Ok(v), None, false, Some(&recorded_dirty));
+            assert_eq!(d.kind, CheckpointKind::Process, "{d:?}");
+        }
+        // without soft-dirty (no reader), or disarmed by a failed dump or a restore
+        let d = p.decide_with("s", Ok(quiet.clone()), None, false, None);
+        assert_eq!(d.kind, CheckpointKind::Process);
+        p.soft_dirty_dumped("s", false);
+        let d = p.decide_with("s", Ok(quiet.clone()), None, false, Some(&recorded_dirty));
+        assert_eq!(d.kind, CheckpointKind::Process);
+        p.soft_dirty_dumped("s", true);
+        p.clear("s");
+        let d = p.decide_with("s", Ok(quiet), None, false, Some(&recorded_dirty));
+        assert_eq!(d.kind, CheckpointKind::Process);
     }
 
     #[test]

@@ -249,6 +249,43 @@ fn running_process_is_ran() {
     assert!(v.processes.ran.contains(&pid), "{v:?}");
 }
 
+/// Why "only timed waits returned" is not a reason to skip a dump (issue 16): a process whose
+/// only returning syscalls in a turn are `clock_nanosleep`s still changes state between them —
+/// here a counter kept in memory only, which it prints on `SIGUSR1`. Restoring an image taken
+/// before such a turn would lose the turn's increments, so the verdict must stay `process`.
+#[test]
+fn a_process_that_only_wakes_from_timed_waits_still_changed() {
+    let s = setup!("timed");
+    let py = python();
+    let script = format!(
+        "{py} -c \"import signal,sys,time\nn=0\ndef show(*a):\n  open('n','w').write(str(n))\nsignal.signal(signal.SIGUSR1, show)\nwhile True:\n  time.sleep(0.02)\n  n+=1\" > /dev/null 2>&1 & echo $!"
+    );
+    let pid: u32 = s.run(&script).trim().parse().unwrap();
+    settle(pid, "python");
+    let count = |s: &Sandbox| -> u64 {
+        let _ = std::fs::remove_file(s.path().join("n"));
+        Command::new("kill").args(["-USR1", &pid.to_string()]).status().unwrap();
+        for _ in 0..500 {
+            if let Ok(t) = std::fs::read_to_string(s.path().join("n")) {
+                if let Ok(n) = t.trim().parse() {
+                    return n;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("the counter never answered SIGUSR1");
+    };
+    let before = count(&s);
+    s.take();
+    // The turn: nothing but its timed waits return.
+    std::thread::sleep(Duration::from_millis(300));
+    let v = s.take();
+    let after = count(&s);
+    assert!(after > before, "the counter did not move: {before} -> {after}");
+    assert_eq!(v.kind, CheckpointKind::Process, "{v:?}");
+    assert!(v.processes.ran.contains(&pid), "{v:?}");
+}
+
 #[test]
 fn short_lived_processes_are_nothing() {
     let s = setup!("short");

@@ -3,7 +3,8 @@
 //! a log under its declared path) runs every turn gets `skip` turns while only the harness ran,
 //! where the same harness without the declaration makes every turn a dump; a turn where a
 //! non-harness process ran too is a process (or full) checkpoint, and restoring it brings back
-//! both, each with its memory.
+//! both, each with its memory. A harness that says its own state changed (`crab sandbox
+//! harness-changed`) gets one dump at the next decided checkpoint.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crab_testkit::daemon as common;
@@ -74,6 +75,18 @@ fn a_busy_harness_alone_is_skipped_and_dumped_with_the_rest() {
         let off = checkpoint(&plain, "auto");
         assert_ne!(kind_of(&off), "skip", "the undeclared harness made no change? {off}");
     }
+
+    // The harness says its own state changed: the next decided checkpoint dumps, once.
+    let marked = crab_ok(&["--json", "sandbox", "harness-changed", &sb.name]);
+    let marked: serde_json::Value = serde_json::from_str(&marked).unwrap();
+    assert_eq!(marked["next_checkpoint_dumps"], true, "{marked}");
+    let v = checkpoint(&sb, "auto");
+    assert_eq!(kind_of(&v), "process", "after a harness change: {v}");
+    assert!(v.to_string().contains("harness said its state changed"), "{v}");
+    let v = checkpoint(&sb, "auto");
+    assert_eq!(kind_of(&v), "skip", "the mark is consumed by one checkpoint: {v}");
+    let out = common::crab(&["sandbox", "harness-changed", "t-harness-nope"]);
+    assert!(!out.status.success(), "an unknown sandbox is refused: {out:?}");
 
     // A non-harness process: its birth, then its running, call for dumps.
     put(&sb, "/root/counter.py", COUNTER);

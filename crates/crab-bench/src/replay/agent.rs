@@ -140,14 +140,22 @@ const SESSION_NAME: &str = "replay";
 /// and a newline, on stderr followed by a newline. No command prints it.
 const SENTINEL: &str = "\u{1e}crab-replay-end-7f3c9a";
 
+/// How long a command that started a background job is given for that job's first output
+/// before its sentinel: a terminal harness reads the screen some time after the command, so a
+/// job's immediate output (`command not found`, a server's start-up error) is part of what the
+/// agent saw — and without a wait whether it lands before or after the sentinel is a race,
+/// which made fault-free runs of the same trajectory disagree.
+const JOB_SETTLE_S: &str = "0.5";
+
 /// Shell functions defined once per session: `__crab_read N` reads the next N bytes of the
-/// session's stdin (bytes: in the C locale) into `__crab_c`; `__crab_end RC` prints the
+/// session's stdin (bytes: in the C locale) into `__crab_c`; `__crab_end RC` waits
+/// [`JOB_SETTLE_S`] when the command started a background job (`$!` moved), prints the
 /// shell's state (working directory, umask, variables, functions, aliases, options, traps,
 /// jobs) after a `SENTINEL~` marker, then the sentinels.
 fn session_prelude() -> String {
     format!(
         "__crab_read() {{ local LC_ALL=C; IFS= read -r -N \"$1\" __crab_c; }}\n\
-         __crab_end() {{ printf '%s~' '{SENTINEL}'; \
+         __crab_end() {{ [ \"${{!-}}\" = \"$__crab_b\" ] || sleep {JOB_SETTLE_S}; printf '%s~' '{SENTINEL}'; \
          {{ pwd; umask; declare -p; declare -f; alias; set -o; shopt -p; trap -p; jobs -p; }} 2>/dev/null; \
          printf '%s:%d\\n' '{SENTINEL}' \"$1\"; printf '%s\\n' '{SENTINEL}' >&2; }}\n"
     )
@@ -156,11 +164,14 @@ fn session_prelude() -> String {
 /// One command as written to the session's stdin: its bytes are read by `__crab_read` (never
 /// parsed as part of the stream), then sourced in the session's shell from a here-string on fd
 /// 3 with stdin from `/dev/null`, so `cd`, `export` and shell variables persist and error
-/// messages name the command's own line (`line 1:`), not the session's input line.
+/// messages name the command's own line (`line 1:`), not the session's input line. `$!` is
+/// kept in `__crab_b` first, so `__crab_end` knows whether the command started a job.
 fn session_input(command: &str) -> Vec<u8> {
     let mut v = format!("__crab_read {}\n", command.len()).into_bytes();
     v.extend_from_slice(command.as_bytes());
-    v.extend_from_slice(b"\n. /dev/fd/3 3<<<\"$__crab_c\" </dev/null; __crab_end $?\n");
+    v.extend_from_slice(
+        b"\n__crab_b=${!-}; . /dev/fd/3 3<<<\"$__crab_c\" </dev/null; __crab_end $?\n",
+    );
     v
 }
 
@@ -182,6 +193,7 @@ const DYNAMIC: &[&str] = &[
     "SECONDS",
     "SRANDOM",
     "_",
+    "__crab_b",
     "__crab_c",
 ];
 

@@ -12,10 +12,19 @@
 //! - a path present in one reference only, whose generalised form (digit runs → `<n>`,
 //!   random-looking tokens such as the `ab12cd34` of `/tmp/tmpab12cd34` → `<r>`) equals that of
 //!   a path present in the other reference only, becomes that pattern;
-//! - a path under a `__pycache__` directory makes that directory a subtree pattern;
+//! - a path under a `__pycache__` directory, or under a `.git/objects` store (object names hash
+//!   commit times), makes that directory a subtree pattern;
 //! - any other differing path is excluded exactly (as before);
 //! - a conversation message that differs between the references is compared in its generalised
 //!   form when the two references agree in that form, and excluded only when they do not.
+//!
+//! Two rules are fixed rather than learned: a file under `/var/cache/` (regenerable by
+//! definition) is compared by presence and kind, not content ([`CACHE_DIR`]); a message line
+//! `write error: Broken pipe` (printed or not as a pipe's reader and writer race) is left out of
+//! both sides, counted in `racy_lines`. Python `tempfile` names (`tmp` + 8 of `[a-z0-9_]`) are
+//! random tokens even when all letters. And the second reference run
+//! starts with its pid counter moved on (see the replay's `PID_SHIFT`), so a pid a command
+//! prints differs between the references as it does after a recovery, and is learned.
 //!
 //! Every comparison reports how many paths each pattern excluded. Nothing else is excluded: a
 //! lost or extra file, a changed byte, a lost process or socket is a difference.
@@ -281,6 +290,11 @@ pub fn generalize(text: &str) -> String {
     let chars: Vec<char> = text.chars().collect();
     let mut i = 0;
     while i < chars.len() {
+        if let Some(n) = python_tempname(&chars, i) {
+            out.push_str("tmp<r>");
+            i += n;
+            continue;
+        }
         if !chars[i].is_ascii_alphanumeric() {
             out.push(chars[i]);
             i += 1;
@@ -308,6 +322,20 @@ pub fn generalize(text: &str) -> String {
     out
 }
 
+/// The length of a Python `tempfile` name at `chars[i]` (`tmp` + 8 of `[a-z0-9_]`, e.g.
+/// `tmpkqzbwt_e`, `tmphd900lm_`), if one starts there: a name of letters only, or split by its
+/// `_`, is not a random-looking token to [`random_token`], yet is as random.
+fn python_tempname(chars: &[char], i: usize) -> Option<usize> {
+    let name_char = |c: &char| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_';
+    let starts_word = i == 0 || !(chars[i - 1].is_ascii_alphanumeric() || chars[i - 1] == '_');
+    if !starts_word || chars.get(i..i + 3)? != ['t', 'm', 'p'] {
+        return None;
+    }
+    let rest = chars.get(i + 3..i + 11)?;
+    let ends = chars.get(i + 11).is_none_or(|c| !name_char(c));
+    (rest.iter().all(name_char) && ends).then_some(11)
+}
+
 /// Whether `path` falls under pattern `pat` (a generalised path, or `dir/**`).
 fn matches(pat: &str, path: &str) -> bool {
     if let Some(dir) = pat.strip_suffix("/**") {
@@ -318,6 +346,13 @@ fn matches(pat: &str, path: &str) -> bool {
     generalize(path) == pat
 }
 
+/// The `.git/objects` directory a path is in, if any: a content-addressed store whose object
+/// names hash contents that hold commit times, so two runs that commit write different names.
+fn git_objects_dir(path: &str) -> Option<&str> {
+    let i = path.find("/.git/objects/")?;
+    Some(&path[..i + "/.git/objects".len()])
+}
+
 /// The `__pycache__` directory a path is in or is, if any.
 fn pycache_dir(path: &str) -> Option<&str> {
     let i = path.find("/__pycache__")?;
@@ -326,11 +361,31 @@ fn pycache_dir(path: &str) -> Option<&str> {
     (rest.is_empty() || rest.starts_with('/')).then_some(&path[..end])
 }
 
+/// A line a command prints or not depending on scheduling alone: a writer into a pipe whose
+/// reader already exited (`yes | head -1`, `echo … | grep -q`) gets `EPIPE` — and bash says
+/// `write error: Broken pipe` — only when the reader won the race.
+const RACY_LINE: &str = "write error: Broken pipe";
+
+/// A conversation message without its [`RACY_LINE`] lines (itself when it has none).
+fn without_racy_lines(m: &Value) -> std::borrow::Cow<'_, Value> {
+    match m.get("content").and_then(Value::as_str) {
+        Some(c) if c.contains(RACY_LINE) => {
+            let kept: Vec<&str> = c.split('\n').filter(|l| !l.contains(RACY_LINE)).collect();
+            let mut m = m.clone();
+            m["content"] = Value::String(kept.join("\n"));
+            std::borrow::Cow::Owned(m)
+        }
+        _ => std::borrow::Cow::Borrowed(m),
+    }
+}
+
 /// Learn the noise from two fault-free runs.
 pub fn learn(a: &State, b: &State) -> Noise {
     let mut noise = Noise::default();
     for i in 0..a.conversation.len().max(b.conversation.len()) {
-        let (x, y) = (a.conversation.get(i), b.conversation.get(i));
+        let x = a.conversation.get(i).map(without_racy_lines);
+        let y = b.conversation.get(i).map(without_racy_lines);
+        let (x, y) = (x.as_deref(), y.as_deref());
         if x == y {
             continue;
         }
@@ -346,7 +401,7 @@ pub fn learn(a: &State, b: &State) -> Noise {
     let only_b: BTreeSet<String> =
         b.files.keys().filter(|k| !a.files.contains_key(*k)).map(|k| generalize(k)).collect();
     for p in differing_paths(&a.files, &b.files) {
-        if let Some(d) = pycache_dir(&p) {
+        if let Some(d) = pycache_dir(&p).or_else(|| git_objects_dir(&p)) {
             noise.patterns.insert(format!("{d}/**"));
             continue;
         }
@@ -386,6 +441,8 @@ pub struct Diff {
     pub excluded: BTreeMap<String, usize>,
     /// Conversation messages excluded (differing in the references even generalised).
     pub excluded_messages: usize,
+    /// Conversation messages equal once their `write error: Broken pipe` lines are left out.
+    pub racy_lines: usize,
 }
 
 impl Diff {
@@ -402,6 +459,16 @@ impl Diff {
     }
 }
 
+/// Where regenerable caches live (FHS: "data cached for applications ... the application must
+/// be able to regenerate or restore the data"): a file there is compared by presence and kind,
+/// never by content. apt rebuilds `/var/cache/apt/pkgcache.bin` or not depending on whether its
+/// inputs' mtimes fall in the same second as the cache's, so two fault-free runs of one
+/// trajectory end with either of two caches (seen on Terminal-Bench's `apt-get` tasks).
+pub const CACHE_DIR: &str = "/var/cache/";
+
+/// What [`compare`] reports as excluding the content of a file under [`CACHE_DIR`].
+pub const CACHE_CONTENT: &str = "/var/cache/** (content)";
+
 /// Compare `run` with `reference`, excluding `noise`.
 pub fn compare(reference: &State, run: &State, noise: &Noise) -> Diff {
     let mut d = Diff::default();
@@ -409,6 +476,14 @@ pub fn compare(reference: &State, run: &State, noise: &Noise) -> Diff {
         if let Some(by) = noise.excludes(&p) {
             *d.excluded.entry(by.to_string()).or_default() += 1;
             continue;
+        }
+        if let (true, Some(a), Some(b)) =
+            (p.starts_with(CACHE_DIR), reference.files.get(&p), run.files.get(&p))
+        {
+            if a.kind == b.kind {
+                *d.excluded.entry(CACHE_CONTENT.to_string()).or_default() += 1;
+                continue;
+            }
         }
         let what = match (reference.files.get(&p), run.files.get(&p)) {
             (Some(_), None) => "missing",
@@ -432,6 +507,11 @@ pub fn compare(reference: &State, run: &State, noise: &Noise) -> Diff {
     } else {
         for (i, (a, b)) in reference.conversation.iter().zip(&run.conversation).enumerate() {
             if a == b {
+                continue;
+            }
+            let (a, b) = (without_racy_lines(a), without_racy_lines(b));
+            if a == b {
+                d.racy_lines += 1;
                 continue;
             }
             if noise.messages.contains(&i) {
@@ -507,6 +587,45 @@ mod tests {
                 .map(|c| serde_json::json!({"role": "tool", "content": c}))
                 .collect(),
         }
+    }
+
+    #[test]
+    fn python_tempnames_git_objects_and_broken_pipes_are_noise_and_nothing_more() {
+        // letters-only and underscore-split tempfile names generalise like mixed ones
+        for n in ["/tmp/tmplltzgacv/src", "/tmp/tmphd900lm_/src", "/tmp/tmpk_qzbwte/src"] {
+            assert_eq!(generalize(n), "/tmp/tmp<r>/src", "{n}");
+        }
+        assert_eq!(generalize("tmpfile tmp1 attempt"), "tmpfile tmp<n> attempt");
+        // references that committed differently: the objects store is a subtree pattern
+        let a = state(&[("/r/.git/objects/6a/fa55", "x"), ("/r/f", "1")], &[], &["x"]);
+        let b = state(&[("/r/.git/objects/76/0b12", "y"), ("/r/f", "1")], &[], &["x"]);
+        let noise = learn(&a, &b);
+        assert!(noise.patterns.contains("/r/.git/objects/**"), "{noise:?}");
+        let run = state(&[("/r/.git/objects/f1/ba8c", "z"), ("/r/f", "1")], &[], &["x"]);
+        assert!(compare(&a, &run, &noise).is_equal());
+        let lost = state(&[("/r/.git/objects/f1/ba8c", "z")], &[], &["x"]);
+        assert!(!compare(&a, &lost, &noise).is_equal(), "a lost work-tree file is caught");
+        // a broken-pipe line alone is not a difference; another changed line is
+        let piped = state(&[], &[], &["out\nbash: line 1: echo: write error: Broken pipe\nend"]);
+        let quiet = state(&[], &[], &["out\nend"]);
+        let d = compare(&piped, &quiet, &Noise::default());
+        assert!(d.is_equal() && d.racy_lines == 1, "{d:?}");
+        let other = state(&[], &[], &["out\nEND"]);
+        assert!(!compare(&piped, &other, &Noise::default()).is_equal());
+    }
+
+    #[test]
+    fn cache_content_is_not_state_but_a_lost_cache_file_is_a_difference() {
+        let r = state(&[("/var/cache/apt/pkgcache.bin", "a"), ("/app/x", "1")], &[], &[]);
+        let run = state(&[("/var/cache/apt/pkgcache.bin", "b"), ("/app/x", "1")], &[], &[]);
+        let d = compare(&r, &run, &Noise::default());
+        assert!(d.is_equal(), "{d:?}");
+        assert_eq!(d.excluded.get(CACHE_CONTENT), Some(&1), "{d:?}");
+        // gone, or a changed byte outside the cache, is still caught
+        let lost = state(&[("/app/x", "1")], &[], &[]);
+        assert!(!compare(&r, &lost, &Noise::default()).is_equal());
+        let changed = state(&[("/var/cache/apt/pkgcache.bin", "a"), ("/app/x", "2")], &[], &[]);
+        assert!(!compare(&r, &changed, &Noise::default()).is_equal());
     }
 
     #[test]

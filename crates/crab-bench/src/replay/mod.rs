@@ -246,7 +246,9 @@ pub async fn run(
     }
     // The second references go last, and each starts its first turn at least a minute after the
     // first reference's: wall-clock output (`ls -la` times, `date`) then differs between the two
-    // and is learned as noise, instead of depending on whether a trial crossed a minute.
+    // and is learned as noise, instead of depending on whether a trial crossed a minute. Each
+    // also starts with its sandbox's pid counter moved on ([`PID_SHIFT`]): a pid a command prints
+    // (`echo $!`) then differs between the two as it does after any recovery.
     for i in 0..trajs.len() {
         jobs.push_back(Job {
             traj: i,
@@ -522,10 +524,24 @@ fn fault_turns(ctx: &Ctx, traj: usize) -> Vec<usize> {
 
 /// Create the sandbox and its environment for a trajectory: `/testbed`, the working directory,
 /// the persistent shell. Through the proxy, the sandbox gets `method`'s checkpoint policy.
-async fn setup(ctx: &Ctx, traj: usize, name: &str, method: Method) -> Result<(), ApiError> {
+/// Processes the second reference's sandbox forks (and reaps) before its trajectory starts, so
+/// its pids differ from the first reference's (a fresh pid namespace allocates them in order).
+const PID_SHIFT: usize = 37;
+
+async fn setup(
+    ctx: &Ctx,
+    traj: usize,
+    name: &str,
+    method: Method,
+    shift_pids: bool,
+) -> Result<(), ApiError> {
     let t = &ctx.trajs[traj];
     let policy = ctx.opts.proxy.as_ref().map(|_| method.checkpoint_policy());
     sandbox::create_with_policy(&ctx.client, &ctx.opts.image, name, policy).await?;
+    if shift_pids {
+        let burn = format!("i=0; while [ $i -lt {PID_SHIFT} ]; do /bin/true; i=$((i+1)); done");
+        sandbox::sh_ok(&ctx.client, name, &burn, 30.0).await?;
+    }
     if let Some(tar) = ctx.testbeds.get(&traj) {
         let (tar, root) = (tar.clone(), ctx.state_dir.sandbox_rootfs(name));
         tokio::task::spawn_blocking(move || testbed::install(&tar, &root))
@@ -560,7 +576,11 @@ pub(crate) async fn take_checkpoint(
 
 async fn run_one(ctx: &Ctx, job: &Job) -> RunResult {
     let serial = ctx.serial.fetch_add(1, Ordering::Relaxed);
-    let name = format!("rp-{}-{serial}-{}", ctx.run_tag, job.method.name());
+    // The name is the sandbox's hostname, which commands print (`hostname`, a prompt): it must
+    // not say which method ran, or every run would differ from the references by that word.
+    // The serial differs from run to run like a pid, and is learned as such.
+    let name = format!("rp-{}-{serial}", ctx.run_tag);
+    tracing::debug!(sandbox = %name, method = job.method.name(), pass = job.pass.name(), "replay run");
     let script = ctx.scripts[job.traj].clone();
     ctx.llm.register(&name, script);
     let mut r = RunResult::default();
@@ -612,7 +632,7 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
             m.insert(job.traj, std::time::SystemTime::now());
         }
     }
-    setup(ctx, job.traj, name, job.method).await?;
+    setup(ctx, job.traj, name, job.method, job.pass == Pass::Reference2).await?;
     if job.pass == Pass::Reference2 {
         wait_for_reference_gap(ctx, job.traj).await;
     }
@@ -634,6 +654,14 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
             Some("auto") if t.shell_state && agent::take_state_changed(name).await => Some("full"),
             k => k,
         };
+        // Through the proxy the daemon decides; the harness tells it its state changed.
+        if via_proxy
+            && job.method.checkpoint_policy() == "auto"
+            && t.shell_state
+            && agent::take_state_changed(name).await
+        {
+            sandbox::harness_changed(client, name).await?;
+        }
         let (answer, point) = tokio::join!(agent::ask(&url, name, &conv), async {
             match kind {
                 Some(k) => Some(take_checkpoint(client, name, k, turn, conv.len()).await),
@@ -682,11 +710,11 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
                 }
                 Recovery::Recreate => {
                     sandbox::remove(client, name).await?;
-                    setup(ctx, job.traj, name, job.method).await?;
+                    setup(ctx, job.traj, name, job.method, false).await?;
                 }
                 Recovery::StartOver => {
                     sandbox::remove(client, name).await?;
-                    setup(ctx, job.traj, name, job.method).await?;
+                    setup(ctx, job.traj, name, job.method, false).await?;
                     conv = agent::initial_conversation(&t.id, wd);
                     points.clear();
                 }

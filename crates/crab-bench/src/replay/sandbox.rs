@@ -60,20 +60,24 @@ pub async fn create_with(
         name: Some(name.to_string()),
         privileged,
         checkpoint_policy: policy.map(str::to_string),
-        // The persistent session's shell is the instrument's (see `agent`), declared when the
-        // replay takes the checkpoints itself and can ask for a dump when the shell's state
-        // changed; through the proxy nothing can, so its running counts there.
+        // The persistent session's shell is the instrument's (see `agent`): declared, and a
+        // turn that changed its state asks for a dump (`full` through the API, or
+        // `POST .../harness/changed` before the request through the proxy).
         harness: crab_common::api::HarnessSpec {
-            cmd: if policy.is_none() {
-                vec![super::agent::SESSION_HARNESS.into()]
-            } else {
-                Vec::new()
-            },
+            cmd: vec![super::agent::SESSION_HARNESS.into()],
             paths: Vec::new(),
         },
         ..SandboxCreateRequest::new(image)
     };
     client.call(Method::POST, "/v1/sandboxes", Some(&req)).await
+}
+
+/// `POST /v1/sandboxes/{name}/harness/changed`: the session's shell changed its state.
+pub async fn harness_changed(client: &Client, name: &str) -> Result<(), ApiError> {
+    let _: Value = client
+        .call::<(), _>(Method::POST, &format!("/v1/sandboxes/{name}/harness/changed"), None)
+        .await?;
+    Ok(())
 }
 
 /// Remove sandbox `name` (forcefully); a missing sandbox is fine.

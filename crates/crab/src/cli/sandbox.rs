@@ -82,6 +82,12 @@ pub(super) enum SandboxCmd {
         #[arg(long, value_name = "POLICY", value_parser = ["auto", "full", "fs", "none"])]
         checkpoint_policy: Option<String>,
     },
+    /// Say that the sandbox's declared harness changed its own state (a persistent shell's
+    /// `cd`, `export`, job): its next `auto` checkpoint dumps the processes once.
+    HarnessChanged {
+        /// Sandbox name.
+        name: String,
+    },
     /// List sandboxes.
     Ls,
     /// Show one sandbox.
@@ -176,6 +182,16 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                 print_json(&s);
             } else {
                 println!("{}: checkpoint policy {}", s.name, s.checkpoint_policy);
+            }
+        }
+        SandboxCmd::HarnessChanged { name } => {
+            let v: serde_json::Value = client
+                .call::<(), _>(Method::POST, &format!("/v1/sandboxes/{name}/harness/changed"), None)
+                .await?;
+            if json {
+                print_json(&v);
+            } else {
+                println!("{name}: the next checkpoint dumps the processes");
             }
         }
         SandboxCmd::Ls => {

@@ -48,6 +48,7 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/sandboxes/{name}/fork", post(checkpoints::fork))
         .route("/v1/sandboxes/{name}/conversation", get(checkpoints::conversation))
         .route("/v1/sandboxes/{name}/turns", post(checkpoints::turn))
+        .route("/v1/sandboxes/{name}/harness/changed", post(checkpoints::harness_changed))
         .route("/v1/metrics", get(metrics))
         .route("/metrics", get(metrics))
         .route("/v1/top", get(top))

@@ -66,3 +66,9 @@ pub async fn conversation(
 pub async fn turn(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
     render(h.execute(Action::Turn { name }).await)
 }
+
+/// `POST /v1/sandboxes/{name}/harness/changed`: the sandbox's declared harness changed its own
+/// state (a persistent shell's `cd`, `export`, job); its next decided checkpoint dumps.
+pub async fn harness_changed(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
+    render(h.execute(Action::HarnessChanged { name }).await)
+}

@@ -400,8 +400,7 @@ async fn run_in_session(
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs_f64(timeout_s);
     let b64 = base64::engine::general_purpose::STANDARD;
     let finish = |out: Vec<u8>, err: Vec<u8>, code: i32, timed_out: bool| {
-        let mut output = out.clone();
-        output.extend_from_slice(&err);
+        let output = sandbox::merge(&out, &err);
         sandbox::ExecOutput {
             output,
             stdout: out,

@@ -163,9 +163,25 @@ pub async fn exec(
     let (code, timed_out) = exit.ok_or_else(|| {
         ApiError::internal(format!("exec in sandbox {name} ended without an exit frame"))
     })?;
-    let mut output = stdout.clone();
-    output.extend_from_slice(&stderr);
+    let output = merge(&stdout, &stderr);
     Ok(ExecOutput { output, stdout, stderr, code, timed_out, ms: t.elapsed().as_secs_f64() * 1e3 })
+}
+
+/// A command's observation: its stdout, then its stderr's lines in sorted order. The streams
+/// are never interleaved by arrival, and within stderr the order of lines is not the command's
+/// either: every process of a pipeline writes it at once (`find … | tr …` reporting errors),
+/// in whatever order the scheduler runs them, so two fault-free runs disagree on it.
+pub fn merge(stdout: &[u8], stderr: &[u8]) -> Vec<u8> {
+    let mut output = stdout.to_vec();
+    let mut lines: Vec<&[u8]> = stderr.split_inclusive(|&b| b == b'\n').collect();
+    lines.sort_unstable();
+    for l in lines {
+        output.extend_from_slice(l);
+        if l.last() != Some(&b'\n') {
+            output.push(b'\n');
+        }
+    }
+    output
 }
 
 /// `sh -c script` in the sandbox; fails unless it exits 0.
@@ -445,6 +461,16 @@ pub async fn kill_and_restart_daemon(client: &Client) -> Result<(), ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stderr_lines_are_merged_in_one_order_whatever_their_arrival() {
+        let a = merge(b"out\n", b"tr: bad range\nfind: no dir\n");
+        let b = merge(b"out\n", b"find: no dir\ntr: bad range\n");
+        assert_eq!(a, b);
+        assert_eq!(a, b"out\nfind: no dir\ntr: bad range\n");
+        assert_eq!(merge(b"o", b""), b"o");
+        assert_eq!(merge(b"", b"e"), b"e\n");
+    }
 
     #[test]
     fn traffic_counts_each_part_once() {

@@ -98,6 +98,7 @@ class LlmHandler(http.server.BaseHTTPRequestHandler):
         run = body.get("user") or self.headers.get("x-crab-replay-run") or ""
         script = self.server.scripts.get(run)
         if script is None or not self.path.endswith("/chat/completions"):
+            print(f"llm: no run for {self.path} (user {run!r}, keys {sorted(body)})", file=sys.stderr)
             self.send_response(404)
             self.end_headers()
             self.wfile.write(b'{"error": {"message": "unknown run or path"}}')
@@ -216,7 +217,12 @@ def main() -> None:
                     "environment": {"environment_class": "local", "cwd": "/root", "timeout": 60},
                     "model": {
                         "model_name": "openai/crab-bench",
-                        "model_kwargs": {"api_base": "http://127.0.0.1:7431/v1", "user": name},
+                        # the run key as a header (LiteLLM drops `user` here); it passes
+                        # through Crab's proxy untouched
+                        "model_kwargs": {
+                            "api_base": "http://127.0.0.1:7431/v1",
+                            "extra_headers": {"x-crab-replay-run": name},
+                        },
                         "cost_tracking": "ignore_errors",
                     },
                 }

@@ -194,13 +194,18 @@ pub fn ignore_init(v: &mut Verdict, init_pid: u32) -> bool {
     if v.conservative || !only_init || !v.reasons.is_empty() {
         return false;
     }
+    drop_process_part(v);
+    true
+}
+
+/// The verdict without its process part: nothing ran, and the kind keeps only its files.
+fn drop_process_part(v: &mut Verdict) {
     v.processes.ran.clear();
     v.kind = match v.kind {
         CheckpointKind::Full => CheckpointKind::Fs,
         CheckpointKind::Process => CheckpointKind::Skip,
         other => other,
     };
-    true
 }
 
 /// Rule 6: when the verdict's only process change is that processes ran (nothing born or died,
@@ -216,12 +221,7 @@ pub fn ignore_quiet(v: &mut Verdict, dirty: &dyn Fn(u32) -> Option<usize>) -> bo
     if !p.ran.iter().all(|&pid| dirty(pid) == Some(0)) {
         return false;
     }
-    v.processes.ran.clear();
-    v.kind = match v.kind {
-        CheckpointKind::Full => CheckpointKind::Fs,
-        CheckpointKind::Process => CheckpointKind::Skip,
-        other => other,
-    };
+    drop_process_part(v);
     true
 }
 

@@ -522,12 +522,13 @@ fn fault_turns(ctx: &Ctx, traj: usize) -> Vec<usize> {
     faults.into_iter().collect()
 }
 
-/// Create the sandbox and its environment for a trajectory: `/testbed`, the working directory,
-/// the persistent shell. Through the proxy, the sandbox gets `method`'s checkpoint policy.
 /// Processes the second reference's sandbox forks (and reaps) before its trajectory starts, so
 /// its pids differ from the first reference's (a fresh pid namespace allocates them in order).
 const PID_SHIFT: usize = 37;
 
+/// Create the sandbox and its environment for a trajectory: `/testbed`, the working directory,
+/// the persistent shell. Through the proxy, the sandbox gets `method`'s checkpoint policy;
+/// `shift_pids` (the second reference) moves its pid counter on first.
 async fn setup(
     ctx: &Ctx,
     traj: usize,

@@ -88,21 +88,14 @@ impl CheckpointExecutor {
             "checkpoint job"
         );
         let t_call = Instant::now();
-        let m = match self.checkpointer.checkpoint(&job.sandbox, req) {
-            Ok(m) => m,
-            Err(e) => {
-                // A failed dump may have cleared soft-dirty bits with no image taken.
-                if kind.dumps_processes() {
-                    self.policy.soft_dirty_dumped(&job.sandbox, false);
-                }
-                return Err(e.into());
-            }
-        };
+        let r = self.checkpointer.checkpoint(&job.sandbox, req);
         if kind.dumps_processes() {
-            // Policy rule 6: the bits were cleared at this dump (where the kernel has them).
-            let armed = self.checkpointer.track_mem() && m.procs.is_some();
+            // Policy rule 6: armed when this dump cleared the bits (where the kernel has them);
+            // a failed dump may have cleared them with no image taken.
+            let armed = matches!(&r, Ok(m) if self.checkpointer.track_mem() && m.procs.is_some());
             self.policy.soft_dirty_dumped(&job.sandbox, armed);
         }
+        let m = r?;
         let call = t_call.elapsed();
         let stages = stages(&m.timings, kind, call, t0.elapsed());
         let summary = crab_checkpoint::PointSummary::of(&m);

@@ -27,6 +27,7 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
+use crab_common::sync::lock;
 use crab_common::CheckpointKind;
 use crab_inspector::Verdict;
 
@@ -58,57 +59,45 @@ impl TurnPolicy {
         TurnPolicy::default()
     }
 
-    fn set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        self.force_full.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn harness_set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        self.harness_changed.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn armed_set(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        self.soft_dirty_armed.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Rule 6: `sandbox`'s dump just succeeded with its processes' soft-dirty bits cleared
     /// (`armed`), or a dump of it failed (not armed: the bits may be cleared with no image
     /// taken).
     pub fn soft_dirty_dumped(&self, sandbox: &str, armed: bool) {
         if armed {
-            self.armed_set().insert(sandbox.to_string());
+            lock(&self.soft_dirty_armed).insert(sandbox.to_string());
         } else {
-            self.armed_set().remove(sandbox);
+            lock(&self.soft_dirty_armed).remove(sandbox);
         }
     }
 
     /// Remember that `sandbox`'s declared harness changed its own state (rule 5): its next
     /// decided checkpoint dumps the processes.
     pub fn harness_changed(&self, sandbox: &str) {
-        self.harness_set().insert(sandbox.to_string());
+        lock(&self.harness_changed).insert(sandbox.to_string());
     }
 
     /// Remember that `sandbox`'s last checkpoint failed (or could not be started).
     pub fn failed(&self, sandbox: &str) {
-        self.set().insert(sandbox.to_string());
+        lock(&self.force_full).insert(sandbox.to_string());
     }
 
     /// Force `sandbox`'s next decided checkpoint full (e.g. after its checkpoint policy went
     /// from `fs` or `none` back to `auto`: its newest process image may be stale).
     pub fn force_full(&self, sandbox: &str) {
-        self.set().insert(sandbox.to_string());
+        lock(&self.force_full).insert(sandbox.to_string());
     }
 
     /// Forget a pending forced full checkpoint and a pending harness change (after a restore,
     /// or once taken: the harness's state is then the restored point's).
     pub fn clear(&self, sandbox: &str) {
-        self.set().remove(sandbox);
-        self.harness_set().remove(sandbox);
-        self.armed_set().remove(sandbox);
+        lock(&self.force_full).remove(sandbox);
+        lock(&self.harness_changed).remove(sandbox);
+        lock(&self.soft_dirty_armed).remove(sandbox);
     }
 
     /// Whether `sandbox`'s next checkpoint is forced full.
     pub fn is_forced(&self, sandbox: &str) -> bool {
-        self.set().contains(sandbox)
+        lock(&self.force_full).contains(sandbox)
     }
 
     /// Decide the kind of `sandbox`'s checkpoint from the inspector's `verdict` (or why there
@@ -136,8 +125,8 @@ impl TurnPolicy {
         force_full: bool,
         dirty: Option<&dyn Fn(u32) -> Option<usize>>,
     ) -> Decision {
-        let forced = self.set().remove(sandbox) || force_full;
-        let harness = self.harness_set().remove(sandbox);
+        let forced = lock(&self.force_full).remove(sandbox) || force_full;
+        let harness = lock(&self.harness_changed).remove(sandbox);
         let mut reasons = Vec::new();
         match verdict {
             Ok(mut v) => {
@@ -149,7 +138,9 @@ impl TurnPolicy {
                         );
                     }
                 }
-                if let Some(dirty) = dirty.filter(|_| self.armed_set().contains(sandbox)) {
+                if let Some(dirty) =
+                    dirty.filter(|_| lock(&self.soft_dirty_armed).contains(sandbox))
+                {
                     if ignore_quiet(&mut v, dirty) {
                         reasons.push(
                             "its processes ran but wrote no page since the last dump (soft-dirty)"

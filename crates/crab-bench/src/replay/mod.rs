@@ -648,19 +648,17 @@ async fn replay(ctx: &Ctx, job: &Job, name: &str, r: &mut RunResult) -> Result<(
             break;
         }
         let tb = Instant::now();
-        let kind = if via_proxy { None } else { job.method.checkpoint_kind() };
         // The session's shell is the sandbox's harness: a turn that changed its state (a
-        // `cd`, an `export`, a job) asks for a dump itself.
-        let kind = match kind {
-            Some("auto") if t.shell_state && agent::take_state_changed(name).await => Some("full"),
+        // `cd`, an `export`, a job) asks for a dump itself — `full` instead of `auto` through
+        // the API, or, through the proxy where the daemon decides, by saying so first.
+        let auto = job.method.checkpoint_kind() == Some("auto");
+        let changed = auto && t.shell_state && agent::take_state_changed(name).await;
+        let kind = match job.method.checkpoint_kind() {
+            _ if via_proxy => None,
+            Some("auto") if changed => Some("full"),
             k => k,
         };
-        // Through the proxy the daemon decides; the harness tells it its state changed.
-        if via_proxy
-            && job.method.checkpoint_policy() == "auto"
-            && t.shell_state
-            && agent::take_state_changed(name).await
-        {
+        if via_proxy && changed {
             sandbox::harness_changed(client, name).await?;
         }
         let (answer, point) = tokio::join!(agent::ask(&url, name, &conv), async {

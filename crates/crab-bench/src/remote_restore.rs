@@ -403,6 +403,18 @@ async fn remote_arm(
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         hash_ms = ms(t);
+        // A node that holds the image has it on disk: without this flush the first btrfs
+        // snapshot of the just-imported image (the patch's base) waits for its ≈ 500 MB of
+        // writeback, seconds that belong to the import, not to a restore.
+        let pool = b.state().join("pool");
+        blocking("flush the imported image", move || {
+            let st = Command::new("sync").arg("-f").arg(&pool).status();
+            match st {
+                Ok(s) if s.success() => Ok(()),
+                other => Err(ApiError::internal(format!("sync -f {}: {other:?}", pool.display()))),
+            }
+        })
+        .await??;
         if v.warm {
             // The idle exporter loaded the index before it hashed the image (same idle pass).
             let w = "warmup";

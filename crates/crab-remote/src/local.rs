@@ -150,6 +150,8 @@ async fn materialize_inner(
     // overlap (each part's file writes run between the other's network waits).
     let fs_part = async {
         let t = std::time::Instant::now();
+        // (snapshot or new subvolume, patch or download, rename and seal), ms
+        let mut split = (0.0, 0.0, 0.0);
         let mut base_image = None;
         if let (Some(fs), Some(tree)) = (&m.fs, &rec.fs) {
             let dst = store.fs_path(fs.id);
@@ -169,6 +171,7 @@ async fn materialize_inner(
                     path: tmp.clone(),
                     source: std::io::Error::other(e.to_string()),
                 })?;
+                split.0 = t.elapsed().as_secs_f64() * 1e3;
                 let fs_what = format!("{what} filesystem");
                 let res = match &base {
                     Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
@@ -178,6 +181,7 @@ async fn materialize_inner(
                     remove_any(&tmp);
                     return Err(e);
                 }
+                split.1 = t.elapsed().as_secs_f64() * 1e3 - split.0;
                 std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
                 crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
                     op: "set read-only",
@@ -185,9 +189,10 @@ async fn materialize_inner(
                     source: std::io::Error::other(e.to_string()),
                 })?;
                 base_image = base.and(rec.image.as_ref().map(|i| i.name.clone()));
+                split.2 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1;
             }
         }
-        Ok::<_, RemoteError>((base_image, t.elapsed().as_secs_f64() * 1e3))
+        Ok::<_, RemoteError>((base_image, t.elapsed().as_secs_f64() * 1e3, split))
     };
     let procs_part = async {
         let t = std::time::Instant::now();
@@ -208,13 +213,16 @@ async fn materialize_inner(
         Ok::<_, RemoteError>(t.elapsed().as_secs_f64() * 1e3)
     };
     let (fs_res, procs_res) = futures::join!(fs_part, procs_part);
-    let ((base_image, fs_ms), procs_ms) = (fs_res?, procs_res?);
+    let ((base_image, fs_ms, fs_split), procs_ms) = (fs_res?, procs_res?);
     if fs_only {
         m.procs = None;
     }
     // The two ran side by side: their own times, and the wall time as `fs_and_procs`.
     stages.mark("fs_and_procs");
     stages.add("fs", fs_ms);
+    stages.add("fs_subvolume", fs_split.0);
+    stages.add("fs_tree", fs_split.1);
+    stages.add("fs_seal", fs_split.2);
     stages.add("procs", procs_ms);
     let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
     crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {

@@ -20,8 +20,9 @@
 //!
 //! Two rules are fixed rather than learned: a file under `/var/cache/` (regenerable by
 //! definition) is compared by presence and kind, not content ([`CACHE_DIR`]); a message line
-//! `write error: Broken pipe` (printed or not as a pipe's reader and writer race) is left out of
-//! both sides, counted in `racy_lines`. Python `tempfile` names (`tmp` + 8 of `[a-z0-9_]`) are
+//! reporting `EPIPE` (`write error: Broken pipe`, awk's `close failed on file /dev/stdout (Broken
+//! pipe)`: printed or not as a pipe's reader and writer race) is left out of both sides, counted
+//! in `racy_lines`. Python `tempfile` names (`tmp` + 8 of `[a-z0-9_]`) are
 //! random tokens even when all letters. And the second reference run
 //! starts with its pid counter moved on (see the replay's `PID_SHIFT`), so a pid a command
 //! prints differs between the references as it does after a recovery, and is learned.
@@ -362,9 +363,11 @@ fn pycache_dir(path: &str) -> Option<&str> {
 }
 
 /// A line a command prints or not depending on scheduling alone: a writer into a pipe whose
-/// reader already exited (`yes | head -1`, `echo … | grep -q`) gets `EPIPE` — and bash says
-/// `write error: Broken pipe` — only when the reader won the race.
-const RACY_LINE: &str = "write error: Broken pipe";
+/// reader already exited (`yes | head -1`, `echo … | grep -q`, `awk … | tr` with a failing `tr`)
+/// gets `EPIPE` only when the reader won the race — and bash says `write error: Broken pipe`,
+/// awk `close failed on file /dev/stdout (Broken pipe)`. `strerror(EPIPE)` is the mark: any line
+/// carrying it reports that race, whichever program printed it.
+const RACY_LINE: &str = "Broken pipe";
 
 /// A conversation message without its [`RACY_LINE`] lines (itself when it has none).
 fn without_racy_lines(m: &Value) -> std::borrow::Cow<'_, Value> {
@@ -441,7 +444,7 @@ pub struct Diff {
     pub excluded: BTreeMap<String, usize>,
     /// Conversation messages excluded (differing in the references even generalised).
     pub excluded_messages: usize,
-    /// Conversation messages equal once their `write error: Broken pipe` lines are left out.
+    /// Conversation messages equal once their `Broken pipe` (`EPIPE`) lines are left out.
     pub racy_lines: usize,
 }
 
@@ -612,6 +615,13 @@ mod tests {
         assert!(d.is_equal() && d.racy_lines == 1, "{d:?}");
         let other = state(&[], &[], &["out\nEND"]);
         assert!(!compare(&piped, &other, &Noise::default()).is_equal());
+        // awk's report of the same race is the same noise; a lost output line beside it is not
+        let awk =
+            state(&[], &[], &["out\nawk: close failed on file /dev/stdout (Broken pipe)\nend"]);
+        let d = compare(&awk, &quiet, &Noise::default());
+        assert!(d.is_equal() && d.racy_lines == 1, "{d:?}");
+        let lost = state(&[], &[], &["awk: close failed on file /dev/stdout (Broken pipe)\nend"]);
+        assert!(!compare(&lost, &quiet, &Noise::default()).is_equal());
     }
 
     #[test]

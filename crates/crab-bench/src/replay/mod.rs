@@ -498,6 +498,12 @@ fn aggregate(
         via_proxy: ctx.opts.proxy.is_some(),
         methods: rows,
         trials,
+        llm_wait_ms: Summary::of(
+            &ctx.scripts
+                .iter()
+                .flat_map(|s| s.latency.iter().map(|d| d.as_secs_f64() * 1e3))
+                .collect::<Vec<_>>(),
+        ),
         wall_s: started.elapsed().as_secs_f64(),
     }
 }

@@ -167,6 +167,8 @@ pub struct ReplayReport {
     pub methods: Vec<MethodReport>,
     /// Every run.
     pub trials: Vec<TrialReport>,
+    /// The LLM wait of every scripted turn (ms), what exposed latency is a share of.
+    pub llm_wait_ms: Summary,
     /// Wall time of the whole replay, s.
     pub wall_s: f64,
 }
@@ -229,6 +231,21 @@ impl ReplayReport {
             self.sandboxes,
             self.wall_s
         );
+        let wait = self.llm_wait_ms.p50;
+        if wait > 0.0 {
+            let shares: Vec<String> = self
+                .methods
+                .iter()
+                .filter(|r| r.exposed_ms.n > 0)
+                .map(|r| format!("{} {:.1}%", r.method, 100.0 * r.exposed_ms.p95 / wait))
+                .collect();
+            let _ = writeln!(
+                s,
+                "  median LLM wait {:.0} ms; exposed p95 as a share of it: {}",
+                wait,
+                shares.join(", ")
+            );
+        }
         for r in &self.methods {
             if r.exposed_breakdown.is_empty() {
                 continue;
@@ -586,6 +603,7 @@ mod tests {
             via_proxy: false,
             methods,
             trials,
+            llm_wait_ms: Summary::of(&[1000.0]),
             wall_s: 1.0,
         }
     }

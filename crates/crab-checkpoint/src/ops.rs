@@ -204,6 +204,9 @@ pub struct ForkBranch {
     pub init_pid: u32,
     /// Wall time of this branch in ms.
     pub ms: f64,
+    /// That time by stage (snapshot, quota, origin_point, cgroup, processes, record), ms.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<(String, f64)>,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -1183,13 +1186,43 @@ impl Checkpointer {
         fs_only: bool,
         progress: &dyn Progress,
     ) -> Result<Vec<ForkBranch>> {
+        self.fork_inner(sandbox, point, count, names, fs_only, false, progress)
+    }
+
+    /// [`Checkpointer::fork`] of a point the caller has just verified (one it materialized
+    /// from a remote store and checked with [`Store::verify_and_sync`]): its images are not
+    /// hashed a second time. `fs_only` as in [`Checkpointer::fork_files_or_all`].
+    pub fn fork_verified(
+        &self,
+        sandbox: &str,
+        point: &str,
+        count: usize,
+        names: Option<Vec<String>>,
+        fs_only: bool,
+    ) -> Result<Vec<ForkBranch>> {
+        self.fork_inner(sandbox, Some(point), count, names, fs_only, true, &NoProgress)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fork_inner(
+        &self,
+        sandbox: &str,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+        fs_only: bool,
+        verified: bool,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
         if count == 0 || count > 256 {
             return Err(CheckpointError::Invalid("--count must be between 1 and 256".into()));
         }
         let store = self.store(sandbox)?;
         let mut m = store.resolve(point)?;
-        progress.stage("verify", None);
-        store.verify(&m)?;
+        if !verified {
+            progress.stage("verify", None);
+            store.verify(&m)?;
+        }
         if fs_only {
             m.procs = None;
         }
@@ -1344,9 +1377,14 @@ impl Checkpointer {
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
         match result {
-            Ok(pid) => {
+            Ok((pid, stages)) => {
                 tracing::info!(sandbox = name, from = %origin.sandbox, point = %origin.point, "fork branch up");
-                Ok(ForkBranch { sandbox: name.to_owned(), init_pid: pid, ms: ms(t.elapsed()) })
+                Ok(ForkBranch {
+                    sandbox: name.to_owned(),
+                    init_pid: pid,
+                    ms: ms(t.elapsed()),
+                    stages,
+                })
             }
             Err(e) => {
                 tracing::warn!(sandbox = name, error = %e, "fork branch failed; removing it");
@@ -1409,7 +1447,8 @@ impl Checkpointer {
     }
 
     /// Build branch `rec.name` (whose directory exists) from point `m` of `store`: its root,
-    /// its first restore point, its cgroup, its processes; then record it as running.
+    /// its first restore point, its cgroup, its processes; then record it as running. Returns
+    /// its init's pid and the time of each of those stages, ms.
     #[allow(clippy::too_many_arguments)]
     fn fork_into(
         &self,
@@ -1420,24 +1459,29 @@ impl Checkpointer {
         src: &SandboxRecord,
         criu: Option<&Criu>,
         rec: &mut SandboxRecord,
-    ) -> Result<u32> {
+    ) -> Result<(u32, Vec<(String, f64)>)> {
         let name = rec.name.clone();
         let name = name.as_str();
         let state = self.rt.state();
         let rootfs = state.sandbox_rootfs(name);
+        let mut clock = crab_common::stats::StageClock::starting(Instant::now());
         self.fs
             .snapshot(&store.fs_path(fs.id), &rootfs, false)
             .map_err(|e| CheckpointError::io("snapshot", &rootfs, e))?;
+        clock.mark("snapshot");
         // A branch inherits its source's disk quota (its record carries `src.limits`).
         self.rt.limit_disk(&rootfs, &src.limits).map_err(sandbox_err(name))?;
+        clock.mark("quota");
         personalize(&rootfs, name).map_err(sandbox_err(name))?;
         let mut meta = src.clone();
         meta.name = name.to_owned();
         meta.hostname = name.to_owned();
         meta.cgroup = rec.cgroup.clone();
         let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
+        clock.mark("origin_point");
         let cg = self.rt.cgroup(name);
         cg.create_for(&src.limits, &src.profile).map_err(cg_err(name))?;
+        clock.mark("cgroup");
         if src.net == NetMode::Nat {
             // The branch's own address, from its source's range.
             let range = src.nat.as_ref().map(|l| l.range.as_str());
@@ -1488,6 +1532,7 @@ impl Checkpointer {
                     .0
             }
         };
+        clock.mark("processes");
         rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
             sandbox: name.to_owned(),
             message: format!("the restored init {pid} died right after the restore"),
@@ -1495,7 +1540,8 @@ impl Checkpointer {
         rec.init_pid = pid;
         rec.created_at = now_ms() / 1000;
         self.rt.update(rec.clone()).map_err(sandbox_err(name))?;
-        Ok(pid)
+        clock.mark("record");
+        Ok((pid, clock.into_stages()))
     }
 }
 

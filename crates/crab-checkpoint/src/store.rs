@@ -502,6 +502,20 @@ impl Store {
         Ok(())
     }
 
+    /// [`Store::verify`] with, side by side, one `syncfs` of the pool: for parts put in place
+    /// outside a staging (a point materialized from a remote store), so that the manifest
+    /// written next only ever points at files that are on disk.
+    pub fn verify_and_sync(&self, m: &Manifest) -> Result<()> {
+        std::thread::scope(|scope| {
+            let sync = scope.spawn(|| syncfs(&self.dir));
+            let verified = self.verify(m);
+            let synced = sync.join().unwrap_or_else(|_| {
+                Err(CheckpointError::Invalid("the syncfs thread panicked".into()))
+            });
+            verified.and(synced)
+        })
+    }
+
     /// Begin a checkpoint: new parts are staged under `tmp/` until [`Staging::publish`].
     pub fn begin(&self) -> Staging<'_> {
         Staging { store: self, proc: None, fs: None, published: false }

@@ -993,10 +993,10 @@ impl Host {
         }
         let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
         let h = self.clone();
-        let (sb2, pid, count, names) =
-            (sb.clone(), rec.point.clone(), req.count, req.names.clone());
+        let (sb2, pid, count, names, fs_only) =
+            (sb.clone(), rec.point.clone(), req.count, req.names.clone(), req.fs_only);
         let branches = blocking(move || {
-            let b = h.checkpointer.fork(&sb2, Some(&pid), count, names)?;
+            let b = h.checkpointer.fork_verified(&sb2, &pid, count, names, fs_only)?;
             for x in &b {
                 h.attach(&x.sandbox);
             }
@@ -1004,6 +1004,12 @@ impl Host {
         })
         .await?;
         clock.mark("fork");
+        // The first branch's own split (the branches run side by side).
+        if let Some(b) = branches.first() {
+            for (stage, ms) in &b.stages {
+                clock.add(format!("fork_{stage}"), *ms);
+            }
+        }
         for b in &branches {
             if let (Some(log), Some(off)) = (&mat.conversation, mat.manifest.conversation_offset) {
                 let path = self.state().sandbox_dir(&b.sandbox).join("conversation.log");

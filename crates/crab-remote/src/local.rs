@@ -224,17 +224,22 @@ async fn materialize_inner(
     stages.add("fs_tree", fs_split.1);
     stages.add("fs_seal", fs_split.2);
     stages.add("procs", procs_ms);
+    // The image files' SHA-256s recorded by the dumping host, checked on this one, while the
+    // pool is flushed: the manifest goes in only over parts that match it and are on disk.
+    // Parts that do not match are removed, so that a retry downloads them again.
+    if let Err(e) = store.verify_and_sync(&m) {
+        if let Some(p) = &m.procs {
+            remove_any(&store.proc_dir(p.id));
+        }
+        return Err(RemoteError::corrupt(format!("{what} (as materialized)"), e.to_string()));
+    }
+    stages.mark("verify");
     let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
     crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {
         op: "write manifest",
         path: mpath.clone(),
         source: std::io::Error::other(e.to_string()),
     })?;
-    // The image files' SHA-256s recorded by the dumping host, checked on this one.
-    store
-        .verify(&m)
-        .map_err(|e| RemoteError::corrupt(format!("{what} (as materialized)"), e.to_string()))?;
-    stages.mark("verify");
     let conversation = match &rec.conversation {
         Some(c) => Some(repo.read_content(c, &format!("{what} conversation")).await?),
         None => None,

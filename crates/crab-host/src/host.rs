@@ -307,6 +307,9 @@ impl Host {
         if let Some(t) = &host.remote {
             tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
             tokio::spawn(t.clone().run(Arc::downgrade(&host)));
+            // A restore from the remote compares CRIU's version: asked now, not on the first
+            // restore's path.
+            tokio::task::spawn_blocking(criu_version);
         }
         let proxy = host.coordinator.bind().await.map_err(|e| {
             HostError::internal(format!("starting the LLM proxy on {}: {e}", opts.proxy.listen))

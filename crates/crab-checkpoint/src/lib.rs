@@ -20,7 +20,7 @@ pub mod store;
 pub use error::{CheckpointError, Result};
 pub use manifest::{FsId, Manifest, PointId, ProcId, Timings};
 pub use ops::{
-    BtrfsSnapshots, CheckpointRequest, Checkpointer, Config, ForkBranch, PointSummary,
+    BtrfsSnapshots, CheckpointRequest, Checkpointer, Config, ForkBranch, ForkOptions, PointSummary,
     RestoreReport, Stage,
 };
 pub use snapfs::{CopyFs, SnapshotFs};

@@ -195,6 +195,16 @@ pub struct Stage {
     pub ms: f64,
 }
 
+/// How [`Checkpointer::fork_files_or_all`] treats its point.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ForkOptions {
+    /// The branches get the point's files and a fresh init, not its processes.
+    pub fs_only: bool,
+    /// The caller has just verified the point (one it materialized from a remote store and
+    /// checked with [`Store::verify_and_sync`]): its images are not hashed a second time.
+    pub verified: bool,
+}
+
 /// One branch of a fork.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ForkBranch {
@@ -1172,46 +1182,18 @@ impl Checkpointer {
         names: Option<Vec<String>>,
         progress: &dyn Progress,
     ) -> Result<Vec<ForkBranch>> {
-        self.fork_files_or_all(sandbox, point, count, names, false, progress)
+        self.fork_files_or_all(sandbox, point, count, names, ForkOptions::default(), progress)
     }
 
-    /// [`Checkpointer::fork_with_progress`]; with `fs_only`, the branches get the point's files
-    /// and a fresh init, not its processes (an E2B filesystem snapshot).
+    /// [`Checkpointer::fork_with_progress`] with [`ForkOptions`]: with `fs_only`, the branches
+    /// get the point's files and a fresh init, not its processes (an E2B filesystem snapshot).
     pub fn fork_files_or_all(
         &self,
         sandbox: &str,
         point: Option<&str>,
         count: usize,
         names: Option<Vec<String>>,
-        fs_only: bool,
-        progress: &dyn Progress,
-    ) -> Result<Vec<ForkBranch>> {
-        self.fork_inner(sandbox, point, count, names, fs_only, false, progress)
-    }
-
-    /// [`Checkpointer::fork`] of a point the caller has just verified (one it materialized
-    /// from a remote store and checked with [`Store::verify_and_sync`]): its images are not
-    /// hashed a second time. `fs_only` as in [`Checkpointer::fork_files_or_all`].
-    pub fn fork_verified(
-        &self,
-        sandbox: &str,
-        point: &str,
-        count: usize,
-        names: Option<Vec<String>>,
-        fs_only: bool,
-    ) -> Result<Vec<ForkBranch>> {
-        self.fork_inner(sandbox, Some(point), count, names, fs_only, true, &NoProgress)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn fork_inner(
-        &self,
-        sandbox: &str,
-        point: Option<&str>,
-        count: usize,
-        names: Option<Vec<String>>,
-        fs_only: bool,
-        verified: bool,
+        opts: ForkOptions,
         progress: &dyn Progress,
     ) -> Result<Vec<ForkBranch>> {
         if count == 0 || count > 256 {
@@ -1219,11 +1201,11 @@ impl Checkpointer {
         }
         let store = self.store(sandbox)?;
         let mut m = store.resolve(point)?;
-        if !verified {
+        if !opts.verified {
             progress.stage("verify", None);
             store.verify(&m)?;
         }
-        if fs_only {
+        if opts.fs_only {
             m.procs = None;
         }
         let fs = m.fs.clone().ok_or_else(|| {

@@ -943,7 +943,7 @@ impl Host {
                 req.checkpoint.as_deref(),
                 req.count,
                 req.names,
-                req.fs_only,
+                crab_checkpoint::ForkOptions { fs_only: req.fs_only, verified: false },
                 &crab_common::NoProgress,
             )?;
             for b in &branches {
@@ -999,7 +999,16 @@ impl Host {
         let (sb2, pid, count, names, fs_only) =
             (sb.clone(), rec.point.clone(), req.count, req.names.clone(), req.fs_only);
         let branches = blocking(move || {
-            let b = h.checkpointer.fork_verified(&sb2, &pid, count, names, fs_only)?;
+            // The materialization verified the images it wrote (or found).
+            let opts = crab_checkpoint::ForkOptions { fs_only, verified: true };
+            let b = h.checkpointer.fork_files_or_all(
+                &sb2,
+                Some(&pid),
+                count,
+                names,
+                opts,
+                &crab_common::NoProgress,
+            )?;
             for x in &b {
                 h.attach(&x.sandbox);
             }

@@ -208,12 +208,13 @@ async fn materialize_inner(
                     return Err(e);
                 }
                 std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
+                return Ok((t.elapsed().as_secs_f64() * 1e3, true));
             }
         }
-        Ok::<_, RemoteError>(t.elapsed().as_secs_f64() * 1e3)
+        Ok::<_, RemoteError>((t.elapsed().as_secs_f64() * 1e3, false))
     };
     let (fs_res, procs_res) = futures::join!(fs_part, procs_part);
-    let ((base_image, fs_ms, fs_split), procs_ms) = (fs_res?, procs_res?);
+    let ((base_image, fs_ms, fs_split), (procs_ms, procs_fetched)) = (fs_res?, procs_res?);
     if fs_only {
         m.procs = None;
     }
@@ -226,9 +227,10 @@ async fn materialize_inner(
     stages.add("procs", procs_ms);
     // The image files' SHA-256s recorded by the dumping host, checked on this one, while the
     // pool is flushed: the manifest goes in only over parts that match it and are on disk.
-    // Parts that do not match are removed, so that a retry downloads them again.
+    // Images this call downloaded are removed when they fail, so that a retry downloads them
+    // again (images that were here before are left as they are).
     if let Err(e) = store.verify_and_sync(&m) {
-        if let Some(p) = &m.procs {
+        if let (true, Some(p)) = (procs_fetched, &m.procs) {
             remove_any(&store.proc_dir(p.id));
         }
         return Err(RemoteError::corrupt(format!("{what} (as materialized)"), e.to_string()));

@@ -219,6 +219,28 @@ fn syncfs(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `work`, with (when `sync`) one `syncfs` of the filesystem holding `dir` running beside it on
+/// a thread of its own: `work`'s result and the flush's time in µs (0 without one). A failure
+/// of `work` comes first, then the flush's.
+fn beside_syncfs<T>(dir: &Path, sync: bool, work: impl FnOnce() -> Result<T>) -> Result<(T, u64)> {
+    std::thread::scope(|scope| {
+        let flush = sync.then(|| {
+            scope.spawn(|| {
+                let t = Instant::now();
+                syncfs(dir).map(|()| us(t.elapsed()))
+            })
+        });
+        let out = work();
+        let flushed = match flush {
+            Some(h) => h.join().unwrap_or_else(|_| {
+                Err(CheckpointError::Invalid("the syncfs thread panicked".into()))
+            }),
+            None => Ok(0),
+        };
+        Ok((out?, flushed?))
+    })
+}
+
 impl Store {
     fn create_dirs(dir: &Path) -> Result<()> {
         for sub in ["points", "procs", "fs", "tmp"] {
@@ -506,14 +528,7 @@ impl Store {
     /// outside a staging (a point materialized from a remote store), so that the manifest
     /// written next only ever points at files that are on disk.
     pub fn verify_and_sync(&self, m: &Manifest) -> Result<()> {
-        std::thread::scope(|scope| {
-            let sync = scope.spawn(|| syncfs(&self.dir));
-            let verified = self.verify(m);
-            let synced = sync.join().unwrap_or_else(|_| {
-                Err(CheckpointError::Invalid("the syncfs thread panicked".into()))
-            });
-            verified.and(synced)
-        })
+        beside_syncfs(&self.dir, true, || self.verify(m)).map(|((), _)| ())
     }
 
     /// Begin a checkpoint: new parts are staged under `tmp/` until [`Staging::publish`].
@@ -763,13 +778,7 @@ impl Staging<'_> {
 
         // Image files must be durable before a manifest can point at them: one syncfs of the
         // pool, overlapped with hashing them (both only read what CRIU wrote).
-        let (procs, hash_us, sync_us) = std::thread::scope(|scope| -> Result<_> {
-            let sync = self.proc.as_ref().map(|_| {
-                scope.spawn(|| {
-                    let t = Instant::now();
-                    syncfs(&store.dir).map(|()| us(t.elapsed()))
-                })
-            });
+        let ((procs, hash_us), sync_us) = beside_syncfs(&store.dir, self.proc.is_some(), || {
             let hash_start = Instant::now();
             let procs = match &self.proc {
                 Some((id, dir)) => {
@@ -820,14 +829,7 @@ impl Staging<'_> {
                 None if draft.no_procs => None,
                 None => parent.as_ref().and_then(|p| p.procs.clone()),
             };
-            let hash_us = us(hash_start.elapsed());
-            let sync_us = match sync {
-                Some(h) => h.join().unwrap_or_else(|_| {
-                    Err(CheckpointError::Invalid("the syncfs thread panicked".into()))
-                })?,
-                None => 0,
-            };
-            Ok((procs, hash_us, sync_us))
+            Ok((procs, us(hash_start.elapsed())))
         })?;
         let fs = match &self.fs {
             Some((id, _)) => Some(FsPart {

@@ -123,18 +123,28 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
+/// The kernel's `PF_EXITING` task flag (`include/linux/sched.h`): the task is in `do_exit`.
+const PF_EXITING: u64 = 0x4;
+
 /// Whether process `pid` with start time `start` exists and has not exited: a dead init stays
 /// a zombie until whoever it was re-parented to reaps it, and a zombie sandbox is dead (its
-/// namespaces are gone), so the record says so at once rather than a second later.
+/// namespaces are gone), so the record says so at once rather than a second later. An init
+/// that is exiting (`PF_EXITING`: a pid namespace's init waits in `do_exit` for the kernel to
+/// kill and reap every other process of its namespace) is dead too: a command killed by that
+/// ends before the init is a zombie, and its end must already see the sandbox dead.
 pub fn init_alive(pid: u32, start: u64) -> bool {
     let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
     let Some(close) = stat.rfind(')') else { return false };
-    let mut rest = stat[close + 2..].split(' ');
-    let state = rest.next().unwrap_or("");
-    if matches!(state, "Z" | "X" | "x") {
+    // Fields from the 3rd (state) on: flags is the 9th, starttime the 22nd.
+    let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|s| s.parse::<u64>().ok());
+    if matches!(fields.first().copied(), Some("Z" | "X" | "x") | None) {
         return false;
     }
-    rest.nth(18).and_then(|s| s.parse::<u64>().ok()) == Some(start)
+    if field(9).is_some_and(|flags| flags & PF_EXITING != 0) {
+        return false;
+    }
+    field(22) == Some(start)
 }
 
 /// Write `bytes` to `path` atomically and durably ([`crab_common::fsutil::write_atomic`]; a
@@ -889,5 +899,30 @@ fn quota_unavailable() -> SandboxError {
     SandboxError::Host {
         what: "disk quotas need btrfs simple quotas on the pool (kernel 6.7 or newer), which this pool refused".into(),
         hint: "drop --disk (and --default-disk), or put the state directory on a newer kernel".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_alive_reads_state_flags_and_start_time() {
+        let me = std::process::id();
+        let start = process_start_time(me).expect("own start time");
+        assert!(init_alive(me, start), "a running process (flags without PF_EXITING) is alive");
+        assert!(!init_alive(me, start + 1), "another start time is another process");
+        // A zombie (exited, not reaped yet) is dead.
+        let mut child = Command::new("true").spawn().expect("spawn true");
+        let pid = child.id();
+        let cstart = process_start_time(pid).expect("child start time");
+        let t = std::time::Instant::now();
+        while fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z ")) {
+            assert!(t.elapsed().as_secs() < 10, "the child did not become a zombie");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!init_alive(pid, cstart));
+        child.wait().expect("reap");
+        assert!(!init_alive(pid, cstart), "a reaped process is dead");
     }
 }

@@ -2170,7 +2170,26 @@ async fn download<B: Backend>(
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], r.stdout).into_response())
 }
 
+/// `POST /files`. A refused upload is answered with `Connection: close`: its body may be
+/// partly or wholly unread (the sandbox is checked before it is read), so the server cannot
+/// reuse the connection, and a client that did would send its next request into a socket
+/// being closed ("connection closed before message completed").
 async fn upload<B: Backend>(
+    state: State<Shared<B>>,
+    query: Query<FileQuery>,
+    req: Request,
+) -> Response {
+    match upload_files(state, query, req).await {
+        Ok(r) => r,
+        Err(e) => {
+            let mut r = e.into_response();
+            r.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            r
+        }
+    }
+}
+
+async fn upload_files<B: Backend>(
     State(e2b): State<Shared<B>>,
     Query(q): Query<FileQuery>,
     req: Request,

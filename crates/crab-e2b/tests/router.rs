@@ -306,3 +306,26 @@ async fn state_survives_a_restart_and_is_reconciled() {
     assert_eq!(s, 404);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A refused upload leaves its body unread: the answer says `Connection: close`, so the client
+/// does not send its next request into the socket the server is closing.
+#[tokio::test]
+async fn a_refused_upload_closes_the_connection() {
+    let (e2b, _fake) = front();
+    let req = Request::post("/files?path=/tmp/x")
+        .header("e2b-sandbox-id", "no-such-sandbox")
+        .header("content-type", "multipart/form-data; boundary=b")
+        .body(Body::from("--b\r\ncontent-disposition: form-data; name=\"file\"; filename=\"x\"\r\n\r\nx\r\n--b--\r\n"))
+        .unwrap();
+    let r = e2b.router().oneshot(req).await.unwrap();
+    assert!(r.status().is_client_error() || r.status().is_server_error(), "{}", r.status());
+    assert_eq!(r.headers().get("connection").map(|v| v.to_str().unwrap()), Some("close"));
+    // A download is refused the same way but has no body to leave unread.
+    let req = Request::get("/files?path=/tmp/x")
+        .header("e2b-sandbox-id", "no-such-sandbox")
+        .body(Body::empty())
+        .unwrap();
+    let r = e2b.router().oneshot(req).await.unwrap();
+    assert!(!r.status().is_success());
+    assert!(r.headers().get("connection").is_none());
+}

@@ -19,8 +19,9 @@ setup:
 build: setup
 	$(CARGO) build --workspace --all-targets $(FEATURES)
 
+# With the benchmarks: `make demo`'s main job is `crab bench replay`.
 build-release: setup
-	$(CARGO) build --release -p crab
+	$(CARGO) build --release -p crab $(FEATURES)
 
 # The default image, built once per state directory (cached afterwards; rebuilt when the
 # state directory holds one from an older recipe, as a CI machine that keeps its state does).

@@ -30,4 +30,30 @@ echo "== 2. the replay benchmark: bundled trajectories, one fault each, all meth
 run "$CRAB" bench replay --traces examples/traces --llm-latency "${CRAB_DEMO_LATENCY:-scale:0.1}" \
     --sandboxes 2 --faults 1 --seed 1 --llm-listen "${CRAB_DEMO_LLM:-127.0.0.1:7439}" --json-out "$OUT/replay.json" --svg "$OUT/replay.svg"
 echo
-echo "report: $OUT/replay.json, chart: $OUT/replay.svg"
+echo "== what you just saw"
+python3 - "$OUT/replay.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ms = {m["method"]: m for m in r["methods"]}
+full = ms.get("full")
+def mib(b): return f"{b / 2**20:.1f} MiB"
+print(f"{len(r['traces'])} real agent trajectories were replayed against fresh sandboxes, with "
+      f"{r['faults']} fault injected per run, by each recovery method; a recovery is correct when the "
+      "restored sandbox and chat equal the fault-free run at the same turn.")
+for name, m in ms.items():
+    line = f"  {name:8} recovered {m['correct']} of {m['trials']} correctly"
+    if name != "none":
+        line += f", wrote {mib(m['checkpoint_bytes'])} of checkpoints"
+    if full and name not in ("full", "none"):
+        fb = full["checkpoint_bytes"]
+        if fb and m["checkpoint_bytes"]:
+            line += f" ({fb / m['checkpoint_bytes']:.1f}x less than full)"
+        if full["wall_ratio_vs_none"]:
+            line += f", wall time {m['wall_ratio_vs_none'] / full['wall_ratio_vs_none']:.2f}x full's"
+    print(line)
+crab = ms.get("crab")
+if crab and full:
+    print(f"crab checkpoints only what each turn changed: as correct as full "
+          f"({crab['correct']} vs {full['correct']}) for a fraction of its bytes.")
+PY
+echo "report: $OUT/replay.json (every trial), chart: $OUT/replay.svg (open it in a browser)"

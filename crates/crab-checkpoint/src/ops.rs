@@ -407,19 +407,28 @@ impl Checkpointer {
                 // source); only their leftovers go.
                 let lock = self.lock(&name);
                 let Ok(_guard) = lock.try_lock() else { continue };
-                let Some(store) = self.existing_store(&name)? else { continue };
-                match store.try_lock()? {
-                    Some(_held) => {
-                        store.recover_leftovers()?;
+                let recovered = self.existing_store(&name).and_then(|store| {
+                    let Some(store) = store else { return Ok(()) };
+                    match store.try_lock()? {
+                        Some(_held) => store.recover_leftovers().map(drop),
+                        None => {
+                            tracing::info!(sandbox = %name, "restore points in use by another process; not recovering them");
+                            Ok(())
+                        }
                     }
-                    None => {
-                        tracing::info!(sandbox = %name, "restore points in use by another process; not recovering them")
-                    }
+                });
+                if let Err(e) = recovered {
+                    tracing::error!(sandbox = %name, error = %e, "cannot recover the restore points' leftovers; the other sandboxes are recovered, the daemon starts");
                 }
             }
         }
+        // One sandbox's leftover (a root it made undeletable, a broken store) must never keep
+        // the daemon, and so every other sandbox on the host, from starting: each failure is
+        // logged with its sandbox and the next is recovered.
         for name in self.rt.names() {
-            self.recover_sandbox(&name)?;
+            if let Err(e) = self.recover_sandbox(&name) {
+                tracing::error!(sandbox = %name, error = %e, "cannot recover this sandbox's interrupted work; it is left as it is (try `crab restore` or `crab sandbox rm --force`), the daemon starts");
+            }
         }
         Ok(())
     }
@@ -448,6 +457,17 @@ impl Checkpointer {
             };
             _held = Some(held);
             store.recover_leftovers()?;
+            // A fork branch claims its name with a record whose init is 0 and holds its store's
+            // lock until its init runs: such a record seen here (the lock is ours now) is a
+            // branch whose fork was interrupted (`kill -9` of the daemon). It never ran and
+            // nobody was given it: it goes, with its origin point.
+            if self.rt.record(name).is_ok_and(|r| r.init_pid == 0) {
+                tracing::warn!(sandbox = %name, "removing the branch of an interrupted fork");
+                self.rt.remove(name, true).map_err(sandbox_err(name))?;
+                store.remove_all()?;
+                self.stores.lock().unwrap_or_else(|p| p.into_inner()).remove(name);
+                return Ok(());
+            }
         }
         let dir = self.rt.state().sandbox_dir(name);
         let rootfs = self.rt.state().sandbox_rootfs(name);

@@ -269,6 +269,10 @@ pub struct SandboxInfo {
     /// Its disk quota (`limits.disk_bytes`), against which `bytes_written` counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_limit_bytes: Option<u64>,
+    /// Its resource limits in force (memory, tasks, CPU, disk; a default's value when it was
+    /// created without its own; absent fields are unlimited).
+    #[serde(default)]
+    pub limits: Limits,
     /// Network mode.
     pub net: NetMode,
     /// Hostname inside.

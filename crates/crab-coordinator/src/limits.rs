@@ -132,7 +132,10 @@ pub enum BodyReadError {
 }
 
 /// Read a whole request body of at most `limit` bytes before `timeout`, holding its size
-/// against every budget in `budgets` as it arrives.
+/// against every budget in `budgets`: a body of known length (`Content-Length`) reserves all of
+/// it at once before its first byte is read, so two large bodies never each hold half of a
+/// budget while waiting for the other's half (one reads, the other waits its turn); a body
+/// of unknown length reserves as it arrives.
 pub async fn read_body<B>(
     body: B,
     limit: usize,
@@ -149,6 +152,15 @@ where
     let mut hold = BodyHold::default();
     let mut buf: Vec<u8> = Vec::new();
     let mut first: Option<Bytes> = None;
+    let mut reserved = 0usize;
+    if let Some(n) = body.size_hint().exact() {
+        let n = usize::try_from(n).unwrap_or(usize::MAX);
+        if n > limit {
+            return Err(BodyReadError::TooLarge(limit));
+        }
+        reserve_all(budgets, n, deadline, timeout, &mut hold).await?;
+        reserved = n;
+    }
     loop {
         let next = body.frame();
         let frame = match deadline {
@@ -165,14 +177,9 @@ where
         if total > limit {
             return Err(BodyReadError::TooLarge(limit));
         }
-        for b in budgets {
-            if !b.reserve(data.len(), deadline, &mut hold).await {
-                return Err(if deadline.is_some_and(|d| Instant::now() >= d) {
-                    BodyReadError::Timeout(timeout.unwrap_or_default())
-                } else {
-                    BodyReadError::Busy
-                });
-            }
+        if total > reserved {
+            reserve_all(budgets, total - reserved, deadline, timeout, &mut hold).await?;
+            reserved = total;
         }
         // One frame (the usual case for a small body) is kept as is, without a copy.
         match first.take() {
@@ -185,6 +192,26 @@ where
         }
     }
     Ok((first.unwrap_or_else(|| Bytes::from(buf)), hold))
+}
+
+/// Hold `bytes` more against every budget (see [`ByteBudget::reserve`]).
+async fn reserve_all(
+    budgets: &[&ByteBudget],
+    bytes: usize,
+    deadline: Option<Instant>,
+    timeout: Option<Duration>,
+    hold: &mut BodyHold,
+) -> Result<(), BodyReadError> {
+    for b in budgets {
+        if !b.reserve(bytes, deadline, hold).await {
+            return Err(if deadline.is_some_and(|d| Instant::now() >= d) {
+                BodyReadError::Timeout(timeout.unwrap_or_default())
+            } else {
+                BodyReadError::Busy
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A request body that fails once `deadline` passes before its end (a streamed body that a
@@ -392,5 +419,62 @@ mod tests {
         assert!(matches!(r, Err(BodyReadError::Timeout(_))), "{r:?}");
         let d = DeadlineBody::new(Never, Some(Duration::from_millis(50)));
         assert!(d.collect().await.is_err());
+    }
+
+    /// A body that arrives in `n` frames of `chunk` bytes, one every 10 ms, and says its
+    /// length up front (`Content-Length`), as an HTTP client sends a large JSON request.
+    struct Slow {
+        left: usize,
+        chunk: usize,
+        tick: Pin<Box<Sleep>>,
+    }
+
+    impl Body for Slow {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            if self.left == 0 {
+                return Poll::Ready(None);
+            }
+            if self.tick.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let n = self.chunk.min(self.left);
+            self.left -= n;
+            let next = tokio::time::Instant::now() + Duration::from_millis(10);
+            self.tick.as_mut().reset(next);
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; n])))))
+        }
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.left as u64)
+        }
+    }
+
+    /// Two bodies of 30 of a 32 KiB budget, arriving interleaved: before, each held half and
+    /// waited for the other's, and both were refused; now the first reserves its whole length
+    /// and passes, the second waits for it.
+    #[tokio::test]
+    async fn two_large_bodies_do_not_deadlock() {
+        let budget = ByteBudget::new(32 << 10);
+        let slow = || Slow {
+            left: 30 << 10,
+            chunk: 2 << 10,
+            tick: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        };
+        let read = |b: Slow| {
+            let budget = budget.clone();
+            async move {
+                let r = read_body(b, 1 << 20, Some(Duration::from_secs(10)), &[&budget]).await;
+                // Hold it a moment, as the proxy does while it forwards the request.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                r.map(|(b, _hold)| b.len())
+            }
+        };
+        let (a, b) = tokio::join!(read(slow()), read(slow()));
+        let ok = [&a, &b].iter().filter(|r| matches!(r, Ok(n) if *n == 30 << 10)).count();
+        assert_eq!(ok, 2, "both pass, one after the other: {a:?} {b:?}");
     }
 }

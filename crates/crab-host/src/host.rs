@@ -60,8 +60,9 @@ pub struct HostOptions {
     /// Default address range of `nat` sandboxes (`crab daemon --nat-range`); `None` keeps
     /// [`crab_sandbox::net::DEFAULT_NAT_RANGE`].
     pub nat_range: Option<String>,
-    /// Disk quota of sandboxes created without one (`crab daemon --default-disk`).
-    pub default_disk: Option<u64>,
+    /// Limits of sandboxes created without their own (`crab daemon --default-memory`,
+    /// `--default-pids`, `--default-disk`; `crab_sandbox::runtime::DEFAULT_LIMITS` by default).
+    pub default_limits: crab_common::api::Limits,
     /// Remount cgroup2 with `favordynmods` if it lacks it (`crab daemon
     /// --no-cgroup-favordynmods` turns this off).
     pub cgroup_favordynmods: bool,
@@ -207,9 +208,12 @@ impl Host {
                 )
             })?;
         }
-        runtime.set_default_disk(opts.default_disk).map_err(|e| {
+        runtime.set_default_limits(&opts.default_limits).map_err(|e| {
             let e: ApiError = e.into();
-            HostError::invalid(format!("--default-disk: {}", e.message), e.hint)
+            HostError::invalid(
+                format!("--default-memory/--default-pids/--default-disk: {}", e.message),
+                e.hint,
+            )
         })?;
         if !has_sys_resource() {
             tracing::warn!(

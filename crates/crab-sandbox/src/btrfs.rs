@@ -133,14 +133,101 @@ pub fn snapshot(src: &Path, dst: &Path, readonly: bool) -> Result<(), BtrfsError
     Ok(())
 }
 
-/// Delete the subvolume at `path` with everything in it.
+/// Delete the subvolume at `path` with everything in it, nested subvolumes included.
+///
+/// A subvolume holding another one cannot be deleted (`ENOTEMPTY`); sandboxes cannot make
+/// nested subvolumes (their seccomp filter refuses the ioctls), but a root from before that
+/// rule, or an image, may hold some: they are found and deleted first, depth first, through
+/// directory descriptors opened with `O_NOFOLLOW` (a symlink in the tree is never followed).
 pub fn delete_subvolume(path: &Path) -> Result<(), BtrfsError> {
     let (dir, name) = split("subvolume delete", path)?;
+    match destroy(&dir, &name, path) {
+        Err(e) if e.source.raw_os_error() == Some(libc::ENOTEMPTY) => {
+            let top = open_dir_at(dir.as_raw_fd(), &name)
+                .map_err(|e| BtrfsError::new("subvolume delete", path, e))?;
+            delete_nested(&top, path, 0)?;
+            destroy(&dir, &name, path)
+        }
+        r => r,
+    }
+}
+
+/// `BTRFS_IOC_SNAP_DESTROY` of `name` in `dir`.
+fn destroy(dir: &impl AsRawFd, name: &CString, path: &Path) -> Result<(), BtrfsError> {
     let mut args = VolArgs { fd: 0, name: [0; BTRFS_PATH_NAME_MAX + 1] };
-    copy_name(&mut args.name, &name, "subvolume delete", path)?;
+    copy_name(&mut args.name, name, "subvolume delete", path)?;
     // SAFETY: as in `create_subvolume`.
     unsafe { ioc_snap_destroy(dir.as_raw_fd(), &args) }
         .map_err(|e| BtrfsError::new("subvolume delete", path, e))?;
+    Ok(())
+}
+
+/// Deepest directory nesting [`delete_nested`] walks.
+const MAX_NESTED_DEPTH: usize = 4096;
+
+fn open_dir_at(dir: i32, name: &CString) -> std::io::Result<File> {
+    // SAFETY: openat with a valid directory fd and a NUL-terminated name; the returned fd is
+    // owned by the `File` below.
+    let fd = unsafe {
+        libc::openat(
+            dir,
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    Ok(unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
+/// Delete every subvolume beneath the directory `dir` (at `path`, for messages).
+fn delete_nested(dir: &File, path: &Path, depth: usize) -> Result<(), BtrfsError> {
+    use std::os::unix::fs::MetadataExt;
+    if depth > MAX_NESTED_DEPTH {
+        return Err(BtrfsError::new(
+            "subvolume delete",
+            path,
+            std::io::Error::other(format!("directories nested deeper than {MAX_NESTED_DEPTH}")),
+        ));
+    }
+    // Listed through the descriptor (`/proc/self/fd/N` names the directory already open), so
+    // a rename in the tree meanwhile cannot redirect the walk.
+    let listed = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    let fail = |e: std::io::Error| BtrfsError::new("subvolume delete (list nested)", path, e);
+    let mut dirs = Vec::new();
+    for entry in std::fs::read_dir(&listed).map_err(fail)? {
+        let entry = entry.map_err(fail)?;
+        if entry.file_type().map_err(fail)?.is_dir() {
+            let name = CString::new(entry.file_name().as_bytes()).map_err(|_| {
+                fail(std::io::Error::new(std::io::ErrorKind::InvalidData, "NUL in a name"))
+            })?;
+            dirs.push(name);
+        }
+    }
+    for name in dirs {
+        let child_path = path.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
+        let child = match open_dir_at(dir.as_raw_fd(), &name) {
+            Ok(c) => c,
+            // Replaced meanwhile by something else (a symlink, a file), or gone.
+            Err(e)
+                if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP | libc::ENOENT)) =>
+            {
+                continue
+            }
+            Err(e) => return Err(BtrfsError::new("subvolume delete", &child_path, e)),
+        };
+        delete_nested(&child, &child_path, depth + 1)?;
+        let is_subvol = child
+            .metadata()
+            .map(|m| m.ino() == 256)
+            .map_err(|e| BtrfsError::new("stat", &child_path, e))?;
+        drop(child);
+        if is_subvol {
+            destroy(dir, &name, &child_path)?;
+        }
+    }
     Ok(())
 }
 

@@ -354,7 +354,7 @@ async fn run_inner(
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .map_err(SandboxError::io("run helper", rt.helper_exe()))?;
+        .map_err(SandboxError::io("run helper", rt.helper_source()))?;
     let out = child.stdout.take().ok_or_else(|| SandboxError::Other("no stdout pipe".into()))?;
     let err = child.stderr.take().ok_or_else(|| SandboxError::Other("no stderr pipe".into()))?;
     let mut inodes: Vec<u64> = [pipe_inode(&out), pipe_inode(&err)].into_iter().flatten().collect();
@@ -391,7 +391,7 @@ async fn run_inner(
         kill_holders(rt, name, &inodes).await;
         tracing::info!(sandbox = name, timed_out, abandoned, "exec killed");
     }
-    let status = child.wait().await.map_err(SandboxError::io("wait", rt.helper_exe()))?;
+    let status = child.wait().await.map_err(SandboxError::io("wait", rt.helper_source()))?;
     let code = status.code().unwrap_or(137);
     if abandoned {
         return Err(SandboxError::Other("the client went away; the command was killed".into()));

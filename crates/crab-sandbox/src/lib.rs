@@ -19,6 +19,7 @@ pub mod pool;
 pub mod profile;
 pub mod quota;
 pub mod runtime;
+pub mod sealed;
 pub mod seccomp;
 pub mod spawn;
 pub mod warm;

@@ -101,9 +101,13 @@ pub struct Runtime {
     cfg: RuntimeConfig,
     hier: Hierarchy,
     quota: bool,
-    /// Disk quota of sandboxes created without one (`crab daemon --default-disk`); 0 = none.
-    default_disk: std::sync::atomic::AtomicU64,
+    /// Limits of sandboxes created without their own (`crab daemon --default-memory`,
+    /// `--default-pids`, `--default-disk`): [`DEFAULT_LIMITS`] unless the daemon says otherwise.
+    default_limits: Mutex<Limits>,
     nat: Nat,
+    /// The namespace helper, run from a sealed in-memory copy of `cfg.helper_exe`
+    /// (`crate::sealed`: nothing a sandbox can reach runs from a writable host file).
+    helper: crate::sealed::SealedExe,
     /// Ready-made root filesystems of recently used images (`crab daemon --warm-roots`).
     warm: Arc<crate::warm::WarmRoots>,
     sandboxes: Mutex<HashMap<String, SandboxRecord>>,
@@ -179,11 +183,13 @@ impl Runtime {
         let quota = quota::enable(&cfg.state.pool());
         let nat = Nat::new(&cfg.state.instance());
         let warm = crate::warm::WarmRoots::new(&cfg.state);
+        let helper = crate::sealed::SealedExe::copy(&cfg.helper_exe)?;
         let rt = Runtime {
             cfg,
             hier,
+            helper,
             quota,
-            default_disk: std::sync::atomic::AtomicU64::new(0),
+            default_limits: Mutex::new(Limits::default()),
             nat,
             warm,
             sandboxes: Mutex::new(HashMap::new()),
@@ -222,16 +228,26 @@ impl Runtime {
         &self.nat
     }
 
-    /// The disk quota of sandboxes created without one (`None`: unlimited).
-    pub fn set_default_disk(&self, bytes: Option<u64>) -> Result<()> {
-        if let Some(b) = bytes {
-            validate_limits(&Limits { disk_bytes: Some(b), ..Default::default() })?;
-            if !self.quota {
+    /// The limits of sandboxes created without their own (a `None` field: unlimited). A disk
+    /// default on a host without quotas is refused, unless it is [`DEFAULT_LIMITS`]' own (then
+    /// sandboxes get no disk limit, and the daemon's log says why).
+    pub fn set_default_limits(&self, limits: &Limits) -> Result<()> {
+        validate_limits(limits)?;
+        let mut limits = limits.clone();
+        if limits.disk_bytes.is_some() && !self.quota {
+            if limits.disk_bytes != DEFAULT_LIMITS.disk_bytes {
                 return Err(quota_unavailable());
             }
+            tracing::warn!("the pool has no quotas: sandboxes get no default disk limit");
+            limits.disk_bytes = None;
         }
-        self.default_disk.store(bytes.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+        *crab_common::sync::lock(&self.default_limits) = limits;
         Ok(())
+    }
+
+    /// The limits of sandboxes created without their own.
+    pub fn default_limits(&self) -> Limits {
+        crab_common::sync::lock(&self.default_limits).clone()
     }
 
     /// Put `limits.disk_bytes` on the root subvolume `rootfs` (a new sandbox's, or the root a
@@ -365,6 +381,7 @@ impl Runtime {
             processes,
             bytes_written,
             disk_limit_bytes: rec.limits.disk_bytes,
+            limits: rec.limits.clone(),
             net: rec.net,
             hostname: rec.hostname.clone(),
             cgroup_id: cg.id().unwrap_or(0),
@@ -428,11 +445,7 @@ impl Runtime {
             .map_err(|e| SandboxError::Invalid(format!("{}; {}", e.message, e.hint)))?
             .unwrap_or_default();
         validate_limits(&req.limits)?;
-        let mut limits = req.limits.clone();
-        if limits.disk_bytes.is_none() {
-            let d = self.default_disk.load(std::sync::atomic::Ordering::Relaxed);
-            limits.disk_bytes = (d > 0).then_some(d);
-        }
+        let limits = with_defaults(&req.limits, &self.default_limits());
         if limits.disk_bytes.is_some() && !self.quota {
             return Err(quota_unavailable());
         }
@@ -588,7 +601,7 @@ impl Runtime {
             seccomp: compiled_filters(&profile)?,
         };
         let json = serde_json::to_string(&spec).map_err(|e| SandboxError::Other(e.to_string()))?;
-        let out = Command::new(&self.cfg.helper_exe)
+        let out = Command::new(self.helper_exe())
             .arg("__start-sandbox")
             .arg(json)
             .stdin(Stdio::null())
@@ -737,9 +750,36 @@ impl Runtime {
         &self.sessions
     }
 
-    /// The helper binary.
+    /// The path to run the namespace helper by: its sealed in-memory copy
+    /// (`/proc/self/fd/N`, valid in the daemon and its children).
     pub fn helper_exe(&self) -> &Path {
-        &self.cfg.helper_exe
+        self.helper.path()
+    }
+
+    /// The helper binary on disk that the sealed copy was made from.
+    pub fn helper_source(&self) -> &Path {
+        self.helper.source()
+    }
+}
+
+/// The limits a sandbox gets unless it or the daemon says otherwise: a sandbox is hostile, and
+/// without them one could start processes until the host's `pid_max`, take the host's memory,
+/// or fill the pool every other sandbox checkpoints into. Raise them per sandbox (`crab
+/// sandbox create --memory/--pids/--disk`) or for the daemon (`crab daemon --default-…`).
+pub const DEFAULT_LIMITS: Limits = Limits {
+    memory_bytes: Some(4 << 30),
+    pids_max: Some(1024),
+    cpu_millis: None,
+    disk_bytes: Some(10 << 30),
+};
+
+/// `own` with every limit it does not set taken from `defaults`.
+pub fn with_defaults(own: &Limits, defaults: &Limits) -> Limits {
+    Limits {
+        memory_bytes: own.memory_bytes.or(defaults.memory_bytes),
+        pids_max: own.pids_max.or(defaults.pids_max),
+        cpu_millis: own.cpu_millis.or(defaults.cpu_millis),
+        disk_bytes: own.disk_bytes.or(defaults.disk_bytes),
     }
 }
 

@@ -29,6 +29,15 @@ mod table;
 /// NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET).
 const CLONE_NS_MASK: u64 = 0x7E02_0000;
 const EPERM: i32 = libc::EPERM;
+
+/// btrfs ioctls that need no capability and that a sandbox must not call (issue 33): a
+/// subvolume or snapshot made inside a sandbox's root is outside its quota (the qgroup of the
+/// root), outside every checkpoint (a snapshot does not descend into nested subvolumes), and
+/// makes the root undeletable; `SUBVOL_SETFLAGS` could make the root itself read-only. Values
+/// from `linux/btrfs.h` (`_IOW(0x94, nr, size)`): SNAP_CREATE, SUBVOL_CREATE, SNAP_DESTROY,
+/// SNAP_CREATE_V2, SUBVOL_CREATE_V2, SUBVOL_SETFLAGS, SNAP_DESTROY_V2.
+pub const BTRFS_SUBVOL_IOCTLS: [u64; 7] =
+    [0x5000_9401, 0x5000_940e, 0x5000_940f, 0x5000_9417, 0x5000_9418, 0x4008_941a, 0x5000_943f];
 const ENOSYS: i32 = libc::ENOSYS;
 
 /// One classic-BPF instruction (the kernel's `struct sock_filter`).
@@ -89,9 +98,36 @@ fn context() -> Result<ScmpFilterContext, SeccompError> {
     Ok(f)
 }
 
-/// The default profile's program (one; everything not allowed gets EPERM, `clone3` ENOSYS).
+/// The second program: everything allowed but `ioctl` with a btrfs subvolume request
+/// ([`BTRFS_SUBVOL_IOCTLS`]). A program of its own because libseccomp lets an unconditional
+/// `ALLOW` of a syscall (Docker's profile allows `ioctl` whole) override any argument rule of
+/// that syscall in the same filter, and an `ERRNO(EPERM)` rule cannot be added to a filter
+/// whose default action is that same `ERRNO(EPERM)`. The kernel runs both (the stricter
+/// answer wins); every syscall but `ioctl` is a constant `ALLOW` here, which the kernel's
+/// action cache answers without running it. The kernel reads the request as an `unsigned
+/// int`, so only its low 32 bits are compared (a set upper half must not slip past).
+fn ioctl_context() -> Result<ScmpFilterContext, SeccompError> {
+    let mut f = ScmpFilterContext::new(ScmpAction::Allow).map_err(e("seccomp_init (ioctl)"))?;
+    // A foreign architecture is the first program's to refuse.
+    f.set_act_badarch(ScmpAction::Allow).map_err(e("seccomp badarch action (ioctl)"))?;
+    for req in BTRFS_SUBVOL_IOCTLS {
+        f.add_rule_conditional(
+            ScmpAction::Errno(EPERM),
+            ScmpSyscall::from(libc::SYS_ioctl as i32),
+            &[ScmpArgCompare::new(1, ScmpCompareOp::MaskedEqual(0xffff_ffff), req)],
+        )
+        .map_err(|x| SeccompError(format!("seccomp rule for ioctl {req:#x}: {x}")))?;
+    }
+    Ok(f)
+}
+
+/// The default profile's programs, in installation order: Docker's profile (everything not
+/// allowed gets EPERM, `clone3` ENOSYS), then the btrfs `ioctl` rule ([`ioctl_context`]).
 pub fn programs() -> Result<Vec<Vec<Insn>>, SeccompError> {
-    let f = context()?;
+    Ok(vec![export(&context()?)?, export(&ioctl_context()?)?])
+}
+
+fn export(f: &ScmpFilterContext) -> Result<Vec<Insn>, SeccompError> {
     // SAFETY: memfd_create with a NUL-terminated name and no flags beyond CLOEXEC.
     let fd = unsafe { libc::memfd_create(c"crab-seccomp".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
@@ -106,7 +142,7 @@ pub fn programs() -> Result<Vec<Vec<Insn>>, SeccompError> {
     let mut b = Vec::new();
     file.rewind().map_err(e("rewind the seccomp export"))?;
     file.read_to_end(&mut b).map_err(e("read the seccomp export"))?;
-    Ok(vec![decode_insns(&b)?])
+    decode_insns(&b)
 }
 
 fn decode_insns(b: &[u8]) -> Result<Vec<Insn>, SeccompError> {
@@ -333,7 +369,7 @@ mod tests {
     #[test]
     fn program_decides_like_the_profile() {
         let progs = programs().expect("compile");
-        assert_eq!(progs.len(), 1);
+        assert_eq!(progs.len(), 2);
         let p = &progs[0];
         let z = [0u64; 6];
         for (name, nr) in table::ALLOW_X86_64 {
@@ -357,6 +393,29 @@ mod tests {
             assert_eq!(act(p, nr, z), DENY, "syscall {nr} must get EPERM");
         }
         assert_eq!(act(p, libc::SYS_clone3, z), libc::SECCOMP_RET_ERRNO | ENOSYS as u32);
+        // ioctl: everything but btrfs subvolume creation, snapshot, deletion and flags, with
+        // or without bits in the request's upper half (the kernel ignores them).
+        // The kernel's answer: the stricter of the two programs'.
+        let both = |nr: i64, args: [u64; 6]| {
+            let (a, b) = (act(&progs[0], nr, args), act(&progs[1], nr, args));
+            if a == ALLOW {
+                b
+            } else {
+                a
+            }
+        };
+        let ioctl = |req: u64| both(libc::SYS_ioctl, [3, req, 0, 0, 0, 0]);
+        assert_eq!((ioctl(0x5401), ioctl(0x5413), ioctl(0xc020_660b)), (ALLOW, ALLOW, ALLOW));
+        for req in BTRFS_SUBVOL_IOCTLS {
+            assert_eq!(ioctl(req), DENY, "ioctl {req:#x} must get EPERM");
+            assert_eq!(ioctl(req | 0xdead_0000_0000_0000), DENY, "ioctl {req:#x} with high bits");
+        }
+        assert_eq!(ioctl(0x9408), ALLOW, "BTRFS_IOC_SYNC stays allowed");
+        // The second program allows every other syscall, on any architecture.
+        for (name, nr) in table::ALLOW_X86_64 {
+            assert_eq!(act(&progs[1], *nr, z), ALLOW, "{name} ({nr}) must pass the ioctl program");
+        }
+        assert_eq!(run(&progs[1], AUDIT_ARCH_I386, 54, z).0, ALLOW);
         // socket: AF_INET yes, AF_ALG (38) and AF_VSOCK (40) no, AF_XDP-ish 39 and 44 yes.
         let sock = |fam: u64| act(p, libc::SYS_socket, [fam, 1, 0, 0, 0, 0]);
         assert_eq!(
@@ -382,7 +441,9 @@ mod tests {
     /// (a binary search), not the whole program (the kernel emulates every number at attach).
     #[test]
     fn every_path_is_short() {
-        let p = &programs().expect("compile")[0];
+        let progs = programs().expect("compile");
+        assert!(progs[1].len() <= 24, "the ioctl program has {} instructions", progs[1].len());
+        let p = &progs[0];
         let max = (0..600u32).map(|nr| run(p, AUDIT_ARCH_X86_64, nr, [0; 6]).1).max().unwrap_or(0);
         eprintln!("seccomp program: {} instructions, longest path {max}", p.len());
         assert!(max <= 40, "longest path {max} instructions (program {} long)", p.len());

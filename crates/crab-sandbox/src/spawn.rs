@@ -182,6 +182,7 @@ fn err<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> Strin
 ///
 /// Must be called from a single-threaded process (the `crab __start-sandbox` helper).
 pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
+    not_dumpable()?;
     spec.cgroup.enter_self()?;
     let mut flags = CloneFlags::CLONE_NEWPID
         | CloneFlags::CLONE_NEWNS
@@ -445,6 +446,7 @@ pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
     if spec.cmd.is_empty() {
         return Err("no command given".into());
     }
+    not_dumpable()?;
     let ns = |n: &str| {
         let p = format!("/proc/{}/ns/{n}", spec.init_pid);
         File::open(&p).map_err(err(format!("open {p}")))
@@ -457,8 +459,15 @@ pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
         ("pid", CloneFlags::CLONE_NEWPID),
         ("mnt", CloneFlags::CLONE_NEWNS),
     ];
-    let files: Vec<(File, CloneFlags)> =
+    let mut files: Vec<(File, CloneFlags)> =
         order.iter().map(|(n, f)| ns(n).map(|file| (file, *f))).collect::<Result<_, _>>()?;
+    // The time namespace: a restore puts the init in a new one (CRIU keeps the monotonic and
+    // boot clocks continuous), and a command outside it would make the next process dump
+    // span two time namespaces, which CRIU cannot restore. Joined only when it differs from
+    // ours (kernels without time namespaces have no such file).
+    if let Some(t) = time_ns_to_join(spec.init_pid)? {
+        files.push((t, CloneFlags::from_bits_retain(libc::CLONE_NEWTIME)));
+    }
     // Join the cgroup only after setns, so the helper's own namespace switching is not counted
     // as the sandbox's activity by the inspector.
     let cgroups = spec.cgroup.open_procs()?;
@@ -497,6 +506,32 @@ pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
             }
         },
     }
+}
+
+/// Make this helper non-dumpable until its `execve` (which resets it): while it is in the
+/// sandbox's namespaces, nothing there may `ptrace` it or open its `/proc/<pid>/exe`, `mem` or
+/// `fd` (`crate::sealed` is the second wall: the binary is a sealed memfd anyway).
+fn not_dumpable() -> Result<(), String> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(format!("prctl(PR_SET_DUMPABLE, 0): {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The time namespace of `init_pid` when it is not this process's own.
+fn time_ns_to_join(init_pid: u32) -> Result<Option<File>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let theirs = format!("/proc/{init_pid}/ns/time");
+    let t = match File::open(&theirs) {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+        Err(e) => return Err(format!("open {theirs}: {e}")),
+    };
+    let ours = std::fs::metadata("/proc/self/ns/time")
+        .map_err(|e| format!("stat /proc/self/ns/time: {e}"))?;
+    let tm = t.metadata().map_err(|e| format!("stat {theirs}: {e}"))?;
+    Ok(((tm.dev(), tm.ino()) != (ours.dev(), ours.ino())).then_some(t))
 }
 
 /// Exec the command; returns the exit code to use when that fails (126/127 like a shell).

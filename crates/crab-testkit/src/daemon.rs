@@ -189,9 +189,31 @@ pub struct OtherDaemon {
     pub port: u16,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// The `crab` binary it runs (and its CLI calls use).
+    bin: PathBuf,
 }
 
 impl OtherDaemon {
+    /// [`OtherDaemon::start`] with the `crab` binary at `bin` (e.g. a copy, with its
+    /// `crab-nsexec` beside it) instead of the one under test.
+    pub fn start_from(
+        bin: &std::path::Path,
+        state: &std::path::Path,
+        args: &[&str],
+        env: &[(String, String)],
+    ) -> OtherDaemon {
+        let port = 20000 + (u32::from_str_radix(&unique("p")[2..], 16).unwrap() % 20000) as u16;
+        let d = OtherDaemon {
+            state: state.to_path_buf(),
+            port,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            env: env.to_vec(),
+            bin: bin.to_path_buf(),
+        };
+        d.launch();
+        d
+    }
+
     /// Start `crab daemon --state-dir STATE --proxy-listen 127.0.0.1:<free port> ARGS…` with
     /// `env` added, and wait until it answers.
     pub fn start(state: &std::path::Path, args: &[&str], env: &[(String, String)]) -> OtherDaemon {
@@ -202,6 +224,7 @@ impl OtherDaemon {
             port,
             args: args.iter().map(|s| s.to_string()).collect(),
             env: env.to_vec(),
+            bin: PathBuf::from(bin()),
         };
         d.launch();
         d
@@ -216,7 +239,7 @@ impl OtherDaemon {
             .unwrap();
         let status = Command::new("setsid")
             .arg("-f")
-            .arg(bin())
+            .arg(&self.bin)
             .args(["daemon", "--state-dir", self.state.to_str().unwrap()])
             .args(["--proxy-listen", &format!("127.0.0.1:{}", self.port)])
             .args(&self.args)
@@ -244,7 +267,7 @@ impl OtherDaemon {
 
     /// Run the CLI against this daemon.
     pub fn crab(&self, args: &[&str]) -> Output {
-        Command::new(bin())
+        Command::new(&self.bin)
             .args(["--state-dir", self.state.to_str().unwrap()])
             .args(args)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))

@@ -6,6 +6,17 @@ use clap::Args;
 use crab_common::paths::StateDir;
 
 use super::parse_size;
+
+/// A daemon-wide default limit: a size or count, or `none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Limit(Option<u64>);
+
+fn parse_limit(s: &str) -> Result<Limit, String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(Limit(None));
+    }
+    parse_size(s).map(|n| Limit(Some(n))).map_err(|e| format!("{e}, or `none`"))
+}
 use crate::daemon::{self, DaemonOptions};
 
 #[derive(Debug, Args)]
@@ -64,11 +75,17 @@ pub(super) struct DaemonArgs {
     /// first address is their gateway on the host ends; a sandbox may ask for another range).
     #[arg(long, env = "CRAB_NAT_RANGE", default_value = crab_sandbox::net::DEFAULT_NAT_RANGE)]
     nat_range: String,
-    /// Disk quota of sandboxes created without `--disk` (e.g. 20G); none by default. Keep it
-    /// below the pool's size so one sandbox cannot take the room every other sandbox's
-    /// checkpoints need.
-    #[arg(long, env = "CRAB_DEFAULT_DISK", value_parser = parse_size)]
-    default_disk: Option<u64>,
+    /// Disk quota of sandboxes created without `--disk` (`none`: unlimited). Keep it below
+    /// the pool's size so one sandbox cannot take the room every other sandbox's checkpoints
+    /// need.
+    #[arg(long, env = "CRAB_DEFAULT_DISK", value_parser = parse_limit, default_value = "10G")]
+    default_disk: Limit,
+    /// Memory limit of sandboxes created without `--memory` (`none`: unlimited).
+    #[arg(long, env = "CRAB_DEFAULT_MEMORY", value_parser = parse_limit, default_value = "4G")]
+    default_memory: Limit,
+    /// Process (task) limit of sandboxes created without `--pids` (`none`: unlimited).
+    #[arg(long, env = "CRAB_DEFAULT_PIDS", value_parser = parse_limit, default_value = "1024")]
+    default_pids: Limit,
     /// Leave the host's cgroup2 mount as it is. By default the daemon remounts cgroup2 with
     /// `favordynmods` (kernel >= 6.0) when it lacks it: without it a join of a sandbox's
     /// cgroups (each exec, start and restore) can wait for an RCU grace period (6-27 ms on a
@@ -131,7 +148,12 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         remote,
         nat_range: a.nat_range,
         e2b,
-        default_disk: a.default_disk,
+        default_limits: crab_common::api::Limits {
+            memory_bytes: a.default_memory.0,
+            pids_max: a.default_pids.0,
+            cpu_millis: None,
+            disk_bytes: a.default_disk.0,
+        },
         cgroup_favordynmods: !a.no_cgroup_favordynmods,
         warm_roots: a.warm_roots as usize,
     };
@@ -144,5 +166,34 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        daemon: DaemonArgs,
+    }
+
+    /// The flags' defaults are the runtime's `DEFAULT_LIMITS`, and `none` lifts a limit.
+    #[test]
+    fn default_limits_are_the_runtimes() {
+        let a = Cli::try_parse_from(["crab"]).unwrap().daemon;
+        let d = crab_sandbox::runtime::DEFAULT_LIMITS;
+        assert_eq!(
+            (a.default_memory.0, a.default_pids.0, a.default_disk.0),
+            (d.memory_bytes, d.pids_max, d.disk_bytes)
+        );
+        let a = Cli::try_parse_from(["crab", "--default-pids", "none", "--default-memory", "8G"])
+            .unwrap()
+            .daemon;
+        assert_eq!((a.default_pids.0, a.default_memory.0), (None, Some(8 << 30)));
+        assert!(Cli::try_parse_from(["crab", "--default-disk", "lots"]).is_err());
     }
 }

@@ -48,8 +48,9 @@ pub struct DaemonOptions {
     pub nat_range: String,
     /// The E2B-compatible API (`--e2b-listen`), if any.
     pub e2b: Option<E2bOptions>,
-    /// `--default-disk`: the disk quota of sandboxes created without `--disk`.
-    pub default_disk: Option<u64>,
+    /// `--default-memory`, `--default-pids`, `--default-disk`: the limits of sandboxes created
+    /// without their own.
+    pub default_limits: crab_common::api::Limits,
     /// Remount cgroup2 with `favordynmods` at start (off with `--no-cgroup-favordynmods`).
     pub cgroup_favordynmods: bool,
     /// `--warm-roots`: ready-made root filesystems per recently used image.
@@ -92,7 +93,7 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         engine: opts.engine.clone(),
         remote: opts.remote.clone(),
         nat_range: Some(opts.nat_range.clone()),
-        default_disk: opts.default_disk,
+        default_limits: opts.default_limits.clone(),
         cgroup_favordynmods: opts.cgroup_favordynmods,
         warm_roots: opts.warm_roots,
     })

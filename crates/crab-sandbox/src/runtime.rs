@@ -234,6 +234,12 @@ impl Runtime {
         Ok(())
     }
 
+    /// The disk quota of sandboxes created without one (`None`: unlimited).
+    pub fn default_disk(&self) -> Option<u64> {
+        let d = self.default_disk.load(std::sync::atomic::Ordering::Relaxed);
+        (d > 0).then_some(d)
+    }
+
     /// Put `limits.disk_bytes` on the root subvolume `rootfs` (a new sandbox's, or the root a
     /// restore or fork is about to give it), so the quota follows the sandbox to every root.
     pub fn limit_disk(&self, rootfs: &Path, limits: &Limits) -> Result<()> {

@@ -149,8 +149,26 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             harness_path,
         } => {
             if let Some(src) = from_remote {
+                // The new sandbox's network and limits are this caller's (or the daemon's
+                // defaults), never the remote point's.
+                if privileged {
+                    return Err(ApiError::invalid(
+                        "--privileged does not apply to --from-remote",
+                        "a sandbox built from a remote point always gets the default profile",
+                    ));
+                }
                 let names = name.into_iter().collect();
-                return super::remote::from_remote(client, src, names, 1, fs_only, json).await;
+                let grant = super::remote::Grant {
+                    net: Some(net),
+                    limits: Limits {
+                        memory_bytes: memory,
+                        pids_max: pids,
+                        cpu_millis: cpus.map(|c| (c * 1000.0) as u64),
+                        disk_bytes: disk,
+                    },
+                };
+                return super::remote::from_remote(client, src, names, 1, fs_only, grant, json)
+                    .await;
             }
             let req = SandboxCreateRequest {
                 image: image.unwrap_or_default(),

@@ -294,7 +294,7 @@ pub struct FromRemoteReport {
     /// Files and conversation only.
     pub fs_only: bool,
     /// Where the time went: (stage, ms) in order — `load_point`, `preflight`, the
-    /// materialization's own stages (`materialize_index`, `…_manifest`, `…_fs_and_procs`
+    /// materialization's own stages (`materialize_index`, `…_manifest`, `…_room`, `…_fs_and_procs`
     /// followed by `…_fs` and `…_procs`, which ran side by side within it, `…_verify`,
     /// `…_conversation`), `fork` and `attach`.
     pub stages: Vec<(String, f64)>,

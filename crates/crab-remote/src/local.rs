@@ -67,9 +67,10 @@ pub struct Materialized {
     pub base_image: Option<String>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
-    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `fs_and_procs` — the
-    /// wall time of `fs` and `procs`, which run side by side and follow it with their own
-    /// times — `verify`, `conversation`).
+    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `room` — the bytes
+    /// the trees declare, summed and checked —, `fs_and_procs` — the wall time of `fs` and
+    /// `procs`, which run side by side and follow it with their own times — `verify`,
+    /// `conversation`).
     pub stages: Vec<(String, f64)>,
 }
 

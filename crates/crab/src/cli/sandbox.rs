@@ -18,7 +18,10 @@ pub(super) enum SandboxCmd {
         #[arg(required_unless_present = "from_remote", conflicts_with = "from_remote")]
         image: Option<String>,
         /// Build it from a point in the daemon's --remote store: SB or SB@POINT (the newest
-        /// when no point), with its files, processes and conversation.
+        /// when no point), with its files, processes and conversation. Its network, limits
+        /// and name are this command's (--network, --memory, --pids, --cpus, --disk, --name)
+        /// or the daemon's defaults, never the point's; a point asking for more (a privileged
+        /// profile, a wider network, a looser limit) is refused.
         #[arg(long, value_name = "SB[@POINT]")]
         from_remote: Option<String>,
         /// With --from-remote: files and conversation only (a fresh init, no processes).

@@ -136,8 +136,14 @@ fn remote_sandbox_meta_cannot_grant_privileges_network_or_limits() {
     let tree = h.files("meta", &[("hello.txt", b"from the remote\n")]);
     let base = unique("t-rforge");
 
-    // The report's exact forged meta, and the real record with one field changed.
+    // The real record with one field changed, and the report's exact forged meta.
     let cases: Vec<(&str, Manifest, Vec<&str>, &str)> = vec![
+        (
+            "priv",
+            with_meta(&real, |v| v["profile"]["privileged"] = true.into()),
+            vec![],
+            "privileged",
+        ),
         (
             "bare",
             with_meta(&real, |v| {
@@ -145,12 +151,6 @@ fn remote_sandbox_meta_cannot_grant_privileges_network_or_limits() {
             }),
             vec![],
             "privileged profile",
-        ),
-        (
-            "priv",
-            with_meta(&real, |v| v["profile"]["privileged"] = true.into()),
-            vec![],
-            "privileged",
         ),
         ("host", with_meta(&real, |v| v["net"] = "host".into()), vec![], "sandbox_meta.net"),
         (
@@ -238,8 +238,6 @@ fn a_remote_point_named_after_a_local_sandbox_never_joins_its_points() {
         "--name",
         &copy,
     ]);
-    let root = crab_common::paths::StateDir::new(&h.d.state).sandbox_rootfs(&copy);
-    assert_eq!(std::fs::read(root.join("injected.txt")).unwrap(), b"not yours\n");
     // … and the local sandbox's points are what they were: no c000042 to restore it to.
     let after: Vec<String> =
         h.d.json(&["checkpoints", &victim])
@@ -255,6 +253,10 @@ fn a_remote_point_named_after_a_local_sandbox_never_joins_its_points() {
     assert!(!local.join("points/c000042.manifest").exists());
     let vroot = crab_common::paths::StateDir::new(&h.d.state).sandbox_rootfs(&victim);
     assert!(!vroot.join("injected.txt").exists());
+    // The copy has the remote point's own files (not parts of the local sandbox's that bear the
+    // same part ids).
+    let root = crab_common::paths::StateDir::new(&h.d.state).sandbox_rootfs(&copy);
+    assert_eq!(std::fs::read(root.join("injected.txt")).unwrap(), b"not yours\n");
 }
 
 #[test]

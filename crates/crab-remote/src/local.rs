@@ -233,38 +233,36 @@ async fn materialize_inner(
         if let Some((fs_id, tree, base, _)) = &fs_job {
             let (fs_id, tree) = (*fs_id, tree);
             let dst = store.fs_path(fs_id);
-            {
-                let tmp = store.dir().join("fs").join(format!("{fs_id}.importing"));
+            let tmp = store.dir().join("fs").join(format!("{fs_id}.importing"));
+            remove_any(&tmp);
+            let made = match &base {
+                Some((dir, _)) => crab_sandbox::btrfs::snapshot(dir, &tmp, false),
+                None => crab_sandbox::btrfs::create_subvolume(&tmp),
+            };
+            made.map_err(|e| RemoteError::Io {
+                op: "create subvolume",
+                path: tmp.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            split.0 = t.elapsed().as_secs_f64() * 1e3;
+            let fs_what = format!("{what} filesystem");
+            let res = match &base {
+                Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
+                None => repo.restore_tree(tree, &tmp, &fs_what).await,
+            };
+            if let Err(e) = res {
                 remove_any(&tmp);
-                let made = match &base {
-                    Some((dir, _)) => crab_sandbox::btrfs::snapshot(dir, &tmp, false),
-                    None => crab_sandbox::btrfs::create_subvolume(&tmp),
-                };
-                made.map_err(|e| RemoteError::Io {
-                    op: "create subvolume",
-                    path: tmp.clone(),
-                    source: std::io::Error::other(e.to_string()),
-                })?;
-                split.0 = t.elapsed().as_secs_f64() * 1e3;
-                let fs_what = format!("{what} filesystem");
-                let res = match &base {
-                    Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
-                    None => repo.restore_tree(tree, &tmp, &fs_what).await,
-                };
-                if let Err(e) = res {
-                    remove_any(&tmp);
-                    return Err(e);
-                }
-                split.1 = t.elapsed().as_secs_f64() * 1e3 - split.0;
-                std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
-                crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
-                    op: "set read-only",
-                    path: dst.clone(),
-                    source: std::io::Error::other(e.to_string()),
-                })?;
-                base_image = base.as_ref().and(rec.image.as_ref().map(|i| i.name.clone()));
-                split.2 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1;
+                return Err(e);
             }
+            split.1 = t.elapsed().as_secs_f64() * 1e3 - split.0;
+            std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
+            crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
+                op: "set read-only",
+                path: dst.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            base_image = base.as_ref().and(rec.image.as_ref().map(|i| i.name.clone()));
+            split.2 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1;
         }
         Ok::<_, RemoteError>((base_image, t.elapsed().as_secs_f64() * 1e3, split))
     };
@@ -370,7 +368,7 @@ fn check_room(
     })?;
     let reserve = crab_checkpoint::ops::MIN_FREE_BYTES;
     let need = fs.saturating_add(procs);
-    if need.saturating_add(reserve) > free {
+    if need > 0 && need.saturating_add(reserve) > free {
         return Err(RemoteError::PoolFull {
             point: what.trim_start_matches("point ").to_string(),
             need,

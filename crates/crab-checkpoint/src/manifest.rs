@@ -127,6 +127,32 @@ pub struct ImageFile {
     pub sha256: String,
 }
 
+/// Longest file name of a process image file, bytes (the kernel's `NAME_MAX`).
+pub const MAX_IMAGE_NAME: usize = 255;
+
+/// Check that `name` can name a file *inside* a process image directory: one normal path
+/// component (not empty, not `.` or `..`, no `/`, no NUL, at most [`MAX_IMAGE_NAME`] bytes).
+/// A manifest read from elsewhere (a remote store) is checked with this before any of its
+/// names is joined to a path.
+pub fn check_image_name(name: &str) -> std::result::Result<(), String> {
+    let shown: String = name.chars().take(80).collect();
+    if name.is_empty() || name == "." || name == ".." {
+        return Err(format!("image file name {shown:?} is not a file name"));
+    }
+    if name.len() > MAX_IMAGE_NAME {
+        return Err(format!(
+            "image file name {shown:?}… is {} bytes long (at most {MAX_IMAGE_NAME})",
+            name.len()
+        ));
+    }
+    if name.bytes().any(|b| b == b'/' || b == 0) {
+        return Err(format!(
+            "image file name {shown:?} is not a single path component (it holds `/` or NUL)"
+        ));
+    }
+    Ok(())
+}
+
 /// A process image `P_j`: the CRIU image directory `procs/<id>/`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcPart {

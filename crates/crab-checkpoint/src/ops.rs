@@ -368,6 +368,24 @@ impl Checkpointer {
         Ok(s)
     }
 
+    /// The store of the points of `sandbox` materialized from a remote store (created on first
+    /// use): `<pool>/remote-points/<sandbox>`, never a local sandbox's own store, so a remote
+    /// point does not join the points of a local sandbox of the same name.
+    pub fn remote_store(&self, sandbox: &str) -> Result<Arc<Store>> {
+        crab_common::names::validate("sandbox", sandbox)
+            .map_err(|e| CheckpointError::Invalid(e.message))?;
+        // `:` is not a name character: these keys never meet a sandbox's.
+        let key = format!("remote:{sandbox}");
+        let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = stores.get(&key) {
+            return Ok(s.clone());
+        }
+        let dir = self.rt.state().remote_points(sandbox);
+        let s = Arc::new(Store::open(dir, sandbox, self.fs.clone())?);
+        stores.insert(key, s.clone());
+        Ok(s)
+    }
+
     /// The store of `sandbox` if it has one, creating nothing.
     fn existing_store(&self, sandbox: &str) -> Result<Option<Arc<Store>>> {
         if let Some(s) = self.stores.lock().unwrap_or_else(|p| p.into_inner()).get(sandbox) {
@@ -1216,10 +1234,43 @@ impl Checkpointer {
         opts: ForkOptions,
         progress: &dyn Progress,
     ) -> Result<Vec<ForkBranch>> {
+        let store = self.store(sandbox)?;
+        self.fork_from(&store, point, count, names, opts, None, progress)
+    }
+
+    /// Fork from point `point` of `store`, a store of points materialized from a remote
+    /// store ([`Checkpointer::remote_store`]). The branches' records are built from
+    /// `template` — the network mode, limits, profile and image the restoring host grants —
+    /// and never from the point's own `sandbox_meta`, which is not trusted.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fork_remote(
+        &self,
+        store: &Arc<Store>,
+        point: &str,
+        count: usize,
+        names: Option<Vec<String>>,
+        opts: ForkOptions,
+        template: &SandboxRecord,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
+        self.fork_from(store, Some(point), count, names, opts, Some(template), progress)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fork_from(
+        &self,
+        store: &Arc<Store>,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+        opts: ForkOptions,
+        template: Option<&SandboxRecord>,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
+        let sandbox = store.sandbox();
         if count == 0 || count > 256 {
             return Err(CheckpointError::Invalid("--count must be between 1 and 256".into()));
         }
-        let store = self.store(sandbox)?;
         let mut m = store.resolve(point)?;
         if !opts.verified {
             progress.stage("verify", None);
@@ -1231,9 +1282,10 @@ impl Checkpointer {
         let fs = m.fs.clone().ok_or_else(|| {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
         })?;
-        let src: SandboxRecord = match self.rt.record(sandbox) {
-            Ok(r) => r,
-            Err(_) => serde_json::from_value(m.sandbox_meta.clone()).map_err(|e| {
+        let src: SandboxRecord = match (template, self.rt.record(sandbox)) {
+            (Some(t), _) => t.clone(),
+            (None, Ok(r)) => r,
+            (None, Err(_)) => serde_json::from_value(m.sandbox_meta.clone()).map_err(|e| {
                 CheckpointError::corrupt(
                     &store.manifest_path(m.id),
                     format!("sandbox_meta is not a sandbox record: {e}"),

@@ -210,6 +210,43 @@ pub fn hash_file(path: &Path) -> Result<(u64, String)> {
     Ok((size, manifest::hex(&h.finalize())))
 }
 
+/// [`hash_file`] of `path` only when it is a regular file (opened with `O_NOFOLLOW`, so a
+/// symlink is refused, and checked to be a regular file, so no device or fifo is read), read
+/// no further than `max + 1` bytes: `(bytes read, SHA-256 of them)`, or `None` when there is no
+/// such file. A size past `max` shows as `max + 1`.
+pub fn hash_regular_file(path: &Path, max: u64) -> Result<Option<(u64, String)>> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(CheckpointError::corrupt(path, "image file is a symbolic link"))
+        }
+        Err(e) => return Err(CheckpointError::io("open", path, e)),
+    };
+    let meta = f.metadata().map_err(|e| CheckpointError::io("stat", path, e))?;
+    if !meta.is_file() {
+        return Err(CheckpointError::corrupt(path, "image file is not a regular file"));
+    }
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    let mut r = f.take(max.saturating_add(1));
+    loop {
+        let n = r.read(&mut buf).map_err(|e| CheckpointError::io("read", path, e))?;
+        if n == 0 {
+            break;
+        }
+        size += n as u64;
+        h.update(&buf[..n]);
+    }
+    Ok(Some((size, manifest::hex(&h.finalize()))))
+}
+
 fn syncfs(dir: &Path) -> Result<()> {
     let f = std::fs::File::open(dir).map_err(|e| CheckpointError::io("open", dir, e))?;
     // SAFETY: syncfs(2) on a descriptor we own; it only flushes.
@@ -483,10 +520,22 @@ impl Store {
     pub fn verify(&self, m: &Manifest) -> Result<()> {
         if let Some(p) = &m.procs {
             let dir = self.proc_dir(p.id);
+            // Every name is checked before any is joined to a path: a manifest from elsewhere
+            // (a remote store) naming `../../etc/shadow` must not make this read a host file.
+            let mut expected: BTreeSet<&str> = BTreeSet::new();
+            for f in &p.files {
+                crate::manifest::check_image_name(&f.name)
+                    .map_err(|why| CheckpointError::corrupt(&dir, why))?;
+                if !expected.insert(f.name.as_str()) {
+                    return Err(CheckpointError::corrupt(
+                        &dir,
+                        format!("image file {:?} is listed twice", f.name),
+                    ));
+                }
+            }
             if !dir.is_dir() {
                 return Err(CheckpointError::corrupt(&dir, "process image directory is missing"));
             }
-            let expected: BTreeSet<&str> = p.files.iter().map(|f| f.name.as_str()).collect();
             for name in list_names(&dir)? {
                 if !expected.contains(name.as_str()) {
                     return Err(CheckpointError::corrupt(
@@ -497,10 +546,18 @@ impl Store {
             }
             for f in &p.files {
                 let path = dir.join(&f.name);
-                if !path.exists() {
-                    return Err(CheckpointError::corrupt(&path, "image file is missing"));
+                // A regular file of the directory itself (no symlink followed, no device
+                // read), hashed no further than one byte past its recorded size.
+                let (size, sha) = match hash_regular_file(&path, f.size)? {
+                    Some(hashed) => hashed,
+                    None => return Err(CheckpointError::corrupt(&path, "image file is missing")),
+                };
+                if size > f.size {
+                    return Err(CheckpointError::corrupt(
+                        &path,
+                        format!("file is larger than the manifest's {} bytes", f.size),
+                    ));
                 }
-                let (size, sha) = hash_file(&path)?;
                 if size != f.size {
                     return Err(CheckpointError::corrupt(
                         &path,

@@ -94,6 +94,12 @@ impl StateDir {
     pub fn checkpoints(&self, sandbox: &str) -> PathBuf {
         self.pool().join("checkpoints").join(sandbox)
     }
+    /// Points of `sandbox` materialized from a remote store: a namespace of their own, apart
+    /// from every local sandbox's [`StateDir::checkpoints`], so a remote point never becomes a
+    /// point of a local sandbox that happens to bear its sandbox's name.
+    pub fn remote_points(&self, sandbox: &str) -> PathBuf {
+        self.pool().join("remote-points").join(sandbox)
+    }
     /// Staging area for work in progress; cleared at daemon start.
     pub fn tmp(&self) -> PathBuf {
         self.pool().join("tmp")

@@ -984,33 +984,65 @@ impl Host {
                 .map_err(remote_error)?;
             clock.mark("preflight");
         }
-        let store = self.checkpointer.store(&sb)?;
+        // What the new sandboxes get is this host's decision (the caller's flags, else its
+        // defaults); the point's sandbox_meta may ask for no more (checked before anything is
+        // written, and again on the manifest as materialized).
+        let limits = crab_sandbox::runtime::with_defaults(
+            &req.limits.clone().unwrap_or_default(),
+            &self.runtime.default_limits(),
+        );
+        crab_sandbox::runtime::validate_limits(&limits)?;
+        let grant = crate::remote::Grant { net: req.net.unwrap_or_default(), limits };
+        // Remote points live in a store of their own, never in a local sandbox's.
+        let store = self.checkpointer.remote_store(&sb)?;
         let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
         let state = self.state().clone();
         let handle = tokio::runtime::Handle::current();
+        let grant2 = grant.clone();
+        let mat_store = store.clone();
         let mat = tokio::task::spawn_blocking(move || {
-            handle.block_on(crab_remote::local::materialize(&repo, &state, &store, &rec2, fs_only))
+            let disk_limit = grant2.limits.disk_bytes;
+            let check = move |m: &crab_checkpoint::Manifest| {
+                crate::remote::admit_meta(&m.sandbox_meta, &grant2).map(drop).map_err(|refusal| {
+                    crab_remote::RemoteError::Refused {
+                        point: format!("{}@{}", m.sandbox, m.id),
+                        refusal,
+                    }
+                })
+            };
+            let admission = crab_remote::local::Admission { check: &check, disk_limit };
+            handle.block_on(crab_remote::local::materialize(
+                &repo, &state, &mat_store, &rec2, fs_only, &admission,
+            ))
         })
         .await
         .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
         .map_err(remote_error)?;
+        let template =
+            crate::remote::admit_meta(&mat.manifest.sandbox_meta, &grant).map_err(|refusal| {
+                remote_error(crab_remote::RemoteError::Refused {
+                    point: format!("{}@{}", rec.sandbox, rec.point),
+                    refusal,
+                })
+            })?;
         clock.restart();
         for (stage, ms) in &mat.stages {
             clock.add(format!("materialize_{stage}"), *ms);
         }
         let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
         let h = self.clone();
-        let (sb2, pid, count, names, fs_only) =
-            (sb.clone(), rec.point.clone(), req.count, req.names.clone(), req.fs_only);
+        let (pid, count, names, fs_only) =
+            (rec.point.clone(), req.count, req.names.clone(), req.fs_only);
         let branches = blocking(move || {
             // The materialization verified the images it wrote (or found).
             let opts = crab_checkpoint::ForkOptions { fs_only, verified: true };
-            let b = h.checkpointer.fork_files_or_all(
-                &sb2,
-                Some(&pid),
+            let b = h.checkpointer.fork_remote(
+                &store,
+                &pid,
                 count,
                 names,
                 opts,
+                &template,
                 &crab_common::NoProgress,
             )?;
             for x in &b {

@@ -22,8 +22,10 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crab_checkpoint::ForkBranch;
-use crab_common::{ApiError, ErrorCode};
-use crab_remote::{RemoteError, Repo, RepoOptions};
+use crab_common::api::{HarnessSpec, Limits, NetMode, SecurityProfile};
+use crab_common::{ApiError, CheckpointPolicy, ErrorCode};
+use crab_remote::{Refusal, RemoteError, Repo, RepoOptions};
+use crab_sandbox::runtime::SandboxRecord;
 
 use crate::{Host, HostError};
 
@@ -74,10 +76,205 @@ pub struct FromRemote {
     /// Restore files and conversation only.
     #[serde(default)]
     pub fs_only: bool,
+    /// The new sandboxes' network mode (the caller's `--network`); this host's default,
+    /// `private`, when absent. Never the point's own.
+    #[serde(default)]
+    pub net: Option<NetMode>,
+    /// The new sandboxes' limits (the caller's `--memory`, `--pids`, `--cpus`, `--disk`);
+    /// a disk limit absent here is the daemon's `--default-disk`. Never the point's own.
+    #[serde(default)]
+    pub limits: Option<Limits>,
 }
 
 fn one() -> usize {
     1
+}
+
+/// What this host grants a sandbox built from a remote point: the caller's flags, else the
+/// host's defaults. A remote point decides none of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// Network mode.
+    pub net: NetMode,
+    /// Limits (disk, memory, pids, cpu).
+    pub limits: Limits,
+}
+
+/// How much a network mode opens: `none` < `private` < `nat` < `host`.
+fn net_rank(n: NetMode) -> u8 {
+    match n {
+        NetMode::None => 0,
+        NetMode::Private => 1,
+        NetMode::Nat => 2,
+        NetMode::Host => 3,
+    }
+}
+
+fn net_name(n: NetMode) -> &'static str {
+    match n {
+        NetMode::None => "none",
+        NetMode::Private => "private",
+        NetMode::Nat => "nat",
+        NetMode::Host => "host",
+    }
+}
+
+fn refusal(field: &str, reason: String, fix: impl Into<String>) -> Refusal {
+    Refusal { field: field.to_string(), reason, fix: fix.into() }
+}
+
+/// Judge the `sandbox_meta` of a remote point's manifest (untrusted: anyone who can write the
+/// store can forge it) against what this host grants, and return the record template the new
+/// sandboxes are built from. The point may not ask for a privileged profile, a network mode
+/// opening more than `grant.net`, or a limit looser than one `grant.limits` sets: each is
+/// refused naming the field. What the new sandboxes get is `grant` and the default profile,
+/// whatever the point says; from the point only its image name (checked as a name), its
+/// checkpoint policy and its harness declaration (checked as at create) are kept.
+pub fn admit_meta(meta: &serde_json::Value, grant: &Grant) -> Result<SandboxRecord, Refusal> {
+    use serde_json::Value;
+    let obj = meta.as_object().ok_or_else(|| {
+        refusal(
+            "sandbox_meta",
+            "its sandbox_meta is not a JSON object".into(),
+            "export the point again from its host",
+        )
+    })?;
+    let get = |path: &[&str]| path.iter().try_fold(meta, |v, k| v.get(k)).filter(|v| !v.is_null());
+    // Profile: only the default one.
+    match get(&["profile", "privileged"]) {
+        None | Some(Value::Bool(false)) => {}
+        Some(Value::Bool(true)) => {
+            return Err(refusal(
+                "sandbox_meta.profile.privileged",
+                "the point asks for a privileged profile (sandbox_meta.profile.privileged); \
+                 this host restores remote points with the default profile only"
+                    .into(),
+                "restore a point of a sandbox created without --privileged",
+            ))
+        }
+        Some(v) => {
+            return Err(refusal(
+                "sandbox_meta.profile.privileged",
+                format!("sandbox_meta.profile.privileged is {v}, not a boolean"),
+                "export the point again from its host",
+            ))
+        }
+    }
+    if let Some(p) = obj.get("profile").and_then(Value::as_object) {
+        if let Some(k) = p.keys().find(|k| k.as_str() != "privileged") {
+            return Err(refusal(
+                "sandbox_meta.profile",
+                format!(
+                    "the point asks for a profile setting {k:?} (sandbox_meta.profile.{k}) this \
+                     host does not know; it restores remote points with the default profile only"
+                ),
+                "restore it on a host whose crab knows that setting",
+            ));
+        }
+    }
+    // Network: at most what is granted.
+    if let Some(v) = get(&["net"]) {
+        let asked: NetMode = v.as_str().and_then(|s| s.parse().ok()).ok_or_else(|| {
+            refusal(
+                "sandbox_meta.net",
+                format!("sandbox_meta.net is {v}, not a network mode"),
+                "export the point again from its host",
+            )
+        })?;
+        if net_rank(asked) > net_rank(grant.net) {
+            return Err(refusal(
+                "sandbox_meta.net",
+                format!(
+                    "the point asks for network {} (sandbox_meta.net); this host restores it with \
+                     network {} (the caller's --network, else the host's default)",
+                    net_name(asked),
+                    net_name(grant.net)
+                ),
+                format!("pass --network {} to grant it that network", net_name(asked)),
+            ));
+        }
+    }
+    // Limits: none looser than a granted one.
+    let limits: [(&str, &str, Option<u64>); 4] = [
+        ("memory_bytes", "--memory", grant.limits.memory_bytes),
+        ("pids_max", "--pids", grant.limits.pids_max),
+        ("cpu_millis", "--cpus", grant.limits.cpu_millis),
+        ("disk_bytes", "--disk", grant.limits.disk_bytes),
+    ];
+    for (key, flag, granted) in limits {
+        let Some(v) = get(&["limits", key]) else { continue };
+        let field = format!("sandbox_meta.limits.{key}");
+        let asked = v.as_u64().ok_or_else(|| {
+            refusal(&field, format!("{field} is {v}, not a number"), "export the point again")
+        })?;
+        if let Some(g) = granted.filter(|g| asked > *g) {
+            return Err(refusal(
+                &field,
+                format!(
+                    "the point asks for {key} {asked} ({field}); this host restores it with \
+                     {g} (the caller's {flag}, else the host's default)"
+                ),
+                format!("pass {flag} with a value of at least the point's to grant it"),
+            ));
+        }
+    }
+    // Names: the image's must be a name; the sandboxes' are the caller's or generated here.
+    let image = match get(&["image"]) {
+        None => String::new(),
+        Some(v) => {
+            let name = v.as_str().filter(|n| crab_common::names::validate("image", n).is_ok());
+            name.ok_or_else(|| {
+                refusal(
+                    "sandbox_meta.image",
+                    format!("sandbox_meta.image {v} is not an image name"),
+                    "export the point again from its host",
+                )
+            })?
+            .to_string()
+        }
+    };
+    let checkpoint_policy: CheckpointPolicy = match get(&["checkpoint_policy"]) {
+        None => CheckpointPolicy::default(),
+        Some(v) => serde_json::from_value(v.clone()).map_err(|_| {
+            refusal(
+                "sandbox_meta.checkpoint_policy",
+                format!("sandbox_meta.checkpoint_policy {v} is not auto, full, fs or none"),
+                "export the point again from its host",
+            )
+        })?,
+    };
+    let harness: HarnessSpec = match get(&["harness"]) {
+        None => HarnessSpec::default(),
+        Some(v) => serde_json::from_value(v.clone())
+            .map_err(|e| e.to_string())
+            .and_then(|h| {
+                crab_inspector::harness::Harness::compile(&h).map(|_| h).map_err(|e| e.to_string())
+            })
+            .map_err(|e| {
+                refusal(
+                    "sandbox_meta.harness",
+                    format!("sandbox_meta.harness is not a valid harness declaration: {e}"),
+                    "export the point again from its host",
+                )
+            })?,
+    };
+    Ok(SandboxRecord {
+        format: crab_sandbox::runtime::RECORD_FORMAT,
+        name: String::new(),
+        image,
+        created_at: 0,
+        init_pid: 0,
+        init_start: 0,
+        net: grant.net,
+        hostname: String::new(),
+        limits: grant.limits.clone(),
+        profile: SecurityProfile::default(),
+        cgroup: None,
+        nat: None,
+        held: None,
+        checkpoint_policy,
+        harness,
+    })
 }
 
 /// Answer of [`crate::Action::FromRemote`].
@@ -97,7 +294,7 @@ pub struct FromRemoteReport {
     /// Files and conversation only.
     pub fs_only: bool,
     /// Where the time went: (stage, ms) in order — `load_point`, `preflight`, the
-    /// materialization's own stages (`materialize_index`, `…_manifest`, `…_fs_and_procs`
+    /// materialization's own stages (`materialize_index`, `…_manifest`, `…_room`, `…_fs_and_procs`
     /// followed by `…_fs` and `…_procs`, which ran side by side within it, `…_verify`,
     /// `…_conversation`), `fork` and `attach`.
     pub stages: Vec<(String, f64)>,
@@ -175,6 +372,23 @@ pub fn remote_error(e: RemoteError) -> HostError {
         RemoteError::Locked { .. } => ApiError::new(ErrorCode::Conflict, msg, "retry later"),
         RemoteError::Preflight { .. } => {
             ApiError::new(ErrorCode::HostUnsupported, msg, "add --fs-only")
+        }
+        RemoteError::Refused { refusal, .. } => {
+            ApiError::new(ErrorCode::InvalidRequest, msg, refusal.fix)
+        }
+        RemoteError::PoolFull { .. } => ApiError::new(
+            ErrorCode::PoolFull,
+            msg,
+            "free room in the pool (remove sandboxes or restore points) or restart the daemon \
+             with a larger --pool-size",
+        ),
+        RemoteError::Io { ref source, .. } if source.kind() == std::io::ErrorKind::StorageFull => {
+            ApiError::new(
+                ErrorCode::PoolFull,
+                msg,
+                "free room in the pool (remove sandboxes or restore points) or restart the \
+                 daemon with a larger --pool-size",
+            )
         }
         RemoteError::BadUrl { .. } | RemoteError::Key(_) => {
             ApiError::invalid(msg, "check --remote / --remote-key")
@@ -394,5 +608,98 @@ impl RemoteTier {
                 )));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant() -> Grant {
+        Grant { net: NetMode::Private, limits: Limits::default() }
+    }
+
+    /// What the exporter writes: the source sandbox's whole record.
+    fn exported() -> serde_json::Value {
+        serde_json::json!({
+            "format": 3, "name": "sb", "image": "debian", "created_at": 1, "init_pid": 42,
+            "init_start": 7, "net": "private", "hostname": "sb",
+            "limits": {"memory_bytes": null, "pids_max": null, "cpu_millis": null},
+            "profile": {"privileged": false}, "cgroup": "crab-x/sb",
+            "checkpoint_policy": "fs", "harness": {"cmd": ["^python agent"]}
+        })
+    }
+
+    fn refused(meta: serde_json::Value, g: &Grant) -> Refusal {
+        match admit_meta(&meta, g) {
+            Ok(r) => panic!("{meta} admitted as {r:?}"),
+            Err(r) => r,
+        }
+    }
+
+    #[test]
+    fn an_exported_record_is_admitted_with_the_hosts_grant() {
+        let g = Grant {
+            net: NetMode::None,
+            limits: Limits { memory_bytes: Some(1 << 30), ..Default::default() },
+        };
+        let mut meta = exported();
+        meta["net"] = "none".into();
+        let r = admit_meta(&meta, &g).expect("admitted");
+        assert_eq!((r.net, r.limits, r.profile), (g.net, g.limits, SecurityProfile::default()));
+        assert_eq!((r.image.as_str(), r.checkpoint_policy), ("debian", CheckpointPolicy::Fs));
+        assert_eq!(r.harness.cmd, vec!["^python agent".to_string()]);
+        assert_eq!((r.cgroup, r.nat, r.format), (None, None, crab_sandbox::runtime::RECORD_FORMAT));
+        // A point asking for less than the grant gets the grant, not what it asked for.
+        let r = admit_meta(&exported(), &grant()).expect("admitted");
+        assert_eq!(r.net, NetMode::Private);
+    }
+
+    #[test]
+    fn what_the_host_does_not_grant_is_refused_naming_the_field() {
+        let bare = serde_json::json!({"profile": {"privileged": true}, "net": "host"});
+        let r = refused(bare, &grant());
+        assert_eq!(r.field, "sandbox_meta.profile.privileged");
+        assert!(r.reason.contains("asks for a privileged profile"), "{}", r.reason);
+        assert!(r.reason.contains("default profile only"), "{}", r.reason);
+        for (net, ok_with) in [("host", NetMode::Host), ("nat", NetMode::Nat)] {
+            let mut m = exported();
+            m["net"] = net.into();
+            let r = refused(m.clone(), &grant());
+            assert_eq!(r.field, "sandbox_meta.net");
+            assert!(r.reason.contains(&format!("network {net}")), "{}", r.reason);
+            assert!(r.fix.contains(&format!("--network {net}")), "{}", r.fix);
+            // The caller's flag grants it.
+            assert!(admit_meta(&m, &Grant { net: ok_with, ..grant() }).is_ok());
+        }
+        let tight = Grant {
+            net: NetMode::Private,
+            limits: Limits {
+                memory_bytes: Some(1 << 30),
+                pids_max: Some(64),
+                cpu_millis: Some(500),
+                disk_bytes: Some(1 << 30),
+            },
+        };
+        for (key, v) in [
+            ("memory_bytes", 2u64 << 30),
+            ("pids_max", 65),
+            ("cpu_millis", 501),
+            ("disk_bytes", 2 << 30),
+        ] {
+            let mut m = exported();
+            m["limits"][key] = v.into();
+            assert_eq!(refused(m, &tight).field, format!("sandbox_meta.limits.{key}"));
+        }
+        let mut m = exported();
+        m["profile"]["seccomp"] = "unconfined".into();
+        assert_eq!(refused(m, &grant()).field, "sandbox_meta.profile");
+        let mut m = exported();
+        m["image"] = "../../etc".into();
+        assert_eq!(refused(m, &grant()).field, "sandbox_meta.image");
+        let mut m = exported();
+        m["harness"] = serde_json::json!({"cmd": ["("]});
+        assert_eq!(refused(m, &grant()).field, "sandbox_meta.harness");
+        assert_eq!(refused(serde_json::json!("x"), &grant()).field, "sandbox_meta");
     }
 }

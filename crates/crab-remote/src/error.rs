@@ -83,6 +83,31 @@ pub enum RemoteError {
     #[error("remote key: {0}")]
     Key(String),
 
+    /// A remote point asks for something this host does not grant (a privileged profile,
+    /// another network, looser limits, more bytes than the new sandbox's disk limit); refused
+    /// before anything was written.
+    #[error("remote point {point} refused: {}; nothing was written", refusal.reason)]
+    Refused {
+        /// `sandbox@point`.
+        point: String,
+        /// What was refused.
+        refusal: Refusal,
+    },
+
+    /// Materializing a remote point would write more than the pool has room for; refused
+    /// before anything was written.
+    #[error("remote point {point} declares {need} bytes to write, the pool has {free} bytes free and keeps {reserve} of them free; nothing was written")]
+    PoolFull {
+        /// `sandbox@point`.
+        point: String,
+        /// Bytes its trees declare to be written.
+        need: u64,
+        /// Bytes free in the pool.
+        free: u64,
+        /// Bytes the pool keeps free.
+        reserve: u64,
+    },
+
     /// The point cannot be restored on this host (kernel, CRIU, CPU flags, image).
     #[error("cannot restore processes of {point} on this host: {mismatch}; use --fs-only to restore its files and conversation only")]
     Preflight {
@@ -91,6 +116,18 @@ pub enum RemoteError {
         /// What differs.
         mismatch: String,
     },
+}
+
+/// What a refused remote point asked for, and what this host grants instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The manifest field (`sandbox_meta.profile.privileged`, `sandbox_meta.net`, …) or the
+    /// quantity (`disk limit`) that was refused.
+    pub field: String,
+    /// What the point asks for and what this host grants.
+    pub reason: String,
+    /// How the caller can restore it anyway, when it can.
+    pub fix: String,
 }
 
 impl RemoteError {

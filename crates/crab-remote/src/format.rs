@@ -317,7 +317,8 @@ pub struct Tree {
 }
 
 impl Entry {
-    /// The name's bytes; validated: non-empty, no `/` or NUL, not `.` or `..`.
+    /// The name's bytes; validated: non-empty, at most [`MAX_NAME`] bytes, no `/` or NUL, not
+    /// `.` or `..`.
     pub fn name_bytes(&self, object: &str) -> Result<Vec<u8>> {
         let bytes = match (&self.name, &self.name_hex) {
             (Some(n), None) => n.as_bytes().to_vec(),
@@ -332,6 +333,7 @@ impl Entry {
             }
         };
         if bytes.is_empty()
+            || bytes.len() > MAX_NAME
             || bytes == b"."
             || bytes == b".."
             || bytes.iter().any(|&b| b == b'/' || b == 0)
@@ -355,6 +357,9 @@ impl Entry {
         }
     }
 }
+
+/// Longest entry name, bytes (the kernel's `NAME_MAX`).
+pub const MAX_NAME: usize = 255;
 
 /// Sanity bound on a single blob (chunks are ≤ `chunker.max`; trees of huge directories more).
 pub const MAX_BLOB: u64 = 256 * 1024 * 1024;
@@ -415,7 +420,8 @@ mod tests {
             xattrs: None,
             link_hex: None,
         };
-        for bad in ["", ".", "..", "a/b", "../x"] {
+        let long = "x".repeat(MAX_NAME + 1);
+        for bad in ["", ".", "..", "a/b", "../x", "/etc", "a\0b", &long] {
             e.name = Some(bad.into());
             assert!(e.name_bytes("t").is_err(), "{bad:?} accepted");
         }

@@ -21,7 +21,7 @@ pub mod repo;
 pub mod tree;
 
 pub use crypto::Key;
-pub use error::{RemoteError, Result};
+pub use error::{Refusal, RemoteError, Result};
 pub use format::{HostFacts, PointRecord};
 pub use host::preflight;
 pub use id::Id;

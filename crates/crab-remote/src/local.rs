@@ -67,9 +67,10 @@ pub struct Materialized {
     pub base_image: Option<String>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
-    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `fs_and_procs` — the
-    /// wall time of `fs` and `procs`, which run side by side and follow it with their own
-    /// times — `verify`, `conversation`).
+    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `room` — the bytes
+    /// the trees declare, summed and checked —, `fs_and_procs` — the wall time of `fs` and
+    /// `procs`, which run side by side and follow it with their own times — `verify`,
+    /// `conversation`).
     pub stages: Vec<(String, f64)>,
 }
 
@@ -82,17 +83,65 @@ fn remove_any(path: &Path) {
     }
 }
 
-/// Make remote point `rec` a local point of `store` (which must be the store of
-/// `rec.sandbox`), downloading only what is missing. With `fs_only` the process images are
-/// left out and the local manifest records none (a fork then starts a fresh init).
+/// What the restoring host lets a remote point be: checked before anything is written.
+pub struct Admission<'a> {
+    /// Refuses what the point's manifest asks for beyond what the host grants (its
+    /// `sandbox_meta`: profile, network, limits, image name).
+    pub check: &'a (dyn Fn(&Manifest) -> Result<()> + Send + Sync),
+    /// The disk quota of the sandboxes to be built from it: a point whose filesystem would
+    /// write more is refused.
+    pub disk_limit: Option<u64>,
+}
+
+impl std::fmt::Debug for Admission<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission").field("disk_limit", &self.disk_limit).finish_non_exhaustive()
+    }
+}
+
+/// Check what a remote manifest names before any of it is joined to a path: its id and
+/// sandbox are the record's, and every process image file name is one plain path component.
+pub fn check_remote_manifest(m: &Manifest, rec: &PointRecord, object: &str) -> Result<()> {
+    if m.id.to_string() != rec.point || m.sandbox != rec.sandbox {
+        return Err(RemoteError::corrupt(
+            object,
+            format!(
+                "its manifest is of {}@{}, not of {}@{}",
+                m.sandbox, m.id, rec.sandbox, rec.point
+            ),
+        ));
+    }
+    if let Some(p) = &m.procs {
+        let mut seen = std::collections::HashSet::new();
+        for f in &p.files {
+            crab_checkpoint::manifest::check_image_name(&f.name)
+                .map_err(|why| RemoteError::corrupt(object, format!("its manifest's {why}")))?;
+            if !seen.insert(f.name.as_str()) {
+                return Err(RemoteError::corrupt(
+                    object,
+                    format!("its manifest lists image file {:?} twice", f.name),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Make remote point `rec` a local point of `store` (which must be a store of
+/// `rec.sandbox`'s points materialized from remotes, never a local sandbox's own store),
+/// downloading only what is missing. With `fs_only` the process images are left out and the
+/// local manifest records none (a fork then starts a fresh init). Before anything is written
+/// the manifest's names are checked, `admission` is asked, and the bytes its trees declare
+/// are checked against the pool's free space and `admission.disk_limit`.
 pub async fn materialize(
     repo: &Repo,
     state: &StateDir,
     store: &Store,
     rec: &PointRecord,
     fs_only: bool,
+    admission: &Admission<'_>,
 ) -> Result<Materialized> {
-    let res = materialize_inner(repo, state, store, rec, fs_only).await;
+    let res = materialize_inner(repo, state, store, rec, fs_only, admission).await;
     repo.drop_prefetched();
     res
 }
@@ -103,6 +152,7 @@ async fn materialize_inner(
     store: &Store,
     rec: &PointRecord,
     fs_only: bool,
+    admission: &Admission<'_>,
 ) -> Result<Materialized> {
     let t0 = std::time::Instant::now();
     let digits = rec.point.strip_prefix('c').unwrap_or("");
@@ -121,9 +171,13 @@ async fn materialize_inner(
         path: store.dir().to_path_buf(),
         source: std::io::Error::other(e.to_string()),
     })?;
+    let object = repo.object_name(&format!("points/{}/{}", rec.sandbox, rec.point));
     if let Ok(local) = crab_checkpoint::manifest::read(&mpath) {
-        if store.verify(&local).is_ok() && (fs_only || local.procs.is_some() == rec.procs.is_some())
+        if check_remote_manifest(&local, rec, &object).is_ok()
+            && store.verify(&local).is_ok()
+            && (fs_only || local.procs.is_some() == rec.procs.is_some())
         {
+            (admission.check)(&local)?;
             return Ok(Materialized {
                 manifest: local,
                 conversation: None,
@@ -139,13 +193,36 @@ async fn materialize_inner(
     stages.mark("index");
     let what = format!("point {}@{}", rec.sandbox, rec.point);
     let bytes = repo.read_content(&rec.manifest, &format!("{what} manifest")).await?;
-    let mut m = crab_checkpoint::manifest::decode(&bytes, &mpath).map_err(|e| {
-        RemoteError::corrupt(
-            repo.object_name(&format!("points/{}/{}", rec.sandbox, rec.point)),
-            e.to_string(),
-        )
-    })?;
+    let mut m = crab_checkpoint::manifest::decode(&bytes, &mpath)
+        .map_err(|e| RemoteError::corrupt(&object, e.to_string()))?;
+    check_remote_manifest(&m, rec, &object)?;
+    (admission.check)(&m)?;
     stages.mark("manifest");
+    // What is to be written, from the trees' declared sizes, against the room there is —
+    // before anything is written (a chunk declared thousands of times is a file that large).
+    let fs_job = match (&m.fs, &rec.fs) {
+        (Some(fs), Some(tree)) if !store.fs_path(fs.id).exists() => {
+            let base = match &rec.image {
+                Some(img) => matching_image(repo, state, &img.name, &img.tree).await,
+                None => None,
+            };
+            let need = match &base {
+                Some((_, base_tree)) => repo.patch_write_bytes(base_tree, tree, &what).await?,
+                None => repo.tree_write_bytes(tree, &what).await?,
+            };
+            Some((fs.id, *tree, base, need))
+        }
+        _ => None,
+    };
+    let procs_need = match (fs_only, &m.procs, &rec.procs) {
+        (false, Some(p), Some(tree)) if !store.proc_dir(p.id).exists() => {
+            repo.tree_write_bytes(tree, &what).await?
+        }
+        _ => 0,
+    };
+    let fs_need = fs_job.as_ref().map_or(0, |j| j.3);
+    check_room(state, &what, fs_need, procs_need, admission.disk_limit, &rec.image)?;
+    stages.mark("room");
     // The filesystem and the process images are fetched at the same time: their downloads
     // overlap (each part's file writes run between the other's network waits).
     let fs_part = async {
@@ -153,44 +230,39 @@ async fn materialize_inner(
         // (snapshot or new subvolume, patch or download, rename and seal), ms
         let mut split = (0.0, 0.0, 0.0);
         let mut base_image = None;
-        if let (Some(fs), Some(tree)) = (&m.fs, &rec.fs) {
-            let dst = store.fs_path(fs.id);
-            if !dst.exists() {
-                let tmp = store.dir().join("fs").join(format!("{}.importing", fs.id));
+        if let Some((fs_id, tree, base, _)) = &fs_job {
+            let (fs_id, tree) = (*fs_id, tree);
+            let dst = store.fs_path(fs_id);
+            let tmp = store.dir().join("fs").join(format!("{fs_id}.importing"));
+            remove_any(&tmp);
+            let made = match &base {
+                Some((dir, _)) => crab_sandbox::btrfs::snapshot(dir, &tmp, false),
+                None => crab_sandbox::btrfs::create_subvolume(&tmp),
+            };
+            made.map_err(|e| RemoteError::Io {
+                op: "create subvolume",
+                path: tmp.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            split.0 = t.elapsed().as_secs_f64() * 1e3;
+            let fs_what = format!("{what} filesystem");
+            let res = match &base {
+                Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
+                None => repo.restore_tree(tree, &tmp, &fs_what).await,
+            };
+            if let Err(e) = res {
                 remove_any(&tmp);
-                let base = match &rec.image {
-                    Some(img) => matching_image(repo, state, &img.name, &img.tree).await,
-                    None => None,
-                };
-                let made = match &base {
-                    Some((dir, _)) => crab_sandbox::btrfs::snapshot(dir, &tmp, false),
-                    None => crab_sandbox::btrfs::create_subvolume(&tmp),
-                };
-                made.map_err(|e| RemoteError::Io {
-                    op: "create subvolume",
-                    path: tmp.clone(),
-                    source: std::io::Error::other(e.to_string()),
-                })?;
-                split.0 = t.elapsed().as_secs_f64() * 1e3;
-                let fs_what = format!("{what} filesystem");
-                let res = match &base {
-                    Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
-                    None => repo.restore_tree(tree, &tmp, &fs_what).await,
-                };
-                if let Err(e) = res {
-                    remove_any(&tmp);
-                    return Err(e);
-                }
-                split.1 = t.elapsed().as_secs_f64() * 1e3 - split.0;
-                std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
-                crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
-                    op: "set read-only",
-                    path: dst.clone(),
-                    source: std::io::Error::other(e.to_string()),
-                })?;
-                base_image = base.and(rec.image.as_ref().map(|i| i.name.clone()));
-                split.2 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1;
+                return Err(e);
             }
+            split.1 = t.elapsed().as_secs_f64() * 1e3 - split.0;
+            std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
+            crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
+                op: "set read-only",
+                path: dst.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            base_image = base.as_ref().and(rec.image.as_ref().map(|i| i.name.clone()));
+            split.2 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1;
         }
         Ok::<_, RemoteError>((base_image, t.elapsed().as_secs_f64() * 1e3, split))
     };
@@ -255,6 +327,56 @@ async fn materialize_inner(
         elapsed_ms: t0.elapsed().as_millis() as u64,
         stages: stages.into_stages(),
     })
+}
+
+/// Refuse a materialization whose declared bytes (`fs` of the filesystem, `procs` of the
+/// process images) exceed the pool's free space less its reserve, or whose filesystem bytes
+/// exceed the new sandboxes' disk limit.
+fn check_room(
+    state: &StateDir,
+    what: &str,
+    fs: u64,
+    procs: u64,
+    disk_limit: Option<u64>,
+    image: &Option<crate::format::ImageRef>,
+) -> Result<()> {
+    if let Some(limit) = disk_limit.filter(|l| fs > *l) {
+        let fix = match image {
+            Some(i) => format!(
+                "restore it with a larger --disk, or make image {:?} (the point's, byte for byte) \
+                 available here so that only what differs from it is written",
+                i.name
+            ),
+            None => "restore it with a larger --disk".to_string(),
+        };
+        return Err(RemoteError::Refused {
+            point: what.trim_start_matches("point ").to_string(),
+            refusal: crate::error::Refusal {
+                field: "disk limit".into(),
+                reason: format!(
+                    "its filesystem declares {fs} bytes to write, more than the new sandbox's \
+                     disk limit of {limit} bytes"
+                ),
+                fix,
+            },
+        });
+    }
+    let free = crab_sandbox::pool::free_bytes(state).map_err(|e| RemoteError::Io {
+        op: "statvfs",
+        path: state.pool(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    let reserve = crab_checkpoint::ops::MIN_FREE_BYTES;
+    let need = fs.saturating_add(procs);
+    if need > 0 && need.saturating_add(reserve) > free {
+        return Err(RemoteError::PoolFull {
+            point: what.trim_start_matches("point ").to_string(),
+            need,
+            free,
+            reserve,
+        });
+    }
+    Ok(())
 }
 
 /// What [`local_image_tree`] keeps per image: the tree id and what it was computed for.

@@ -493,6 +493,101 @@ impl Repo {
         Ok((trees, data))
     }
 
+    /// The file bytes materializing tree `root` writes, from its *declared* sizes (file
+    /// contents; a hard link's name writes none): read from the tree objects only, before
+    /// anything is written. A subtree referenced by several entries counts once per reference
+    /// (each is written), computed once per id; sums saturate.
+    pub(crate) async fn tree_write_bytes(&self, root: &Id, what: &str) -> Result<u64> {
+        // Fetch every tree object level by level (one prefetch per level).
+        self.tree_blobs(root, what).await?;
+        let mut memo: HashMap<Id, u64> = HashMap::new();
+        // (tree, its entries, next entry, bytes so far)
+        let mut stack: Vec<(Id, Vec<Entry>, usize, u64)> =
+            vec![(*root, self.tree(root, what).await?.entries, 0, 0)];
+        let mut open: HashSet<Id> = HashSet::from([*root]);
+        while let Some(top) = stack.last_mut() {
+            if top.2 == top.1.len() {
+                let (id, total) = (top.0, top.3);
+                stack.pop();
+                open.remove(&id);
+                memo.insert(id, total);
+                if let Some(parent) = stack.last_mut() {
+                    parent.3 = parent.3.saturating_add(total);
+                }
+                continue;
+            }
+            let e = &top.1[top.2];
+            top.2 += 1;
+            let (id, sub) = (top.0, e.subtree.filter(|_| e.kind == EntryKind::Dir));
+            let file = match (e.kind, &e.content, &e.link_hex) {
+                (EntryKind::File, Some(c), None) => c.size,
+                _ => 0,
+            };
+            top.3 = top.3.saturating_add(file);
+            let Some(sub) = sub else { continue };
+            if let Some(n) = memo.get(&sub) {
+                top.3 = top.3.saturating_add(*n);
+            } else if !open.insert(sub) {
+                return Err(RemoteError::corrupt(format!("tree {id}"), "a tree contains itself"));
+            } else {
+                let entries = self.tree(&sub, what).await?.entries;
+                stack.push((sub, entries, 0, 0));
+            }
+        }
+        Ok(memo.get(root).copied().unwrap_or(0))
+    }
+
+    /// [`Repo::tree_write_bytes`] of turning a copy of tree `base` into tree `target` (what
+    /// [`Repo::patch_tree`] writes): subtrees with equal ids and files with equal content
+    /// write nothing; new directories count whole.
+    pub(crate) async fn patch_write_bytes(
+        &self,
+        base: &Id,
+        target: &Id,
+        what: &str,
+    ) -> Result<u64> {
+        let mut total = 0u64;
+        let mut level = vec![(*base, *target)];
+        while !level.is_empty() {
+            level.retain(|(b, t)| b != t);
+            let ids: Vec<Id> = level.iter().flat_map(|(b, t)| [*b, *t]).collect();
+            self.prefetch(&ids, what).await?;
+            let mut next = Vec::new();
+            for (b, t) in std::mem::take(&mut level) {
+                let (old, new) = (self.tree(&b, what).await?, self.tree(&t, what).await?);
+                let old_obj = format!("tree {b}");
+                let mut old_by: HashMap<Vec<u8>, Entry> = HashMap::new();
+                for o in old.entries {
+                    old_by.insert(o.name_bytes(&old_obj)?, o);
+                }
+                let object = format!("tree {t}");
+                for e in new.entries {
+                    let old = old_by.remove(&e.name_bytes(&object)?);
+                    match (old, e.kind, e.subtree) {
+                        (Some(o), EntryKind::Dir, Some(ns)) if o.kind == EntryKind::Dir => {
+                            if let Some(os) = o.subtree {
+                                next.push((os, ns));
+                            }
+                        }
+                        (_, EntryKind::Dir, Some(ns)) => {
+                            total = total.saturating_add(self.tree_write_bytes(&ns, what).await?)
+                        }
+                        (Some(o), EntryKind::File, _)
+                            if o.kind == EntryKind::File
+                                && o.content == e.content
+                                && o.link_hex == e.link_hex => {}
+                        (_, EntryKind::File, _) if e.link_hex.is_none() => {
+                            total = total.saturating_add(e.content.as_ref().map_or(0, |c| c.size));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            level = next;
+        }
+        Ok(total)
+    }
+
     /// Create the non-directory entry `e` at `path` (which must not exist) and apply its
     /// metadata; device nodes other than the harmless character devices are skipped.
     async fn create_leaf(

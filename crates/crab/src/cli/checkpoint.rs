@@ -238,7 +238,16 @@ pub(super) async fn restore(
 pub(super) async fn fork(client: &Client, a: ForkArgs, json: bool) -> Result<ExitCode, ApiError> {
     let ForkArgs { sandbox, from_remote, fs_only, checkpoint, count, names } = a;
     if let Some(src) = from_remote {
-        return super::remote::from_remote(client, src, names, count, fs_only, json).await;
+        return super::remote::from_remote(
+            client,
+            src,
+            names,
+            count,
+            fs_only,
+            super::remote::Grant::default(),
+            json,
+        )
+        .await;
     }
     let sandbox = sandbox.unwrap_or_default();
     let req = ForkRequest {

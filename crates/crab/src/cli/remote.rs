@@ -113,6 +113,16 @@ pub(super) async fn run(client: &Client, c: RemoteCmd, json: bool) -> Result<Exi
     }
 }
 
+/// What the caller grants sandboxes built from a remote point (`None`/unset: the daemon's
+/// defaults).
+#[derive(Debug, Default)]
+pub(super) struct Grant {
+    /// `--network`.
+    pub net: Option<crab_common::api::NetMode>,
+    /// `--memory`, `--pids`, `--cpus`, `--disk`.
+    pub limits: crab_common::api::Limits,
+}
+
 /// `crab sandbox create --from-remote` / `crab fork --from-remote`.
 pub(super) async fn from_remote(
     client: &Client,
@@ -120,14 +130,21 @@ pub(super) async fn from_remote(
     names: Vec<String>,
     count: usize,
     fs_only: bool,
+    grant: Grant,
     json: bool,
 ) -> Result<ExitCode, ApiError> {
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "source": source,
         "names": if names.is_empty() { None } else { Some(names) },
         "count": count,
         "fs_only": fs_only,
     });
+    if let Some(net) = grant.net {
+        body["net"] = serde_json::to_value(net).unwrap_or_default();
+    }
+    if grant.limits != crab_common::api::Limits::default() {
+        body["limits"] = serde_json::to_value(&grant.limits).unwrap_or_default();
+    }
     let v: serde_json::Value = client.call(Method::POST, "/v1/remote/restore", Some(&body)).await?;
     if json {
         print_json(&v);

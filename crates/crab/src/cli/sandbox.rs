@@ -18,7 +18,10 @@ pub(super) enum SandboxCmd {
         #[arg(required_unless_present = "from_remote", conflicts_with = "from_remote")]
         image: Option<String>,
         /// Build it from a point in the daemon's --remote store: SB or SB@POINT (the newest
-        /// when no point), with its files, processes and conversation.
+        /// when no point), with its files, processes and conversation. Its network, limits
+        /// and name are this command's (--network, --memory, --pids, --cpus, --disk, --name)
+        /// or the daemon's defaults, never the point's; a point asking for more (a privileged
+        /// profile, a wider network, a looser limit) is refused.
         #[arg(long, value_name = "SB[@POINT]")]
         from_remote: Option<String>,
         /// With --from-remote: files and conversation only (a fresh init, no processes).
@@ -149,8 +152,26 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             harness_path,
         } => {
             if let Some(src) = from_remote {
+                // The new sandbox's network and limits are this caller's (or the daemon's
+                // defaults), never the remote point's.
+                if privileged {
+                    return Err(ApiError::invalid(
+                        "--privileged does not apply to --from-remote",
+                        "a sandbox built from a remote point always gets the default profile",
+                    ));
+                }
                 let names = name.into_iter().collect();
-                return super::remote::from_remote(client, src, names, 1, fs_only, json).await;
+                let grant = super::remote::Grant {
+                    net: Some(net),
+                    limits: Limits {
+                        memory_bytes: memory,
+                        pids_max: pids,
+                        cpu_millis: cpus.map(|c| (c * 1000.0) as u64),
+                        disk_bytes: disk,
+                    },
+                };
+                return super::remote::from_remote(client, src, names, 1, fs_only, grant, json)
+                    .await;
             }
             let req = SandboxCreateRequest {
                 image: image.unwrap_or_default(),

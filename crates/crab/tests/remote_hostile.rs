@@ -281,7 +281,10 @@ fn a_dedup_bomb_is_refused_as_a_full_pool_before_anything_is_written() {
     let small = h.files("small", &[]);
     std::fs::File::create(small.join("zeros.bin")).unwrap().set_len(200 << 20).unwrap();
     let sb = format!("{base}-disk");
-    h.forge(&sb, "c000001", &real, &small);
+    // A point of a sandbox with a disk limit no larger than the one granted here (its meta
+    // asking for more is the other test's refusal, not this one's).
+    let limited = with_meta(&real, |v| v["limits"]["disk_bytes"] = (64u64 << 20).into());
+    h.forge(&sb, "c000001", &limited, &small);
     let err = h.refused(&sb, &format!("{sb}-copy"), &["--disk", "64M"]);
     assert!(err.contains("disk limit"), "{err}");
     assert_eq!(h.remote_parts(&sb), 0, "parts were written before the refusal");

@@ -203,6 +203,11 @@ pub struct ForkOptions {
     /// The caller has just verified the point (one it materialized from a remote store and
     /// checked with [`Store::verify_and_sync`]): its images are not hashed a second time.
     pub verified: bool,
+    /// The point came from a remote store: its process images are checked against the
+    /// default profile ([`crate::foreign::check`]) before any branch is made, and the
+    /// branches get the default profile whatever its record says (`--privileged` and host
+    /// networking are never granted to a remote point).
+    pub remote: bool,
 }
 
 /// One branch of a fork.
@@ -1211,7 +1216,7 @@ impl Checkpointer {
         let fs = m.fs.clone().ok_or_else(|| {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
         })?;
-        let src: SandboxRecord = match self.rt.record(sandbox) {
+        let mut src: SandboxRecord = match self.rt.record(sandbox) {
             Ok(r) => r,
             Err(_) => serde_json::from_value(m.sandbox_meta.clone()).map_err(|e| {
                 CheckpointError::corrupt(
@@ -1220,6 +1225,20 @@ impl Checkpointer {
                 )
             })?,
         };
+        if opts.remote {
+            if src.net == NetMode::Host {
+                return Err(CheckpointError::Invalid(format!(
+                    "point {} of {sandbox} is of a sandbox with host networking, which a remote \
+                     point is never given",
+                    m.id
+                )));
+            }
+            src.profile.privileged = false;
+            if let Some(p) = &m.procs {
+                progress.stage("check_images", None);
+                crate::foreign::check(&store.proc_dir(p.id))?;
+            }
+        }
         let names = match names {
             Some(n) if n.len() == count => n,
             Some(n) => {

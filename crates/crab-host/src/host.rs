@@ -943,7 +943,11 @@ impl Host {
                 req.checkpoint.as_deref(),
                 req.count,
                 req.names,
-                crab_checkpoint::ForkOptions { fs_only: req.fs_only, verified: false },
+                crab_checkpoint::ForkOptions {
+                    fs_only: req.fs_only,
+                    verified: false,
+                    remote: false,
+                },
                 &crab_common::NoProgress,
             )?;
             for b in &branches {
@@ -999,8 +1003,10 @@ impl Host {
         let (sb2, pid, count, names, fs_only) =
             (sb.clone(), rec.point.clone(), req.count, req.names.clone(), req.fs_only);
         let branches = blocking(move || {
-            // The materialization verified the images it wrote (or found).
-            let opts = crab_checkpoint::ForkOptions { fs_only, verified: true };
+            // The materialization verified the images it wrote (or found) and checked them
+            // against the default profile; the fork checks them again before any branch and
+            // gives the branches the default profile.
+            let opts = crab_checkpoint::ForkOptions { fs_only, verified: true, remote: true };
             let b = h.checkpointer.fork_files_or_all(
                 &sb2,
                 Some(&pid),

@@ -154,6 +154,19 @@ impl CompiledFilters {
         CompiledFilters { programs }
     }
 
+    /// Each program's raw `sock_filter` array, as installed and as the kernel hands it back
+    /// (`PTRACE_SECCOMP_GET_FILTER`, so as CRIU dumps it into `seccomp.img`).
+    pub fn program_bytes(&self) -> Result<Vec<Vec<u8>>, SeccompError> {
+        self.programs
+            .iter()
+            .map(|s| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(s)
+                    .map_err(e("decode compiled seccomp filter"))
+            })
+            .collect()
+    }
+
     fn decode(&self) -> Result<Vec<Vec<Insn>>, SeccompError> {
         self.programs
             .iter()

@@ -27,11 +27,14 @@ use crab_testkit::require_root;
 /// `BPF_RET | BPF_K` returning `SECCOMP_RET_ALLOW`: a filter that allows everything.
 const ALLOW_ALL: [u8; 8] = [0x06, 0, 0, 0, 0, 0, 0xff, 0x7f];
 
+/// Patches an image directory for the task `tid` (its `core-<tid>.img`).
+type Patch = Box<dyn Fn(&Path, u32)>;
+
 /// A forgery: what it patches in an image directory, and the field the refusal must name.
 struct Forgery {
     name: &'static str,
     field: &'static str,
-    patch: Box<dyn Fn(&Path, u32)>,
+    patch: Patch,
 }
 
 /// Patch `thread_core` (field 5) of `core-<tid>.img`: `path` below it, `tag` set to `values`.
@@ -335,7 +338,15 @@ fn forged_remote_points_are_refused_end_to_end() {
     // Control: forged with nothing changed, the point restores, with the default profile.
     let ok = forge(&d, &remote, &sb, &point, 900_000, &|_, _| {});
     let copy = common::unique("t-rforge-ok");
-    d.crab_ok(&["sandbox", "create", "--from-remote", &format!("{sb}@{ok}"), "--name", &copy]);
+    let report =
+        d.json(&["sandbox", "create", "--from-remote", &format!("{sb}@{ok}"), "--name", &copy]);
+    // The materialization ran the check (its own stage, timed).
+    let stages = report["stages"].as_array().cloned().unwrap_or_default();
+    let check = stages
+        .iter()
+        .find(|s| s[0] == "materialize_check_images")
+        .unwrap_or_else(|| panic!("no check stage in {report}"));
+    eprintln!("materialize_check_images of an init-only point: {} ms", check[1]);
     let st = status_of(init_pid(&d, &copy));
     assert_eq!(status_field(&st, "CapEff:"), "00000000a80405fb", "{st}");
     assert_eq!(status_field(&st, "CapBnd:"), "00000000a80405fb", "{st}");
@@ -363,6 +374,7 @@ fn forged_remote_points_are_refused_end_to_end() {
         ]);
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(!out.status.success(), "{}: the forged point was restored", f.name);
+        eprintln!("{}: {}", f.name, err.trim());
         assert!(err.contains("refusing point"), "{}: {err}", f.name);
         assert!(err.contains(f.field), "{}: the error does not name {}: {err}", f.name, f.field);
         if f.field != "seccomp.filter" {

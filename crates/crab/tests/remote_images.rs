@@ -248,6 +248,22 @@ fn forge(
     n: u64,
     patch: &dyn Fn(&Path, u32),
 ) -> String {
+    forge_as(d, remote, sb, point, n, patch, sb, &|_| {})
+}
+
+/// [`forge`], the point put under sandbox name `as_sandbox` with its manifest's sandbox record
+/// (`sandbox_meta`, what a fork uses when no local sandbox has that name) passed through `meta`.
+#[allow(clippy::too_many_arguments)]
+fn forge_as(
+    d: &common::OtherDaemon,
+    remote: &str,
+    sb: &str,
+    point: &str,
+    n: u64,
+    patch: &dyn Fn(&Path, u32),
+    as_sandbox: &str,
+    meta: &dyn Fn(&mut serde_json::Value),
+) -> String {
     let state = crab_common::paths::StateDir::new(&d.state);
     let store = store_of(&d.state, sb);
     let m = store.resolve(Some(point)).unwrap();
@@ -258,6 +274,9 @@ fn forge(
     patch(&imgs, 1);
     let mut m2 = m.clone();
     m2.id = crab_checkpoint::PointId(n);
+    m2.sandbox = as_sandbox.to_string();
+    meta(&mut m2.sandbox_meta);
+    src.sandbox = as_sandbox.to_string();
     let procs = m2.procs.as_mut().unwrap();
     procs.id = crab_checkpoint::ProcId(n);
     procs.bytes = 0;
@@ -383,9 +402,7 @@ fn forged_remote_points_are_refused_end_to_end() {
         // Nothing was made or touched: no branch, no local point, no images left behind; the
         // source runs on with its init and keeps its points.
         assert_eq!(sandboxes(&d), listed, "{}", f.name);
-        assert!(
-            !err.contains(&name) || d.crab(&["sandbox", "inspect", &name]).status.code() != Some(0)
-        );
+        assert!(!d.crab(&["sandbox", "inspect", &name]).status.success(), "{}", f.name);
         let store = store_of(&d.state, &sb);
         assert!(
             !store.manifest_path(crab_checkpoint::PointId(900_001 + i as u64)).exists(),
@@ -401,5 +418,31 @@ fn forged_remote_points_are_refused_end_to_end() {
         assert_eq!(init_pid(&d, &sb), pid, "{}", f.name);
         assert_eq!(d.json(&["sandbox", "inspect", &sb])["state"], "running", "{}", f.name);
     }
+
+    // A remote point's record cannot grant --privileged: under a name no local sandbox has
+    // (so the fork takes the record from the point), saying `privileged`, it restores with
+    // the default profile.
+    let priv_sb = format!("{sb}-p");
+    let pp = forge_as(&d, &remote, &sb, &point, 900_100, &|_, _| {}, &priv_sb, &|m| {
+        m["profile"]["privileged"] = serde_json::Value::Bool(true)
+    });
+    let copy = common::unique("t-rforge-priv");
+    d.crab_ok(&["sandbox", "create", "--from-remote", &format!("{priv_sb}@{pp}"), "--name", &copy]);
+    assert_eq!(d.json(&["sandbox", "inspect", &copy])["profile"]["name"], "default");
+    let st = status_of(init_pid(&d, &copy));
+    assert_eq!(status_field(&st, "CapBnd:"), "00000000a80405fb", "{st}");
+    assert_eq!(status_field(&st, "Seccomp:"), "2", "{st}");
+    d.crab_ok(&["sandbox", "rm", "-f", &copy]);
+    // Nor host networking: refused, nothing made.
+    let host_sb = format!("{sb}-h");
+    let hp = forge_as(&d, &remote, &sb, &point, 900_200, &|_, _| {}, &host_sb, &|m| {
+        m["net"] = serde_json::Value::String("host".into())
+    });
+    let listed = sandboxes(&d);
+    let out = d.crab(&["sandbox", "create", "--from-remote", &format!("{host_sb}@{hp}")]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success() && err.contains("host networking"), "{err}");
+    eprintln!("host networking: {}", err.trim());
+    assert_eq!(sandboxes(&d), listed);
     d.crab_ok(&["sandbox", "rm", "-f", &sb]);
 }

@@ -413,6 +413,13 @@ mod tests {
                 assert_eq!((x.code, x.jt, x.jf, x.k), (y.code, y.jt, y.jf, y.k));
             }
         }
+        // The raw arrays (what CRIU dumps) are the same instructions, 8 bytes each.
+        let raw = c.program_bytes().expect("bytes");
+        assert_eq!(raw.len(), progs.len());
+        for (a, r) in progs.iter().zip(&raw) {
+            assert_eq!(r.len(), a.len() * 8);
+            assert_eq!(decode_insns(r).expect("decode").len(), a.len());
+        }
         let bad = CompiledFilters { programs: vec!["AAAA".into()] };
         assert!(bad.decode().is_err(), "3 bytes are not an instruction");
     }

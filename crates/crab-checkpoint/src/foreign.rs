@@ -7,13 +7,16 @@
 //! such a directory to the default profile (`crab_sandbox::profile`: Docker's default
 //! capabilities minus `NET_RAW`, `no_new_privs`, this daemon's compiled seccomp filter at the
 //! root of every thread's chain, the sandbox's own pid/mount/uts/ipc/network namespaces and no
-//! user or time namespace; `--privileged` and host networking are never granted to such a
-//! point) with `crab_criu::images::check_dir`, which names the task, the field and the value it
+//! user or time namespace, the starter's mount table with its masked and read-only paths;
+//! `--privileged` and host networking are never granted to such a point) with `crab_criu::images::check_dir`, which names the task, the field and the value it
 //! refuses.
 
 use std::path::Path;
 
-use crab_criu::images::{Checked, IdRange, NsPolicy, Policy};
+use crab_criu::images::{
+    Checked, IdRange, MountPolicy, MountRule, NsPolicy, Policy, FSTYPE_DEVPTS, FSTYPE_PROC,
+    FSTYPE_TMPFS,
+};
 
 use crate::error::{CheckpointError, Result};
 
@@ -36,7 +39,54 @@ pub fn default_policy() -> Result<Policy> {
         secbits: 0,
         seccomp,
         namespaces: NsPolicy { own_net: true },
+        mounts: Some(default_mounts()),
     })
+}
+
+/// The mount table the default profile's starter makes (`profile::restrict_mounts`): `/proc`,
+/// `/dev` (tmpfs) with `devpts` and `/dev/shm`, every masked path under `/proc` (a `/dev/null`
+/// bind from `/dev`'s tmpfs for a file, a read-only tmpfs — or the `crab-masked` external
+/// mount — for a directory) and every read-only path under `/proc` (`/sys` is not mounted).
+/// Masked and read-only paths this kernel has must be there (the preflight already requires
+/// the dumping host's kernel release).
+pub fn default_mounts() -> MountPolicy {
+    use crab_sandbox::profile::{MASKED_DIRS, MASKED_MOUNT_KEY, MASKED_PATHS, READONLY_PATHS};
+    let here = |p: &str| std::fs::symlink_metadata(p).is_ok();
+    let mut rules: Vec<MountRule> = [
+        ("/proc", FSTYPE_PROC),
+        ("/dev", FSTYPE_TMPFS),
+        ("/dev/pts", FSTYPE_DEVPTS),
+        ("/dev/shm", FSTYPE_TMPFS),
+    ]
+    .into_iter()
+    .map(|(path, fstype)| MountRule {
+        path: path.into(),
+        fstype,
+        readonly: false,
+        required: false,
+        external: false,
+    })
+    .collect();
+    for p in MASKED_PATHS.iter().filter(|p| p.starts_with("/proc/")) {
+        let dir = MASKED_DIRS.contains(p);
+        rules.push(MountRule {
+            path: (*p).into(),
+            fstype: FSTYPE_TMPFS,
+            readonly: dir,
+            required: here(p),
+            external: dir,
+        });
+    }
+    for p in READONLY_PATHS.iter().filter(|p| p.starts_with("/proc/")) {
+        rules.push(MountRule {
+            path: (*p).into(),
+            fstype: FSTYPE_PROC,
+            readonly: true,
+            required: here(p),
+            external: false,
+        });
+    }
+    MountPolicy { rules, ext_key: MASKED_MOUNT_KEY.into() }
 }
 
 /// Check the CRIU images in `dir` against the default profile; refused images are a

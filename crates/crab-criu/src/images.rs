@@ -3,14 +3,16 @@
 //! A restore hands CRIU a directory of images and CRIU gives every restored task exactly the
 //! credentials and seccomp filters those images describe: the capability sets, ids, securebits
 //! and `no_new_privs` of `core-<tid>.img` (`thread_core.creds`), the filter chains of
-//! `seccomp.img`, and the namespaces the ids of `core-<pid>.img` say the tasks had (compared
-//! with `inventory.img`'s `root_ids`). Images this host dumped itself describe what the
-//! profile gave the dumped tasks; images from anywhere else (a remote store) can say anything.
-//! [`check_dir`] reads a directory's images the way `criu restore` will — `pstree.img` for the
-//! tasks and their threads, each thread's `core-<tid>.img`, `seccomp.img`, `inventory.img` —
-//! and refuses, naming the task (its pid in the images), the field and its value, any thread
-//! whose credentials exceed a [`Policy`] or whose seccomp chain does not start with the
-//! policy's filters byte for byte, and any image layout CRIU would read differently (the
+//! `seccomp.img`, the namespaces the ids of `ids-<pid>.img` say the tasks had (compared with
+//! `inventory.img`'s `root_ids`), and the mounts of `mountpoints-<mnt_ns_id>.img`. Images this
+//! host dumped itself describe what the profile gave the dumped tasks; images from anywhere
+//! else (a remote store) can say anything. [`check_dir`] reads a directory's images the way
+//! `criu restore` will — `pstree.img` for the tasks and their threads, each task's
+//! `ids-<pid>.img`, each thread's `core-<tid>.img`, `seccomp.img`, `inventory.img`, the mount
+//! table — and refuses, naming the task (its pid in the images) or the mountpoint, the field
+//! and its value, any thread whose credentials exceed a [`Policy`] or whose seccomp chain does
+//! not start with the policy's filters byte for byte, any mount the [`MountPolicy`] does not
+//! name, and any image layout CRIU would read differently (the
 //! pre-thread-creds `creds-<pid>.img`, the per-task `old_seccomp_*` fields, a filter chain
 //! that loops). The format: every image but `inventory.img` begins with two little-endian u32
 //! magics (`IMG_COMMON_MAGIC`, then the image type's; `inventory.img` has only its own), then
@@ -32,6 +34,16 @@ pub const PSTREE_MAGIC: u32 = 0x5027_3030;
 pub const CORE_MAGIC: u32 = 0x5505_3847;
 /// `IDS_MAGIC` (`ids-<pid>.img`: a task's namespace ids, what a restore reads them from).
 pub const IDS_MAGIC: u32 = 0x5443_2030;
+/// `MNTS_MAGIC` (`mountpoints-<mnt_ns_id>.img`: a mount namespace's mount table).
+pub const MNTS_MAGIC: u32 = 0x5556_3928;
+/// `fstype.PROC` (`images/mnt.proto`).
+pub const FSTYPE_PROC: u32 = 1;
+/// `fstype.TMPFS`.
+pub const FSTYPE_TMPFS: u32 = 5;
+/// `fstype.DEVPTS`.
+pub const FSTYPE_DEVPTS: u32 = 6;
+/// `MS_RDONLY`.
+pub const MS_RDONLY: u32 = 1;
 /// `SECCOMP_MAGIC`.
 pub const SECCOMP_MAGIC: u32 = 0x6441_3049;
 
@@ -215,6 +227,41 @@ pub struct CoreEntry {
     pub thread_core: Option<ThreadCoreEntry>,
 }
 
+/// `mnt_entry` (`images/mnt.proto`): only what the check reads.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct MntEntry {
+    /// `fstype` (`FSTYPE_*`; 0 = unsupported, mounted by `fsname`).
+    #[prost(uint32, optional, tag = "1")]
+    pub fstype: Option<u32>,
+    /// Mount id.
+    #[prost(uint32, optional, tag = "2")]
+    pub mnt_id: Option<u32>,
+    /// Parent mount id.
+    #[prost(uint32, optional, tag = "4")]
+    pub parent_mnt_id: Option<u32>,
+    /// `MS_*` mount flags.
+    #[prost(uint32, optional, tag = "5")]
+    pub flags: Option<u32>,
+    /// The mounted directory of the filesystem.
+    #[prost(string, optional, tag = "6")]
+    pub root: Option<String>,
+    /// Where it is mounted (in the namespace).
+    #[prost(string, optional, tag = "7")]
+    pub mountpoint: Option<String>,
+    /// Source.
+    #[prost(string, optional, tag = "8")]
+    pub source: Option<String>,
+    /// An external mount.
+    #[prost(bool, optional, tag = "13")]
+    pub ext_mount: Option<bool>,
+    /// Filesystem name for `fstype` 0.
+    #[prost(string, optional, tag = "14")]
+    pub fsname: Option<String>,
+    /// The external mount's key.
+    #[prost(string, optional, tag = "18")]
+    pub ext_key: Option<String>,
+}
+
 /// `inventory_entry`: only what the check reads.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct InventoryEntry {
@@ -247,6 +294,34 @@ pub struct Policy {
     pub seccomp: Vec<Vec<u8>>,
     /// Namespaces the tree must have of its own, and which it must not.
     pub namespaces: NsPolicy,
+    /// The mount table the tree's mount namespace may have (`None`: not checked).
+    pub mounts: Option<MountPolicy>,
+}
+
+/// The mount table of a sandbox's mount namespace: its root (which a restore replaces by its
+/// own `root`, whatever the image says) and only mounts its [`MountRule`]s name, each at most
+/// once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountPolicy {
+    /// The mounts allowed besides the root.
+    pub rules: Vec<MountRule>,
+    /// The only external-mount key allowed (on a rule with `external`).
+    pub ext_key: String,
+}
+
+/// One mountpoint a sandbox may have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountRule {
+    /// The mountpoint, exactly as in the image.
+    pub path: String,
+    /// Its `fstype`.
+    pub fstype: u32,
+    /// It must be read-only (`MS_RDONLY`).
+    pub readonly: bool,
+    /// It must be there (a masked or read-only path this kernel has).
+    pub required: bool,
+    /// It may be the external mount of [`MountPolicy::ext_key`].
+    pub external: bool,
 }
 
 /// Ids a restored task may have: pluggable for a coming user-namespace range (sandboxes run
@@ -286,6 +361,18 @@ pub struct NsPolicy {
 /// Why images were refused or could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
+    /// The mount table holds what the policy does not allow.
+    #[error("mount {mountpoint}: {field} = {value} is not allowed ({allowed})")]
+    Mount {
+        /// The mountpoint (in the sandbox).
+        mountpoint: String,
+        /// The field, as in `mnt_entry` (`flags`, `fstype`, …).
+        field: String,
+        /// Its value.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
     /// A task's images grant what the policy does not allow.
     #[error("task {pid} (thread {tid}): {field} = {value} is not allowed ({allowed})")]
     Refused {
@@ -564,7 +651,109 @@ pub fn check_dir(dir: &Path, policy: &Policy) -> Result<Checked, ImageError> {
             checked.threads += 1;
         }
     }
+    if let (Some(mp), Some(root)) = (&policy.mounts, &tree_ids) {
+        check_mounts(dir, root, mp)?;
+    }
     Ok(checked)
+}
+
+fn mount_err(
+    mountpoint: &str,
+    field: &str,
+    value: String,
+    allowed: impl Into<String>,
+) -> ImageError {
+    ImageError::Mount {
+        mountpoint: mountpoint.to_string(),
+        field: field.to_string(),
+        value,
+        allowed: allowed.into(),
+    }
+}
+
+/// The mount table of the root task's mount namespace against `p`; no other table may be in
+/// the directory (every task is in the root task's namespace).
+fn check_mounts(dir: &Path, root: &TaskKobjIdsEntry, p: &MountPolicy) -> Result<(), ImageError> {
+    let ns = root
+        .mnt_ns_id
+        .ok_or_else(|| ImageError::malformed(dir, "the root task has no mount namespace id"))?;
+    let want = format!("mountpoints-{ns}.img");
+    let entries = std::fs::read_dir(dir)
+        .map_err(|source| ImageError::Io { path: dir.to_path_buf(), source })?;
+    for e in entries {
+        let e = e.map_err(|source| ImageError::Io { path: dir.to_path_buf(), source })?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("mountpoints-") && name != want {
+            return Err(mount_err(
+                "-",
+                "image",
+                name,
+                format!("only {want}, the root task's namespace"),
+            ));
+        }
+    }
+    let path = dir.join(&want);
+    let mounts = read_entries::<MntEntry>(&path, MNTS_MAGIC)?;
+    let mut seen = BTreeSet::new();
+    let mut roots = 0;
+    for m in &mounts {
+        let mp = m
+            .mountpoint
+            .as_deref()
+            .ok_or_else(|| ImageError::malformed(&path, "a mount without a mountpoint"))?;
+        if !seen.insert(mp.to_string()) {
+            return Err(mount_err(
+                mp,
+                "mountpoint",
+                "mounted twice".into(),
+                "one mount per mountpoint",
+            ));
+        }
+        let fstype = m.fstype.unwrap_or(0);
+        let flags = m.flags.unwrap_or(0);
+        if mp == "/" {
+            // The namespace's root: a restore puts its own `root` there, whatever this says.
+            roots += 1;
+            continue;
+        }
+        let Some(rule) = p.rules.iter().find(|r| r.path == mp) else {
+            return Err(mount_err(
+                mp,
+                "mountpoint",
+                format!("{mp:?} ({} from {:?})", m.fsname.as_deref().unwrap_or("fstype"), m.source),
+                "a mountpoint of the profile",
+            ));
+        };
+        if (m.ext_mount == Some(true) || m.ext_key.is_some())
+            && !(rule.external && m.ext_key.as_deref() == Some(p.ext_key.as_str()))
+        {
+            return Err(mount_err(
+                mp,
+                "ext_key",
+                format!("{:?}", m.ext_key),
+                format!("{:?} on a masked directory only", p.ext_key),
+            ));
+        }
+        let (want_type, ro) = (rule.fstype, rule.readonly);
+        if fstype != want_type {
+            return Err(mount_err(mp, "fstype", fstype.to_string(), format!("{want_type}")));
+        }
+        if ro && flags & MS_RDONLY == 0 {
+            return Err(mount_err(mp, "flags", format!("{flags:#x}"), "MS_RDONLY set"));
+        }
+    }
+    if roots != 1 {
+        return Err(mount_err("/", "mountpoint", format!("{roots} root mounts"), "exactly one"));
+    }
+    if let Some(r) = p.rules.iter().find(|r| r.required && !seen.contains(&r.path)) {
+        return Err(mount_err(
+            &r.path,
+            "mountpoint",
+            "absent".into(),
+            "present (masked or read-only)",
+        ));
+    }
+    Ok(())
 }
 
 type Fault = (&'static str, String, String);
@@ -785,6 +974,7 @@ mod tests {
             secbits: 0,
             seccomp: vec![vec![6, 0, 0, 0, 0, 0, 0xff, 0x7f]],
             namespaces: NsPolicy { own_net: true },
+            mounts: None,
         }
     }
 

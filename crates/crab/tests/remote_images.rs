@@ -46,6 +46,60 @@ fn patch_core(dir: &Path, tid: u32, path: &[u32], tag: u32, values: Vec<Value>) 
     });
 }
 
+/// The mount table image of a directory (one per dump of a sandbox).
+fn mount_image(dir: &Path) -> PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("mountpoints-"))
+        .expect("a mountpoints image")
+}
+
+/// Pass each `mnt_entry` of the mount table through `f` (which may drop it: `None`).
+fn edit_mounts(
+    dir: &Path,
+    f: &dyn Fn(Vec<crab_testkit::criu_images::Field>) -> Vec<Vec<crab_testkit::criu_images::Field>>,
+) {
+    use crab_testkit::criu_images::{encode, parse};
+    let path = mount_image(dir);
+    let b = std::fs::read(&path).unwrap();
+    let mut out = b[..8].to_vec();
+    let mut at = 8;
+    while at < b.len() {
+        let len = u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
+        for m in f(parse(&b[at + 4..at + 4 + len])) {
+            let m = encode(&m);
+            out.extend_from_slice(&(m.len() as u32).to_le_bytes());
+            out.extend_from_slice(&m);
+        }
+        at += 4 + len;
+    }
+    std::fs::write(&path, out).unwrap();
+}
+
+fn mountpoint_of(m: &[crab_testkit::criu_images::Field]) -> String {
+    m.iter()
+        .find_map(|f| match (&f.tag, &f.value) {
+            (7, Value::Bytes(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// `/proc/sys` mounted read-write (the red team's `core_pattern` write without any capability).
+fn proc_sys_writable(dir: &Path) {
+    edit_mounts(dir, &|mut m| {
+        if mountpoint_of(&m) == "/proc/sys" {
+            let flags = m.iter().find_map(|f| match (f.tag, &f.value) {
+                (5, Value::Varint(v)) => Some(*v),
+                _ => None,
+            });
+            set(&mut m, 5, vec![Value::Varint(flags.unwrap() & !1)]);
+        }
+        vec![m]
+    });
+}
+
 fn forgeries() -> Vec<Forgery> {
     let all = || vec![Value::Varint(u64::from(u32::MAX)); 2];
     vec![
@@ -85,6 +139,11 @@ fn forgeries() -> Vec<Forgery> {
                 })
             }),
         },
+        Forgery {
+            name: "/proc/sys read-write",
+            field: "flags",
+            patch: Box::new(|d, _| proc_sys_writable(d)),
+        },
     ]
 }
 
@@ -109,6 +168,16 @@ fn images_of(state: &Path, sb: &str, point: &str) -> PathBuf {
     let store = store_of(state, sb);
     let m = store.resolve(Some(point)).unwrap();
     store.proc_dir(m.procs.expect("a process image").id)
+}
+
+fn mount_refusal(r: crab_checkpoint::Result<images::Checked>) -> (String, String) {
+    match r {
+        Err(CheckpointError::Untrusted {
+            source: ImageError::Mount { mountpoint, field, .. },
+            ..
+        }) => (mountpoint, field),
+        other => panic!("not refused for a mount: {other:?}"),
+    }
 }
 
 fn refusal(r: crab_checkpoint::Result<images::Checked>) -> (u32, u32, String, String) {
@@ -177,8 +246,18 @@ fn real_images_pass_and_each_forged_field_is_refused() {
     let tmp = tempfile::tempdir_in("/var/tmp").unwrap();
     for (i, f) in forgeries().iter().enumerate() {
         for (pid, tid) in [(1, 1), (child, child), (ppid, thread)] {
-            if f.field == "seccomp.filter" && pid != 1 {
-                continue; // one filter for the whole tree: patched once
+            if (f.field == "seccomp.filter" || f.field == "flags") && pid != 1 {
+                continue; // one filter / mount table for the whole tree: patched once
+            }
+            if f.field == "flags" {
+                let d = tmp.path().join(format!("{i}-mnt"));
+                copy_dir(&dir, &d);
+                (f.patch)(&d, tid);
+                assert_eq!(
+                    mount_refusal(crab_checkpoint::foreign::check(&d)),
+                    ("/proc/sys".into(), "flags".into())
+                );
+                continue;
             }
             if f.field == "seccomp_mode" && tid != pid {
                 continue; // already 0 there: CRIU's TSYNC encoding, checked below
@@ -230,6 +309,44 @@ fn real_images_pass_and_each_forged_field_is_refused() {
         let (pid, _, got, _) = refusal(crab_checkpoint::foreign::check(&d));
         assert_eq!((pid, got.as_str()), (1, field));
     }
+    // The mount table: /proc/sys left out (the proc mount below it is read-write), or a
+    // second procfs mounted elsewhere, is refused.
+    let d = tmp.path().join("no-proc-sys");
+    copy_dir(&dir, &d);
+    edit_mounts(&d, &|m| if mountpoint_of(&m) == "/proc/sys" { vec![] } else { vec![m] });
+    assert_eq!(
+        mount_refusal(crab_checkpoint::foreign::check(&d)),
+        ("/proc/sys".into(), "mountpoint".into())
+    );
+    let d = tmp.path().join("extra-proc");
+    copy_dir(&dir, &d);
+    edit_mounts(&d, &|m| {
+        if mountpoint_of(&m) != "/proc" {
+            return vec![m];
+        }
+        let mut extra = m.clone();
+        set(&mut extra, 2, vec![Value::Varint(999_999)]);
+        set(&mut extra, 7, vec![Value::Bytes(b"/mnt".to_vec())]);
+        vec![m, extra]
+    });
+    assert_eq!(
+        mount_refusal(crab_checkpoint::foreign::check(&d)),
+        ("/mnt".into(), "mountpoint".into())
+    );
+
+    // A `nat` sandbox's point (a replayed network namespace with a veth) passes too.
+    let nat = common::Sandbox::with_args("t-rimg-nat", &["--network", "nat"]);
+    let v: serde_json::Value = serde_json::from_str(&common::crab_ok(&[
+        "--json",
+        "checkpoint",
+        &nat.name,
+        "--kind",
+        "full",
+    ]))
+    .unwrap();
+    let nat_dir = images_of(&common::state_dir(), &nat.name, v["point"]["id"].as_str().unwrap());
+    crab_checkpoint::foreign::check(&nat_dir).unwrap();
+
     // The untouched copy still passes (the copies are faithful).
     let d = tmp.path().join("same");
     copy_dir(&dir, &d);
@@ -396,7 +513,9 @@ fn forged_remote_points_are_refused_end_to_end() {
         eprintln!("{}: {}", f.name, err.trim());
         assert!(err.contains("refusing point"), "{}: {err}", f.name);
         assert!(err.contains(f.field), "{}: the error does not name {}: {err}", f.name, f.field);
-        if f.field != "seccomp.filter" {
+        if f.field == "flags" {
+            assert!(err.contains("mount /proc/sys"), "{}: {err}", f.name);
+        } else if f.field != "seccomp.filter" {
             assert!(err.contains("task 1 "), "{}: the error does not name the task: {err}", f.name);
         }
         // Nothing was made or touched: no branch, no local point, no images left behind; the

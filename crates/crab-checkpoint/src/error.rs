@@ -51,6 +51,16 @@ pub enum CheckpointError {
         reason: String,
     },
 
+    /// Process images that did not come from this host would give their tasks more than the
+    /// profile the sandbox runs with (see [`crate::foreign`]); nothing was restored.
+    #[error("process images {} refused: {source}", dir.display())]
+    Untrusted {
+        /// The image directory.
+        dir: PathBuf,
+        /// The task, field and value refused.
+        source: crab_criu::images::ImageError,
+    },
+
     /// CRIU failed (the message names its log).
     #[error(transparent)]
     Criu(#[from] crab_criu::CriuError),
@@ -108,6 +118,13 @@ impl CheckpointError {
                 ErrorCode::CorruptCheckpoint,
                 msg,
                 "the sandbox was left as it was; restore an older point (`crab checkpoints SB`)",
+            ),
+            CheckpointError::Untrusted { .. } => ApiError::new(
+                ErrorCode::CorruptCheckpoint,
+                msg,
+                "nothing was restored: the point's process images were altered after the dump, or it \
+                 was taken by a --privileged sandbox or a daemon with another seccomp filter; \
+                 restore its files only (--fs-only)",
             ),
             CheckpointError::Criu(e) => match e {
                 crab_criu::CriuError::NotFound { .. } => {

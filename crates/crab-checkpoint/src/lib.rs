@@ -9,9 +9,11 @@
 //! leftovers of interrupted work. Filesystem snapshots go through the [`snapfs::SnapshotFs`]
 //! trait (btrfs subvolumes in the daemon, plain copies in tests). The [`ops::Checkpointer`]
 //! runs the flows on live sandboxes of `crab_sandbox`: checkpoint (skip / fs / process / full),
-//! restore in place, fork, prune, and startup recovery.
+//! restore in place, fork, prune, and startup recovery. [`foreign`] vets process images this
+//! host did not dump (a remote point's) before anything restores them.
 
 pub mod error;
+pub mod foreign;
 pub mod manifest;
 pub mod ops;
 pub mod snapfs;

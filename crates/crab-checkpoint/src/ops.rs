@@ -203,6 +203,11 @@ pub struct ForkOptions {
     /// The caller has just verified the point (one it materialized from a remote store and
     /// checked with [`Store::verify_and_sync`]): its images are not hashed a second time.
     pub verified: bool,
+    /// The point came from a remote store: its process images are checked against the
+    /// default profile ([`crate::foreign::check`]) before any branch is made, and the
+    /// branches get the default profile whatever its record says (`--privileged` and host
+    /// networking are never granted to a remote point).
+    pub remote: bool,
 }
 
 /// One branch of a fork.
@@ -871,6 +876,23 @@ impl Checkpointer {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
         })?;
         let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
+        // Can CRIU bring the point's processes back? A tree spanning two namespaces of a kind
+        // (a point of an older daemon, whose execs after a restore stayed outside the
+        // restored init's time namespace) fails in CRIU after the sandbox's processes were
+        // stopped: refuse it now, with the sandbox untouched.
+        if let Some(p) = &m.procs {
+            let dir = store.proc_dir(p.id);
+            crab_criu::images::check_shared_namespaces(&dir).map_err(|e| {
+                CheckpointError::corrupt(
+                    &dir,
+                    format!(
+                        "restore point {} cannot be restored with its processes ({e}); nothing \
+                         was stopped: restore another point",
+                        m.id
+                    ),
+                )
+            })?;
+        }
         let t_fs = Instant::now();
         let dir = self.rt.state().sandbox_dir(sandbox);
         let rootfs = self.rt.state().sandbox_rootfs(sandbox);
@@ -1282,7 +1304,7 @@ impl Checkpointer {
         let fs = m.fs.clone().ok_or_else(|| {
             CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
         })?;
-        let src: SandboxRecord = match (template, self.rt.record(sandbox)) {
+        let mut src: SandboxRecord = match (template, self.rt.record(sandbox)) {
             (Some(t), _) => t.clone(),
             (None, Ok(r)) => r,
             (None, Err(_)) => serde_json::from_value(m.sandbox_meta.clone()).map_err(|e| {
@@ -1292,6 +1314,20 @@ impl Checkpointer {
                 )
             })?,
         };
+        if opts.remote {
+            if src.net == NetMode::Host {
+                return Err(CheckpointError::Invalid(format!(
+                    "point {} of {sandbox} is of a sandbox with host networking, which a remote \
+                     point is never given",
+                    m.id
+                )));
+            }
+            src.profile.privileged = false;
+            if let Some(p) = &m.procs {
+                progress.stage("check_images", None);
+                crate::foreign::check(&store.proc_dir(p.id))?;
+            }
+        }
         let names = match names {
             Some(n) if n.len() == count => n,
             Some(n) => {

@@ -12,6 +12,7 @@
 //! several threads are fine.
 
 mod error;
+pub mod images;
 pub mod observer;
 pub mod rpc;
 pub mod soft_dirty;

@@ -366,6 +366,13 @@ pub fn remote_error(e: RemoteError) -> HostError {
             msg,
             "run `crab remote check` to list every damaged object",
         ),
+        RemoteError::Untrusted { .. } => ApiError::new(
+            ErrorCode::CorruptCheckpoint,
+            msg,
+            "nothing was restored and no local point was made: the point's process images were \
+             altered after the dump, or it was taken by a --privileged sandbox or a daemon with \
+             another seccomp filter; restore its files only with --fs-only",
+        ),
         RemoteError::NoPoint { .. } => {
             ApiError::new(ErrorCode::CheckpointNotFound, msg, "crab remote ls")
         }

@@ -116,6 +116,16 @@ pub enum RemoteError {
         /// What differs.
         mismatch: String,
     },
+
+    /// The point's process images would give their tasks more than the default profile
+    /// (`crab_checkpoint::foreign`): refused before the point became local or anything ran.
+    #[error("refusing {point}: {reason}")]
+    Untrusted {
+        /// `point sandbox@point`.
+        point: String,
+        /// The task, field and value refused.
+        reason: String,
+    },
 }
 
 /// What a refused remote point asked for, and what this host grants instead.

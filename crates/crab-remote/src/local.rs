@@ -172,12 +172,24 @@ async fn materialize_inner(
         source: std::io::Error::other(e.to_string()),
     })?;
     let object = repo.object_name(&format!("points/{}/{}", rec.sandbox, rec.point));
+    let what = format!("point {}@{}", rec.sandbox, rec.point);
+    // Process images from the remote are held to the default profile before the point
+    // becomes local (and again when one already here is used): `crab_checkpoint::foreign`.
+    let vet = |m: &Manifest| -> Result<()> {
+        match (&m.procs, fs_only) {
+            (Some(p), false) => crab_checkpoint::foreign::check(&store.proc_dir(p.id))
+                .map(|_| ())
+                .map_err(|e| RemoteError::Untrusted { point: what.clone(), reason: e.to_string() }),
+            _ => Ok(()),
+        }
+    };
     if let Ok(local) = crab_checkpoint::manifest::read(&mpath) {
         if check_remote_manifest(&local, rec, &object).is_ok()
             && store.verify(&local).is_ok()
             && (fs_only || local.procs.is_some() == rec.procs.is_some())
         {
             (admission.check)(&local)?;
+            vet(&local)?;
             return Ok(Materialized {
                 manifest: local,
                 conversation: None,
@@ -191,7 +203,6 @@ async fn materialize_inner(
     let mut stages = crab_common::stats::StageClock::starting(std::time::Instant::now());
     repo.refresh_index().await?;
     stages.mark("index");
-    let what = format!("point {}@{}", rec.sandbox, rec.point);
     let bytes = repo.read_content(&rec.manifest, &format!("{what} manifest")).await?;
     let mut m = crab_checkpoint::manifest::decode(&bytes, &mpath)
         .map_err(|e| RemoteError::corrupt(&object, e.to_string()))?;
@@ -297,6 +308,13 @@ async fn materialize_inner(
     stages.add("fs_tree", fs_split.1);
     stages.add("fs_seal", fs_split.2);
     stages.add("procs", procs_ms);
+    if let Err(e) = vet(&m) {
+        if let (true, Some(p)) = (procs_fetched, &m.procs) {
+            remove_any(&store.proc_dir(p.id));
+        }
+        return Err(e);
+    }
+    stages.mark("check_images");
     // The image files' SHA-256s recorded by the dumping host, checked on this one, while the
     // pool is flushed: the manifest goes in only over parts that match it and are on disk.
     // Images this call downloaded are removed when they fail, so that a retry downloads them

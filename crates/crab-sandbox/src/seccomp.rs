@@ -190,6 +190,19 @@ impl CompiledFilters {
         CompiledFilters { programs }
     }
 
+    /// Each program's raw `sock_filter` array, as installed and as the kernel hands it back
+    /// (`PTRACE_SECCOMP_GET_FILTER`, so as CRIU dumps it into `seccomp.img`).
+    pub fn program_bytes(&self) -> Result<Vec<Vec<u8>>, SeccompError> {
+        self.programs
+            .iter()
+            .map(|s| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(s)
+                    .map_err(e("decode compiled seccomp filter"))
+            })
+            .collect()
+    }
+
     fn decode(&self) -> Result<Vec<Vec<Insn>>, SeccompError> {
         self.programs
             .iter()
@@ -460,6 +473,13 @@ mod tests {
             for (x, y) in a.iter().zip(b) {
                 assert_eq!((x.code, x.jt, x.jf, x.k), (y.code, y.jt, y.jf, y.k));
             }
+        }
+        // The raw arrays (what CRIU dumps) are the same instructions, 8 bytes each.
+        let raw = c.program_bytes().expect("bytes");
+        assert_eq!(raw.len(), progs.len());
+        for (a, r) in progs.iter().zip(&raw) {
+            assert_eq!(r.len(), a.len() * 8);
+            assert_eq!(decode_insns(r).expect("decode").len(), a.len());
         }
         let bad = CompiledFilters { programs: vec!["AAAA".into()] };
         assert!(bad.decode().is_err(), "3 bytes are not an instruction");

@@ -6,12 +6,14 @@
 //!   hooks — the doubles around the proxy.
 //! * [`engine`] (feature `engine`): proxy hooks over a real engine, answering the host's
 //!   `JobTicket` — shared by the proxy tests and the proxy benchmark.
+//! * [`criu_images`]: a protobuf wire-level editor for forging fields of real CRIU images.
 //! * [`daemon`]: runs the real `crab` binary against the real daemon of `CRAB_STATE_DIR`
 //!   (started if none answers) and sandboxes that remove themselves when a test ends.
 //! * [`privilege`]: the one probe for root-only tests: they fail loudly when
 //!   `CRAB_REQUIRE_PRIVILEGED=1` (CI, `make test`) and they cannot run, instead of passing as
 //!   "skipped".
 
+pub mod criu_images;
 pub mod daemon;
 #[cfg(feature = "engine")]
 pub mod engine;

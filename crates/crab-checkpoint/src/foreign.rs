@@ -5,9 +5,9 @@
 //! profile gave the dumped processes; images from a remote store (`crab-remote`'s
 //! materialization of a point) say whatever whoever wrote the store wanted. [`check`] holds
 //! such a directory to the default profile (`crab_sandbox::profile`: Docker's default
-//! capabilities minus `NET_RAW`, `no_new_privs`, this daemon's compiled seccomp filter at the
-//! root of every thread's chain, the sandbox's own pid/mount/uts/ipc/network namespaces and no
-//! user or time namespace, the starter's mount table with its masked and read-only paths;
+//! capabilities minus `NET_RAW`, `no_new_privs`, this daemon's compiled seccomp filters in
+//! every thread's chain, the sandbox's own pid/mount/uts/ipc/network namespaces and no user
+//! namespace (a time namespace of its own is allowed: a restore gives one), the starter's mount table with its masked and read-only paths;
 //! `--privileged` and host networking are never granted to such a point) with `crab_criu::images::check_dir`, which names the task, the field and the value it
 //! refuses.
 

@@ -11,7 +11,7 @@
 //! `ids-<pid>.img`, each thread's `core-<tid>.img`, `seccomp.img`, `inventory.img`, the mount
 //! table — and refuses, naming the task (its pid in the images) or the mountpoint, the field
 //! and its value, any thread whose credentials exceed a [`Policy`] or whose seccomp chain does
-//! not start with the policy's filters byte for byte, any mount the [`MountPolicy`] does not
+//! not hold each of the policy's filters byte for byte, any mount the [`MountPolicy`] does not
 //! name, and any image layout CRIU would read differently (the
 //! pre-thread-creds `creds-<pid>.img`, the per-task `old_seccomp_*` fields, a filter chain
 //! that loops). The format: every image but `inventory.img` begins with two little-endian u32
@@ -894,24 +894,30 @@ fn check_seccomp(th: &ThreadCoreEntry, filters: &[SeccompFilter], p: &Policy) ->
             format!("a chain beginning with this host's {} filter(s)", p.seccomp.len()),
         ));
     }
-    for (i, (f, want)) in chain.iter().zip(&p.seccomp).enumerate() {
-        let got = f.filter.as_deref().unwrap_or_default();
-        if got != want.as_slice() {
+    // Every one of this host's filters must be in the chain, each its own entry. Their order
+    // does not matter: the kernel runs every filter of a chain and the strictest answer wins,
+    // so what the chain holds besides them (filters the sandbox stacked) can only restrict.
+    let mut used = vec![false; chain.len()];
+    for (i, want) in p.seccomp.iter().enumerate() {
+        let found = chain.iter().enumerate().position(|(j, f)| {
+            !used[j] && f.filter.as_deref().unwrap_or_default() == want.as_slice()
+        });
+        let Some(j) = found else {
+            let sizes: Vec<usize> =
+                chain.iter().map(|f| f.filter.as_deref().unwrap_or_default().len() / 8).collect();
             return Err((
                 "seccomp.filter",
+                format!("a chain of filters of {sizes:?} instructions, none equal to this host's filter {i}"),
                 format!(
-                    "filter {i} of the chain: {} instructions, differing from this host's",
-                    got.len() / 8
-                ),
-                format!(
-                    "this host's compiled filter ({} instructions) byte for byte",
+                    "this host's compiled filter {i} ({} instructions) byte for byte in the chain",
                     want.len() / 8
                 ),
             ));
-        }
+        };
+        used[j] = true;
         // CRIU's dump sets TSYNC on a leader whose threads all share its chain (one
         // installation for all); the filter's own installation had no flags.
-        if let Some(fl) = f.flags.filter(|fl| fl & !SECCOMP_FILTER_FLAG_TSYNC != 0) {
+        if let Some(fl) = chain[j].flags.filter(|fl| fl & !SECCOMP_FILTER_FLAG_TSYNC != 0) {
             return Err((
                 "seccomp.flags",
                 format!("{fl:#x}"),
@@ -919,7 +925,7 @@ fn check_seccomp(th: &ThreadCoreEntry, filters: &[SeccompFilter], p: &Policy) ->
             ));
         }
     }
-    for f in &chain[p.seccomp.len()..] {
+    for f in chain.iter().zip(&used).filter(|(_, u)| !**u).map(|(f, _)| f) {
         if let Some(fl) = f.flags.filter(|fl| fl & SECCOMP_FILTER_FLAG_NEW_LISTENER != 0) {
             return Err((
                 "seccomp.flags",

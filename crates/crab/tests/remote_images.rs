@@ -538,30 +538,29 @@ fn forged_remote_points_are_refused_end_to_end() {
         assert_eq!(d.json(&["sandbox", "inspect", &sb])["state"], "running", "{}", f.name);
     }
 
-    // A remote point's record cannot grant --privileged: under a name no local sandbox has
-    // (so the fork takes the record from the point), saying `privileged`, it restores with
-    // the default profile.
-    let priv_sb = format!("{sb}-p");
-    let pp = forge_as(&d, &remote, &sb, &point, 900_100, &|_, _| {}, &priv_sb, &|m| {
-        m["profile"]["privileged"] = serde_json::Value::Bool(true)
-    });
-    let copy = common::unique("t-rforge-priv");
-    d.crab_ok(&["sandbox", "create", "--from-remote", &format!("{priv_sb}@{pp}"), "--name", &copy]);
-    assert_eq!(d.json(&["sandbox", "inspect", &copy])["profile"]["name"], "default");
-    let st = status_of(init_pid(&d, &copy));
-    assert_eq!(status_field(&st, "CapBnd:"), "00000000a80405fb", "{st}");
-    assert_eq!(status_field(&st, "Seccomp:"), "2", "{st}");
-    d.crab_ok(&["sandbox", "rm", "-f", &copy]);
-    // Nor host networking: refused, nothing made.
-    let host_sb = format!("{sb}-h");
-    let hp = forge_as(&d, &remote, &sb, &point, 900_200, &|_, _| {}, &host_sb, &|m| {
-        m["net"] = serde_json::Value::String("host".into())
-    });
-    let listed = sandboxes(&d);
-    let out = d.crab(&["sandbox", "create", "--from-remote", &format!("{host_sb}@{hp}")]);
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success() && err.contains("host networking"), "{err}");
-    eprintln!("host networking: {}", err.trim());
-    assert_eq!(sandboxes(&d), listed);
+    // A remote point's record cannot grant --privileged or host networking: either is refused
+    // naming the field (the point's sandbox_meta decides nothing), and nothing is made.
+    for (suffix, id, field, forge) in [
+        (
+            "p",
+            900_100u64,
+            "sandbox_meta.profile.privileged",
+            &(|m: &mut serde_json::Value| {
+                m["profile"]["privileged"] = serde_json::Value::Bool(true)
+            }) as &dyn Fn(&mut serde_json::Value),
+        ),
+        ("h", 900_200, "sandbox_meta.net", &|m: &mut serde_json::Value| {
+            m["net"] = serde_json::Value::String("host".into())
+        }),
+    ] {
+        let forged_sb = format!("{sb}-{suffix}");
+        let fp = forge_as(&d, &remote, &sb, &point, id, &|_, _| {}, &forged_sb, forge);
+        let listed = sandboxes(&d);
+        let out = d.crab(&["sandbox", "create", "--from-remote", &format!("{forged_sb}@{fp}")]);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success() && err.contains(field), "{err}");
+        eprintln!("{field}: {}", err.trim());
+        assert_eq!(sandboxes(&d), listed);
+    }
     d.crab_ok(&["sandbox", "rm", "-f", &sb]);
 }

@@ -384,7 +384,7 @@ pub enum Outcome {
     /// Sandboxes.
     Sandboxes(Vec<SandboxInfo>),
     /// One sandbox.
-    Sandbox(SandboxInfo),
+    Sandbox(Box<SandboxInfo>),
     /// Something was removed.
     Removed {
         /// Always true.

@@ -469,7 +469,7 @@ impl Host {
             }
             Action::GetSandbox { name } => {
                 let rt = self.runtime.clone();
-                blocking(move || Ok(Outcome::Sandbox(rt.get(&name)?))).await
+                blocking(move || Ok(Outcome::Sandbox(Box::new(rt.get(&name)?)))).await
             }
             Action::Create(req) => self.create(req).await,
             Action::Update { name, req } => {
@@ -489,7 +489,7 @@ impl Host {
                         }
                         tracing::info!(sandbox = %name, from = %old, to = %p, "checkpoint policy set");
                     }
-                    Ok(Outcome::Sandbox(h.runtime.get(&name)?))
+                    Ok(Outcome::Sandbox(Box::new(h.runtime.get(&name)?)))
                 })
                 .await
             }
@@ -630,7 +630,7 @@ impl Host {
         let info = blocking(move || Ok(rt.create(&req)?)).await?;
         self.attach(&info.name);
         self.open_sandbox_proxy(&info.name).await;
-        Ok(Outcome::Sandbox(info))
+        Ok(Outcome::Sandbox(Box::new(info)))
     }
 
     async fn remove(self: &Arc<Self>, name: String, force: bool) -> Result<Outcome, HostError> {

@@ -202,6 +202,7 @@ impl OtherDaemon {
         args: &[&str],
         env: &[(String, String)],
     ) -> OtherDaemon {
+        // A port of its own (tests run in parallel; 0 is refused by the proxy's loopback check).
         let port = 20000 + (u32::from_str_radix(&unique("p")[2..], 16).unwrap() % 20000) as u16;
         let d = OtherDaemon {
             state: state.to_path_buf(),
@@ -217,17 +218,7 @@ impl OtherDaemon {
     /// Start `crab daemon --state-dir STATE --proxy-listen 127.0.0.1:<free port> ARGS…` with
     /// `env` added, and wait until it answers.
     pub fn start(state: &std::path::Path, args: &[&str], env: &[(String, String)]) -> OtherDaemon {
-        // A port of its own (tests run in parallel; 0 is refused by the proxy's loopback check).
-        let port = 20000 + (u32::from_str_radix(&unique("p")[2..], 16).unwrap() % 20000) as u16;
-        let d = OtherDaemon {
-            state: state.to_path_buf(),
-            port,
-            args: args.iter().map(|s| s.to_string()).collect(),
-            env: env.to_vec(),
-            bin: PathBuf::from(bin()),
-        };
-        d.launch();
-        d
+        Self::start_from(std::path::Path::new(bin()), state, args, env)
     }
 
     fn launch(&self) {

@@ -166,16 +166,23 @@ fn sandboxes_cannot_make_btrfs_subvolumes_fresh_restored_forked() {
     assert_no_subvolumes(&branch, "forked");
 }
 
+/// A daemon of its own on `state` with a pool of `pool_size` and an image `empty` holding
+/// nothing but the init.
+fn daemon_with_empty_image(state: &Path, pool_size: &str) -> OtherDaemon {
+    let d = OtherDaemon::start(state, &["--pool-size", pool_size], &[]);
+    let src = state.join("empty-root");
+    std::fs::create_dir_all(&src).unwrap();
+    d.crab_ok(&["image", "import", "empty", src.to_str().unwrap()]);
+    d
+}
+
 /// A root holding a nested subvolume (made from the host, as a sandbox of an older daemon or
 /// an image could hold one): the daemon starts although a replaced root with one inside is
 /// left from a restore, deletes that root, and removes the sandbox.
 #[test]
 fn a_nested_subvolume_never_stops_the_daemon_or_a_removal() {
     let state = PathBuf::from("/var/lib").join(unique("crab-esc-nested"));
-    let d = OtherDaemon::start(&state, &["--pool-size", "1G"], &[]);
-    let src = state.join("empty-root");
-    std::fs::create_dir_all(&src).unwrap();
-    d.crab_ok(&["image", "import", "empty", src.to_str().unwrap()]);
+    let d = daemon_with_empty_image(&state, "1G");
     let name = unique("t-esc-nested");
     d.crab_ok(&["sandbox", "create", "empty", "--name", &name]);
     let dir = state.join("pool/sandboxes").join(&name);
@@ -252,10 +259,7 @@ fn sandboxes_have_default_limits() {
 #[test]
 fn a_fork_interrupted_by_kill9_leaves_no_dead_branches() {
     let state = PathBuf::from("/var/lib").join(unique("crab-esc-fork"));
-    let d = OtherDaemon::start(&state, &["--pool-size", "2G"], &[]);
-    let src = state.join("empty-root");
-    std::fs::create_dir_all(&src).unwrap();
-    d.crab_ok(&["image", "import", "empty", src.to_str().unwrap()]);
+    let d = daemon_with_empty_image(&state, "2G");
     let name = unique("t-esc-fork");
     d.crab_ok(&["sandbox", "create", "empty", "--name", &name]);
     d.crab_ok(&["checkpoint", &name, "--kind", "full"]);

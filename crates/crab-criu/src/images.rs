@@ -427,10 +427,37 @@ pub fn read_entries<M: prost::Message + Default>(
     path: &Path,
     magic: u32,
 ) -> Result<Vec<M>, ImageError> {
-    let bytes = std::fs::read(path)
-        .map_err(|source| ImageError::Io { path: path.to_path_buf(), source })?;
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |source| ImageError::Io { path: path.to_path_buf(), source };
+    // Images may come from anywhere: a symlink is not followed, a fifo or device not waited
+    // on, and no more than `MAX_IMAGE_BYTES` is read.
+    let mut f = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io)?;
+    let meta = f.metadata().map_err(io)?;
+    if !meta.is_file() {
+        return Err(ImageError::malformed(path, "not a regular file"));
+    }
+    if meta.len() > MAX_IMAGE_BYTES {
+        return Err(ImageError::malformed(
+            path,
+            format!(
+                "{} bytes, more than the {MAX_IMAGE_BYTES} an image of creds may have",
+                meta.len()
+            ),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.by_ref().take(MAX_IMAGE_BYTES + 1).read_to_end(&mut bytes).map_err(io)?;
     decode_entries(&bytes, magic, path)
 }
+
+/// Largest image [`read_entries`] reads (the images it reads — inventory, pstree, ids, core,
+/// seccomp, mountpoints — are kilobytes; memory pages are never read here).
+const MAX_IMAGE_BYTES: u64 = 64 << 20;
 
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     let s = b.get(at..at.checked_add(4)?)?;

@@ -308,17 +308,11 @@ async fn materialize_inner(
     stages.add("fs_tree", fs_split.1);
     stages.add("fs_seal", fs_split.2);
     stages.add("procs", procs_ms);
-    if let Err(e) = vet(&m) {
-        if let (true, Some(p)) = (procs_fetched, &m.procs) {
-            remove_any(&store.proc_dir(p.id));
-        }
-        return Err(e);
-    }
-    stages.mark("check_images");
     // The image files' SHA-256s recorded by the dumping host, checked on this one, while the
     // pool is flushed: the manifest goes in only over parts that match it and are on disk.
     // Images this call downloaded are removed when they fail, so that a retry downloads them
-    // again (images that were here before are left as they are).
+    // again (images that were here before are left as they are). First, so that the policy
+    // check below reads only regular files of the recorded sizes.
     if let Err(e) = store.verify_and_sync(&m) {
         if let (true, Some(p)) = (procs_fetched, &m.procs) {
             remove_any(&store.proc_dir(p.id));
@@ -326,6 +320,13 @@ async fn materialize_inner(
         return Err(RemoteError::corrupt(format!("{what} (as materialized)"), e.to_string()));
     }
     stages.mark("verify");
+    if let Err(e) = vet(&m) {
+        if let (true, Some(p)) = (procs_fetched, &m.procs) {
+            remove_any(&store.proc_dir(p.id));
+        }
+        return Err(e);
+    }
+    stages.mark("check_images");
     let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
     crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {
         op: "write manifest",

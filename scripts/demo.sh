@@ -41,10 +41,12 @@ print(f"{len(r['traces'])} real agent trajectories were replayed against fresh s
       f"{r['faults']} fault injected per run, by each recovery method; a recovery is correct when the "
       "restored sandbox and chat equal the fault-free run at the same turn.")
 for name, m in ms.items():
+    if name == "none":
+        print(f"  {name:8} the reference: no checkpoints, wall time 1.00 by definition")
+        continue
     line = f"  {name:8} recovered {m['correct']} of {m['trials']} correctly"
-    if name != "none":
-        line += f", wrote {mib(m['checkpoint_bytes'])} of checkpoints"
-    if full and name not in ("full", "none"):
+    line += f", wrote {mib(m['checkpoint_bytes'])} of checkpoints"
+    if full and name != "full":
         fb = full["checkpoint_bytes"]
         if fb and m["checkpoint_bytes"]:
             line += f" ({fb / m['checkpoint_bytes']:.1f}x less than full)"

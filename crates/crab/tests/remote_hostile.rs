@@ -213,18 +213,22 @@ fn remote_sandbox_meta_cannot_grant_privileges_network_or_limits() {
     assert_eq!(h.d.json(&["sandbox", "inspect", &copy3])["net"], "none");
 }
 
+/// The ids of `sandbox`'s restore points on `d`.
+fn point_ids(d: &OtherDaemon, sandbox: &str) -> Vec<String> {
+    d.json(&["checkpoints", sandbox])
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
 #[test]
 fn a_remote_point_named_after_a_local_sandbox_never_joins_its_points() {
     require_root!();
     let h = host();
     let (victim, real) = h.real_point();
-    let own: Vec<String> =
-        h.d.json(&["checkpoints", &victim])
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| p["id"].as_str().unwrap().to_string())
-            .collect();
+    let own = point_ids(&h.d, &victim);
     let tree = h.files("inject", &[("injected.txt", b"not yours\n")]);
     h.forge(&victim, "c000042", &real, &tree);
 
@@ -239,13 +243,7 @@ fn a_remote_point_named_after_a_local_sandbox_never_joins_its_points() {
         &copy,
     ]);
     // … and the local sandbox's points are what they were: no c000042 to restore it to.
-    let after: Vec<String> =
-        h.d.json(&["checkpoints", &victim])
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| p["id"].as_str().unwrap().to_string())
-            .collect();
+    let after = point_ids(&h.d, &victim);
     assert_eq!(after, own, "the remote point joined {victim}'s points");
     let o = h.d.crab(&["restore", &victim, "c000042"]);
     assert!(!o.status.success(), "crab restore {victim} c000042 restored the injected point");

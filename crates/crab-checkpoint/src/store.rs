@@ -23,7 +23,7 @@
 //! discards another process's staged parts as leftovers.
 
 use std::collections::BTreeSet;
-use std::io::Read as _;
+use std::io::Read;
 use std::os::fd::AsRawFd as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -195,12 +195,17 @@ fn list_names(dir: &Path) -> Result<Vec<String>> {
 
 /// SHA-256 and size of a file.
 pub fn hash_file(path: &Path) -> Result<(u64, String)> {
-    let mut f = std::fs::File::open(path).map_err(|e| CheckpointError::io("open", path, e))?;
+    let f = std::fs::File::open(path).map_err(|e| CheckpointError::io("open", path, e))?;
+    hash_reader(f, path)
+}
+
+/// SHA-256 and size of everything `r` (reading `path`, for errors) yields.
+fn hash_reader(mut r: impl Read, path: &Path) -> Result<(u64, String)> {
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut size = 0u64;
     loop {
-        let n = f.read(&mut buf).map_err(|e| CheckpointError::io("read", path, e))?;
+        let n = r.read(&mut buf).map_err(|e| CheckpointError::io("read", path, e))?;
         if n == 0 {
             break;
         }
@@ -232,19 +237,7 @@ pub fn hash_regular_file(path: &Path, max: u64) -> Result<Option<(u64, String)>>
     if !meta.is_file() {
         return Err(CheckpointError::corrupt(path, "image file is not a regular file"));
     }
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut size = 0u64;
-    let mut r = f.take(max.saturating_add(1));
-    loop {
-        let n = r.read(&mut buf).map_err(|e| CheckpointError::io("read", path, e))?;
-        if n == 0 {
-            break;
-        }
-        size += n as u64;
-        h.update(&buf[..n]);
-    }
-    Ok(Some((size, manifest::hex(&h.finalize()))))
+    hash_reader(f.take(max.saturating_add(1)), path).map(Some)
 }
 
 fn syncfs(dir: &Path) -> Result<()> {

@@ -77,9 +77,20 @@ fn attack(d: &OtherDaemon, sb: &str) -> String {
     format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
+/// A directory removed when the test ends, pass or fail.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[test]
 fn the_exec_helper_cannot_be_overwritten_from_inside_fresh_restored_forked() {
     let base = PathBuf::from("/var/lib").join(unique("crab-esc-helper"));
+    // Declared before the daemon, so it is dropped after it (the daemon stops first).
+    let _remove = RemoveOnDrop(base.clone());
     let crab_bin = copy_binaries(&base.join("bin"));
     let before = (sha256(&base.join("bin/crab")), sha256(&base.join("bin/crab-nsexec")));
     let d = OtherDaemon::start_from(&crab_bin, &base.join("state"), &["--pool-size", "2G"], &[]);
@@ -108,8 +119,6 @@ fn the_exec_helper_cannot_be_overwritten_from_inside_fresh_restored_forked() {
     let branch = format!("{sb}-b");
     d.crab_ok(&["fork", &sb, "--count", "1", "--names", &branch]);
     check(&branch, "forked");
-    drop(d);
-    let _ = std::fs::remove_dir_all(&base);
 }
 
 /// The btrfs requests a sandbox must not make, tried with Python's ctypes (raw `ioctl`, also

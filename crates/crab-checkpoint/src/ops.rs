@@ -203,11 +203,6 @@ pub struct ForkOptions {
     /// The caller has just verified the point (one it materialized from a remote store and
     /// checked with [`Store::verify_and_sync`]): its images are not hashed a second time.
     pub verified: bool,
-    /// The point came from a remote store: its process images are checked against the
-    /// default profile ([`crate::foreign::check`]) before any branch is made, and the
-    /// branches get the default profile whatever its record says (`--privileged` and host
-    /// networking are never granted to a remote point).
-    pub remote: bool,
 }
 
 /// One branch of a fork.
@@ -1263,7 +1258,9 @@ impl Checkpointer {
     /// Fork from point `point` of `store`, a store of points materialized from a remote
     /// store ([`Checkpointer::remote_store`]). The branches' records are built from
     /// `template` — the network mode, limits, profile and image the restoring host grants —
-    /// and never from the point's own `sandbox_meta`, which is not trusted.
+    /// and never from the point's own `sandbox_meta`, which is not trusted. The caller has
+    /// materialized the point (`crab_remote::local::materialize`), which verified its images
+    /// and checked them against the default profile.
     #[allow(clippy::too_many_arguments)]
     pub fn fork_remote(
         &self,
@@ -1314,7 +1311,10 @@ impl Checkpointer {
                 )
             })?,
         };
-        if opts.remote {
+        // A remote point's branches (those with a template): never `--privileged` nor host
+        // networking. Its images were checked against the default profile
+        // ([`crate::foreign::check`]) when it was materialized, as they were verified.
+        if template.is_some() {
             if src.net == NetMode::Host {
                 return Err(CheckpointError::Invalid(format!(
                     "point {} of {sandbox} is of a sandbox with host networking, which a remote \
@@ -1323,10 +1323,6 @@ impl Checkpointer {
                 )));
             }
             src.profile.privileged = false;
-            if let Some(p) = &m.procs {
-                progress.stage("check_images", None);
-                crate::foreign::check(&store.proc_dir(p.id))?;
-            }
         }
         let names = match names {
             Some(n) if n.len() == count => n,

@@ -947,11 +947,7 @@ impl Host {
                 req.checkpoint.as_deref(),
                 req.count,
                 req.names,
-                crab_checkpoint::ForkOptions {
-                    fs_only: req.fs_only,
-                    verified: false,
-                    remote: false,
-                },
+                crab_checkpoint::ForkOptions { fs_only: req.fs_only, verified: false },
                 &crab_common::NoProgress,
             )?;
             for b in &branches {
@@ -1039,9 +1035,9 @@ impl Host {
             (rec.point.clone(), req.count, req.names.clone(), req.fs_only);
         let branches = blocking(move || {
             // The materialization verified the images it wrote (or found) and checked them
-            // against the default profile; the fork checks them again before any branch, and
-            // the branches are built from the host's grant (`template`), never the point's meta.
-            let opts = crab_checkpoint::ForkOptions { fs_only, verified: true, remote: true };
+            // against the default profile; the branches are built from the host's grant
+            // (`template`), never the point's meta.
+            let opts = crab_checkpoint::ForkOptions { fs_only, verified: true };
             let b = h.checkpointer.fork_remote(
                 &store,
                 &pid,

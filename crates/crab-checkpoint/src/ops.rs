@@ -1456,9 +1456,17 @@ impl Checkpointer {
             profile: src.profile,
             nat: None,
             held: None,
-            // A branch checkpoints like its source.
+            // A branch checkpoints like its source, and carries its labels and environment;
+            // it runs, with no deadline and no labelled points of its own.
             checkpoint_policy: src.checkpoint_policy,
             harness: src.harness.clone(),
+            life: crab_common::life::Life::Running,
+            deadline_ms: None,
+            on_deadline: src.on_deadline,
+            labels: src.labels.clone(),
+            env: src.env.clone(),
+            template: src.template.clone(),
+            point_labels: Default::default(),
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);

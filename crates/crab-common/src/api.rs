@@ -5,6 +5,8 @@
 //! newline-delimited JSON frames so that progress and output arrive as they happen. The routes
 //! are listed in `docs/api.md`.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -179,6 +181,21 @@ pub struct SandboxCreateRequest {
     /// paths whose activity alone never calls for a checkpoint. Absent: none.
     #[serde(default, skip_serializing_if = "HarnessSpec::is_empty")]
     pub harness: HarnessSpec,
+    /// Labels kept in its record (E2B's metadata).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Environment every command in it gets (a command's own `env` wins).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Seconds until its deadline (1..=86400); none when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
+    /// What its deadline does: `kill` (default) or `pause`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<String>,
+    /// What it is made from, as the caller names it (shown back; E2B's template id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
 }
 
 impl SandboxCreateRequest {
@@ -195,6 +212,11 @@ impl SandboxCreateRequest {
             privileged: false,
             checkpoint_policy: None,
             harness: HarnessSpec::default(),
+            labels: BTreeMap::new(),
+            env: BTreeMap::new(),
+            timeout_s: None,
+            on_timeout: None,
+            template: None,
         }
     }
 }
@@ -227,6 +249,16 @@ pub struct SandboxUpdateRequest {
     /// New checkpoint policy: `auto`, `full`, `fs` or `none`; applies from its next turn.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_policy: Option<String>,
+    /// A new deadline, this many seconds from now (1..=86400); `0` clears it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
+    /// What the new deadline does (`kill` or `pause`; with `timeout_s`; absent: the current
+    /// deadline's action, else `kill`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<String>,
+    /// With `timeout_s`: never bring the deadline closer than it is (E2B's connect).
+    #[serde(default)]
+    pub extend_only: bool,
 }
 
 /// The security profile a sandbox's processes run under.
@@ -243,8 +275,34 @@ pub struct SecurityProfile {
 pub enum SandboxState {
     /// Its init is alive.
     Running,
-    /// Its init is gone (killed, host rebooted); `crab restore` or `rm` it.
+    /// Recorded running, but its init is gone (killed from outside, host rebooted);
+    /// `crab sandbox resume`, `crab restore` or `rm` it.
     Dead,
+    /// Stopped (`crab sandbox stop`, `docker stop`): no process; `resume` starts it again.
+    Stopped,
+    /// Paused: a `full` point, then every process stopped; `resume` restores that point.
+    Paused,
+    /// Kept only for its labelled restore points (`held` says why).
+    Retired,
+}
+
+impl SandboxState {
+    /// Its name in the API and the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Running => "running",
+            SandboxState::Dead => "dead",
+            SandboxState::Stopped => "stopped",
+            SandboxState::Paused => "paused",
+            SandboxState::Retired => "retired",
+        }
+    }
+}
+
+impl std::fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// A sandbox as listed by `GET /v1/sandboxes`.
@@ -295,6 +353,24 @@ pub struct SandboxInfo {
     /// Its declared harness (empty: none; older daemons had none).
     #[serde(default, skip_serializing_if = "HarnessSpec::is_empty")]
     pub harness: HarnessSpec,
+    /// While paused: the pause point (`resume` restores it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_point: Option<String>,
+    /// Its deadline, if it has one (`--timeout`/`--on-timeout`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<crate::life::Deadline>,
+    /// Its labels (E2B's metadata).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// The environment every command in it gets (as `docker inspect` shows a container's).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// What it was made from, as its creator named it (an E2B template or snapshot id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Its labelled restore points: point id → labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub point_labels: BTreeMap<String, Vec<String>>,
 }
 
 /// Parse the `checkpoint_policy` field of a request: absent is `None`; a bad value is an
@@ -496,6 +572,129 @@ pub struct ForkRequest {
     /// Files only: the branches start a fresh init instead of the point's processes.
     #[serde(default)]
     pub fs_only: bool,
+    /// The branches' own settings (absent: each carries its source's labels and environment,
+    /// and no deadline).
+    #[serde(default, flatten)]
+    pub branch: BranchSettings,
+}
+
+/// What fork branches get besides the point: labels, environment, template and a deadline.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BranchSettings {
+    /// Labels instead of the source's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Environment instead of the source's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<String, String>>,
+    /// What they are made from, as the caller names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Seconds until each branch's deadline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
+    /// What the deadline does (`kill` or `pause`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<String>,
+}
+
+impl BranchSettings {
+    /// Nothing to set.
+    pub fn is_empty(&self) -> bool {
+        *self == BranchSettings::default()
+    }
+
+    /// The deadline these settings give a branch made at `now_ms`.
+    pub fn deadline(&self, now_ms: u64) -> Result<Option<crate::life::Deadline>, ApiError> {
+        timeout_of(self.timeout_s, self.on_timeout.as_deref(), now_ms)
+    }
+}
+
+/// The deadline of a request's `timeout_s` and `on_timeout` fields at `now_ms` (an action
+/// without a timeout is refused).
+pub fn timeout_of(
+    timeout_s: Option<u64>,
+    on_timeout: Option<&str>,
+    now_ms: u64,
+) -> Result<Option<crate::life::Deadline>, ApiError> {
+    let on = on_timeout.map(str::parse).transpose()?;
+    match timeout_s {
+        Some(t) => Ok(Some(crate::life::Deadline::after(now_ms, t, on.unwrap_or_default())?)),
+        None if on.is_some() => {
+            Err(ApiError::invalid("on_timeout needs a timeout", "give timeout_s (--timeout) too"))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Answer of the lifecycle routes (stop, start, pause, resume, kill).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lifecycle {
+    /// The sandbox.
+    pub sandbox: String,
+    /// The point published before stopping or pausing, or restored when starting or resuming
+    /// (`None`: nothing to do — it was stopped or running already, or stopped without a
+    /// checkpoint).
+    pub point: Option<String>,
+    /// Its state now.
+    pub state: SandboxState,
+}
+
+/// `GET /v1/sandboxes/{name}/status`: the cheap answer (one record, one `/proc` stat).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxStatus {
+    /// Name.
+    pub name: String,
+    /// Its state.
+    pub state: SandboxState,
+}
+
+/// `POST /v1/sandboxes/{name}/resume`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ResumeRequest {
+    /// A running sandbox is fine (nothing is done) instead of a `conflict`.
+    #[serde(default)]
+    pub ensure: bool,
+    /// A new deadline, seconds from now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
+    /// What the deadline does (`kill` or `pause`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_timeout: Option<String>,
+    /// With `timeout_s`: never bring a later deadline closer.
+    #[serde(default)]
+    pub extend_only: bool,
+}
+
+/// `POST /v1/sandboxes/{name}/checkpoints/{id}/labels`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LabelRequest {
+    /// Labels to give the point (each unique on the host).
+    pub labels: Vec<String>,
+}
+
+/// A labelled restore point (`GET /v1/labels`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LabelledPoint {
+    /// Its sandbox.
+    pub sandbox: String,
+    /// The point.
+    pub point: String,
+    /// Its labels.
+    pub labels: Vec<String>,
+    /// It holds files only (an `fs` point, or a dump that fell back to the files).
+    pub fs_only: bool,
+}
+
+/// Answer of `DELETE /v1/labels/{label}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LabelDeleted {
+    /// The point's sandbox.
+    pub sandbox: String,
+    /// The point (it stays, unlabelled).
+    pub point: String,
+    /// The sandbox was retired and this was its last labelled point: it is removed.
+    pub sandbox_removed: bool,
 }
 
 /// `POST /v1/sandboxes/{name}/checkpoints/prune`.

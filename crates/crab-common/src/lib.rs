@@ -1,7 +1,7 @@
 //! Types shared by every Crab crate.
 //!
 //! This crate owns the vocabulary the other crates speak: validated names ([`names`]), the
-//! on-disk layout of the state directory ([`paths`]), the checkpoint [`kind`] that inspector
+//! on-disk layout of the state directory ([`paths`]), a sandbox's [`life`] (its lifecycle state, the transition checks, its deadline), the checkpoint [`kind`] that inspector
 //! verdicts, engine jobs and restore points share, the stable error codes of the daemon's API
 //! ([`error`]), the request and response bodies of that API ([`api`]), and the [`progress`] trait
 //! through which long operations report what they are doing (only the CLI draws it), and the
@@ -14,6 +14,7 @@ pub mod clock;
 pub mod error;
 pub mod fsutil;
 pub mod kind;
+pub mod life;
 pub mod names;
 pub mod paths;
 pub mod progress;

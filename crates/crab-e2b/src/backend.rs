@@ -1,25 +1,27 @@
 //! [`Backend`]: the host actions the E2B front door translates into — one method per action,
 //! implemented by the daemon over `crab_host::Host::execute`. The front door never chains
-//! lifecycle steps: a create from a snapshot is one fork, a pause one pause action.
+//! lifecycle steps and keeps no lifecycle state: a create from a snapshot is one fork, a pause
+//! one pause action, a connect one resume; state, deadlines, metadata and snapshots are read
+//! back from the host.
 
 use std::future::Future;
 
-use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
+use crab_common::api::{
+    BranchSettings, ExecFrame, ExecRequest, LabelledPoint, SandboxCreateRequest, SandboxInfo,
+    SandboxState,
+};
 use crab_common::{ApiError, CheckpointKind};
 use tokio::sync::mpsc;
 
 /// What the front door asks of the host.
 pub trait Backend: Send + Sync + 'static {
-    /// Create and start a sandbox.
+    /// Create and start a sandbox (with its metadata, environment and deadline).
     fn create(
         &self,
         req: SandboxCreateRequest,
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
-    /// Remove a sandbox (killing what runs in it) and its restore points.
-    fn remove(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
-    /// Keep a sandbox only for its restore points (E2B's kill of a sandbox whose snapshots
-    /// live on): its processes are killed, its points stay, the host marks it a holder.
-    fn retire(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Kill: retired when labelled points (snapshots) must outlive it, else removed.
+    fn kill(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Run a command; the receiver yields its frames and dropping it kills the command.
     fn exec(
         &self,
@@ -33,29 +35,51 @@ pub trait Backend: Send + Sync + 'static {
         kind: CheckpointKind,
     ) -> impl Future<Output = Result<String, ApiError>> + Send;
     /// New sandboxes `names` from restore point `point` of `name` — files only with `fs_only`
-    /// — or, when `point` is `None`, from a `full` point of the sandbox as it is now; answers,
-    /// per name, the branch or why it failed.
+    /// — or, when `point` is `None`, from a `full` point of the sandbox as it is now, with
+    /// `branch`'s settings; answers, per name, the branch or why it failed.
     fn fork(
         &self,
         name: String,
         point: Option<String>,
         names: Vec<String>,
         fs_only: bool,
+        branch: BranchSettings,
     ) -> impl Future<Output = Result<Vec<Result<String, ApiError>>, ApiError>> + Send;
     /// Pause: a `full` restore point, then the sandbox's processes stop (memory freed).
     fn pause(&self, name: String) -> impl Future<Output = Result<String, ApiError>> + Send;
-    /// Resume a paused sandbox in place from its pause point, processes included.
+    /// Make it run (resume a paused one, start a stopped or dead one, leave a running one),
+    /// with a deadline `timeout_s` from now that never shortens a later one; answers whether
+    /// it was brought back.
     fn resume(
         &self,
         name: String,
-        point: String,
+        timeout_s: u64,
+    ) -> impl Future<Output = Result<bool, ApiError>> + Send;
+    /// Set its deadline `timeout_s` from now (`extend_only`: never shorten it).
+    fn set_timeout(
+        &self,
+        name: String,
+        timeout_s: u64,
+        extend_only: bool,
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
-    /// Start a sandbox whose init is gone, from its newest restore point (`crab sandbox start`).
-    fn start(&self, name: String) -> impl Future<Output = Result<(), ApiError>> + Send;
-    /// Every sandbox on the host: its name and whether its init is alive.
-    fn sandboxes(&self) -> impl Future<Output = Result<Vec<(String, bool)>, ApiError>> + Send;
-    /// The ids of sandbox `name`'s restore points.
-    fn points(&self, name: String) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
+    /// Its state (cheap: one record, one `/proc` stat).
+    fn status(&self, name: String) -> impl Future<Output = Result<SandboxState, ApiError>> + Send;
+    /// Describe it.
+    fn sandbox(&self, name: String) -> impl Future<Output = Result<SandboxInfo, ApiError>> + Send;
+    /// Every sandbox on the host.
+    fn sandboxes(&self) -> impl Future<Output = Result<Vec<SandboxInfo>, ApiError>> + Send;
+    /// Give restore point `point` of `name` labels (a snapshot's id and names).
+    fn label(
+        &self,
+        name: String,
+        point: String,
+        labels: Vec<String>,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Every labelled point (snapshot).
+    fn labels(&self) -> impl Future<Output = Result<Vec<LabelledPoint>, ApiError>> + Send;
+    /// Drop the labels of the point labelled `label` (the last one of a retired sandbox
+    /// removes it).
+    fn delete_label(&self, label: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Names of the images (E2B templates).
     fn images(&self) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
 }

@@ -1,13 +1,14 @@
 //! The E2B front door's HTTP server: one axum router for the REST control plane (API key) and
-//! envd (routed by `E2b-Sandbox-Id`, authorised by the sandbox's `X-Access-Token`), the
-//! front door's own state (tokens, metadata, timeouts, snapshots, the processes started through
-//! envd) — persisted through [`Store`] so a daemon restart keeps it, and reconciled against the
-//! host's sandboxes — and the timeout watchdog. Every lifecycle step is one [`Backend`] call.
+//! envd (routed by `E2b-Sandbox-Id`, authorised by the sandbox's `X-Access-Token`). It holds no
+//! lifecycle state: run state, deadline, metadata, environment, template and snapshots are the
+//! host's (each call is one [`Backend`] call, and the host's watchdog fires timeouts). What it
+//! keeps is the envd process table of each sandbox — persisted through [`Store`] so a daemon
+//! restart keeps it — and the per-sandbox access tokens, derived from the store's secret.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, FromRequest, Multipart, Path, Query, Request, State};
@@ -16,7 +17,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
-use crab_common::api::{ExecFrame, ExecRequest, NetMode, SandboxCreateRequest};
+use crab_common::api::{
+    BranchSettings, ExecFrame, ExecRequest, NetMode, SandboxCreateRequest, SandboxInfo,
+    SandboxState,
+};
 use crab_common::{ApiError, CheckpointKind, ErrorCode};
 use tokio::sync::mpsc;
 
@@ -26,7 +30,7 @@ use crate::connect::{self, CallKind, Code, ConnectError};
 use crate::envd::{self, DataEvent, EndEvent, EventResponse, ProcessConfig, ProcessEvent};
 use crate::rest::{self, ApiErrorBody};
 use crate::shell::{self, FsFailure};
-use crate::store::{SandboxFile, Store, StoredEnd, StoredProcess, StoredSnapshot, StoredState};
+use crate::store::{SandboxFile, Store, StoredEnd, StoredProcess};
 
 /// The envd protocol version Crab answers as (the SDK enables features by it: default user,
 /// octet-stream uploads, file metadata).
@@ -51,57 +55,27 @@ pub struct Config {
     pub store: Store,
 }
 
-/// The front door: its configuration, the host actions, and what it remembers per sandbox.
+/// The front door: its configuration, the host actions, and the envd processes per sandbox.
 #[derive(Debug)]
 pub struct E2b<B> {
     backend: Arc<B>,
     cfg: Config,
     sandboxes: Mutex<HashMap<String, Arc<Sb>>>,
-    snapshots: Mutex<HashMap<String, Snapshot>>,
 }
 
-#[derive(Debug, Clone)]
-struct Snapshot {
-    /// Its id (`<sandbox>:<point>`).
-    id: String,
-    /// Names given at creation.
-    names: Vec<String>,
-    sandbox: String,
-    point: String,
-    /// A filesystem snapshot: sandboxes made from it get its files, not its processes.
-    fs_only: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RunState {
-    Running,
-    Paused,
-    /// Killed while it held snapshots: hidden, processes stopped, restore points kept.
-    Killed,
-}
-
-/// One E2B sandbox: a Crab sandbox plus what E2B adds to it.
+/// The envd side of one sandbox: its processes. Everything else about it is the host's.
 #[derive(Debug)]
 struct Sb {
     id: String,
-    template: String,
     token: String,
-    metadata: HashMap<String, String>,
-    envs: HashMap<String, String>,
-    started_at: SystemTime,
-    auto_pause: bool,
-    /// When this front door learnt of it (reconciliation leaves younger ones alone).
-    known_since: Instant,
-    life: Mutex<Life>,
     /// envd processes by pid: running ones and the last [`ENDED_KEPT`] that ended.
     procs: Mutex<HashMap<u32, Arc<Proc>>>,
     /// Sandbox directories of processes reported ended, removed by the next start.
     gc: Mutex<Vec<String>>,
     /// A lifecycle step in progress that ends exec streams (what a stream's end means).
     step: Mutex<Step>,
-    /// The host says its init is gone (it died, or was stopped, outside the E2B API).
-    dead: AtomicBool,
-    /// Serialises pause, resume and kill of this sandbox.
+    /// Serialises pause, resume and kill of this sandbox through this front door (the
+    /// host serialises them too; this keeps the process table's bookkeeping in step).
     lifecycle: tokio::sync::Mutex<()>,
 }
 
@@ -112,14 +86,6 @@ enum Step {
     None,
     Pausing,
     Killing,
-}
-
-#[derive(Debug)]
-struct Life {
-    state: RunState,
-    end_at: SystemTime,
-    /// The restore point a pause took (what `connect` restores).
-    pause_point: Option<String>,
 }
 
 /// A process started through envd. It runs in the sandbox under a supervisor of its own
@@ -159,14 +125,6 @@ static ENDED_SEQ: AtomicU64 = AtomicU64::new(1);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
-
-fn from_ms(ms: u64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms)
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -222,12 +180,7 @@ type Shared<B> = Arc<E2b<B>>;
 impl<B: Backend> E2b<B> {
     /// A front door over `backend`.
     pub fn new(backend: Arc<B>, cfg: Config) -> Shared<B> {
-        Arc::new(E2b {
-            backend,
-            cfg,
-            sandboxes: Mutex::new(HashMap::new()),
-            snapshots: Mutex::new(HashMap::new()),
-        })
+        Arc::new(E2b { backend, cfg, sandboxes: Mutex::new(HashMap::new()) })
     }
 
     /// The router (serve it with `axum::serve`).
@@ -264,311 +217,95 @@ impl<B: Backend> E2b<B> {
             .with_state(self.clone())
     }
 
-    /// Kill or pause sandboxes whose timeout passed (call every second or so).
-    pub async fn expire(self: &Shared<B>) {
-        let now = SystemTime::now();
-        let due: Vec<Arc<Sb>> = lock(&self.sandboxes)
-            .values()
-            .filter(|s| {
-                let l = lock(&s.life);
-                l.state == RunState::Running && l.end_at <= now
-            })
-            .cloned()
-            .collect();
-        for sb in due {
-            if sb.auto_pause {
-                tracing::info!(sandbox = %sb.id, "E2B timeout: pausing");
-                if let Err(e) = self.do_pause(&sb).await {
-                    tracing::warn!(sandbox = %sb.id, error = %e.1, "E2B timeout: pause failed; killing");
-                    let _ = self.do_kill(&sb).await;
-                }
-            } else {
-                tracing::info!(sandbox = %sb.id, "E2B timeout: killing");
-                if let Err(e) = self.do_kill(&sb).await {
-                    tracing::warn!(sandbox = %sb.id, error = %e.1, "E2B timeout: kill failed");
-                }
-            }
+    /// The envd side of sandbox `id`, which the host must know and not have retired (a
+    /// retired sandbox is one E2B killed: not found). One cheap host call.
+    async fn sandbox(&self, id: &str) -> Result<Arc<Sb>, RestError> {
+        match self.backend.status(id.to_string()).await {
+            Ok(SandboxState::Retired) => {}
+            Ok(_) => return Ok(self.entry(id)),
+            Err(e) if e.code == ErrorCode::SandboxNotFound => {}
+            Err(e) => return Err(e.into()),
         }
+        lock(&self.sandboxes).remove(id);
+        Err(RestError::new(404, format!("sandbox {id:?} not found")))
     }
 
-    /// Run [`E2b::expire`] every `period` until the front door is dropped.
-    pub fn spawn_watchdog(self: &Shared<B>, period: Duration) {
-        let weak = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut t = tokio::time::interval(period);
-            let mut n: u64 = 0;
-            loop {
-                t.tick().await;
-                let Some(me) = weak.upgrade() else { return };
-                me.expire().await;
-                n += 1;
-                // Sandboxes removed through the CLI disappear from the E2B API too.
-                if n.is_multiple_of(10) {
-                    me.reconcile(false).await;
-                }
-            }
-        });
-    }
-
-    fn sandbox(&self, id: &str) -> Result<Arc<Sb>, RestError> {
+    /// The envd side of sandbox `id` (made on first use).
+    fn entry(&self, id: &str) -> Arc<Sb> {
         lock(&self.sandboxes)
-            .get(id)
-            .filter(|s| lock(&s.life).state != RunState::Killed)
-            .cloned()
-            .ok_or_else(|| RestError::new(404, format!("sandbox {id:?} not found")))
-    }
-
-    /// What sandbox `sb` persists as.
-    fn file_of(&self, sb: &Sb) -> SandboxFile {
-        let (state, end_at, pause_point) = {
-            let l = lock(&sb.life);
-            (l.state, l.end_at, l.pause_point.clone())
-        };
-        let mut snapshots: Vec<StoredSnapshot> = lock(&self.snapshots)
-            .iter()
-            .filter(|(k, s)| s.sandbox == sb.id && **k == s.id)
-            .map(|(_, s)| StoredSnapshot {
-                id: s.id.clone(),
-                point: s.point.clone(),
-                fs_only: s.fs_only,
-                names: s.names.clone(),
+            .entry(id.to_string())
+            .or_insert_with(|| {
+                Arc::new(Sb {
+                    id: id.to_string(),
+                    token: self.cfg.store.token(id),
+                    procs: Mutex::new(HashMap::new()),
+                    gc: Mutex::new(Vec::new()),
+                    step: Mutex::new(Step::None),
+                    lifecycle: tokio::sync::Mutex::new(()),
+                })
             })
-            .collect();
-        snapshots.sort_by(|a, b| a.id.cmp(&b.id));
-        SandboxFile {
-            format: crate::store::FORMAT,
-            id: sb.id.clone(),
-            template: sb.template.clone(),
-            metadata: sb.metadata.clone(),
-            envs: sb.envs.clone(),
-            started_at_ms: ms(sb.started_at),
-            end_at_ms: ms(end_at),
-            auto_pause: sb.auto_pause,
-            state: match state {
-                RunState::Running => StoredState::Running,
-                RunState::Paused => StoredState::Paused,
-                RunState::Killed => StoredState::Killed,
-            },
-            pause_point,
-            snapshots,
-            processes: {
-                let mut v: Vec<StoredProcess> =
-                    lock(&sb.procs).values().map(|p| p.stored()).collect();
-                v.sort_by_key(|p| p.pid);
-                v
-            },
-            gc: lock(&sb.gc).clone(),
-        }
+            .clone()
     }
 
-    /// Write `sb`'s state file. A failure is logged, not answered: the sandbox works on, but a
-    /// daemon restart would forget it.
+    /// What sandbox `sb` persists as: its envd process table.
+    fn file_of(&self, sb: &Sb) -> SandboxFile {
+        let mut processes: Vec<StoredProcess> =
+            lock(&sb.procs).values().map(|p| p.stored()).collect();
+        processes.sort_by_key(|p| p.pid);
+        SandboxFile::processes_of(&sb.id, processes, lock(&sb.gc).clone())
+    }
+
+    /// Write `sb`'s process table. A failure is logged, not answered: the sandbox works on,
+    /// but a daemon restart would forget its envd processes.
     fn persist(&self, sb: &Sb) {
         if let Err(e) = self.cfg.store.save(&self.file_of(sb)) {
-            tracing::error!(sandbox = %sb.id, error = %e, "cannot persist the E2B state of the sandbox; a daemon restart will forget it (check the state directory's disk)");
+            tracing::error!(sandbox = %sb.id, error = %e, "cannot persist the envd process table of the sandbox; a daemon restart will forget its processes (check the state directory's disk)");
         }
     }
 
     /// Drop every trace of sandbox `id` from the front door (memory and state file).
     fn forget(&self, id: &str) {
         lock(&self.sandboxes).remove(id);
-        lock(&self.snapshots).retain(|_, s| s.sandbox != id);
         if let Err(e) = self.cfg.store.delete(id) {
             tracing::error!(sandbox = %id, error = %e, "cannot delete the E2B state file; remove it by hand");
         }
     }
 
-    fn insert_snapshot(&self, snap: Snapshot) {
-        let mut m = lock(&self.snapshots);
-        for n in &snap.names {
-            m.insert(n.clone(), snap.clone());
-        }
-        m.insert(snap.id.clone(), snap);
-    }
-
-    /// Load the persisted state (call once, before serving): every readable sandbox file
-    /// becomes an E2B sandbox again, with its token (derived, not stored), absolute deadline,
-    /// snapshots and run state; then reconcile it with the host's sandboxes and points.
+    /// Load the persisted process tables (call once, before serving; format ≤ 2 files were
+    /// migrated into the host's records by the daemon first) and follow again the envd
+    /// processes that ran when the daemon stopped; one that ended meanwhile is reported ended
+    /// (with the exit status its supervisor kept).
     pub async fn restore_state(self: &Shared<B>) {
         let files = self.cfg.store.load();
         let n = files.len();
         for f in files {
-            let sb = Arc::new(Sb {
-                id: f.id.clone(),
-                template: f.template,
-                token: self.cfg.store.token(&f.id),
-                metadata: f.metadata,
-                envs: f.envs,
-                started_at: from_ms(f.started_at_ms),
-                auto_pause: f.auto_pause,
-                known_since: Instant::now(),
-                life: Mutex::new(Life {
-                    state: match f.state {
-                        StoredState::Running => RunState::Running,
-                        StoredState::Paused => RunState::Paused,
-                        StoredState::Killed => RunState::Killed,
-                    },
-                    end_at: from_ms(f.end_at_ms),
-                    pause_point: f.pause_point,
-                }),
-                procs: Mutex::new(
-                    f.processes
-                        .into_iter()
-                        .map(|p| (p.pid, Arc::new(Proc::from_stored(p))))
-                        .collect(),
-                ),
-                gc: Mutex::new(f.gc),
-                step: Mutex::new(Step::None),
-                dead: AtomicBool::new(false),
-                lifecycle: tokio::sync::Mutex::new(()),
-            });
-            for s in f.snapshots {
-                self.insert_snapshot(Snapshot {
-                    id: s.id,
-                    names: s.names,
-                    sandbox: f.id.clone(),
-                    point: s.point,
-                    fs_only: s.fs_only,
-                });
+            match self.backend.status(f.id.clone()).await {
+                Ok(SandboxState::Retired) | Err(_) => {
+                    // Gone from the host (or kept only for its points): nothing to follow.
+                    self.forget(&f.id);
+                    continue;
+                }
+                Ok(_) => {}
             }
-            lock(&self.sandboxes).insert(f.id, sb);
+            let sb = self.entry(&f.id);
+            *lock(&sb.procs) =
+                f.processes.into_iter().map(|p| (p.pid, Arc::new(Proc::from_stored(p)))).collect();
+            *lock(&sb.gc) = f.gc;
         }
-        if n > 0 {
-            self.reconcile(true).await;
-            // Follow again the envd processes that ran when the daemon stopped; one that ended
-            // meanwhile is reported ended (with its exit status, which its supervisor kept).
-            let running: Vec<Arc<Sb>> = lock(&self.sandboxes)
-                .values()
-                .filter(|s| {
-                    lock(&s.life).state == RunState::Running && !s.dead.load(Ordering::Relaxed)
-                })
-                .cloned()
-                .collect();
-            for sb in &running {
+        let known: Vec<Arc<Sb>> = lock(&self.sandboxes).values().cloned().collect();
+        for sb in &known {
+            if self.alive(sb).await {
                 self.reattach(sb).await;
             }
-            tracing::info!(
-                loaded = n,
-                kept = lock(&self.sandboxes).len(),
-                "E2B front-door state restored"
-            );
+        }
+        if n > 0 {
+            tracing::info!(loaded = n, kept = known.len(), "E2B envd process tables restored");
         }
     }
 
-    /// Match what the front door remembers with the host: a sandbox gone from the host (removed
-    /// through the CLI) is forgotten; a paused one that runs again (restored through the CLI)
-    /// is running; with `points`, snapshots whose restore point is gone are dropped, and a
-    /// killed snapshot holder left without snapshots is removed.
-    pub async fn reconcile(self: &Shared<B>, points: bool) {
-        if lock(&self.sandboxes).is_empty() {
-            return;
-        }
-        let asked = Instant::now();
-        let host: HashMap<String, bool> = match self.backend.sandboxes().await {
-            Ok(v) => v.into_iter().collect(),
-            Err(e) => {
-                tracing::warn!(error = %e.message, "E2B reconcile: cannot list the host's sandboxes");
-                return;
-            }
-        };
-        let known: Vec<Arc<Sb>> =
-            lock(&self.sandboxes).values().filter(|s| s.known_since < asked).cloned().collect();
-        for sb in known {
-            // One busy with a lifecycle step is looked at next time.
-            let Ok(_g) = sb.lifecycle.try_lock() else { continue };
-            let Some(&running) = host.get(&sb.id) else {
-                tracing::info!(sandbox = %sb.id, "E2B sandbox no longer exists on the host (removed outside the E2B API); forgetting it");
-                self.forget(&sb.id);
-                continue;
-            };
-            let mut changed = false;
-            {
-                let mut l = lock(&sb.life);
-                if l.state == RunState::Paused && running {
-                    l.state = RunState::Running;
-                    l.pause_point = None;
-                    changed = true;
-                }
-                sb.dead.store(l.state == RunState::Running && !running, Ordering::Relaxed);
-            }
-            if points {
-                let has = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
-                if has {
-                    match self.backend.points(sb.id.clone()).await {
-                        Ok(p) => {
-                            let mut m = lock(&self.snapshots);
-                            let before = m.len();
-                            m.retain(|k, s| {
-                                let keep = s.sandbox != sb.id || p.contains(&s.point);
-                                if !keep && *k == s.id {
-                                    tracing::warn!(sandbox = %sb.id, snapshot = %s.id, "E2B snapshot dropped: its restore point is gone");
-                                }
-                                keep
-                            });
-                            changed |= m.len() != before;
-                        }
-                        Err(e) => {
-                            tracing::warn!(sandbox = %sb.id, error = %e.message, "E2B reconcile: cannot list restore points")
-                        }
-                    }
-                }
-            }
-            // A killed holder whose last snapshot is gone (deleted while a removal failed,
-            // or its point pruned) has nothing left to keep.
-            let holds = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
-            if lock(&sb.life).state == RunState::Killed && !holds {
-                match self.backend.remove(sb.id.clone()).await {
-                    Ok(()) => self.forget(&sb.id),
-                    Err(e) if e.code == ErrorCode::SandboxNotFound => self.forget(&sb.id),
-                    Err(e) => {
-                        tracing::warn!(sandbox = %sb.id, error = %e.message, "E2B reconcile: cannot remove a killed sandbox without snapshots")
-                    }
-                }
-                continue;
-            }
-            if changed {
-                self.persist(&sb);
-            }
-        }
-    }
-
-    /// Delete snapshot `id` (an id or a name); the last one of a killed sandbox removes it.
-    async fn delete_snapshot(&self, id: &str) -> Result<(), RestError> {
-        let snap = lock(&self.snapshots)
-            .get(id)
-            .cloned()
-            .ok_or_else(|| RestError::new(404, format!("snapshot {id:?} not found")))?;
-        let sb = lock(&self.sandboxes).get(&snap.sandbox).cloned();
-        let Some(sb) = sb else {
-            lock(&self.snapshots).retain(|_, s| s.id != snap.id);
-            return Ok(());
-        };
-        let _g = sb.lifecycle.lock().await;
-        lock(&self.snapshots).retain(|_, s| s.id != snap.id);
-        let holds = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
-        if lock(&sb.life).state == RunState::Killed && !holds {
-            match self.backend.remove(sb.id.clone()).await {
-                Ok(()) => {}
-                Err(e) if e.code == ErrorCode::SandboxNotFound => {}
-                Err(e) => {
-                    // Forgotten as a snapshot all the same; the watchdog retries the removal.
-                    self.persist(&sb);
-                    return Err(e.into());
-                }
-            }
-            self.forget(&sb.id);
-            tracing::info!(sandbox = %sb.id, snapshot = %snap.id, "last E2B snapshot deleted: its killed sandbox is removed");
-        } else {
-            // The restore point stays a Crab point of a live sandbox (`crab checkpoints`).
-            self.persist(&sb);
-            tracing::info!(sandbox = %sb.id, snapshot = %snap.id, "E2B snapshot deleted");
-        }
-        Ok(())
-    }
-
-    fn created(&self, sb: &Sb) -> rest::Created {
+    fn created(&self, sb: &Sb, template: &str) -> rest::Created {
         rest::Created {
-            template_id: sb.template.clone(),
+            template_id: template.to_string(),
             sandbox_id: sb.id.clone(),
             client_id: "crab".into(),
             envd_version: ENVD_VERSION.into(),
@@ -576,82 +313,24 @@ impl<B: Backend> E2b<B> {
         }
     }
 
-    fn register(
-        &self,
-        id: String,
-        template: String,
-        req: &rest::NewSandbox,
-        timeout_s: u64,
-    ) -> Arc<Sb> {
-        let now = SystemTime::now();
-        let sb = Arc::new(Sb {
-            id: id.clone(),
-            template,
-            token: self.cfg.store.token(&id),
-            metadata: req.metadata.clone().unwrap_or_default(),
-            envs: req.env_vars.clone().unwrap_or_default(),
-            started_at: now,
-            auto_pause: req.auto_pause.unwrap_or(false),
-            known_since: Instant::now(),
-            life: Mutex::new(Life {
-                state: RunState::Running,
-                end_at: now + Duration::from_secs(timeout_s),
-                pause_point: None,
-            }),
-            procs: Mutex::new(HashMap::new()),
-            gc: Mutex::new(Vec::new()),
-            step: Mutex::new(Step::None),
-            dead: AtomicBool::new(false),
-            lifecycle: tokio::sync::Mutex::new(()),
-        });
-        lock(&self.sandboxes).insert(id, sb.clone());
-        self.persist(&sb);
-        sb
-    }
-
-    /// Kill: the sandbox goes; if it holds snapshots, it is only stopped and hidden (a
-    /// snapshot outlives its sandbox, as in E2B) until its last snapshot is deleted.
+    /// Kill (the host's: retired when its snapshots outlive it, else removed); whatever ran
+    /// in it is gone, so every envd stream ends with the process killed.
     async fn do_kill(&self, sb: &Arc<Sb>) -> Result<(), RestError> {
         let _g = sb.lifecycle.lock().await;
         *lock(&sb.step) = Step::Killing;
-        let r = self.do_kill_locked(sb).await;
+        let r = match self.backend.kill(sb.id.clone()).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.code == ErrorCode::SandboxNotFound => Ok(()),
+            Err(e) => Err(RestError::from(e)),
+        };
         *lock(&sb.step) = Step::None;
         if r.is_ok() {
-            // Whatever ran in it is gone: every stream ends with the process killed.
             for p in lock(&sb.procs).drain().map(|(_, p)| p).collect::<Vec<_>>() {
                 p.give_up(Ok(killed_end()));
             }
+            self.forget(&sb.id);
         }
         r
-    }
-
-    async fn do_kill_locked(&self, sb: &Arc<Sb>) -> Result<(), RestError> {
-        let holds = lock(&self.snapshots).values().any(|s| s.sandbox == sb.id);
-        if holds {
-            return match self.backend.retire(sb.id.clone()).await {
-                Ok(()) => {
-                    {
-                        let mut l = lock(&sb.life);
-                        l.state = RunState::Killed;
-                        l.pause_point = None;
-                    }
-                    self.persist(sb);
-                    Ok(())
-                }
-                Err(e) if e.code == ErrorCode::SandboxNotFound => {
-                    self.forget(&sb.id);
-                    Ok(())
-                }
-                Err(e) => Err(e.into()),
-            };
-        }
-        let r = self.backend.remove(sb.id.clone()).await;
-        self.forget(&sb.id);
-        match r {
-            Ok(()) => Ok(()),
-            Err(e) if e.code == ErrorCode::SandboxNotFound => Ok(()),
-            Err(e) => Err(e.into()),
-        }
     }
 
     /// Pause: nothing is touched before the host's pause, which checks what it can first
@@ -661,19 +340,11 @@ impl<B: Backend> E2b<B> {
     /// one whose exec stream ended while the pause was under way is followed again.
     async fn do_pause(self: &Shared<B>, sb: &Arc<Sb>) -> Result<(), RestError> {
         let _g = sb.lifecycle.lock().await;
-        if lock(&sb.life).state == RunState::Paused {
-            return Err(RestError::new(409, format!("sandbox {} is already paused", sb.id)));
-        }
         *lock(&sb.step) = Step::Pausing;
         let r = self.backend.pause(sb.id.clone()).await;
+        *lock(&sb.step) = Step::None;
         match r {
-            Ok(point) => {
-                {
-                    let mut l = lock(&sb.life);
-                    l.state = RunState::Paused;
-                    l.pause_point = Some(point);
-                }
-                *lock(&sb.step) = Step::None;
+            Ok(_point) => {
                 let paused = ConnectError::new(
                     Code::Unavailable,
                     format!(
@@ -688,21 +359,19 @@ impl<B: Backend> E2b<B> {
                 Ok(())
             }
             Err(e) => {
-                *lock(&sb.step) = Step::None;
                 self.reattach(sb).await;
                 Err(e.into())
             }
         }
     }
 
-    /// Whether the host runs sandbox `id`'s init (`true` when it cannot tell); records it.
+    /// Whether the host runs sandbox `sb`'s init (`true` when it cannot tell). One record
+    /// and one `/proc` stat on the host, whatever the number of sandboxes.
     async fn alive(&self, sb: &Sb) -> bool {
-        let alive = match self.backend.sandboxes().await {
-            Ok(v) => v.iter().find(|(n, _)| *n == sb.id).is_none_or(|(_, r)| *r),
-            Err(_) => true,
-        };
-        sb.dead.store(!alive, Ordering::Relaxed);
-        alive
+        match self.backend.status(sb.id.clone()).await {
+            Ok(s) => s == SandboxState::Running,
+            Err(e) => e.code != ErrorCode::SandboxNotFound,
+        }
     }
 
     /// An exec in `sb` failed with `e`: the sandbox's death (told as E2B tells a sandbox that
@@ -838,7 +507,7 @@ impl<B: Backend> E2b<B> {
             }
             Step::None => {}
         }
-        if lock(&sb.life).state == RunState::Paused {
+        if self.backend.status(sb.id.clone()).await.is_ok_and(|s| s == SandboxState::Paused) {
             lock(&p.st).attached = false;
             return;
         }
@@ -1131,6 +800,48 @@ fn new_id() -> String {
     format!("e2b-{}", random_hex(8))
 }
 
+/// The E2B metadata, environment, timeout and auto-pause of a new sandbox as host settings.
+struct Settings {
+    labels: BTreeMap<String, String>,
+    env: BTreeMap<String, String>,
+    timeout_s: u64,
+    on_timeout: &'static str,
+}
+
+impl Settings {
+    fn of(req: &rest::NewSandbox, timeout_s: u64) -> Result<Settings, RestError> {
+        if let Some(envs) = &req.env_vars {
+            for k in envs.keys() {
+                check_env_key(k).map_err(|m| RestError::new(400, m))?;
+            }
+        }
+        Ok(Settings {
+            labels: req.metadata.clone().unwrap_or_default().into_iter().collect(),
+            env: req.env_vars.clone().unwrap_or_default().into_iter().collect(),
+            timeout_s,
+            on_timeout: if req.auto_pause.unwrap_or(false) { "pause" } else { "kill" },
+        })
+    }
+
+    fn branch(self, template: &str) -> BranchSettings {
+        BranchSettings {
+            labels: Some(self.labels),
+            env: Some(self.env),
+            template: Some(template.to_string()),
+            timeout_s: Some(self.timeout_s),
+            on_timeout: Some(self.on_timeout.to_string()),
+        }
+    }
+}
+
+/// The snapshot `id` names (its id or one of its names): the labelled point.
+async fn find_snapshot<B: Backend>(
+    e2b: &E2b<B>,
+    id: &str,
+) -> Result<Option<crab_common::api::LabelledPoint>, RestError> {
+    Ok(e2b.backend.labels().await?.into_iter().find(|l| l.labels.iter().any(|x| x == id)))
+}
+
 async fn create<B: Backend>(
     State(e2b): State<Shared<B>>,
     raw: Bytes,
@@ -1149,17 +860,18 @@ async fn create<B: Backend>(
             format!("timeout must be 1..={MAX_TIMEOUT_S} seconds, got {timeout}"),
         ));
     }
-    if let Some(envs) = &req.env_vars {
-        for k in envs.keys() {
-            check_env_key(k).map_err(|m| RestError::new(400, m))?;
-        }
-    }
+    let settings = Settings::of(&req, timeout)?;
     let id = new_id();
-    let snap = lock(&e2b.snapshots).get(&req.template_id).cloned();
-    if let Some(snap) = snap {
+    if let Some(snap) = find_snapshot(&e2b, &req.template_id).await? {
         let mut r = e2b
             .backend
-            .fork(snap.sandbox.clone(), Some(snap.point.clone()), vec![id.clone()], snap.fs_only)
+            .fork(
+                snap.sandbox.clone(),
+                Some(snap.point.clone()),
+                vec![id.clone()],
+                snap.fs_only,
+                settings.branch(&req.template_id),
+            )
             .await?;
         match r.pop() {
             Some(Ok(_)) => {}
@@ -1197,13 +909,18 @@ async fn create<B: Backend>(
             .create(SandboxCreateRequest {
                 name: Some(id.clone()),
                 net,
+                labels: settings.labels,
+                env: settings.env,
+                timeout_s: Some(settings.timeout_s),
+                on_timeout: Some(settings.on_timeout.to_string()),
+                template: Some(req.template_id.clone()),
                 ..SandboxCreateRequest::new(image)
             })
             .await?;
     }
-    let sb = e2b.register(id, req.template_id.clone(), &req, timeout);
-    tracing::info!(sandbox = %sb.id, template = %sb.template, "E2B sandbox created");
-    Ok((StatusCode::CREATED, Json(e2b.created(&sb))).into_response())
+    let sb = e2b.entry(&id);
+    tracing::info!(sandbox = %sb.id, template = %req.template_id, "E2B sandbox created");
+    Ok((StatusCode::CREATED, Json(e2b.created(&sb, &req.template_id))).into_response())
 }
 
 fn check_env_key(k: &str) -> Result<(), String> {
@@ -1214,61 +931,45 @@ fn check_env_key(k: &str) -> Result<(), String> {
 }
 
 /// `GET /health`: 204; with an `E2b-Sandbox-Id`, 502 unless that sandbox runs (the SDK's
-/// `is_running()` reads a 502 as "not running").
+/// `is_running()` reads a 502 as "not running"). One cheap host call for that sandbox: the
+/// cost does not grow with the number of sandboxes.
 async fn health<B: Backend>(State(e2b): State<Shared<B>>, headers: HeaderMap) -> Response {
     let Some(id) = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) else {
         return StatusCode::NO_CONTENT.into_response();
     };
-    let sb =
-        lock(&e2b.sandboxes).get(id).filter(|s| lock(&s.life).state == RunState::Running).cloned();
-    match sb {
-        Some(sb) if e2b.alive(&sb).await => StatusCode::NO_CONTENT.into_response(),
-        Some(_) => envd_rest_error(dead_error(id)).into_response(),
-        None => {
-            RestError::new(502, format!("The sandbox {id} was not found running")).into_response()
-        }
+    match e2b.backend.status(id.to_string()).await {
+        Ok(SandboxState::Running) => StatusCode::NO_CONTENT.into_response(),
+        Ok(SandboxState::Dead) => envd_rest_error(dead_error(id)).into_response(),
+        _ => RestError::new(502, format!("The sandbox {id} was not found running")).into_response(),
     }
 }
 
-/// What the host says runs: sandbox name → its init is alive.
-async fn host_running<B: Backend>(e2b: &E2b<B>) -> HashMap<String, bool> {
-    match e2b.backend.sandboxes().await {
-        Ok(v) => v.into_iter().collect(),
-        Err(e) => {
-            tracing::warn!(error = %e.message, "cannot list the host's sandboxes; E2B states as last known");
-            HashMap::new()
-        }
-    }
+fn rfc3339_ms(ms: u64) -> String {
+    rfc3339(UNIX_EPOCH + Duration::from_millis(ms))
 }
 
-/// Record what the host said of `sb` (a sandbox the host does not list is left as it was).
-fn note_host(sb: &Sb, host: &HashMap<String, bool>) {
-    if let Some(&running) = host.get(&sb.id) {
-        sb.dead.store(!running && lock(&sb.life).state == RunState::Running, Ordering::Relaxed);
-    }
-}
-
-fn detail_of(sb: &Sb, with_token: bool) -> rest::Detail {
-    let dead = sb.dead.load(Ordering::Relaxed);
-    let l = lock(&sb.life);
+/// A host sandbox as E2B describes it.
+fn detail_of(info: &SandboxInfo, token: Option<String>) -> rest::Detail {
+    let started_ms = info.created_at.saturating_mul(1000);
     rest::Detail {
-        template_id: sb.template.clone(),
-        sandbox_id: sb.id.clone(),
+        template_id: info.template.clone().unwrap_or_else(|| info.image.clone()),
+        sandbox_id: info.name.clone(),
         client_id: "crab".into(),
-        started_at: rfc3339(sb.started_at),
-        end_at: rfc3339(l.end_at),
+        started_at: rfc3339_ms(started_ms),
+        // No deadline: E2B's longest.
+        end_at: rfc3339_ms(match info.deadline {
+            Some(d) => d.at_ms,
+            None => crab_common::clock::now_ms() + MAX_TIMEOUT_S * 1000,
+        }),
         envd_version: ENVD_VERSION.into(),
         cpu_count: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
-        memory_mb: 512,
-        disk_size_mb: 1024,
-        // A sandbox whose init died outside the E2B API is not running: E2B's word for a
-        // sandbox that exists but does not run is "paused" (connect brings it back).
-        state: match l.state {
-            RunState::Running if !dead => "running".into(),
-            RunState::Running | RunState::Paused | RunState::Killed => "paused".into(),
-        },
-        metadata: sb.metadata.clone(),
-        envd_access_token: with_token.then(|| sb.token.clone()),
+        memory_mb: info.limits.memory_bytes.map(|b| b >> 20).unwrap_or(512),
+        disk_size_mb: info.limits.disk_bytes.map(|b| b >> 20).unwrap_or(1024),
+        // A sandbox that exists but does not run (paused, stopped, its init dead) is E2B's
+        // "paused": connect brings it back.
+        state: if info.state == SandboxState::Running { "running" } else { "paused" }.into(),
+        metadata: info.labels.clone().into_iter().collect(),
+        envd_access_token: token,
     }
 }
 
@@ -1276,9 +977,15 @@ async fn detail<B: Backend>(
     State(e2b): State<Shared<B>>,
     Path(id): Path<String>,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id)?;
-    note_host(&sb, &host_running(&e2b).await);
-    Ok(Json(detail_of(&sb, true)).into_response())
+    let info = match e2b.backend.sandbox(id.clone()).await {
+        Ok(i) if i.state != SandboxState::Retired => i,
+        Ok(_) => return Err(RestError::new(404, format!("sandbox {id:?} not found"))),
+        Err(e) if e.code == ErrorCode::SandboxNotFound => {
+            return Err(RestError::new(404, format!("sandbox {id:?} not found")))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok(Json(detail_of(&info, Some(e2b.cfg.store.token(&id)))).into_response())
 }
 
 async fn list<B: Backend>(
@@ -1298,12 +1005,13 @@ async fn list<B: Backend>(
         }
     }
     let (offset, limit) = page_params(&q)?;
-    let host = host_running(&e2b).await;
-    let mut all: Vec<rest::Detail> = lock(&e2b.sandboxes)
-        .values()
-        .filter(|sb| lock(&sb.life).state != RunState::Killed)
-        .inspect(|sb| note_host(sb, &host))
-        .map(|sb| detail_of(sb, false))
+    let mut all: Vec<rest::Detail> = e2b
+        .backend
+        .sandboxes()
+        .await?
+        .iter()
+        .filter(|i| i.state != SandboxState::Retired)
+        .map(|i| detail_of(i, None))
         .filter(|d| filter.iter().all(|(k, v)| d.metadata.get(k) == Some(v)))
         .filter(|d| states.is_empty() || states.contains(&d.state.as_str()))
         .filter(|d| q.get("template").is_none_or(|t| &d.template_id == t))
@@ -1347,10 +1055,19 @@ async fn kill<B: Backend>(
     State(e2b): State<Shared<B>>,
     Path(id): Path<String>,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id)?;
+    let sb = e2b.sandbox(&id).await?;
     e2b.do_kill(&sb).await?;
     tracing::info!(sandbox = %id, "E2B sandbox killed");
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// An E2B snapshot: a labelled point, its first label the id (`<sandbox>:<point>`), the
+/// others its names.
+fn snapshot_info(l: &crab_common::api::LabelledPoint) -> rest::SnapshotInfo {
+    let mut labels = l.labels.clone();
+    let id =
+        if labels.is_empty() { format!("{}:{}", l.sandbox, l.point) } else { labels.remove(0) };
+    rest::SnapshotInfo { snapshot_id: id, names: labels }
 }
 
 async fn list_snapshots<B: Backend>(
@@ -1358,34 +1075,39 @@ async fn list_snapshots<B: Backend>(
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, RestError> {
     let (offset, limit) = page_params(&q)?;
-    let mut all: Vec<rest::SnapshotInfo> = lock(&e2b.snapshots)
+    let mut all: Vec<rest::SnapshotInfo> = e2b
+        .backend
+        .labels()
+        .await?
         .iter()
-        .filter(|(k, s)| **k == s.id)
-        .map(|(_, s)| s)
-        .filter(|s| q.get("sandboxID").is_none_or(|id| &s.sandbox == id))
-        .filter(|s| q.get("name").is_none_or(|n| &s.id == n || s.names.contains(n)))
-        .map(|s| rest::SnapshotInfo { snapshot_id: s.id.clone(), names: s.names.clone() })
+        .filter(|l| q.get("sandboxID").is_none_or(|id| &l.sandbox == id))
+        .filter(|l| q.get("name").is_none_or(|n| l.labels.contains(n)))
+        .map(snapshot_info)
         .collect();
     all.sort_by(|a, b| a.snapshot_id.cmp(&b.snapshot_id));
     Ok(page(&all, offset, limit))
 }
 
-/// `DELETE /templates/{id}`: what the SDK's `Sandbox.delete_snapshot` calls.
+/// `DELETE /templates/{id}`: what the SDK's `Sandbox.delete_snapshot` calls. The host drops
+/// the snapshot's labels; the last snapshot of a killed (retired) sandbox removes it.
 async fn delete_template<B: Backend>(
     State(e2b): State<Shared<B>>,
     Path(id): Path<String>,
 ) -> Result<Response, RestError> {
-    if !lock(&e2b.snapshots).contains_key(&id) {
-        let images = e2b.backend.images().await.unwrap_or_default();
-        if images.contains(&id) || id == "base" {
-            return Err(RestError::new(
-                400,
-                format!("{id:?} is a template (a Crab image), not a snapshot: remove images with `crab image rm`"),
-            ));
+    match e2b.backend.delete_label(id.clone()).await {
+        Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Err(e) if e.code == ErrorCode::CheckpointNotFound => {
+            let images = e2b.backend.images().await.unwrap_or_default();
+            if images.contains(&id) || id == "base" {
+                return Err(RestError::new(
+                    400,
+                    format!("{id:?} is a template (a Crab image), not a snapshot: remove images with `crab image rm`"),
+                ));
+            }
+            Err(RestError::new(404, format!("snapshot {id:?} not found")))
         }
+        Err(e) => Err(e.into()),
     }
-    e2b.delete_snapshot(&id).await?;
-    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn set_timeout<B: Backend>(
@@ -1393,7 +1115,7 @@ async fn set_timeout<B: Backend>(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id)?;
+    e2b.sandbox(&id).await?;
     let req: rest::TimeoutRequest = serde_json::from_slice(&raw)
         .map_err(|e| RestError::new(400, format!("body must be {{\"timeout\": seconds}}: {e}")))?;
     if req.timeout > MAX_TIMEOUT_S {
@@ -1402,8 +1124,8 @@ async fn set_timeout<B: Backend>(
             format!("timeout must be at most {MAX_TIMEOUT_S} seconds"),
         ));
     }
-    lock(&sb.life).end_at = SystemTime::now() + Duration::from_secs(req.timeout);
-    e2b.persist(&sb);
+    // E2B's setTimeout(0) ends the sandbox at once: the shortest deadline the host keeps.
+    e2b.backend.set_timeout(id, req.timeout.max(1), false).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -1412,7 +1134,7 @@ async fn pause<B: Backend>(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id)?;
+    let sb = e2b.sandbox(&id).await?;
     let req: rest::PauseRequest = body(&raw)?;
     if req.memory == Some(false) {
         return Err(RestError::new(
@@ -1425,64 +1147,31 @@ async fn pause<B: Backend>(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// `connect` (and `resume`): the host's resume with `ensure` — a paused sandbox from its pause
+/// point, a stopped or dead one from its newest point, a running one left alone — and a
+/// deadline `timeout` from now that never shortens the current one.
 async fn connect_sb<B: Backend>(
     State(e2b): State<Shared<B>>,
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id)?;
+    let sb = e2b.sandbox(&id).await?;
     let req: rest::ConnectRequest = body(&raw)?;
-    let timeout = req.timeout.map(|t| t.min(MAX_TIMEOUT_S)).unwrap_or(DEFAULT_TIMEOUT_S);
+    let timeout = req.timeout.map(|t| t.clamp(1, MAX_TIMEOUT_S)).unwrap_or(DEFAULT_TIMEOUT_S);
     let resumed = {
         let _g = sb.lifecycle.lock().await;
-        let point = {
-            let l = lock(&sb.life);
-            if l.state == RunState::Paused {
-                l.pause_point.clone()
-            } else {
-                None
-            }
-        };
-        let paused = point.is_some();
-        // Running in the front door's eyes, but its init is gone (it died or was stopped
-        // outside the E2B API): brought back like `crab sandbox start` (its newest point).
-        let dead = !paused && lock(&sb.life).state == RunState::Running && !e2b.alive(&sb).await;
-        if let Some(point) = point {
-            e2b.backend.resume(sb.id.clone(), point).await?;
-            {
-                let mut l = lock(&sb.life);
-                l.state = RunState::Running;
-                l.end_at = SystemTime::now() + Duration::from_secs(timeout);
-            }
-            e2b.persist(&sb);
-            e2b.reattach(&sb).await;
-        } else if dead {
-            e2b.backend.start(sb.id.clone()).await?;
-            sb.dead.store(false, Ordering::Relaxed);
-            {
-                let mut l = lock(&sb.life);
-                let new = SystemTime::now() + Duration::from_secs(timeout);
-                if new > l.end_at {
-                    l.end_at = new;
-                }
-            }
-            e2b.persist(&sb);
-            e2b.reattach(&sb).await;
-        } else if req.timeout.is_some() {
-            {
-                let mut l = lock(&sb.life);
-                let new = SystemTime::now() + Duration::from_secs(timeout);
-                if new > l.end_at {
-                    l.end_at = new;
-                }
-            }
-            e2b.persist(&sb);
-        }
-        paused || dead
+        e2b.backend.resume(id.clone(), timeout).await?
+    };
+    if resumed {
+        e2b.reattach(&sb).await;
+    }
+    let template = match e2b.backend.sandbox(id.clone()).await {
+        Ok(i) => i.template.unwrap_or(i.image),
+        Err(_) => String::new(),
     };
     tracing::info!(sandbox = %id, resumed, "E2B connect");
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(e2b.created(&sb))).into_response())
+    Ok((status, Json(e2b.created(&sb, &template))).into_response())
 }
 
 async fn snapshot<B: Backend>(
@@ -1490,23 +1179,18 @@ async fn snapshot<B: Backend>(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id)?;
+    e2b.sandbox(&id).await?;
     let req: rest::SnapshotRequest = body(&raw)?;
-    if lock(&sb.life).state == RunState::Paused {
+    if e2b.backend.status(id.clone()).await? == SandboxState::Paused {
         return Err(RestError::new(409, format!("sandbox {id} is paused; connect to it first")));
     }
     let kind = if req.memory.unwrap_or(true) { CheckpointKind::Full } else { CheckpointKind::Fs };
     let point = e2b.backend.checkpoint(id.clone(), kind).await?;
     let snapshot_id = format!("{id}:{point}");
     let names: Vec<String> = req.name.into_iter().collect();
-    e2b.insert_snapshot(Snapshot {
-        id: snapshot_id.clone(),
-        names: names.clone(),
-        sandbox: id.clone(),
-        point,
-        fs_only: kind == CheckpointKind::Fs,
-    });
-    e2b.persist(&sb);
+    let mut labels = vec![snapshot_id.clone()];
+    labels.extend(names.iter().cloned());
+    e2b.backend.label(id.clone(), point, labels).await?;
     tracing::info!(sandbox = %id, snapshot = %snapshot_id, %kind, "E2B snapshot");
     Ok((StatusCode::CREATED, Json(rest::SnapshotInfo { snapshot_id, names })).into_response())
 }
@@ -1516,31 +1200,38 @@ async fn fork<B: Backend>(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id)?;
+    e2b.sandbox(&id).await?;
     let req: rest::ForkRequest = body(&raw)?;
     let count = req.count.unwrap_or(1);
     if !(1..=64).contains(&count) {
         return Err(RestError::new(400, format!("count must be 1..=64, got {count}")));
     }
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S).clamp(1, MAX_TIMEOUT_S);
-    if lock(&sb.life).state == RunState::Paused {
+    let info = e2b.backend.sandbox(id.clone()).await?;
+    if info.state == SandboxState::Paused {
         return Err(RestError::new(409, format!("sandbox {id} is paused; connect to it first")));
     }
+    let template = info.template.clone().unwrap_or_else(|| info.image.clone());
+    // Branches keep the source's metadata, environment and timeout action, with a fresh
+    // timeout.
+    let branch = BranchSettings {
+        labels: None,
+        env: None,
+        template: Some(template.clone()),
+        timeout_s: Some(timeout),
+        on_timeout: Some(info.deadline.map(|d| d.on).unwrap_or_default().to_string()),
+    };
     let names: Vec<String> = (0..count).map(|_| new_id()).collect();
-    let results = e2b.backend.fork(id.clone(), None, names.clone(), false).await?;
+    let results = e2b.backend.fork(id.clone(), None, names.clone(), false, branch).await?;
     let mut out = Vec::new();
     for (name, r) in names.into_iter().zip(results) {
         match r {
             Ok(_) => {
-                let child = rest::NewSandbox {
-                    template_id: sb.template.clone(),
-                    metadata: Some(sb.metadata.clone()),
-                    env_vars: Some(sb.envs.clone()),
-                    auto_pause: Some(sb.auto_pause),
-                    ..Default::default()
-                };
-                let c = e2b.register(name, sb.template.clone(), &child, timeout);
-                out.push(rest::ForkResult { sandbox: Some(e2b.created(&c)), error: None });
+                let c = e2b.entry(&name);
+                out.push(rest::ForkResult {
+                    sandbox: Some(e2b.created(&c, &template)),
+                    error: None,
+                });
             }
             Err(e) => {
                 let RestError(s, m) = e.into();
@@ -1569,30 +1260,33 @@ async fn envd_sandbox<B: Backend>(
             "missing E2b-Sandbox-Id header: point E2B_SANDBOX_URL at this daemon's E2B listener",
         )
     })?;
-    let sb = lock(&e2b.sandboxes)
-        .get(id)
-        .filter(|s| lock(&s.life).state != RunState::Killed)
-        .cloned()
-        .ok_or_else(|| {
-            ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found"))
-        })?;
     let token = headers.get("x-access-token").and_then(|v| v.to_str().ok()).unwrap_or("");
-    if !ct_eq(token.as_bytes(), sb.token.as_bytes()) {
+    // Checked before the host is asked (the token is the id's HMAC): an unauthenticated call
+    // learns nothing of which sandboxes exist.
+    if !ct_eq(token.as_bytes(), e2b.cfg.store.token(id).as_bytes()) {
         return Err(ConnectError::new(
             Code::Unauthenticated,
             format!("invalid or missing X-Access-Token for sandbox {id}: use the envdAccessToken its create answered"),
         ));
     }
-    if lock(&sb.life).state == RunState::Paused {
-        return Err(ConnectError::new(
-            Code::Unavailable,
-            format!("The sandbox {id} was not found running: it is paused; resume it with Sandbox.connect()"),
-        ));
+    match e2b.backend.status(id.to_string()).await {
+        Ok(SandboxState::Running) => {}
+        Ok(SandboxState::Paused) => {
+            return Err(ConnectError::new(
+                Code::Unavailable,
+                format!("The sandbox {id} was not found running: it is paused; resume it with Sandbox.connect()"),
+            ))
+        }
+        Ok(SandboxState::Retired) => {
+            return Err(ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found")))
+        }
+        Ok(SandboxState::Dead | SandboxState::Stopped) => return Err(dead_error(id)),
+        Err(e) if e.code == ErrorCode::SandboxNotFound => {
+            return Err(ConnectError::new(Code::Unavailable, format!("The sandbox {id} was not found")))
+        }
+        Err(e) => return Err(api_to_connect(e)),
     }
-    // Known dead: asked again (it may have been restored through Crab since).
-    if sb.dead.load(Ordering::Relaxed) && !e2b.alive(&sb).await {
-        return Err(dead_error(id));
-    }
+    let sb = e2b.entry(id);
     Ok(sb)
 }
 
@@ -1956,8 +1650,9 @@ async fn process_stream<B: Backend>(
             return Err(ConnectError::new(Code::InvalidArgument, "process.cmd is empty"));
         }
         let user = call_user(headers)?;
-        let mut envs: Vec<(String, String)> =
-            sb.envs.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        // The sandbox's own environment (the host's record), then the call's.
+        let own = e2b.backend.sandbox(sb.id.clone()).await.map_err(api_to_connect)?.env;
+        let mut envs: Vec<(String, String)> = own.into_iter().collect();
         for (k, v) in &config.envs {
             check_env_key(k).map_err(|m| ConnectError::new(Code::InvalidArgument, m))?;
             envs.retain(|(k2, _)| k2 != k);

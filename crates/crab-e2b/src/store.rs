@@ -1,7 +1,8 @@
 //! What the E2B front door remembers across daemon restarts: one versioned JSON file per E2B
-//! sandbox under `<state>/e2b/sandboxes/` (its template, metadata, envs, absolute deadline,
-//! auto-pause flag, run state, pause point, snapshots and envd process table), written
-//! atomically, and the
+//! sandbox under `<state>/e2b/sandboxes/` holding its envd process table (format 3), written
+//! atomically — a sandbox's life (run state, deadline, metadata, environment, template,
+//! snapshots) is the host's, in its record; files of format ≤ 2 also held those, and the
+//! daemon hands them to the host once ([`SandboxFile::legacy`]) and rewrites the file — and the
 //! per-daemon secret (`<state>/e2b/token-secret`, mode 0600) from which each sandbox's envd
 //! access token is derived (HMAC-SHA256 of the sandbox id), so no token is stored. The format is
 //! documented in `docs/format.md` ("E2B front-door state").
@@ -15,8 +16,9 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-/// Version of a sandbox file (2 added `processes` and `gc`; version 1 files still load).
-pub const FORMAT: u32 = 2;
+/// Version of a sandbox file (2 added `processes` and `gc`; 3 keeps only them, the lifecycle
+/// fields moved to the host's record; version 1 and 2 files still load, for migration).
+pub const FORMAT: u32 = 3;
 
 /// The oldest sandbox file version this crab reads.
 pub const OLDEST_FORMAT: u32 = 1;
@@ -88,34 +90,40 @@ pub struct StoredProcess {
     pub ended: Option<StoredEnd>,
 }
 
-/// One E2B sandbox as persisted (`<state>/e2b/sandboxes/<id>.json`).
+/// One E2B sandbox as persisted (`<state>/e2b/sandboxes/<id>.json`). Format 3 writes `format`,
+/// `id`, `processes` and `gc`; the other fields are read from format ≤ 2 files only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxFile {
     /// [`FORMAT`].
     pub format: u32,
     /// The sandbox id (the Crab sandbox name).
     pub id: String,
-    /// The template it was created from.
+    /// Format ≤ 2: the template it was created from.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub template: String,
-    /// E2B metadata.
-    #[serde(default)]
+    /// Format ≤ 2: E2B metadata.
+    #[serde(default, skip_serializing_if = "HashMap::is_empty")]
     pub metadata: HashMap<String, String>,
-    /// The environment of every command.
-    #[serde(default)]
+    /// Format ≤ 2: the environment of every command.
+    #[serde(default, skip_serializing_if = "HashMap::is_empty")]
     pub envs: HashMap<String, String>,
-    /// Creation time, ms since the epoch.
+    /// Format ≤ 2: creation time, ms since the epoch.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub started_at_ms: u64,
-    /// When the timeout fires, ms since the epoch (absolute: a restart does not extend it).
+    /// Format ≤ 2: when the timeout fires, ms since the epoch.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub end_at_ms: u64,
-    /// Pause (not kill) at the timeout.
+    /// Format ≤ 2: pause (not kill) at the timeout.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub auto_pause: bool,
-    /// Run state.
-    pub state: StoredState,
-    /// The restore point a pause took.
-    #[serde(default)]
+    /// Format ≤ 2: run state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<StoredState>,
+    /// Format ≤ 2: the restore point a pause took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_point: Option<String>,
-    /// Snapshots taken of it.
-    #[serde(default)]
+    /// Format ≤ 2: snapshots taken of it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub snapshots: Vec<StoredSnapshot>,
     /// Processes started through envd: those running, and the last ones that ended (so a
     /// `Connect` by pid still gets their end).
@@ -124,6 +132,36 @@ pub struct SandboxFile {
     /// Directories in the sandbox of processes reported ended, removed at the next start.
     #[serde(default)]
     pub gc: Vec<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl SandboxFile {
+    /// A format-3 file: sandbox `id`'s envd process table.
+    pub fn processes_of(id: &str, processes: Vec<StoredProcess>, gc: Vec<String>) -> SandboxFile {
+        SandboxFile {
+            format: FORMAT,
+            id: id.to_string(),
+            template: String::new(),
+            metadata: HashMap::new(),
+            envs: HashMap::new(),
+            started_at_ms: 0,
+            end_at_ms: 0,
+            auto_pause: false,
+            state: None,
+            pause_point: None,
+            snapshots: Vec::new(),
+            processes,
+            gc,
+        }
+    }
+
+    /// Whether this file still holds a sandbox's life (format ≤ 2), for the host to adopt.
+    pub fn legacy(&self) -> bool {
+        self.format < FORMAT
+    }
 }
 
 /// Why the state directory could not be used.
@@ -323,7 +361,7 @@ mod tests {
             started_at_ms: 1,
             end_at_ms: 2,
             auto_pause: true,
-            state: StoredState::Killed,
+            state: Some(StoredState::Killed),
             pause_point: None,
             snapshots: vec![StoredSnapshot {
                 id: format!("{id}:c1"),

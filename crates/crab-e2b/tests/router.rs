@@ -2,11 +2,16 @@
 //! what the real SDK test (crates/crab/tests/e2b.rs) relies on, checked byte for byte.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
+use crab_common::api::{
+    BranchSettings, ExecFrame, ExecRequest, LabelledPoint, SandboxCreateRequest, SandboxInfo,
+    SandboxState,
+};
+use crab_common::life::{Deadline, Life, OnDeadline, Status};
 use crab_common::{ApiError, CheckpointKind, ErrorCode};
 use crab_e2b::{Backend, Config, E2b, Keys};
 use http_body_util::BodyExt;
@@ -14,29 +19,64 @@ use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
+/// A host in memory: each sandbox's life as the real host records it, the transition checks
+/// the real host asks (`crab_common::life`), labels as the real host keeps them.
 #[derive(Debug, Default)]
 struct Fake {
-    sandboxes: Mutex<Vec<String>>,
+    sandboxes: Mutex<BTreeMap<String, FakeSb>>,
     execs: Mutex<Vec<ExecRequest>>,
-    retired: Mutex<Vec<String>>,
+    killed: Mutex<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct FakeSb {
+    life: Life,
+    labels: BTreeMap<String, String>,
+    env: BTreeMap<String, String>,
+    template: Option<String>,
+    deadline: Option<Deadline>,
+    points: BTreeMap<String, Vec<String>>,
+}
+
+fn gone() -> ApiError {
+    ApiError::new(ErrorCode::SandboxNotFound, "gone", "")
+}
+
+impl Fake {
+    fn names(&self) -> Vec<String> {
+        self.sandboxes.lock().unwrap().keys().cloned().collect()
+    }
+    fn with<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&mut FakeSb) -> Result<T, ApiError>,
+    ) -> Result<T, ApiError> {
+        f(self.sandboxes.lock().unwrap().get_mut(name).ok_or_else(gone)?)
+    }
 }
 
 impl Backend for Fake {
     async fn create(&self, req: SandboxCreateRequest) -> Result<(), ApiError> {
-        self.sandboxes.lock().unwrap().push(req.name.unwrap());
+        let deadline = crab_common::api::timeout_of(req.timeout_s, req.on_timeout.as_deref(), 0)?;
+        let sb = FakeSb {
+            labels: req.labels,
+            env: req.env,
+            template: req.template,
+            deadline,
+            ..Default::default()
+        };
+        self.sandboxes.lock().unwrap().insert(req.name.unwrap(), sb);
         Ok(())
     }
-    async fn remove(&self, name: String) -> Result<(), ApiError> {
-        let mut s = self.sandboxes.lock().unwrap();
-        let n = s.len();
-        s.retain(|x| *x != name);
-        if s.len() == n {
-            return Err(ApiError::new(ErrorCode::SandboxNotFound, "gone", ""));
+    async fn kill(&self, name: String) -> Result<(), ApiError> {
+        self.killed.lock().unwrap().push(name.clone());
+        let mut m = self.sandboxes.lock().unwrap();
+        let sb = m.get_mut(&name).ok_or_else(gone)?;
+        if sb.points.is_empty() {
+            m.remove(&name);
+        } else {
+            sb.life = Life::Retired { why: "kept".into() };
         }
-        Ok(())
-    }
-    async fn retire(&self, name: String) -> Result<(), ApiError> {
-        self.retired.lock().unwrap().push(name);
         Ok(())
     }
     async fn exec(
@@ -60,27 +100,116 @@ impl Backend for Fake {
     }
     async fn fork(
         &self,
-        _name: String,
+        name: String,
         _point: Option<String>,
         names: Vec<String>,
         _fs_only: bool,
+        branch: BranchSettings,
     ) -> Result<Vec<Result<String, ApiError>>, ApiError> {
+        let src = self.with(&name, |s| Ok(s.clone()))?;
+        for n in &names {
+            let b = FakeSb {
+                labels: branch.labels.clone().unwrap_or(src.labels.clone()),
+                env: branch.env.clone().unwrap_or(src.env.clone()),
+                template: branch.template.clone(),
+                deadline: branch.deadline(0)?,
+                ..Default::default()
+            };
+            self.sandboxes.lock().unwrap().insert(n.clone(), b);
+        }
         Ok(names.into_iter().map(Ok).collect())
     }
-    async fn pause(&self, _name: String) -> Result<String, ApiError> {
-        Ok("c000002".into())
+    async fn pause(&self, name: String) -> Result<String, ApiError> {
+        self.with(&name, |s| {
+            Status { life: &s.life, alive: s.life == Life::Running }.can_pause(&name)?;
+            s.life = Life::Paused { point: "c000002".into() };
+            Ok("c000002".into())
+        })
     }
-    async fn resume(&self, _name: String, _point: String) -> Result<(), ApiError> {
+    async fn resume(&self, name: String, _timeout_s: u64) -> Result<bool, ApiError> {
+        self.with(&name, |s| {
+            let todo =
+                Status { life: &s.life, alive: s.life == Life::Running }.can_resume(&name, true)?;
+            s.life = Life::Running;
+            Ok(todo)
+        })
+    }
+    async fn set_timeout(
+        &self,
+        name: String,
+        timeout_s: u64,
+        _extend_only: bool,
+    ) -> Result<(), ApiError> {
+        self.with(&name, |s| {
+            s.deadline = Some(Deadline::after(0, timeout_s, OnDeadline::Kill)?);
+            Ok(())
+        })
+    }
+    async fn status(&self, name: String) -> Result<SandboxState, ApiError> {
+        self.with(&name, |s| Ok(Status { life: &s.life, alive: s.life == Life::Running }.state()))
+    }
+    async fn sandbox(&self, name: String) -> Result<SandboxInfo, ApiError> {
+        let state = self.status(name.clone()).await?;
+        self.with(&name, |s| {
+            let mut info: SandboxInfo = serde_json::from_value(serde_json::json!({
+                "name": name, "image": "debian", "state": "running", "created_at": 1_700_000_000u64,
+                "init_pid": 1, "processes": 1, "bytes_written": null, "net": "private",
+                "hostname": name, "cgroup_id": 0
+            }))
+            .unwrap();
+            info.state = state;
+            info.labels = s.labels.clone();
+            info.env = s.env.clone();
+            info.template = s.template.clone();
+            info.deadline = s.deadline;
+            Ok(info)
+        })
+    }
+    async fn sandboxes(&self) -> Result<Vec<SandboxInfo>, ApiError> {
+        let mut v = Vec::new();
+        for n in self.names() {
+            v.push(self.sandbox(n).await?);
+        }
+        Ok(v)
+    }
+    async fn label(
+        &self,
+        name: String,
+        point: String,
+        labels: Vec<String>,
+    ) -> Result<(), ApiError> {
+        self.with(&name, |s| {
+            s.points.entry(point).or_default().extend(labels);
+            Ok(())
+        })
+    }
+    async fn labels(&self) -> Result<Vec<LabelledPoint>, ApiError> {
+        let m = self.sandboxes.lock().unwrap();
+        Ok(m.iter()
+            .flat_map(|(n, s)| {
+                s.points.iter().map(move |(p, l)| LabelledPoint {
+                    sandbox: n.clone(),
+                    point: p.clone(),
+                    labels: l.clone(),
+                    fs_only: false,
+                })
+            })
+            .collect())
+    }
+    async fn delete_label(&self, label: String) -> Result<(), ApiError> {
+        let mut m = self.sandboxes.lock().unwrap();
+        let found = m.iter().find_map(|(n, s)| {
+            s.points.iter().find(|(_, l)| l.contains(&label)).map(|(p, _)| (n.clone(), p.clone()))
+        });
+        let Some((n, p)) = found else {
+            return Err(ApiError::new(ErrorCode::CheckpointNotFound, "no such label", ""));
+        };
+        let sb = m.get_mut(&n).unwrap();
+        sb.points.remove(&p);
+        if sb.points.is_empty() && matches!(sb.life, Life::Retired { .. }) {
+            m.remove(&n);
+        }
         Ok(())
-    }
-    async fn start(&self, _name: String) -> Result<(), ApiError> {
-        Ok(())
-    }
-    async fn sandboxes(&self) -> Result<Vec<(String, bool)>, ApiError> {
-        Ok(self.sandboxes.lock().unwrap().iter().map(|n| (n.clone(), true)).collect())
-    }
-    async fn points(&self, _name: String) -> Result<Vec<String>, ApiError> {
-        Ok(vec!["c000001".into(), "c000002".into()])
     }
     async fn images(&self) -> Result<Vec<String>, ApiError> {
         Ok(vec!["debian".into()])
@@ -142,7 +271,12 @@ async fn lifecycle_auth_and_envd_stream() {
     let created = json(&b);
     let id = created["sandboxID"].as_str().unwrap().to_string();
     let token = created["envdAccessToken"].as_str().unwrap().to_string();
-    assert_eq!(*fake.sandboxes.lock().unwrap(), vec![id.clone()]);
+    assert_eq!(fake.names(), vec![id.clone()]);
+    // The sandbox's environment is the host's (its record), not the front door's.
+    assert_eq!(
+        fake.with(&id, |s| Ok(s.env.clone())).unwrap(),
+        BTreeMap::from([("A".to_string(), "1".to_string())])
+    );
     // envd with a wrong token: 401 unauthenticated; unknown sandbox: unavailable, "was not found".
     let stat = |sid: &str, tok: &str| {
         Request::post("/filesystem.Filesystem/Stat")
@@ -154,9 +288,10 @@ async fn lifecycle_auth_and_envd_stream() {
     };
     let (s, b) = call(&e2b, stat(&id, "bad")).await;
     assert_eq!((s, json(&b)["code"].as_str()), (StatusCode::UNAUTHORIZED, Some("unauthenticated")));
-    let (s, b) = call(&e2b, stat("e2b-unknown", &token)).await;
-    assert_eq!(s, 503);
-    assert!(json(&b)["message"].as_str().unwrap().contains("was not found"));
+    // Another sandbox's token: 401 before the host is asked (it learns nothing of which
+    // sandboxes exist).
+    let (s, _) = call(&e2b, stat("e2b-unknown", &token)).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
     // Start: enveloped start, data, end events, then the end-of-stream envelope.
     let msg = br#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo hi"]}}"#;
     let mut framed = vec![0u8];
@@ -193,13 +328,13 @@ async fn lifecycle_auth_and_envd_stream() {
     assert_eq!(s, 201);
     assert_eq!(json(&b)["snapshotID"], format!("{id}:c000001"));
     let body = format!(r#"{{"templateID":"{id}:c000001"}}"#);
-    let (s, _) = call(&e2b, post("/v2/sandboxes", Some(KEY), &body)).await;
+    let (s, b) = call(&e2b, post("/v2/sandboxes", Some(KEY), &body)).await;
     assert_eq!(s, 201);
-    assert_eq!(
-        fake.sandboxes.lock().unwrap().len(),
-        1,
-        "a snapshot create must not create from an image"
-    );
+    let branch = json(&b)["sandboxID"].as_str().unwrap().to_string();
+    // A fork (which a create from an image never makes): the branch has the snapshot as its
+    // template.
+    let t = fake.with(&branch, |s| Ok(s.template.clone())).unwrap();
+    assert_eq!(t.as_deref(), Some(format!("{id}:c000001").as_str()), "a snapshot create must fork");
     // Pause twice: 204 then 409; connect resumes.
     let (s, _) = call(&e2b, post(&format!("/sandboxes/{id}/pause"), Some(KEY), "{}")).await;
     assert_eq!(s, 204);
@@ -216,13 +351,18 @@ async fn lifecycle_auth_and_envd_stream() {
     };
     assert_eq!(call(&e2b, del(KEY)).await.0, 204);
     assert_eq!(call(&e2b, del(KEY)).await.0, 404);
+    // Its envd, with its own token: unavailable, "was not found" (the SDK's not-running).
+    let (s, b) = call(&e2b, stat(&id, &token)).await;
+    assert_eq!(s, 503);
+    assert!(json(&b)["message"].as_str().unwrap().contains("was not found"));
 }
 
-/// A second front door over the same state directory (a daemon restart) knows the sandboxes
-/// the first made — same token, metadata, deadline, snapshots — skips a corrupt file without
-/// losing the others, and forgets a sandbox the host no longer has.
+/// A second front door over the same state directory (a daemon restart) knows what the host
+/// knows — same token, metadata, deadline, snapshots, since all of them are the host's — skips
+/// a corrupt file without losing the others, and answers 404 for a sandbox the host no longer
+/// has (no reconciliation: nothing of it was the front door's).
 #[tokio::test]
-async fn state_survives_a_restart_and_is_reconciled() {
+async fn state_survives_a_restart() {
     let dir = std::env::temp_dir().join(format!("crab-e2b-router-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let digest = hex::encode(Sha256::digest(KEY.as_bytes()));
@@ -256,6 +396,7 @@ async fn state_survives_a_restart_and_is_reconciled() {
     let snap = json(&snap)["snapshotID"].as_str().unwrap().to_string();
     let (_, before) = call(&first, get(&format!("/sandboxes/{}", ids[0]))).await;
     let before = json(&before);
+    assert_eq!(before["metadata"]["k"], "v");
     drop(first);
     std::fs::write(dir.join("sandboxes/e2b-corrupt.json"), b"{\"format\": 1,").unwrap();
 
@@ -270,26 +411,30 @@ async fn state_survives_a_restart_and_is_reconciled() {
     let (s, _) =
         call(&second, post("/v2/sandboxes", &format!(r#"{{"templateID":"{snap}"}}"#))).await;
     assert_eq!(s, 201, "the snapshot id was forgotten");
-    // The host lost the second sandbox (removed through the CLI): the E2B API forgets it.
-    fake.sandboxes.lock().unwrap().retain(|n| *n != ids[1]);
-    second.reconcile(false).await;
+    // The host lost the second sandbox (removed through the CLI): the E2B API says so.
+    fake.sandboxes.lock().unwrap().remove(&ids[1]);
     let (s, _) = call(&second, get(&format!("/sandboxes/{}", ids[1]))).await;
     assert_eq!(s, 404);
-    assert!(!dir.join(format!("sandboxes/{}.json", ids[1])).exists());
     assert!(dir.join("sandboxes/e2b-corrupt.json").exists(), "the corrupt file was not kept");
 
-    // Kill of a sandbox that holds a snapshot: retired (not removed), hidden, its snapshot
-    // still makes sandboxes; deleting the last snapshot removes it.
+    // Kill of a sandbox that holds a snapshot: the host retires it (not removed), hidden, its
+    // snapshot still makes sandboxes; deleting the last snapshot removes it.
     let del =
         |uri: &str| Request::delete(uri).header("x-api-key", KEY).body(Body::empty()).unwrap();
     let (s, _) = call(&second, del(&format!("/sandboxes/{}", ids[0]))).await;
     assert_eq!(s, 204);
-    assert_eq!(*fake.retired.lock().unwrap(), vec![ids[0].clone()]);
-    assert!(fake.sandboxes.lock().unwrap().contains(&ids[0]));
+    assert_eq!(*fake.killed.lock().unwrap(), vec![ids[0].clone()]);
+    assert!(fake.names().contains(&ids[0]));
     let (s, _) = call(&second, get(&format!("/sandboxes/{}", ids[0]))).await;
     assert_eq!(s, 404);
     let (_, b) = call(&second, get("/v2/sandboxes")).await;
-    assert!(!String::from_utf8_lossy(&b).contains(&ids[0]));
+    let listed: Vec<String> = json(&b)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["sandboxID"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!listed.contains(&ids[0]), "{listed:?}");
     let (s, _) =
         call(&second, post("/v2/sandboxes", &format!(r#"{{"templateID":"{snap}"}}"#))).await;
     assert_eq!(s, 201);
@@ -300,8 +445,7 @@ async fn state_survives_a_restart_and_is_reconciled() {
     assert_eq!(s, 400, "an image is not a snapshot");
     let (s, _) = call(&second, del(&format!("/templates/{snap}"))).await;
     assert_eq!(s, 204);
-    assert!(!fake.sandboxes.lock().unwrap().contains(&ids[0]), "the holder was not removed");
-    assert!(!dir.join(format!("sandboxes/{}.json", ids[0])).exists());
+    assert!(!fake.names().contains(&ids[0]), "the holder was not removed");
     let (s, _) = call(&second, del(&format!("/templates/{snap}"))).await;
     assert_eq!(s, 404);
     std::fs::remove_dir_all(&dir).unwrap();

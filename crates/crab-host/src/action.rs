@@ -6,11 +6,13 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crab_checkpoint::{ForkBranch, PointSummary, RestoreReport};
+pub use crab_common::api::Lifecycle;
 use crab_common::api::{
     CheckpointCreateRequest, ExecFrame, ExecRequest, ForkRequest, ImageBuildRequest,
-    ImageImportRequest, ImageInfo, SandboxCreateRequest, SandboxInfo, SandboxUpdateRequest,
-    VersionInfo,
+    ImageImportRequest, ImageInfo, LabelDeleted, LabelledPoint, SandboxCreateRequest, SandboxInfo,
+    SandboxStatus, SandboxUpdateRequest, VersionInfo,
 };
+use crab_common::life::TimeoutSet;
 use crab_common::CheckpointKind;
 use crab_common::Progress;
 use crab_coordinator::{LogRecord, SandboxProxyStats};
@@ -163,20 +165,61 @@ pub enum Action {
         /// Point, count, branch names.
         req: ForkRequest,
     },
-    /// Fork the sandbox as it is now: a `full` restore point, then `names.len()` branches from
-    /// it (E2B's fork; `Fork` forks an existing point).
+    /// Fork the sandbox as it is now: a `full` restore point, then one branch per name in
+    /// `req.names` from it (E2B's fork; `Fork` forks an existing point). `req.checkpoint` is
+    /// ignored.
     ForkLive {
         /// Source sandbox.
         name: String,
-        /// Branch names.
-        names: Vec<String>,
+        /// Branch names and settings.
+        req: ForkRequest,
     },
-    /// Pause: a `full` restore point, then every process of the sandbox is stopped (its memory
-    /// freed; files and record stay). `Restore` of the point resumes it in place.
+    /// Pause a running sandbox: a `full` restore point, then every process is stopped (its
+    /// memory freed; files and record stay); its life is `paused` with that point and its
+    /// deadline is cleared. `conflict` unless it runs.
     Pause {
         /// Sandbox name.
         name: String,
     },
+    /// Bring a sandbox back: a paused one from its pause point (in place), a stopped or dead
+    /// one from its newest point. A running one: `conflict`, or nothing with `ensure`.
+    Resume {
+        /// Sandbox name.
+        name: String,
+        /// Make it run whatever it is (E2B's `connect`).
+        ensure: bool,
+        /// A new deadline.
+        timeout: Option<TimeoutSet>,
+    },
+    /// Kill, as E2B means it: a sandbox with labelled restore points is retired (they outlive
+    /// it), any other is removed with its points.
+    Kill {
+        /// Sandbox name.
+        name: String,
+    },
+    /// The cheap state of one sandbox (its record and one `/proc` stat).
+    Status {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Give restore point `point` of `name` labels, each unique on the host (E2B snapshot ids
+    /// and names).
+    LabelPoint {
+        /// Sandbox name.
+        name: String,
+        /// Point id.
+        point: String,
+        /// Labels.
+        labels: Vec<String>,
+    },
+    /// Drop every label of the point labelled `label`; the last labelled point of a retired
+    /// sandbox removes it.
+    DeleteLabel {
+        /// One of the point's labels.
+        label: String,
+    },
+    /// Every labelled point on the host.
+    Labels,
     /// The sandbox's conversation log, up to a restore point's offset.
     Conversation {
         /// Sandbox name.
@@ -258,6 +301,12 @@ impl Action {
             Action::Fork { .. } => "fork",
             Action::ForkLive { .. } => "fork_live",
             Action::Pause { .. } => "pause",
+            Action::Resume { .. } => "resume",
+            Action::Kill { .. } => "kill",
+            Action::Status { .. } => "status",
+            Action::LabelPoint { .. } => "label_point",
+            Action::DeleteLabel { .. } => "delete_label",
+            Action::Labels => "labels",
             Action::Conversation { .. } => "conversation",
             Action::Turn { .. } => "turn",
             Action::HarnessChanged { .. } => "harness_changed",
@@ -347,18 +396,6 @@ pub struct HarnessMarked {
     pub next_checkpoint_dumps: bool,
 }
 
-/// Answer of [`Action::Stop`] and [`Action::Start`].
-#[derive(Debug, Clone, Serialize)]
-pub struct Lifecycle {
-    /// The sandbox.
-    pub sandbox: String,
-    /// The point published before stopping, or restored when starting (`None`: nothing to do:
-    /// it was stopped or running already, or stopped without a checkpoint).
-    pub point: Option<String>,
-    /// Its run state now.
-    pub state: crab_common::api::SandboxState,
-}
-
 /// Answer of [`Action::Top`].
 #[derive(Debug, Clone, Serialize)]
 pub struct TopView {
@@ -407,8 +444,14 @@ pub enum Outcome {
     Restored(RestoreReport),
     /// Fork branches.
     Forked(Vec<ForkBranch>),
-    /// A sandbox stopped or started.
+    /// A sandbox stopped, started, paused, resumed, retired or killed.
     Lifecycle(Lifecycle),
+    /// One sandbox's state.
+    Status(SandboxStatus),
+    /// Labelled points.
+    Labels(Vec<LabelledPoint>),
+    /// A point's labels dropped.
+    LabelDeleted(LabelDeleted),
     /// Conversation records.
     Conversation(Vec<LogRecord>),
     /// A turn marked.

@@ -34,8 +34,8 @@ use crab_sandbox::{image, Runtime, RuntimeConfig};
 use crate::glue::{CheckpointExecutor, Hooks, JobTicket, Payload, SandboxDir};
 use crate::remote::{remote_error, FromRemote, FromRemoteReport, RemoteOptions, RemoteTier};
 use crate::{
-    Action, Decision, HarnessMarked, HostError, Lifecycle, Outcome, PointView, Pruned, Taken,
-    TopView, TurnMarked, TurnPolicy,
+    Action, Decision, HarnessMarked, HostError, Outcome, PointView, Pruned, Taken, TopView,
+    TurnMarked, TurnPolicy,
 };
 
 /// Where agents inside a sandbox reach the proxy (in the sandbox's own network namespace).
@@ -90,13 +90,17 @@ pub struct Host {
     helper: FeatureStatus,
     /// The durable tier and its exporter (`--remote`).
     remote: Option<Arc<RemoteTier>>,
+    /// Per-sandbox locks serializing lifecycle steps (`lifecycle.rs`).
+    pub(crate) life_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Serializes label changes (a label is unique on the host).
+    pub(crate) label_lock: Mutex<()>,
 }
 
 use crab_common::sync::lock;
 
 /// The id of the `full` point a checkpoint answered, or why it holds no processes (a dump that
 /// fell back to the filesystem), as a `criu_failed` error saying what was not done.
-fn full_point(o: &Outcome, what: &str) -> Result<String, HostError> {
+pub(crate) fn full_point(o: &Outcome, what: &str) -> Result<String, HostError> {
     match o {
         Outcome::Taken(t) => match &t.point.procs_missing {
             None => Ok(t.point.id.clone()),
@@ -177,7 +181,7 @@ fn dump_preflight(rt: &Runtime, name: &str) -> Result<(), HostError> {
 }
 
 /// Run a blocking call off the async threads.
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, HostError> + Send + 'static,
 ) -> Result<T, HostError> {
     tokio::task::spawn_blocking(f)
@@ -306,6 +310,8 @@ impl Host {
             favordynmods,
             helper,
             remote,
+            life_locks: Mutex::new(HashMap::new()),
+            label_lock: Mutex::new(()),
         });
         let _ = hooks.0.set(Arc::downgrade(&host));
         if let Some(t) = &host.remote {
@@ -325,6 +331,7 @@ impl Host {
                 host.open_sandbox_proxy(&s.name).await;
             }
         }
+        host.spawn_watchdog();
         Ok(host)
     }
 
@@ -475,8 +482,13 @@ impl Host {
             Action::Update { name, req } => {
                 let policy =
                     crab_common::api::parse_checkpoint_policy(req.checkpoint_policy.as_deref())?;
+                let timeout =
+                    timeout_set(req.timeout_s, req.on_timeout.as_deref(), req.extend_only)?;
                 let h = self.clone();
                 blocking(move || {
+                    if let Some(t) = timeout {
+                        h.set_deadline(&name, t)?;
+                    }
                     if let Some(p) = policy {
                         let old = h.runtime.record(&name)?.checkpoint_policy;
                         h.runtime.set_checkpoint_policy(&name, p)?;
@@ -493,7 +505,11 @@ impl Host {
                 })
                 .await
             }
-            Action::Remove { name, force } => self.remove(name, force).await,
+            Action::Remove { name, force } => {
+                let l = self.life_lock(&name);
+                let _g = l.lock().await;
+                self.remove(name, force).await
+            }
             Action::Stop { name, checkpoint } => self.stop(name, checkpoint).await,
             Action::Retire { name, why } => self.retire(name, why).await,
             Action::Start { name } => self.start(name).await,
@@ -529,8 +545,16 @@ impl Host {
                 })
                 .await
             }
-            Action::ForkLive { name, names } => self.fork_live(name, names).await,
+            Action::ForkLive { name, req } => self.fork_live(name, req).await,
             Action::Pause { name } => self.pause(name).await,
+            Action::Resume { name, ensure, timeout } => self.resume(name, ensure, timeout).await,
+            Action::Kill { name } => self.kill(name).await,
+            Action::Status { name } => self.status(name),
+            Action::LabelPoint { name, point, labels } => {
+                self.label_point(name, point, labels).await
+            }
+            Action::DeleteLabel { label } => self.delete_label(label).await,
+            Action::Labels => self.labels().await,
             Action::Checkpoint { name, kind, turn, conversation_offset } => {
                 self.checkpoint(name, kind, turn, conversation_offset).await
             }
@@ -565,7 +589,11 @@ impl Host {
                 })
                 .await
             }
-            Action::Restore { name, checkpoint } => self.restore(name, checkpoint).await,
+            Action::Restore { name, checkpoint } => {
+                let l = self.life_lock(&name);
+                let _g = l.lock().await;
+                self.restore(name, checkpoint).await
+            }
             Action::Fork { name, req } => self.fork(name, req).await,
             Action::Conversation { name, at } => self.conversation(name, at).await,
             Action::Turn { name } => self.turn(name).await,
@@ -633,7 +661,11 @@ impl Host {
         Ok(Outcome::Sandbox(Box::new(info)))
     }
 
-    async fn remove(self: &Arc<Self>, name: String, force: bool) -> Result<Outcome, HostError> {
+    pub(crate) async fn remove(
+        self: &Arc<Self>,
+        name: String,
+        force: bool,
+    ) -> Result<Outcome, HostError> {
         let h = self.clone();
         let n = name.clone();
         blocking(move || {
@@ -648,71 +680,8 @@ impl Host {
         self.coordinator.forget(&name);
         self.policy.clear(&name);
         lock(&self.failures).remove(&name);
+        self.drop_life_lock(&name);
         Ok(Outcome::Removed { removed: true })
-    }
-
-    /// Whether `name`'s init is alive.
-    async fn running(self: &Arc<Self>, name: &str) -> Result<bool, HostError> {
-        let rt = self.runtime.clone();
-        let n = name.to_string();
-        let info = blocking(move || Ok(rt.get(&n)?)).await?;
-        Ok(info.state == SandboxState::Running)
-    }
-
-    async fn stop(self: &Arc<Self>, name: String, checkpoint: bool) -> Result<Outcome, HostError> {
-        if !self.running(&name).await? {
-            return Ok(Outcome::Lifecycle(Lifecycle {
-                sandbox: name,
-                point: None,
-                state: SandboxState::Dead,
-            }));
-        }
-        let point = if checkpoint {
-            match self.checkpoint(name.clone(), None, None, None).await? {
-                Outcome::Taken(t) => Some(t.point.id),
-                _ => None,
-            }
-        } else {
-            None
-        };
-        self.detach(&name);
-        self.close_sandbox_proxy(&name).await;
-        let rt = self.runtime.clone();
-        let n = name.clone();
-        blocking(move || Ok(rt.stop(&n)?)).await?;
-        tracing::info!(sandbox = %name, point = ?point, "sandbox stopped");
-        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Dead }))
-    }
-
-    async fn retire(self: &Arc<Self>, name: String, why: String) -> Result<Outcome, HostError> {
-        self.runtime.record(&name)?;
-        self.detach(&name);
-        self.close_sandbox_proxy(&name).await;
-        let rt = self.runtime.clone();
-        let n = name.clone();
-        blocking(move || {
-            rt.stop(&n)?;
-            Ok(rt.hold(&n, Some(why))?)
-        })
-        .await?;
-        self.policy.clear(&name);
-        tracing::info!(sandbox = %name, "sandbox stopped and kept for its restore points");
-        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point: None, state: SandboxState::Dead }))
-    }
-
-    async fn start(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
-        if self.running(&name).await? {
-            return Ok(Outcome::Lifecycle(Lifecycle {
-                sandbox: name,
-                point: None,
-                state: SandboxState::Running,
-            }));
-        }
-        let point = match self.restore(name.clone(), None).await? {
-            Outcome::Restored(r) => Some(r.point),
-            _ => None,
-        };
-        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Running }))
     }
 
     /// Close the inspector's turn for `name` and decide the checkpoint kind (the policy's).
@@ -790,7 +759,7 @@ impl Host {
         Ok(Arc::new(JobTicket::new(self.engine.clone(), handle, b.sandbox.clone())))
     }
 
-    async fn checkpoint(
+    pub(crate) async fn checkpoint(
         self: &Arc<Self>,
         name: String,
         kind: Option<CheckpointKind>,
@@ -848,7 +817,7 @@ impl Host {
         Ok(store.resolve(point)?.conversation_offset)
     }
 
-    async fn restore(
+    pub(crate) async fn restore(
         self: &Arc<Self>,
         name: String,
         checkpoint: Option<String>,
@@ -866,8 +835,8 @@ impl Host {
             h.attach(&n);
             h.policy.clear(&n);
             let r = r?;
-            // It runs again: no longer only a holder of restore points.
-            h.runtime.hold(&n, None)?;
+            // It runs again (no longer paused, stopped or only a holder of restore points).
+            h.set_life(&n, crab_common::life::Life::Running)?;
             Ok((r, offset, t_attach))
         })
         .await?;
@@ -897,8 +866,9 @@ impl Host {
     async fn fork_live(
         self: &Arc<Self>,
         name: String,
-        names: Vec<String>,
+        req: crab_common::api::ForkRequest,
     ) -> Result<Outcome, HostError> {
+        let names = req.names.clone().unwrap_or_default();
         if names.is_empty() {
             return Err(HostError::invalid(
                 "a fork needs at least one branch",
@@ -912,25 +882,9 @@ impl Host {
             count: names.len(),
             names: Some(names),
             fs_only: false,
+            branch: req.branch,
         };
         self.fork(name, req).await
-    }
-
-    /// A `full` point of `name`, then its processes are stopped.
-    async fn pause(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
-        let taken = self.checkpoint(name.clone(), Some(CheckpointKind::Full), None, None).await?;
-        // Stopping processes that the point does not hold would lose them: refuse instead.
-        full_point(&taken, "pause")?;
-        let h = self.clone();
-        let n = name.clone();
-        blocking(move || {
-            h.detach(&n);
-            Ok(h.runtime.stop(&n)?)
-        })
-        .await?;
-        self.close_sandbox_proxy(&name).await;
-        tracing::info!(sandbox = %name, "paused");
-        Ok(taken)
     }
 
     async fn fork(
@@ -940,6 +894,8 @@ impl Host {
     ) -> Result<Outcome, HostError> {
         let h = self.clone();
         let n = name.clone();
+        // Bad branch settings are refused before anything is made.
+        req.branch.deadline(crab_common::clock::now_ms())?;
         let (branches, offset) = blocking(move || {
             let offset = h.point_offset(&n, req.checkpoint.as_deref())?;
             let branches = h.checkpointer.fork_files_or_all(
@@ -950,6 +906,10 @@ impl Host {
                 crab_checkpoint::ForkOptions { fs_only: req.fs_only, verified: false },
                 &crab_common::NoProgress,
             )?;
+            let names: Vec<String> = branches.iter().map(|b| b.sandbox.clone()).collect();
+            if let Err(e) = h.settle_branches(&names, &req.branch) {
+                tracing::warn!(error = %e.0.message, "fork branches: settings not applied");
+            }
             for b in &branches {
                 h.attach(&b.sandbox);
             }
@@ -1171,7 +1131,7 @@ impl Host {
     }
 
     /// Stop tracking a sandbox.
-    fn detach(&self, name: &str) {
+    pub(crate) fn detach(&self, name: &str) {
         if let Ok(i) = &self.inspector {
             i.detach(name);
         }
@@ -1208,7 +1168,7 @@ impl Host {
     }
 
     /// Close sandbox `name`'s in-namespace proxy endpoint.
-    async fn close_sandbox_proxy(&self, name: &str) {
+    pub(crate) async fn close_sandbox_proxy(&self, name: &str) {
         let old = lock(&self.sandbox_proxies).remove(name);
         if let Some(server) = old {
             server.shutdown().await;
@@ -1218,6 +1178,28 @@ impl Host {
 
 /// The installed CRIU's version, asked once (a CRIU session costs milliseconds; the preflight
 /// of every restore from the remote needs it). `None` when CRIU does not answer.
+/// A deadline change from a request's fields (`None`: no change asked); front doors parse
+/// their `timeout_s`/`on_timeout`/`extend_only` with it.
+pub fn timeout_set(
+    timeout_s: Option<u64>,
+    on_timeout: Option<&str>,
+    extend_only: bool,
+) -> Result<Option<crab_common::life::TimeoutSet>, HostError> {
+    let on = on_timeout.map(str::parse).transpose()?;
+    Ok(match (timeout_s, on) {
+        (None, None) => None,
+        (Some(t), on) => Some(crab_common::life::TimeoutSet { timeout_s: t, on, extend_only }),
+        // Only the action changes: the current deadline's time is kept by asking for no
+        // later one than it (a sandbox without a deadline gets none).
+        (None, Some(_)) => {
+            return Err(HostError::invalid(
+                "on_timeout needs a timeout",
+                "give timeout_s (--timeout) with it",
+            ))
+        }
+    })
+}
+
 fn criu_version() -> Option<String> {
     static VERSION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     VERSION

@@ -16,6 +16,7 @@ mod action;
 mod error;
 pub mod glue;
 mod host;
+mod lifecycle;
 mod policy;
 pub mod remote;
 
@@ -23,5 +24,6 @@ pub use action::{
     Action, HarnessMarked, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked,
 };
 pub use error::HostError;
-pub use host::{Host, HostOptions, IN_SANDBOX_PROXY};
+pub use host::{timeout_set, Host, HostOptions, IN_SANDBOX_PROXY};
+pub use lifecycle::Adopted;
 pub use policy::{Decision, TurnPolicy};

@@ -274,6 +274,13 @@ pub fn admit_meta(meta: &serde_json::Value, grant: &Grant) -> Result<SandboxReco
         held: None,
         checkpoint_policy,
         harness,
+        life: crab_common::life::Life::Running,
+        deadline_ms: None,
+        on_deadline: Default::default(),
+        labels: Default::default(),
+        env: Default::default(),
+        template: None,
+        point_labels: Default::default(),
     })
 }
 

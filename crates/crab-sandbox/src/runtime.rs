@@ -7,7 +7,7 @@
 //! is never mistaken for a sandbox). Creation is all-or-nothing: any failure removes the
 //! cgroup, the subvolume and the directory it made.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -16,9 +16,9 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    ExecRequest, HarnessSpec, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState,
-    SecurityProfile,
+    ExecRequest, HarnessSpec, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SecurityProfile,
 };
+use crab_common::life::{Deadline, Life, OnDeadline, Status};
 use crab_common::names;
 use crab_common::paths::StateDir;
 use crab_common::CheckpointPolicy;
@@ -38,8 +38,10 @@ use crate::{image, pool, quota};
 pub static INIT_BINARY: &[u8] = include_bytes!(env!("CRAB_INIT_BIN"));
 
 /// Version of the `sandbox.json` format (2 added `checkpoint_policy`; format-1 records load with
-/// the `auto` policy; 3 added `harness`, absent in older records: none).
-pub const RECORD_FORMAT: u32 = 3;
+/// the `auto` policy; 3 added `harness`, absent in older records: none; 4 added the host-owned
+/// lifecycle — `life`, `deadline`, `labels`, `env`, `template`, `point_labels` — and retired
+/// `held`: an older record's `held` loads as `life: retired`).
+pub const RECORD_FORMAT: u32 = 4;
 
 /// The persisted record of a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,9 +74,9 @@ pub struct SandboxRecord {
     /// With `net: nat`: its address and the host end of its veth pair (see [`crate::net`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nat: Option<NatLease>,
-    /// Set while the sandbox is stopped and kept only for its restore points (an E2B sandbox
-    /// killed while it held snapshots): why. Cleared when it runs again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Format ≤ 3 only: why a sandbox was kept only for its restore points. Loaded as
+    /// `life: retired` ([`SandboxRecord::upgrade`]); never written.
+    #[serde(default, skip_serializing)]
     pub held: Option<String>,
     /// What its turn boundaries checkpoint (format 2; absent in format-1 records: `auto`).
     #[serde(default)]
@@ -82,6 +84,28 @@ pub struct SandboxRecord {
     /// Its declared harness (format 3; absent: none).
     #[serde(default, skip_serializing_if = "HarnessSpec::is_empty")]
     pub harness: HarnessSpec,
+    /// Its lifecycle state (format 4; older records: `running`, or `retired` when `held`).
+    #[serde(default)]
+    pub life: Life,
+    /// When its deadline is, ms since the epoch (format 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
+    /// What its deadlines do (format 4; absent: kill).
+    #[serde(default, skip_serializing_if = "is_kill")]
+    pub on_deadline: OnDeadline,
+    /// Labels (format 4; E2B's metadata).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Environment every command in it gets (format 4; a command's own wins).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// What it was made from as its creator named it (format 4; E2B's template id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Labelled restore points: point id → its labels (format 4; E2B's snapshots). A label
+    /// names one point host-wide; labelled points outlive a kill (the sandbox is retired).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub point_labels: BTreeMap<String, Vec<String>>,
 }
 
 /// Options of the runtime.
@@ -164,7 +188,34 @@ fn write_replace(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| SandboxError::io(e.op, e.path)(e.source))
 }
 
+fn is_kill(o: &OnDeadline) -> bool {
+    *o == OnDeadline::Kill
+}
+
 impl SandboxRecord {
+    /// Its deadline as callers see it.
+    pub fn deadline(&self) -> Option<Deadline> {
+        self.deadline_ms.map(|at_ms| Deadline { at_ms, on: self.on_deadline })
+    }
+
+    /// Bring a record read from disk to this format in memory: a format ≤ 3 record's `held`
+    /// becomes `life: retired` (written back in format 4 by the next save).
+    pub fn upgrade(&mut self) {
+        if let Some(why) = self.held.take() {
+            if self.life == Life::Running {
+                self.life = Life::Retired { why };
+            }
+        }
+    }
+
+    /// Its labels, as [`crate::runtime::Runtime::find_label`] compares them: every label of
+    /// every labelled point.
+    pub fn labels_of_points(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.point_labels
+            .iter()
+            .flat_map(|(p, ls)| ls.iter().map(move |l| (l.as_str(), p.as_str())))
+    }
+
     /// Its cgroup relative to a hierarchy root (`crab/<name>` for records that predate
     /// per-daemon cgroups).
     pub fn cgroup_rel(&self) -> String {
@@ -306,7 +357,8 @@ impl Runtime {
             let name = entry.file_name().to_string_lossy().into_owned();
             let rec_path = self.cfg.state.sandbox_record(&name);
             match fs::read(&rec_path).map(|b| serde_json::from_slice::<SandboxRecord>(&b)) {
-                Ok(Ok(rec)) => {
+                Ok(Ok(mut rec)) => {
+                    rec.upgrade();
                     let alive = self.is_alive(&rec);
                     tracing::info!(sandbox = %name, pid = rec.init_pid, alive, "adopted sandbox");
                     map.insert(name, rec);
@@ -375,7 +427,7 @@ impl Runtime {
         SandboxInfo {
             name: rec.name.clone(),
             image: rec.image.clone(),
-            state: if alive { SandboxState::Running } else { SandboxState::Dead },
+            state: Status { life: &rec.life, alive }.state(),
             created_at: rec.created_at,
             init_pid: rec.init_pid,
             processes,
@@ -387,10 +439,58 @@ impl Runtime {
             cgroup_id: cg.id().unwrap_or(0),
             address: self.nat.lease(&rec.name).map(|l| l.addr.to_string()),
             profile: Some(crate::profile::report(&rec.profile)),
-            held: rec.held.clone(),
+            held: match &rec.life {
+                Life::Retired { why } => Some(why.clone()),
+                _ => None,
+            },
             checkpoint_policy: rec.checkpoint_policy,
             harness: rec.harness.clone(),
+            pause_point: match &rec.life {
+                Life::Paused { point } => Some(point.clone()),
+                _ => None,
+            },
+            deadline: rec.deadline(),
+            labels: rec.labels.clone(),
+            env: rec.env.clone(),
+            template: rec.template.clone(),
+            point_labels: rec.point_labels.clone(),
         }
+    }
+
+    /// Sandbox `name`'s recorded life and whether its init is alive — one record and one
+    /// `/proc` stat, whatever the number of sandboxes (no cgroup or quota reads).
+    pub fn status(&self, name: &str) -> Result<(Life, bool)> {
+        let rec = self.record(name)?;
+        let alive = self.is_alive(&rec);
+        Ok((rec.life, alive))
+    }
+
+    /// Change sandbox `name`'s record with `f` and persist it (durably) when `f` changed it.
+    /// The host's lifecycle actions write `life`, `deadline`, labels and env through here.
+    pub fn edit(&self, name: &str, f: impl FnOnce(&mut SandboxRecord)) -> Result<SandboxRecord> {
+        let mut rec = self.record(name)?;
+        let before = rec.clone();
+        f(&mut rec);
+        if rec != before {
+            rec.format = RECORD_FORMAT;
+            self.update(rec.clone())?;
+        }
+        Ok(rec)
+    }
+
+    /// The running sandboxes whose deadline is at or before `now_ms` (the watchdog's look:
+    /// in-memory records only).
+    pub fn due(&self, now_ms: u64) -> Vec<(String, Deadline)> {
+        self.lock()
+            .values()
+            .filter(|r| r.life == Life::Running)
+            .filter_map(|r| r.deadline().filter(|d| d.at_ms <= now_ms).map(|d| (r.name.clone(), d)))
+            .collect()
+    }
+
+    /// Every record (for the host's watchdog and label lookups; no `/proc` or cgroup reads).
+    pub fn records(&self) -> Vec<SandboxRecord> {
+        self.lock().values().cloned().collect()
     }
 
     /// Describe sandbox `name`.
@@ -445,6 +545,15 @@ impl Runtime {
             .map_err(|e| SandboxError::Invalid(format!("{}; {}", e.message, e.hint)))?
             .unwrap_or_default();
         validate_limits(&req.limits)?;
+        let invalid =
+            |e: crab_common::ApiError| SandboxError::Invalid(format!("{}; {}", e.message, e.hint));
+        crab_common::life::check_meta(&req.labels, &req.env).map_err(invalid)?;
+        let deadline = crab_common::api::timeout_of(
+            req.timeout_s,
+            req.on_timeout.as_deref(),
+            crab_common::clock::now_ms(),
+        )
+        .map_err(invalid)?;
         let limits = with_defaults(&req.limits, &self.default_limits());
         if limits.disk_bytes.is_some() && !self.quota {
             return Err(quota_unavailable());
@@ -476,6 +585,21 @@ impl Runtime {
                 policy,
                 &req.harness,
             )
+        })
+        .and_then(|mut rec| {
+            rec.deadline_ms = deadline.map(|d| d.at_ms);
+            rec.on_deadline = deadline.map(|d| d.on).unwrap_or_default();
+            rec.labels = req.labels.clone();
+            rec.env = req.env.clone();
+            rec.template = req.template.clone();
+            if rec.deadline_ms.is_some()
+                || !rec.labels.is_empty()
+                || !rec.env.is_empty()
+                || rec.template.is_some()
+            {
+                self.save_lazy(&rec)?;
+            }
+            Ok(rec)
         });
         if result.is_err() {
             self.discard(&name);
@@ -515,6 +639,13 @@ impl Runtime {
             held: None,
             checkpoint_policy,
             harness: harness.clone(),
+            life: Life::Running,
+            deadline_ms: None,
+            on_deadline: OnDeadline::Kill,
+            labels: BTreeMap::new(),
+            env: BTreeMap::new(),
+            template: None,
+            point_labels: BTreeMap::new(),
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -634,16 +765,6 @@ impl Runtime {
         Ok((pid, start))
     }
 
-    /// Mark sandbox `name` as kept only for its restore points (`why`), or clear the mark.
-    pub fn hold(&self, name: &str, why: Option<String>) -> Result<()> {
-        let mut rec = self.record(name)?;
-        if rec.held == why {
-            return Ok(());
-        }
-        rec.held = why;
-        self.update(rec)
-    }
-
     /// Set sandbox `name`'s checkpoint policy (persisted; its next turn boundary uses it).
     pub fn set_checkpoint_policy(&self, name: &str, policy: CheckpointPolicy) -> Result<()> {
         let mut rec = self.record(name)?;
@@ -703,12 +824,9 @@ impl Runtime {
     /// Build the exec helper's spec for a request.
     pub fn exec_spec(&self, name: &str, req: &ExecRequest) -> Result<ExecSpec> {
         let rec = self.record(name)?;
-        if !self.is_alive(&rec) {
-            return Err(SandboxError::Conflict(format!(
-                "sandbox {name:?} is dead (its init {} is gone); restore it or remove it",
-                rec.init_pid
-            )));
-        }
+        Status { life: &rec.life, alive: self.is_alive(&rec) }
+            .can_exec(name, "run a command in")
+            .map_err(|e| SandboxError::Conflict(format!("{}; {}", e.message, e.hint)))?;
         if req.cmd.is_empty() {
             return Err(SandboxError::Invalid("exec needs a command".into()));
         }
@@ -724,14 +842,16 @@ impl Runtime {
             format!("HOSTNAME={}", rec.hostname),
             "HOME=/root".into(),
         ];
-        for kv in &req.env {
+        // The sandbox's own environment, then the command's (which wins).
+        let own = rec.env.iter().map(|(k, v)| format!("{k}={v}"));
+        for kv in own.chain(req.env.iter().cloned()) {
             let Some((k, _)) = kv.split_once('=') else {
                 return Err(SandboxError::Invalid(format!(
                     "environment entry {kv:?} is not KEY=VALUE"
                 )));
             };
             env.retain(|e| !e.starts_with(&format!("{k}=")));
-            env.push(kv.clone());
+            env.push(kv);
         }
         Ok(ExecSpec {
             init_pid: rec.init_pid,

@@ -177,6 +177,21 @@ pub fn wait_until(secs: f64, mut f: impl FnMut() -> bool) -> bool {
     f()
 }
 
+/// One call of the main test daemon's API over its socket (`curl --unix-socket`): the JSON it
+/// answers, an error's body included (`{"code", "message", "hint"}`).
+pub fn api(method: &str, path: &str, body: &str) -> serde_json::Value {
+    let sock = state_dir().join("crab.sock");
+    let mut c = Command::new("curl");
+    c.args(["-s", "--unix-socket", sock.to_str().unwrap(), "-X", method]);
+    if !body.is_empty() {
+        c.args(["-H", "content-type: application/json", "--data-binary", body]);
+    }
+    let o = c.arg(format!("http://crab{path}")).output().unwrap();
+    assert!(o.status.success(), "curl {method} {path}: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
 /// A second daemon ("another host") on its own state directory, pool and proxy port, for
 /// tests that need a daemon of their own (hostile neighbours, cross-host restores, crashes).
 /// It never reads the main test daemon's `CRAB_E2B_*` variables. On drop it removes its

@@ -224,7 +224,7 @@ fn sdk_state_survives_a_daemon_restart() {
     let source = made["source"].as_str().unwrap();
     let ls = d.crab_ok(&["sandbox", "ls"]);
     let row = ls.lines().find(|l| l.starts_with(source)).unwrap_or_else(|| panic!("{ls}"));
-    assert!(row.contains("snapshot holder"), "{ls}");
+    assert!(row.contains("retired"), "{ls}");
     let info = d.crab_ok(&["sandbox", "inspect", source]);
     assert!(info.contains("\"held\"") && info.contains("delete_snapshot"), "{info}");
     d.crab_ok(&["sandbox", "rm", "--force", made["doomed"].as_str().unwrap()]);

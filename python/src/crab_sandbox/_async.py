@@ -131,12 +131,16 @@ class AsyncSandbox:
         *,
         pids: Optional[int] = None,
         privileged: bool = False,
+        timeout: Optional[float] = None,
+        on_timeout: Optional[str] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        envs: Optional[Mapping[str, str]] = None,
         socket: Optional[c.PathLike] = None,
         daemon: Optional[AsyncDaemon] = None,
     ) -> S:
         """See :meth:`crab_sandbox.Sandbox.create`."""
         d = _pick(socket, daemon)
-        body = c.create_body(image, name, memory, cpus, network, pids, privileged)
+        body = c.create_body(image, name, memory, cpus, network, pids, privileged, timeout, on_timeout, labels, envs)
         info = await d.request("POST", "/v1/sandboxes", body)
         return cls(str(info["name"]), d)
 
@@ -295,6 +299,37 @@ class AsyncSandbox:
     async def turn(self) -> Turn:
         v = await self.daemon.request("POST", f"{self._base}/turns")
         return Turn(turn=int(v["turn"]), checkpoint=str(v["checkpoint"]))
+
+    # --- its life ------------------------------------------------------------------------------
+
+    async def status(self) -> str:
+        """Its state: ``running``, ``paused``, ``stopped``, ``dead`` or ``retired`` (cheap)."""
+        v = await self.daemon.request("GET", f"{self._base}/status")
+        return str(v["state"])
+
+    async def pause(self) -> str:
+        """Pause: a full restore point of files and processes, then every process stopped
+        (memory freed). Returns the pause point's id. Raises :class:`ConflictError` unless it
+        runs."""
+        v = await self.daemon.request("POST", f"{self._base}/pause")
+        return str(v["point"])
+
+    async def resume(self, timeout: Optional[float] = None, on_timeout: Optional[str] = None) -> Optional[str]:
+        """Resume a paused sandbox from its pause point (a stopped or dead one from its newest
+        point), optionally with a new deadline. Returns the point it came back from.
+        Raises :class:`ConflictError` when it runs already."""
+        body = c.timeout_body(timeout, on_timeout)
+        v = await self.daemon.request("POST", f"{self._base}/resume", body)
+        return None if v.get("point") is None else str(v["point"])
+
+    async def set_timeout(self, timeout: float, on_timeout: Optional[str] = None) -> None:
+        """A new deadline ``timeout`` seconds from now (``0`` clears it): the daemon then kills
+        or pauses it (``on_timeout``; default: what its deadlines did so far, else kill)."""
+        body = {"timeout_s": max(0, int(round(timeout)))}
+        if on_timeout is not None:
+            body.update(c.timeout_body(None, on_timeout))
+        await self.daemon.request("PATCH", self._base, body)
+
 
     async def kill(self) -> None:
         await self.daemon.request("DELETE", self._base, params={"force": "true"})

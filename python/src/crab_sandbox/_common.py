@@ -101,8 +101,12 @@ def create_body(
     network: str,
     pids: Optional[int],
     privileged: bool,
+    timeout: Optional[float] = None,
+    on_timeout: Optional[str] = None,
+    labels: Optional[Mapping[str, str]] = None,
+    envs: Optional[Mapping[str, str]] = None,
 ) -> Dict[str, Any]:
-    return {
+    body: Dict[str, Any] = {
         "image": image,
         "name": name,
         "net": network,
@@ -113,6 +117,25 @@ def create_body(
         },
         "privileged": privileged,
     }
+    body.update(timeout_body(timeout, on_timeout))
+    if labels:
+        body["labels"] = dict(labels)
+    if envs:
+        body["env"] = dict(envs)
+    return body
+
+
+def timeout_body(timeout: Optional[float], on_timeout: Optional[str]) -> Dict[str, Any]:
+    """The ``timeout_s``/``on_timeout`` fields of a request: whole seconds (at least 1, when
+    given); ``on_timeout`` is ``"kill"`` or ``"pause"``."""
+    body: Dict[str, Any] = {}
+    if timeout is not None:
+        body["timeout_s"] = max(1, int(round(timeout)))
+    if on_timeout is not None:
+        if on_timeout not in ("kill", "pause"):
+            raise ValueError(f"on_timeout must be 'kill' or 'pause', not {on_timeout!r}")
+        body["on_timeout"] = on_timeout
+    return body
 
 
 def fresh_name(source: str) -> str:

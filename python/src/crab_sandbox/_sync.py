@@ -151,6 +151,10 @@ class Sandbox:
         *,
         pids: Optional[int] = None,
         privileged: bool = False,
+        timeout: Optional[float] = None,
+        on_timeout: Optional[str] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        envs: Optional[Mapping[str, str]] = None,
         socket: Optional[c.PathLike] = None,
         daemon: Optional[Daemon] = None,
     ) -> S:
@@ -164,9 +168,14 @@ class Sandbox:
             network: ``private`` (own namespace, lo up), ``nat`` (masqueraded egress), ``none`` or ``host``.
             pids: maximum number of tasks.
             privileged: UNSAFE, no security profile (see ``crab sandbox create --privileged``).
+            timeout: seconds until the daemon kills it (or pauses it, ``on_timeout="pause"``);
+                the daemon's watchdog fires it, whichever client set it.
+            on_timeout: ``"kill"`` (the default) or ``"pause"``.
+            labels: labels kept in its record (E2B's metadata).
+            envs: environment every command in it gets.
         """
         d = _pick(socket, daemon)
-        body = c.create_body(image, name, memory, cpus, network, pids, privileged)
+        body = c.create_body(image, name, memory, cpus, network, pids, privileged, timeout, on_timeout, labels, envs)
         info = d.request("POST", "/v1/sandboxes", body)
         return cls(str(info["name"]), d)
 
@@ -365,6 +374,36 @@ class Sandbox:
         proxy); returns once the turn's restore point is published."""
         v = self.daemon.request("POST", f"{self._base}/turns")
         return Turn(turn=int(v["turn"]), checkpoint=str(v["checkpoint"]))
+
+    # --- its life ------------------------------------------------------------------------------
+
+    def status(self) -> str:
+        """Its state: ``running``, ``paused``, ``stopped``, ``dead`` or ``retired`` (cheap)."""
+        v = self.daemon.request("GET", f"{self._base}/status")
+        return str(v["state"])
+
+    def pause(self) -> str:
+        """Pause: a full restore point of files and processes, then every process stopped
+        (memory freed). Returns the pause point's id. Raises :class:`ConflictError` unless it
+        runs."""
+        v = self.daemon.request("POST", f"{self._base}/pause")
+        return str(v["point"])
+
+    def resume(self, timeout: Optional[float] = None, on_timeout: Optional[str] = None) -> Optional[str]:
+        """Resume a paused sandbox from its pause point (a stopped or dead one from its newest
+        point), optionally with a new deadline. Returns the point it came back from.
+        Raises :class:`ConflictError` when it runs already."""
+        body = c.timeout_body(timeout, on_timeout)
+        v = self.daemon.request("POST", f"{self._base}/resume", body)
+        return None if v.get("point") is None else str(v["point"])
+
+    def set_timeout(self, timeout: float, on_timeout: Optional[str] = None) -> None:
+        """A new deadline ``timeout`` seconds from now (``0`` clears it): the daemon then kills
+        or pauses it (``on_timeout``; default: what its deadlines did so far, else kill)."""
+        body = {"timeout_s": max(0, int(round(timeout)))}
+        if on_timeout is not None:
+            body.update(c.timeout_body(None, on_timeout))
+        self.daemon.request("PATCH", self._base, body)
 
     # --- the end ------------------------------------------------------------------------------
 

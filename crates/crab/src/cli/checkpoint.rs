@@ -255,6 +255,7 @@ pub(super) async fn fork(client: &Client, a: ForkArgs, json: bool) -> Result<Exi
         count,
         names: if names.is_empty() { None } else { Some(names) },
         fs_only: false,
+        branch: Default::default(),
     };
     let v: Vec<crab_checkpoint::ForkBranch> =
         client.call(Method::POST, &format!("/v1/sandboxes/{sandbox}/fork"), Some(&req)).await?;

@@ -470,7 +470,8 @@ async fn exec_quiet(client: &Client, name: &str, req: ExecRequest) -> Result<i32
 fn status(s: &SandboxInfo) -> &'static str {
     match s.state {
         SandboxState::Running => "Up",
-        SandboxState::Dead => "Exited",
+        SandboxState::Paused => "Paused",
+        SandboxState::Dead | SandboxState::Stopped | SandboxState::Retired => "Exited",
     }
 }
 
@@ -487,7 +488,7 @@ fn inspect_doc(s: &SandboxInfo) -> serde_json::Value {
         "State": {
             "Status": if running { "running" } else { "exited" },
             "Running": running,
-            "Paused": false,
+            "Paused": s.state == SandboxState::Paused,
             "Pid": if running { s.init_pid } else { 0 },
             "ExitCode": 0,
         },

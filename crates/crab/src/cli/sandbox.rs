@@ -1,16 +1,22 @@
-//! `crab sandbox …`: create, list, inspect, update (checkpoint policy) and remove sandboxes.
+//! `crab sandbox …`: create, list, inspect, update (checkpoint policy, deadline), pause,
+//! resume, stop and remove sandboxes.
 
 use std::process::ExitCode;
 
 use clap::Subcommand;
 use crab_client::{Client, Method};
-use crab_common::api::{Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxUpdateRequest};
+use crab_common::api::{
+    Lifecycle, Limits, NetMode, ResumeRequest, SandboxCreateRequest, SandboxInfo,
+    SandboxUpdateRequest, StopRequest,
+};
 use crab_common::ApiError;
 
 use super::{parse_size, print_json};
 use crate::output::{age, human_bytes, table};
 
 #[derive(Debug, Subcommand)]
+// Parsed once per process from argv: the size of `Create` costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum SandboxCmd {
     /// Create and start a sandbox from an image, or from a remote restore point.
     Create {
@@ -75,8 +81,24 @@ pub(super) enum SandboxCmd {
         /// harness's own files: logs, caches). Still in every snapshot. Repeatable.
         #[arg(long, value_name = "PATH")]
         harness_path: Vec<String>,
+        /// Its deadline: when this long has passed (e.g. 300, 90s, 5m, 2h; at most 24h) the
+        /// daemon kills it, or pauses it with --on-timeout pause. Change it with `crab sandbox
+        /// update --timeout`.
+        #[arg(long, value_name = "DURATION", value_parser = parse_timeout)]
+        timeout: Option<u64>,
+        /// What the deadline does: kill (retired when it holds labelled points, else removed)
+        /// or pause.
+        #[arg(long, value_name = "ACTION", requires = "timeout", value_parser = ["kill", "pause"])]
+        on_timeout: Option<String>,
+        /// A label KEY=VALUE kept in its record (E2B's metadata). Repeatable.
+        #[arg(long, value_name = "KEY=VALUE", value_parser = parse_kv)]
+        label: Vec<(String, String)>,
+        /// An environment variable KEY=VALUE every command in it gets. Repeatable.
+        #[arg(long, value_name = "KEY=VALUE", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
     },
-    /// Change settings of a sandbox: its checkpoint policy (from its next turn on).
+    /// Change settings of a sandbox: its checkpoint policy (from its next turn on), its
+    /// deadline.
     Update {
         /// Sandbox name.
         name: String,
@@ -84,6 +106,40 @@ pub(super) enum SandboxCmd {
         /// fs or none makes the next checkpoint full.
         #[arg(long, value_name = "POLICY", value_parser = ["auto", "full", "fs", "none"])]
         checkpoint_policy: Option<String>,
+        /// A new deadline this long from now (e.g. 300, 5m; 0 clears it).
+        #[arg(long, value_name = "DURATION", value_parser = parse_timeout_or_zero)]
+        timeout: Option<u64>,
+        /// What the new deadline does: kill or pause (default: what the sandbox's deadlines
+        /// did so far, else kill).
+        #[arg(long, value_name = "ACTION", requires = "timeout", value_parser = ["kill", "pause"])]
+        on_timeout: Option<String>,
+    },
+    /// Pause a running sandbox: a full restore point of its files and processes, then every
+    /// process is stopped (its memory freed). `crab sandbox resume` brings it back as it was.
+    Pause {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Resume a paused sandbox from its pause point, or start a stopped or dead one from its
+    /// newest restore point.
+    Resume {
+        /// Sandbox name.
+        name: String,
+        /// Give it a new deadline this long from now.
+        #[arg(long, value_name = "DURATION", value_parser = parse_timeout)]
+        timeout: Option<u64>,
+        /// What that deadline does: kill or pause.
+        #[arg(long, value_name = "ACTION", requires = "timeout", value_parser = ["kill", "pause"])]
+        on_timeout: Option<String>,
+    },
+    /// Stop a sandbox (`docker stop`): a restore point of what it holds now, then every
+    /// process killed. Files, record and points stay; `crab sandbox resume` starts it again.
+    Stop {
+        /// Sandbox name.
+        name: String,
+        /// Kill at once, without a restore point first (`docker kill`).
+        #[arg(long)]
+        no_checkpoint: bool,
     },
     /// Say that the sandbox's declared harness changed its own state (a persistent shell's
     /// `cd`, `export`, job): its next `auto` checkpoint dumps the processes once.
@@ -115,11 +171,7 @@ fn sandbox_rows(v: &[SandboxInfo]) -> Vec<Vec<String>> {
             vec![
                 s.name.clone(),
                 s.image.clone(),
-                // A sandbox kept only for its restore points says so (inspect shows why).
-                match &s.held {
-                    Some(_) => "snapshot holder".into(),
-                    None => format!("{:?}", s.state).to_lowercase(),
-                },
+                s.state.to_string(),
                 age(s.created_at),
                 s.processes.to_string(),
                 s.bytes_written.map(human_bytes).unwrap_or_else(|| "-".into()),
@@ -150,6 +202,10 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             checkpoint_policy,
             harness_cmd,
             harness_path,
+            timeout,
+            on_timeout,
+            label,
+            env,
         } => {
             if let Some(src) = from_remote {
                 // The new sandbox's network and limits are this caller's (or the daemon's
@@ -187,6 +243,11 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                 privileged,
                 checkpoint_policy: Some(checkpoint_policy),
                 harness: crab_common::api::HarnessSpec { cmd: harness_cmd, paths: harness_path },
+                labels: label.into_iter().collect(),
+                env: env.into_iter().collect(),
+                timeout_s: timeout,
+                on_timeout,
+                template: None,
             };
             let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
             if json {
@@ -195,14 +256,71 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                 println!("{}", s.name);
             }
         }
-        SandboxCmd::Update { name, checkpoint_policy } => {
-            let req = SandboxUpdateRequest { checkpoint_policy };
+        SandboxCmd::Update { name, checkpoint_policy, timeout, on_timeout } => {
+            if checkpoint_policy.is_none() && timeout.is_none() {
+                return Err(ApiError::invalid(
+                    "nothing to update",
+                    "give --checkpoint-policy and/or --timeout",
+                ));
+            }
+            let req = SandboxUpdateRequest {
+                checkpoint_policy,
+                timeout_s: timeout,
+                on_timeout,
+                extend_only: false,
+            };
             let s: SandboxInfo =
                 client.call(Method::PATCH, &format!("/v1/sandboxes/{name}"), Some(&req)).await?;
             if json {
                 print_json(&s);
             } else {
-                println!("{}: checkpoint policy {}", s.name, s.checkpoint_policy);
+                println!(
+                    "{}: checkpoint policy {}, {}",
+                    s.name,
+                    s.checkpoint_policy,
+                    deadline_text(s.deadline)
+                );
+            }
+        }
+        SandboxCmd::Pause { name } => {
+            let l: Lifecycle = client
+                .call::<(), _>(Method::POST, &format!("/v1/sandboxes/{name}/pause"), None)
+                .await?;
+            if json {
+                print_json(&l);
+            } else {
+                println!("{}: paused (point {})", l.sandbox, l.point.as_deref().unwrap_or("-"));
+            }
+        }
+        SandboxCmd::Resume { name, timeout, on_timeout } => {
+            let req =
+                ResumeRequest { ensure: false, timeout_s: timeout, on_timeout, extend_only: false };
+            let l: Lifecycle = client
+                .call(Method::POST, &format!("/v1/sandboxes/{name}/resume"), Some(&req))
+                .await?;
+            if json {
+                print_json(&l);
+            } else {
+                println!(
+                    "{}: {} (from point {})",
+                    l.sandbox,
+                    l.state,
+                    l.point.as_deref().unwrap_or("-")
+                );
+            }
+        }
+        SandboxCmd::Stop { name, no_checkpoint } => {
+            let req = StopRequest { checkpoint: !no_checkpoint };
+            let l: Lifecycle = client
+                .call(Method::POST, &format!("/v1/sandboxes/{name}/stop"), Some(&req))
+                .await?;
+            if json {
+                print_json(&l);
+            } else {
+                match &l.point {
+                    Some(p) => println!("{}: {} (point {p})", l.sandbox, l.state),
+                    None => println!("{}: {}", l.sandbox, l.state),
+                }
             }
         }
         SandboxCmd::HarnessChanged { name } => {
@@ -247,4 +365,45 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--timeout`: seconds, or a duration with a unit (90s, 5m, 2h), 1 s ..= 24 h.
+fn parse_timeout(s: &str) -> Result<u64, String> {
+    match parse_timeout_or_zero(s)? {
+        0 => Err("a timeout is at least 1 second".into()),
+        n => Ok(n),
+    }
+}
+
+/// [`parse_timeout`], where 0 (clear the deadline) is allowed.
+fn parse_timeout_or_zero(s: &str) -> Result<u64, String> {
+    let secs = match s.parse::<u64>() {
+        Ok(n) => n,
+        Err(_) => humantime::parse_duration(s)
+            .map_err(|e| format!("{s:?} is not a duration (e.g. 300, 90s, 5m, 2h): {e}"))?
+            .as_secs(),
+    };
+    if secs > crab_common::life::MAX_TIMEOUT_S {
+        return Err(format!("{s} is longer than 24 hours"));
+    }
+    Ok(secs)
+}
+
+/// `KEY=VALUE`.
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("{s:?} is not KEY=VALUE")),
+    }
+}
+
+/// What a deadline is, for a line of output.
+fn deadline_text(d: Option<crab_common::life::Deadline>) -> String {
+    match d {
+        None => "no deadline".into(),
+        Some(d) => {
+            let left = d.at_ms.saturating_sub(crab_common::clock::now_ms()) / 1000;
+            format!("{} in {left} s", d.on)
+        }
+    }
 }

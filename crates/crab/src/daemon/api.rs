@@ -21,7 +21,7 @@ use crab_common::api::ProgressFrame;
 use crab_common::{ApiError, Progress};
 use crab_host::{Action, Host, HostError, Outcome};
 
-use super::{checkpoints, images, inspect, remote, sandboxes};
+use super::{checkpoints, images, inspect, lifecycle, remote, sandboxes};
 
 /// The daemon's routes.
 pub fn router(d: Arc<Host>) -> Router {
@@ -41,6 +41,13 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/sandboxes/{name}/exec/{session}/attach", post(sandboxes::exec_attach))
         .route("/v1/sandboxes/{name}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{name}/start", post(sandboxes::start))
+        .route("/v1/sandboxes/{name}/pause", post(lifecycle::pause))
+        .route("/v1/sandboxes/{name}/resume", post(lifecycle::resume))
+        .route("/v1/sandboxes/{name}/kill", post(lifecycle::kill))
+        .route("/v1/sandboxes/{name}/status", get(lifecycle::status))
+        .route("/v1/sandboxes/{name}/checkpoints/{id}/labels", post(lifecycle::label))
+        .route("/v1/labels", get(lifecycle::labels))
+        .route("/v1/labels/{label}", delete(lifecycle::delete_label))
         .route("/v1/sandboxes/{name}/inspect", get(inspect::peek).post(inspect::close))
         .route("/v1/sandboxes/{name}/checkpoints", get(checkpoints::list).post(checkpoints::create))
         .route("/v1/sandboxes/{name}/checkpoints/prune", post(checkpoints::prune))

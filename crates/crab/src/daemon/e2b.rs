@@ -2,7 +2,11 @@
 
 use std::sync::Arc;
 
-use crab_common::api::{ExecFrame, ExecRequest, SandboxCreateRequest};
+use crab_common::api::{
+    BranchSettings, ExecFrame, ExecRequest, ForkRequest, LabelledPoint, SandboxCreateRequest,
+    SandboxInfo, SandboxState, SandboxUpdateRequest,
+};
+use crab_common::life::TimeoutSet;
 use crab_common::{ApiError, CheckpointKind};
 use crab_e2b::Backend;
 use crab_host::{Action, Host, Outcome};
@@ -27,15 +31,8 @@ impl Backend for HostBackend {
         self.run(Action::Create(req)).await.map(|_| ())
     }
 
-    async fn remove(&self, name: String) -> Result<(), ApiError> {
-        self.run(Action::Remove { name, force: true }).await.map(|_| ())
-    }
-
-    async fn retire(&self, name: String) -> Result<(), ApiError> {
-        let why = "killed through the E2B API while it holds snapshots; deleting its last \
-                   snapshot (Sandbox.delete_snapshot) removes it"
-            .to_string();
-        self.run(Action::Retire { name, why }).await.map(|_| ())
+    async fn kill(&self, name: String) -> Result<(), ApiError> {
+        self.run(Action::Kill { name }).await.map(|_| ())
     }
 
     async fn exec(
@@ -76,19 +73,17 @@ impl Backend for HostBackend {
         point: Option<String>,
         names: Vec<String>,
         fs_only: bool,
+        branch: BranchSettings,
     ) -> Result<Vec<Result<String, ApiError>>, ApiError> {
-        let a = match point {
-            Some(p) => Action::Fork {
-                name,
-                req: crab_common::api::ForkRequest {
-                    checkpoint: Some(p),
-                    count: names.len(),
-                    names: Some(names),
-                    fs_only,
-                },
-            },
-            None => Action::ForkLive { name, names },
+        let live = point.is_none();
+        let req = ForkRequest {
+            checkpoint: point,
+            count: names.len(),
+            names: Some(names),
+            fs_only,
+            branch,
         };
+        let a = if live { Action::ForkLive { name, req } } else { Action::Fork { name, req } };
         match self.run(a).await? {
             Outcome::Forked(b) => Ok(b.into_iter().map(|b| Ok(b.sandbox)).collect()),
             _ => Err(unexpected("fork")),
@@ -97,40 +92,148 @@ impl Backend for HostBackend {
 
     async fn pause(&self, name: String) -> Result<String, ApiError> {
         match self.run(Action::Pause { name }).await? {
-            Outcome::Taken(t) => Ok(t.point.id.clone()),
+            Outcome::Lifecycle(l) => l.point.ok_or_else(|| unexpected("pause")),
             _ => Err(unexpected("pause")),
         }
     }
 
-    async fn resume(&self, name: String, point: String) -> Result<(), ApiError> {
-        self.run(Action::Restore { name, checkpoint: Some(point) }).await.map(|_| ())
+    async fn resume(&self, name: String, timeout_s: u64) -> Result<bool, ApiError> {
+        let timeout = Some(TimeoutSet { timeout_s, on: None, extend_only: true });
+        match self.run(Action::Resume { name, ensure: true, timeout }).await? {
+            Outcome::Lifecycle(l) => Ok(l.point.is_some()),
+            _ => Err(unexpected("resume")),
+        }
     }
 
-    async fn start(&self, name: String) -> Result<(), ApiError> {
-        self.run(Action::Start { name }).await.map(|_| ())
+    async fn set_timeout(
+        &self,
+        name: String,
+        timeout_s: u64,
+        extend_only: bool,
+    ) -> Result<(), ApiError> {
+        let req =
+            SandboxUpdateRequest { timeout_s: Some(timeout_s), extend_only, ..Default::default() };
+        self.run(Action::Update { name, req }).await.map(|_| ())
     }
 
-    async fn sandboxes(&self) -> Result<Vec<(String, bool)>, ApiError> {
+    async fn status(&self, name: String) -> Result<SandboxState, ApiError> {
+        match self.run(Action::Status { name }).await? {
+            Outcome::Status(s) => Ok(s.state),
+            _ => Err(unexpected("status")),
+        }
+    }
+
+    async fn sandbox(&self, name: String) -> Result<SandboxInfo, ApiError> {
+        match self.run(Action::GetSandbox { name }).await? {
+            Outcome::Sandbox(s) => Ok(*s),
+            _ => Err(unexpected("get_sandbox")),
+        }
+    }
+
+    async fn sandboxes(&self) -> Result<Vec<SandboxInfo>, ApiError> {
         match self.run(Action::ListSandboxes).await? {
-            Outcome::Sandboxes(v) => Ok(v
-                .into_iter()
-                .map(|s| (s.name, s.state == crab_common::api::SandboxState::Running))
-                .collect()),
+            Outcome::Sandboxes(v) => Ok(v),
             _ => Err(unexpected("list_sandboxes")),
         }
     }
 
-    async fn points(&self, name: String) -> Result<Vec<String>, ApiError> {
-        match self.run(Action::ListCheckpoints { name }).await? {
-            Outcome::Points(v) => Ok(v.into_iter().map(|p| p.point.id).collect()),
-            _ => Err(unexpected("list_checkpoints")),
+    async fn label(
+        &self,
+        name: String,
+        point: String,
+        labels: Vec<String>,
+    ) -> Result<(), ApiError> {
+        self.run(Action::LabelPoint { name, point, labels }).await.map(|_| ())
+    }
+
+    async fn labels(&self) -> Result<Vec<LabelledPoint>, ApiError> {
+        match self.run(Action::Labels).await? {
+            Outcome::Labels(v) => Ok(v),
+            _ => Err(unexpected("labels")),
         }
+    }
+
+    async fn delete_label(&self, label: String) -> Result<(), ApiError> {
+        self.run(Action::DeleteLabel { label }).await.map(|_| ())
     }
 
     async fn images(&self) -> Result<Vec<String>, ApiError> {
         match self.run(Action::ListImages).await? {
             Outcome::Images(v) => Ok(v.into_iter().map(|i| i.name).collect()),
             _ => Err(unexpected("list_images")),
+        }
+    }
+}
+
+/// Hand the sandboxes' life that an older daemon's E2B front door kept in its own files
+/// (`<state>/e2b/sandboxes/*.json` of format ≤ 2: run state, pause point, deadline, metadata,
+/// environment, template, snapshots) to the host once, then rewrite each file as the envd
+/// process table alone (format 3). Runs at every start, E2B served or not; a file whose
+/// sandbox is gone is deleted; one the host cannot take is left as it was (and logged), to be
+/// tried again at the next start.
+pub async fn migrate(host: &Arc<Host>, dir: &std::path::Path) {
+    if !dir.join("sandboxes").is_dir() {
+        return;
+    }
+    let store = match crab_e2b::Store::open(dir) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot open the E2B front-door state to migrate it");
+            return;
+        }
+    };
+    for f in store.load().into_iter().filter(|f| f.legacy()) {
+        use crab_common::life::{Life, OnDeadline};
+        use crab_e2b::store::StoredState;
+        let life = match (f.state, &f.pause_point) {
+            (Some(StoredState::Paused), Some(p)) => Life::Paused { point: p.clone() },
+            (Some(StoredState::Paused), None) => Life::Stopped,
+            (Some(StoredState::Killed), _) => Life::Retired {
+                why: "killed through the E2B API while it holds snapshots; deleting its last \
+                      snapshot (Sandbox.delete_snapshot) removes it"
+                    .into(),
+            },
+            _ => Life::Running,
+        };
+        let running = life == Life::Running;
+        let adopted = crab_host::Adopted {
+            life,
+            labels: f.metadata.clone().into_iter().collect(),
+            env: f.envs.clone().into_iter().collect(),
+            template: (!f.template.is_empty()).then(|| f.template.clone()),
+            deadline_ms: (running && f.end_at_ms > 0).then_some(f.end_at_ms),
+            on_deadline: if f.auto_pause { OnDeadline::Pause } else { OnDeadline::Kill },
+            point_labels: f
+                .snapshots
+                .iter()
+                .map(|s| {
+                    let mut l = vec![s.id.clone()];
+                    l.extend(s.names.iter().cloned());
+                    (s.point.clone(), l)
+                })
+                .collect(),
+        };
+        match host.adopt(f.id.clone(), adopted).await {
+            Ok(()) => {
+                let file = crab_e2b::store::SandboxFile::processes_of(&f.id, f.processes, f.gc);
+                match store.save(&file) {
+                    Ok(()) => {
+                        tracing::info!(sandbox = %f.id, "E2B front-door state migrated into the sandbox's record")
+                    }
+                    Err(e) => {
+                        tracing::error!(sandbox = %f.id, error = %e, "E2B state migrated, but its file could not be rewritten; it is migrated again at the next start")
+                    }
+                }
+            }
+            Err(e) if e.0.code == crab_common::ErrorCode::SandboxNotFound => {
+                tracing::info!(sandbox = %f.id, "E2B state of a sandbox that no longer exists: deleted");
+                if let Err(e) = store.delete(&f.id) {
+                    tracing::warn!(sandbox = %f.id, error = %e, "cannot delete its E2B state file");
+                }
+            }
+            Err(e) => {
+                tracing::error!(sandbox = %f.id, error = %e.0.message, "cannot migrate the E2B state of the sandbox into its record; its file is kept, tried again at the next start")
+            }
         }
     }
 }

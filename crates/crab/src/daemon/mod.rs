@@ -14,6 +14,7 @@ mod checkpoints;
 mod e2b;
 mod images;
 mod inspect;
+mod lifecycle;
 mod remote;
 mod sandboxes;
 pub mod serve;
@@ -122,6 +123,9 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         sandboxes = host.sandbox_count(),
         "crab daemon ready"
     );
+    // An older daemon's E2B front door kept sandboxes' life in files of its own: the host
+    // takes it over once, before any front door serves.
+    e2b::migrate(&host, &state.root().join("e2b")).await;
     let e2b_server = match &opts.e2b {
         Some(o) => {
             let l = tokio::net::TcpListener::bind(o.listen)
@@ -141,7 +145,6 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
                 crab_e2b::Config { keys: o.keys.clone(), default_image: "debian".into(), store },
             );
             front.restore_state().await;
-            front.spawn_watchdog(std::time::Duration::from_secs(1));
             let router = front.router();
             tracing::info!(listen = %o.listen, "E2B-compatible API ready");
             Some(tokio::spawn(async move { axum::serve(l, router).await }))

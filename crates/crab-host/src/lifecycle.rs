@@ -1,0 +1,494 @@
+//! The host's lifecycle actions — the one owner of a sandbox's life. Each reads the sandbox's
+//! recorded [`Life`] and its init's liveness, asks the transition check
+//! (`crab_common::life::Status::can_*`), does the step, and records the new life, under the
+//! sandbox's lifecycle lock so two steps on one sandbox never interleave: stop, start, pause,
+//! resume, retire, kill (retire when labelled points must outlive it, else remove), the labels
+//! of restore points (E2B's snapshots), and the one deadline watchdog (`on_deadline: pause |
+//! kill`). Front doors translate into these; none keeps a state of its own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crab_common::api::{BranchSettings, LabelDeleted, LabelledPoint, SandboxState, SandboxStatus};
+use crab_common::clock::now_ms;
+use crab_common::life::{Deadline, Life, OnDeadline, Status, TimeoutSet};
+use crab_common::sync::lock;
+use crab_common::{CheckpointKind, ErrorCode};
+
+use crate::host::blocking;
+use crate::{Action, Host, HostError, Lifecycle, Outcome};
+
+/// How often the deadline watchdog looks (deadlines fire within this of their time).
+pub const WATCHDOG_PERIOD: Duration = Duration::from_secs(1);
+
+/// The longest a label may be, in bytes.
+const MAX_LABEL: usize = 200;
+
+fn conflict(e: crab_common::ApiError) -> HostError {
+    HostError(e)
+}
+
+/// A label usable as an E2B snapshot id or name: printable ASCII without spaces, 1..=200 bytes.
+fn check_label(l: &str) -> Result<(), HostError> {
+    if l.is_empty() || l.len() > MAX_LABEL || !l.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(HostError::invalid(
+            format!("invalid label {l:?}"),
+            format!("a label is 1..={MAX_LABEL} printable ASCII characters without spaces"),
+        ));
+    }
+    Ok(())
+}
+
+/// A sandbox's life as an older front door kept it, handed to [`Host::adopt`] once (the
+/// E2B front door's `<state>/e2b/` files of format ≤ 2).
+#[derive(Debug, Clone, Default)]
+pub struct Adopted {
+    /// Its life (`running`, `paused` with its point, `retired`).
+    pub life: Life,
+    /// Labels (E2B metadata).
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Environment.
+    pub env: std::collections::BTreeMap<String, String>,
+    /// What it was made from.
+    pub template: Option<String>,
+    /// Its deadline, ms since the epoch.
+    pub deadline_ms: Option<u64>,
+    /// What its deadline does.
+    pub on_deadline: OnDeadline,
+    /// Labelled points (point id → labels); points that are gone are dropped.
+    pub point_labels: std::collections::BTreeMap<String, Vec<String>>,
+}
+
+impl Host {
+    /// Take over a sandbox's life as an older front door recorded it (a state-directory
+    /// migration, run once at start before any front door serves): the record gets its life,
+    /// labels, environment, template, deadline and labelled points.
+    pub async fn adopt(self: &Arc<Self>, name: String, a: Adopted) -> Result<(), HostError> {
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        let h = self.clone();
+        blocking(move || {
+            let store = h.checkpointer().store(&name)?;
+            let points: std::collections::BTreeMap<String, Vec<String>> = a
+                .point_labels
+                .into_iter()
+                .filter(|(p, _)| store.resolve(Some(p)).is_ok())
+                .collect();
+            let life = match a.life {
+                Life::Paused { point } if store.resolve(Some(&point)).is_err() => Life::Stopped,
+                l => l,
+            };
+            h.runtime().edit(&name, |r| {
+                r.life = life;
+                r.labels = a.labels;
+                r.env = a.env;
+                r.template = a.template;
+                r.deadline_ms = a.deadline_ms;
+                r.on_deadline = a.on_deadline;
+                for (p, ls) in points {
+                    let mine = r.point_labels.entry(p).or_default();
+                    for l in ls {
+                        if !mine.contains(&l) {
+                            mine.push(l);
+                        }
+                    }
+                }
+            })?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// The lock that serializes lifecycle steps on sandbox `name`.
+    pub(crate) fn life_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
+        lock(&self.life_locks).entry(name.to_string()).or_default().clone()
+    }
+
+    /// Forget `name`'s lifecycle lock (it was removed).
+    pub(crate) fn drop_life_lock(&self, name: &str) {
+        lock(&self.life_locks).remove(name);
+    }
+
+    /// `name`'s recorded life and whether its init lives (one record, one `/proc` stat).
+    pub(crate) fn status_of(&self, name: &str) -> Result<(Life, bool), HostError> {
+        Ok(self.runtime().status(name)?)
+    }
+
+    /// Record `life` for `name`. A deadline belongs to a run: one that is not running has
+    /// none (what its deadlines do stays); one brought back whose deadline passed meanwhile
+    /// loses it (a caller giving a new timeout sets it after).
+    pub(crate) fn set_life(&self, name: &str, life: Life) -> Result<(), HostError> {
+        let now = now_ms();
+        self.runtime().edit(name, |r| {
+            if life != Life::Running || r.deadline_ms.is_some_and(|d| d <= now) {
+                r.deadline_ms = None;
+            }
+            r.life = life;
+        })?;
+        Ok(())
+    }
+
+    /// [`Action::Status`].
+    pub(crate) fn status(&self, name: String) -> Result<Outcome, HostError> {
+        let (life, alive) = self.status_of(&name)?;
+        let state = Status { life: &life, alive }.state();
+        Ok(Outcome::Status(SandboxStatus { name, state }))
+    }
+
+    /// [`Action::Stop`]: a point of what it holds (with `checkpoint`), then every process
+    /// killed; its life is `stopped`. A sandbox not running is recorded stopped (a paused
+    /// one's pause point stays an ordinary point).
+    pub(crate) async fn stop(
+        self: &Arc<Self>,
+        name: String,
+        checkpoint: bool,
+    ) -> Result<Outcome, HostError> {
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        let (life, alive) = self.status_of(&name)?;
+        if !alive {
+            if matches!(life, Life::Running | Life::Paused { .. }) {
+                self.set_life(&name, Life::Stopped)?;
+            }
+            let state = Status { life: &self.status_of(&name)?.0, alive }.state();
+            return Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point: None, state }));
+        }
+        let point = if checkpoint {
+            match self.checkpoint(name.clone(), None, None, None).await? {
+                Outcome::Taken(t) => Some(t.point.id),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        self.halt(&name).await?;
+        self.set_life(&name, Life::Stopped)?;
+        tracing::info!(sandbox = %name, point = ?point, "sandbox stopped");
+        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Stopped }))
+    }
+
+    /// Kill every process of `name` (inspector and in-sandbox proxy detached first).
+    async fn halt(self: &Arc<Self>, name: &str) -> Result<(), HostError> {
+        self.detach(name);
+        self.close_sandbox_proxy(name).await;
+        let rt = self.runtime().clone();
+        let n = name.to_string();
+        blocking(move || Ok(rt.stop(&n)?)).await?;
+        self.policy().clear(name);
+        Ok(())
+    }
+
+    /// [`Action::Retire`]: every process killed, no checkpoint; its life is `retired` (`why`).
+    pub(crate) async fn retire(
+        self: &Arc<Self>,
+        name: String,
+        why: String,
+    ) -> Result<Outcome, HostError> {
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        self.retire_locked(&name, why).await?;
+        Ok(Outcome::Lifecycle(Lifecycle {
+            sandbox: name,
+            point: None,
+            state: SandboxState::Retired,
+        }))
+    }
+
+    async fn retire_locked(self: &Arc<Self>, name: &str, why: String) -> Result<(), HostError> {
+        let (life, alive) = self.status_of(name)?;
+        if !(Status { life: &life, alive }).can_retire() {
+            return Ok(());
+        }
+        self.halt(name).await?;
+        self.set_life(name, Life::Retired { why })?;
+        tracing::info!(sandbox = %name, "sandbox stopped and kept for its restore points");
+        Ok(())
+    }
+
+    /// [`Action::Start`]: [`Action::Resume`] with `ensure` (a running sandbox is left alone).
+    pub(crate) async fn start(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        self.resume(name, true, None).await
+    }
+
+    /// [`Action::Pause`].
+    pub(crate) async fn pause(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        let (life, alive) = self.status_of(&name)?;
+        Status { life: &life, alive }.can_pause(&name).map_err(conflict)?;
+        let taken = self.checkpoint(name.clone(), Some(CheckpointKind::Full), None, None).await?;
+        // Stopping processes that the point does not hold would lose them: refuse instead.
+        let point = crate::host::full_point(&taken, "pause")?;
+        self.halt(&name).await?;
+        self.set_life(&name, Life::Paused { point: point.clone() })?;
+        tracing::info!(sandbox = %name, %point, "paused");
+        Ok(Outcome::Lifecycle(Lifecycle {
+            sandbox: name,
+            point: Some(point),
+            state: SandboxState::Paused,
+        }))
+    }
+
+    /// [`Action::Resume`] (and [`Action::Start`]).
+    pub(crate) async fn resume(
+        self: &Arc<Self>,
+        name: String,
+        ensure: bool,
+        timeout: Option<TimeoutSet>,
+    ) -> Result<Outcome, HostError> {
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        let (life, alive) = self.status_of(&name)?;
+        let todo = Status { life: &life, alive }.can_resume(&name, ensure).map_err(conflict)?;
+        let point = if todo {
+            let from = match &life {
+                Life::Paused { point } => Some(point.clone()),
+                _ => None,
+            };
+            match self.restore(name.clone(), from).await? {
+                Outcome::Restored(r) => Some(r.point),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        if let Some(t) = timeout {
+            self.set_deadline(&name, t)?;
+        }
+        if todo {
+            tracing::info!(sandbox = %name, point = ?point, "resumed");
+        }
+        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Running }))
+    }
+
+    /// [`Action::Kill`].
+    pub(crate) async fn kill(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        let l = self.life_lock(&name);
+        let g = l.lock().await;
+        let labelled = !self.runtime().record(&name)?.point_labels.is_empty();
+        if labelled {
+            let why = "killed while it holds labelled restore points (E2B snapshots); deleting \
+                       its last one (Sandbox.delete_snapshot, DELETE /v1/labels/LABEL) removes it"
+                .to_string();
+            self.retire_locked(&name, why).await?;
+            return Ok(Outcome::Lifecycle(Lifecycle {
+                sandbox: name,
+                point: None,
+                state: SandboxState::Retired,
+            }));
+        }
+        drop(g);
+        self.remove(name, true).await
+    }
+
+    /// Apply a deadline change to `name` (a running sandbox's; others have none).
+    pub(crate) fn set_deadline(&self, name: &str, t: TimeoutSet) -> Result<(), HostError> {
+        let now = now_ms();
+        let mut err = None;
+        self.runtime().edit(name, |r| match t.apply(r.deadline_ms, now) {
+            Ok(d) => {
+                r.deadline_ms = d;
+                if let Some(on) = t.on {
+                    r.on_deadline = on;
+                }
+            }
+            Err(e) => err = Some(e),
+        })?;
+        match err {
+            Some(e) => Err(HostError(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Give branches just made their settings (labels, environment, template, deadline).
+    pub(crate) fn settle_branches(
+        &self,
+        names: &[String],
+        s: &BranchSettings,
+    ) -> Result<(), HostError> {
+        if s.is_empty() {
+            return Ok(());
+        }
+        let deadline = s.deadline(now_ms())?;
+        let empty = Default::default();
+        crab_common::life::check_meta(
+            s.labels.as_ref().unwrap_or(&empty),
+            s.env.as_ref().unwrap_or(&empty),
+        )?;
+        for n in names {
+            self.runtime().edit(n, |r| {
+                if let Some(l) = &s.labels {
+                    r.labels = l.clone();
+                }
+                if let Some(e) = &s.env {
+                    r.env = e.clone();
+                }
+                if s.template.is_some() {
+                    r.template = s.template.clone();
+                }
+                r.deadline_ms = deadline.map(|d| d.at_ms);
+                if let Some(d) = deadline {
+                    r.on_deadline = d.on;
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// [`Action::LabelPoint`].
+    pub(crate) async fn label_point(
+        self: &Arc<Self>,
+        name: String,
+        point: String,
+        labels: Vec<String>,
+    ) -> Result<Outcome, HostError> {
+        if labels.is_empty() {
+            return Err(HostError::invalid("no label given", "give at least one label"));
+        }
+        for l in &labels {
+            check_label(l)?;
+        }
+        let h = self.clone();
+        blocking(move || {
+            // The point exists (an unknown id is `checkpoint_not_found`).
+            h.checkpointer().store(&name)?.resolve(Some(&point))?;
+            let _g = lock(&h.label_lock);
+            for r in h.runtime().records() {
+                for (l, p) in r.labels_of_points() {
+                    if labels.iter().any(|x| x == l) && !(r.name == name && p == point) {
+                        return Err(HostError(crab_common::ApiError::new(
+                            ErrorCode::NameConflict,
+                            format!("label {l:?} already names point {p} of sandbox {}", r.name),
+                            "pick another label, or delete that one first",
+                        )));
+                    }
+                }
+            }
+            h.runtime().edit(&name, |r| {
+                let mine = r.point_labels.entry(point.clone()).or_default();
+                for l in &labels {
+                    if !mine.contains(l) {
+                        mine.push(l.clone());
+                    }
+                }
+            })?;
+            Ok(Outcome::Labels(vec![h.labelled(&name, &point)?]))
+        })
+        .await
+    }
+
+    /// The labelled point `point` of `name` as listed.
+    fn labelled(&self, name: &str, point: &str) -> Result<LabelledPoint, HostError> {
+        let labels =
+            self.runtime().record(name)?.point_labels.get(point).cloned().unwrap_or_default();
+        let m = self.checkpointer().store(name)?.resolve(Some(point))?;
+        let fs_only = m.procs_missing.is_some()
+            || m.procs.is_none()
+            || m.kind == crab_common::PointKind::Checkpoint(CheckpointKind::Fs);
+        Ok(LabelledPoint { sandbox: name.to_string(), point: point.to_string(), labels, fs_only })
+    }
+
+    /// [`Action::Labels`].
+    pub(crate) async fn labels(self: &Arc<Self>) -> Result<Outcome, HostError> {
+        let h = self.clone();
+        blocking(move || {
+            let mut out = Vec::new();
+            for r in h.runtime().records() {
+                for p in r.point_labels.keys() {
+                    match h.labelled(&r.name, p) {
+                        Ok(l) => out.push(l),
+                        // A labelled point that is gone (pruned) is not listed.
+                        Err(e) => tracing::debug!(sandbox = %r.name, point = %p, error = %e.0.message, "labelled point unreadable"),
+                    }
+                }
+            }
+            out.sort_by(|a, b| (&a.sandbox, &a.point).cmp(&(&b.sandbox, &b.point)));
+            Ok(Outcome::Labels(out))
+        })
+        .await
+    }
+
+    /// [`Action::DeleteLabel`].
+    pub(crate) async fn delete_label(
+        self: &Arc<Self>,
+        label: String,
+    ) -> Result<Outcome, HostError> {
+        let found = self.runtime().records().into_iter().find_map(|r| {
+            r.labels_of_points()
+                .find(|(l, _)| *l == label)
+                .map(|(_, p)| (r.name.clone(), p.to_string()))
+        });
+        let Some((name, point)) = found else {
+            return Err(HostError(crab_common::ApiError::new(
+                ErrorCode::CheckpointNotFound,
+                format!("no restore point is labelled {label:?}"),
+                "list labelled points with GET /v1/labels",
+            )));
+        };
+        let l = self.life_lock(&name);
+        let g = l.lock().await;
+        let rec = self.runtime().edit(&name, |r| {
+            r.point_labels.remove(&point);
+        })?;
+        let last = rec.point_labels.is_empty() && matches!(rec.life, Life::Retired { .. });
+        drop(g);
+        if last {
+            match self.remove(name.clone(), true).await {
+                Ok(_) => {}
+                Err(e) if e.0.code == ErrorCode::SandboxNotFound => {}
+                Err(e) => return Err(e),
+            }
+            tracing::info!(sandbox = %name, %label, "last labelled point deleted: its retired sandbox is removed");
+        }
+        Ok(Outcome::LabelDeleted(LabelDeleted { sandbox: name, point, sandbox_removed: last }))
+    }
+
+    /// Start the one deadline watchdog: every [`WATCHDOG_PERIOD`] a running sandbox whose
+    /// deadline passed is paused or killed (a failed pause kills it). Deadlines are absolute
+    /// and persisted, so a restarted daemon fires what came due while it was down.
+    pub(crate) fn spawn_watchdog(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(WATCHDOG_PERIOD);
+            loop {
+                t.tick().await;
+                let Some(h) = weak.upgrade() else { return };
+                for (name, d) in h.runtime().due(now_ms()) {
+                    let h = h.clone();
+                    tokio::spawn(async move { h.fire(name, d).await });
+                }
+            }
+        });
+    }
+
+    async fn fire(self: Arc<Self>, name: String, d: Deadline) {
+        // Fired once: the deadline goes first (a failing step is not retried every second).
+        if let Err(e) = self.runtime().edit(&name, |r| {
+            if r.deadline_ms == Some(d.at_ms) {
+                r.deadline_ms = None;
+            }
+        }) {
+            tracing::warn!(sandbox = %name, error = %e, "deadline: cannot clear it");
+            return;
+        }
+        if d.on == OnDeadline::Pause {
+            tracing::info!(sandbox = %name, "deadline: pausing");
+            match self.execute(Action::Pause { name: name.clone() }).await {
+                Ok(_) => return,
+                Err(e) if e.0.code == ErrorCode::SandboxNotFound => return,
+                Err(e) => {
+                    tracing::warn!(sandbox = %name, error = %e.0.message, "deadline: pause failed; killing")
+                }
+            }
+        } else {
+            tracing::info!(sandbox = %name, "deadline: killing");
+        }
+        match self.execute(Action::Kill { name: name.clone() }).await {
+            Ok(_) => {}
+            Err(e) if e.0.code == ErrorCode::SandboxNotFound => {}
+            Err(e) => {
+                tracing::warn!(sandbox = %name, error = %e.0.message, "deadline: kill failed")
+            }
+        }
+    }
+}

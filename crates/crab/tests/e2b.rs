@@ -251,3 +251,55 @@ fn sdk_state_survives_a_daemon_restart() {
         serde_json::from_str(&d.crab_ok(&["sandbox", "ls", "--json"])).unwrap();
     assert_eq!(ls.as_array().map(Vec::len), Some(0), "left behind: {ls}");
 }
+
+/// One life, two doors (issue 27): a sandbox paused through E2B is `paused` in `crab sandbox
+/// ls`; one paused with `crab sandbox pause` comes back through the SDK's `connect()`; an E2B
+/// timeout with auto-pause is fired by the host's watchdog like a `--timeout` of the CLI.
+#[test]
+fn sdk_and_cli_share_one_lifecycle() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return cannot_run("needs root");
+    }
+    let Ok(listen) = std::env::var("CRAB_E2B_LISTEN") else {
+        return cannot_run("CRAB_E2B_LISTEN is not set (`make test` sets it)");
+    };
+    common::ensure_daemon();
+    let python = match sdk_python() {
+        Ok(p) => p,
+        Err(e) => return cannot_run(&e),
+    };
+    let url = format!("http://{listen}");
+    let state = |id: &str| -> String {
+        let ls: serde_json::Value =
+            serde_json::from_str(&common::crab_ok(&["--json", "sandbox", "ls"])).unwrap();
+        ls.as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == id)
+            .map(|s| s["state"].as_str().unwrap().to_string())
+            .unwrap_or_else(|| "absent".into())
+    };
+    // Paused through E2B: one state, read by the CLI.
+    let out = run_sdk(&python, &url, "cross_door.py", &["e2b-pause"], &[]);
+    let id = out.lines().next().unwrap().trim().to_string();
+    assert_eq!(state(&id), "paused");
+    let info: serde_json::Value =
+        serde_json::from_str(&common::crab_ok(&["sandbox", "inspect", &id])).unwrap();
+    assert_eq!(info["labels"]["door"], "e2b", "{info}");
+    // Resumed by the CLI, paused by it again, brought back by the SDK's connect.
+    common::crab_ok(&["sandbox", "resume", &id]);
+    common::crab_ok(&["sandbox", "pause", &id]);
+    let out = run_sdk(&python, &url, "cross_door.py", &["connect", &id], &[]);
+    assert!(out.starts_with("through-e2b\n"), "{out}");
+    assert_eq!(state(&id), "running");
+    common::crab_ok(&["sandbox", "rm", "-f", &id]);
+    // An E2B timeout with auto-pause: the host's watchdog pauses it.
+    let out = run_sdk(&python, &url, "cross_door.py", &["ttl"], &[]);
+    let id = out.lines().next().unwrap().trim().to_string();
+    let info: serde_json::Value =
+        serde_json::from_str(&common::crab_ok(&["sandbox", "inspect", &id])).unwrap();
+    assert_eq!(info["deadline"]["on"], "pause", "{info}");
+    assert!(common::wait_until(15.0, || state(&id) == "paused"), "the E2B timeout did not pause it");
+    common::crab_ok(&["sandbox", "rm", "-f", &id]);
+}

@@ -123,7 +123,7 @@ fn labelled_points_outlive_a_kill() {
         &format!("/v1/sandboxes/{}/checkpoints/{point}/labels", sb.name),
         &body,
     );
-    assert_eq!(o["labels"][0]["labels"][0], label.as_str(), "{o}");
+    assert_eq!(o[0]["labels"][0], label.as_str(), "{o}");
     // The same label on another point: name_conflict.
     let other = Sandbox::new("t-life-label2");
     let t2 = json(&["--json", "checkpoint", &other.name, "--kind", "fs"]);
@@ -173,7 +173,7 @@ fn an_older_e2b_state_is_migrated() {
         "-c",
         "echo old > /tmp/f; nohup sleep 1000 >/dev/null 2>&1 &",
     ]);
-    let full: serde_json::Value = d.json(&["--json", "checkpoint", id, "--kind", "full"]);
+    let full: serde_json::Value = d.json(&["checkpoint", id, "--kind", "full"]);
     let point = full["point"]["id"].as_str().unwrap().to_string();
     // As the old front door paused it: a full point, then the processes stopped (its record,
     // rewritten by this daemon, says stopped; the old E2B file says paused).
@@ -190,9 +190,12 @@ fn an_older_e2b_state_is_migrated() {
     let e2b = d.state.join("e2b/sandboxes");
     std::fs::create_dir_all(&e2b).unwrap();
     std::fs::write(e2b.join(format!("{id}.json")), file.to_string()).unwrap();
+    d.stop();
     d.restart();
     let info = d.json(&["sandbox", "inspect", id]);
-    assert_eq!(info["state"], "paused", "{info}");
+    let log = std::fs::read_to_string(d.state.join("logs/daemon.log")).unwrap_or_default();
+    let said: Vec<&str> = log.lines().filter(|l| l.contains("E2B") || l.contains("migrat")).collect();
+    assert_eq!(info["state"], "paused", "{info}\nthe daemon said: {said:#?}");
     assert_eq!(info["pause_point"], point.as_str());
     assert_eq!(info["labels"]["suite"], "old");
     assert_eq!(info["env"]["OLD"], "1");

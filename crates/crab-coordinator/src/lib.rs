@@ -34,6 +34,7 @@ mod config;
 pub mod convlog;
 mod hooks;
 pub mod limits;
+pub mod listener;
 mod netns;
 mod proxy;
 

@@ -298,6 +298,8 @@ pub struct FdBudget {
     pub reserved: u64,
     /// Concurrent connections of the daemon's API socket.
     pub api_connections: usize,
+    /// Concurrent connections of the E2B port (`--e2b-listen`).
+    pub e2b_connections: usize,
     /// Concurrent LLM-proxy connections over all listeners (each may also hold an upstream
     /// connection: two descriptors).
     pub proxy_connections: usize,
@@ -305,15 +307,17 @@ pub struct FdBudget {
 
 impl FdBudget {
     /// The split for a descriptor limit of `nofile`: a quarter (at least 64) reserved, an
-    /// eighth (at most 1024) for the API, half of the rest for proxy connections.
+    /// eighth (at most 1024) for the API, as much again for the E2B port, half of the rest for
+    /// proxy connections.
     pub fn for_limit(nofile: u64) -> FdBudget {
         let reserved = (nofile / 4).max(64);
         let api = (nofile / 8).clamp(8, 1024);
-        let rest = nofile.saturating_sub(reserved + api);
+        let rest = nofile.saturating_sub(reserved + 2 * api);
         FdBudget {
             nofile,
             reserved,
             api_connections: api as usize,
+            e2b_connections: api as usize,
             proxy_connections: (rest / 2).max(16) as usize,
         }
     }
@@ -341,6 +345,7 @@ impl FdBudget {
             nofile = b.nofile,
             reserved = b.reserved,
             api = b.api_connections,
+            e2b = b.e2b_connections,
             proxy = b.proxy_connections,
             "file descriptor budget"
         );
@@ -371,7 +376,10 @@ mod tests {
     fn fd_budget_leaves_room() {
         for n in [256u64, 1024, 1500, 20000, 1 << 20] {
             let b = FdBudget::for_limit(n);
-            let used = b.reserved + b.api_connections as u64 + 2 * b.proxy_connections as u64;
+            let used = b.reserved
+                + b.api_connections as u64
+                + b.e2b_connections as u64
+                + 2 * b.proxy_connections as u64;
             assert!(used <= n.max(256 + 16), "{n}: {b:?}");
             assert!(b.reserved >= n / 4, "{n}: {b:?}");
         }

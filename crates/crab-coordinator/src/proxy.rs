@@ -37,7 +37,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -328,52 +328,29 @@ impl Coordinator {
         // In-sandbox endpoints have a cap of their own; host listeners share the global one.
         let local =
             ConnGate::new(if fixed.is_some() { self.cfg.max_sandbox_connections } else { 0 });
-        let task = tokio::spawn(async move {
-            tracing::info!(%addr, sandbox = fixed.as_deref().unwrap_or("*"), "LLM proxy listening");
-            let mut last_warn: Option<Instant> = None;
-            loop {
-                let accepted = tokio::select! {
-                    _ = &mut stopped => break,
-                    a = listener.accept() => a,
-                };
-                let stream = match accepted {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "LLM proxy accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let permits = match (local.try_enter(), me.conns.try_enter()) {
-                    (Some(a), Some(b)) => (a, b),
-                    (a, _) => {
-                        me.refuse(&stream, fixed.as_deref(), a.is_none(), &local, &mut last_warn);
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
+        tracing::info!(%addr, sandbox = fixed.as_deref().unwrap_or("*"), "LLM proxy listening");
+        let bounds = crate::listener::Bounds {
+            gates: vec![local.clone(), me.conns.clone()],
+            header_read_timeout: me.cfg.header_read_timeout,
+            drain: false,
+            name: "llm-proxy",
+        };
+        let svc = {
+            let (me, fixed) = (me.clone(), fixed.clone());
+            hyper::service::service_fn(move |req| {
                 let me = me.clone();
                 let fixed = fixed.clone();
-                tokio::spawn(async move {
-                    let _permits = permits;
-                    let header_timeout = me.cfg.header_read_timeout;
-                    let svc = hyper::service::service_fn(move |req| {
-                        let me = me.clone();
-                        let fixed = fixed.clone();
-                        async move { Ok::<_, Infallible>(me.handle_for(req, fixed).await) }
-                    });
-                    if let Err(e) = hyper::server::conn::http1::Builder::new()
-                        .keep_alive(true)
-                        .timer(TokioTimer::new())
-                        .header_read_timeout(header_timeout)
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await
-                    {
-                        tracing::debug!(error = %e, "LLM proxy connection ended with an error");
-                    }
-                });
-            }
-        });
+                async move { Ok::<_, Infallible>(me.handle_for(req, fixed).await) }
+            })
+        };
+        let mut last_warn: Option<Instant> = None;
+        let refuse = move |stream: &tokio::net::TcpStream, gate: usize| {
+            me.refuse(stream, fixed.as_deref(), gate == 0, &local, &mut last_warn);
+        };
+        let task =
+            tokio::spawn(crate::listener::serve(listener, bounds, svc, refuse, async move {
+                let _ = (&mut stopped).await;
+            }));
         Ok(ProxyServer { addr, stop: Some(stop), task })
     }
 

@@ -300,6 +300,9 @@ fn sdk_and_cli_share_one_lifecycle() {
     let info: serde_json::Value =
         serde_json::from_str(&common::crab_ok(&["sandbox", "inspect", &id])).unwrap();
     assert_eq!(info["deadline"]["on"], "pause", "{info}");
-    assert!(common::wait_until(15.0, || state(&id) == "paused"), "the E2B timeout did not pause it");
+    assert!(
+        common::wait_until(15.0, || state(&id) == "paused"),
+        "the E2B timeout did not pause it"
+    );
     common::crab_ok(&["sandbox", "rm", "-f", &id]);
 }

@@ -194,7 +194,8 @@ fn an_older_e2b_state_is_migrated() {
     d.restart();
     let info = d.json(&["sandbox", "inspect", id]);
     let log = std::fs::read_to_string(d.state.join("logs/daemon.log")).unwrap_or_default();
-    let said: Vec<&str> = log.lines().filter(|l| l.contains("E2B") || l.contains("migrat")).collect();
+    let said: Vec<&str> =
+        log.lines().filter(|l| l.contains("E2B") || l.contains("migrat")).collect();
     assert_eq!(info["state"], "paused", "{info}\nthe daemon said: {said:#?}");
     assert_eq!(info["pause_point"], point.as_str());
     assert_eq!(info["labels"]["suite"], "old");

@@ -126,6 +126,9 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
     // An older daemon's E2B front door kept sandboxes' life in files of its own: the host
     // takes it over once, before any front door serves.
     e2b::migrate(&host, &state.root().join("e2b")).await;
+    // On SIGTERM/SIGINT stop accepting, let in-flight requests finish for a moment, then go:
+    // a long exec stream must not keep the daemon (and its state-directory lock) alive.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let e2b_server = match &opts.e2b {
         Some(o) => {
             let l = tokio::net::TcpListener::bind(o.listen)
@@ -147,14 +150,17 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
             front.restore_state().await;
             let router = front.router();
             tracing::info!(listen = %o.listen, "E2B-compatible API ready");
-            Some(tokio::spawn(async move { axum::serve(l, router).await }))
+            // The API socket's bounds, with a connection cap of its own from the budget; the
+            // E2B router keeps its own (larger) upload limit.
+            let limits = serve::ApiLimits {
+                max_body_bytes: crab_e2b::server::MAX_UPLOAD,
+                ..serve::ApiLimits::new(fds.e2b_connections)
+            };
+            Some(tokio::spawn(serve::serve_e2b(l, router, limits, stop_rx.clone())))
         }
         None => None,
     };
     let app = api::router(host.clone());
-    // On SIGTERM/SIGINT stop accepting, let in-flight requests finish for a moment, then go:
-    // a long exec stream must not keep the daemon (and its state-directory lock) alive.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let limits = serve::ApiLimits::new(fds.api_connections);
     let server = tokio::spawn(serve::serve(listener, app, limits, stop_rx));
     shutdown_signal().await;

@@ -1,4 +1,5 @@
-//! The API server on `<state>/crab.sock`, bounded like the LLM proxy: at most
+//! The API server on `<state>/crab.sock` and the E2B port, on the same bounded listener as the
+//! LLM proxy (`crab_coordinator::listener`): at most
 //! `max_connections` connections at once (sized by the daemon's file-descriptor budget; one
 //! past it gets a JSON 503 and is closed), a header-read timeout (also the idle limit of a
 //! kept-alive connection), a deadline on reading a request body, a body-size cap, and every
@@ -14,13 +15,13 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use http_body_util::BodyExt;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crab_common::{ApiError, ErrorCode};
 use crab_coordinator::limits::{refusal_bytes, ConnGate, DeadlineBody};
+use crab_coordinator::listener;
 
 /// Largest API request body: an `exec -i` stdin of up to ~48 MiB travels base64-encoded in it.
 pub const API_MAX_BODY: usize = 64 << 20;
@@ -57,71 +58,78 @@ pub async fn serve(
     limits: ApiLimits,
     stop: watch::Receiver<bool>,
 ) {
-    let body_timeout = limits.body_read_timeout;
-    let app = app
-        .layer(axum::middleware::map_response(json_errors))
-        .layer(axum::middleware::map_request(move |req: Request| async move {
-            req.map(|b| Body::new(DeadlineBody::new(b, Some(body_timeout))))
-        }))
-        .layer(DefaultBodyLimit::max(limits.max_body_bytes));
+    let app = bounded(app.layer(axum::middleware::map_response(json_errors)), &limits);
     let gate = ConnGate::new(limits.max_connections);
-    let mut conns = tokio::task::JoinSet::new();
-    let mut stopping = stop.clone();
+    let bounds = listener::Bounds {
+        gates: vec![gate.clone()],
+        header_read_timeout: Some(limits.header_read_timeout),
+        drain: true,
+        name: "api",
+    };
     let mut last_warn: Option<std::time::Instant> = None;
-    loop {
-        let accepted = tokio::select! {
-            () = stopped(&mut stopping) => break,
-            a = listener.accept() => a,
-        };
-        let stream = match accepted {
-            Ok((s, _)) => s,
-            Err(e) => {
-                // EMFILE/ENFILE: the descriptors are gone for now; back off instead of spinning.
-                tracing::warn!(error = %e, "API accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        while conns.try_join_next().is_some() {}
-        let Some(permit) = gate.try_enter() else {
-            let e = ApiError::new(
-                ErrorCode::Busy,
-                format!("the daemon has {} API connections open, its limit", gate.limit()),
-                "retry shortly; close idle clients",
-            );
-            let _ =
-                stream.try_write(&refusal_bytes(&serde_json::to_string(&e).unwrap_or_default()));
-            if last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
-                last_warn = Some(std::time::Instant::now());
-                tracing::warn!(limit = gate.limit(), "API connections refused at the cap");
-            }
-            continue;
-        };
-        let svc = TowerToHyperService::new(app.clone());
-        let mut stop = stop.clone();
-        conns.spawn(async move {
-            let _permit = permit;
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .serve_connection(TokioIo::new(stream), svc);
-            tokio::pin!(conn);
-            let res = tokio::select! {
-                r = conn.as_mut() => r,
-                () = stopped(&mut stop) => {
-                    conn.as_mut().graceful_shutdown();
-                    conn.await
-                }
-            };
-            if let Err(e) = res {
-                tracing::debug!(error = %e, "API connection ended with an error");
-            }
-        });
-    }
-    while conns.join_next().await.is_some() {}
+    let refuse = move |stream: &tokio::net::UnixStream, _gate: usize| {
+        let e = ApiError::new(
+            ErrorCode::Busy,
+            format!("the daemon has {} API connections open, its limit", gate.limit()),
+            "retry shortly; close idle clients",
+        );
+        let body = serde_json::to_string(&e).unwrap_or_default();
+        <UnixListener as listener::Accept>::try_write(stream, &refusal_bytes(&body));
+        if last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+            last_warn = Some(std::time::Instant::now());
+            tracing::warn!(limit = gate.limit(), "API connections refused at the cap");
+        }
+    };
+    let svc = TowerToHyperService::new(app);
+    listener::serve(listener, bounds, svc, refuse, stopped(stop)).await;
 }
 
-async fn stopped(rx: &mut watch::Receiver<bool>) {
+/// Serve the E2B-compatible `app` on `listener` with the same bounds as the API socket (its
+/// own connection cap, from the descriptor budget), until `stop` turns true. A connection past
+/// the cap gets E2B's error shape (`{"code": 503, "message"}`).
+pub async fn serve_e2b(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: ApiLimits,
+    stop: watch::Receiver<bool>,
+) {
+    let app = bounded(app, &limits);
+    let gate = ConnGate::new(limits.max_connections);
+    let bounds = listener::Bounds {
+        gates: vec![gate.clone()],
+        header_read_timeout: Some(limits.header_read_timeout),
+        drain: true,
+        name: "e2b",
+    };
+    let mut last_warn: Option<std::time::Instant> = None;
+    let refuse = move |stream: &tokio::net::TcpStream, _gate: usize| {
+        let body = serde_json::json!({
+            "code": 503,
+            "message": format!("the E2B API has {} connections open, its limit; retry shortly", gate.limit()),
+        });
+        <tokio::net::TcpListener as listener::Accept>::try_write(
+            stream,
+            &refusal_bytes(&body.to_string()),
+        );
+        if last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+            last_warn = Some(std::time::Instant::now());
+            tracing::warn!(limit = gate.limit(), "E2B connections refused at the cap");
+        }
+    };
+    let svc = TowerToHyperService::new(app);
+    listener::serve(listener, bounds, svc, refuse, stopped(stop)).await;
+}
+
+/// `app` with the body deadline and the body-size cap of `limits`.
+fn bounded(app: Router, limits: &ApiLimits) -> Router {
+    let body_timeout = limits.body_read_timeout;
+    app.layer(axum::middleware::map_request(move |req: Request| async move {
+        req.map(|b| Body::new(DeadlineBody::new(b, Some(body_timeout))))
+    }))
+    .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
 }
 

@@ -155,6 +155,23 @@ pub(super) enum BenchCmd {
         #[arg(long)]
         no_bare: bool,
     },
+    /// E2B's `/health` for one sandbox with 1 sandbox on the host vs N, beside what the old
+    /// front door asked the host for the same answer (every sandbox listed). Needs a daemon
+    /// with --e2b-listen and no sandboxes.
+    E2bHealth {
+        /// Image to create sandboxes from.
+        #[arg(long, default_value = "debian")]
+        image: String,
+        /// Sandboxes in the "many" arm.
+        #[arg(long, default_value_t = 64)]
+        sandboxes: usize,
+        /// Calls per series.
+        #[arg(long, default_value_t = 300)]
+        calls: usize,
+        /// The daemon's E2B address.
+        #[arg(long, env = "CRAB_E2B_LISTEN", default_value = "127.0.0.1:3000")]
+        e2b: String,
+    },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
         /// Image to create sandboxes from.
@@ -489,6 +506,37 @@ pub(super) async fn run(
                     r.load_before,
                     r.load_after,
                     r.others.join(", ")
+                );
+            }
+        }
+        BenchCmd::E2bHealth { image, sandboxes, calls, e2b } => {
+            eprintln!("bench e2b-health: {calls} calls per series, 1 vs {sandboxes} sandboxes ...");
+            let opts = crab_bench::e2b_health::HealthOptions {
+                image: &image,
+                sandboxes: sandboxes.max(2),
+                calls: calls.max(1),
+                e2b: &e2b,
+            };
+            let r = crab_bench::e2b_health::run(client, &opts).await?;
+            if json {
+                print_json(&r);
+            } else {
+                let many = format!("{} sandboxes", r.sandboxes);
+                latency_table(
+                    &[
+                        ("E2B /health, 1 sandbox", &r.health_1_ms),
+                        (&format!("E2B /health, {many}"), &r.health_n_ms),
+                        ("E2B /health, 1 sandbox again", &r.health_1_after_ms),
+                        ("/health between list-alls, 1 sandbox", &r.health_1_mixed_ms),
+                        (&format!("/health between list-alls, {many}"), &r.health_n_mixed_ms),
+                        ("list all (old liveness), 1 sandbox", &r.list_1_ms),
+                        (&format!("list all (old liveness), {many}"), &r.list_n_ms),
+                    ],
+                    3,
+                );
+                println!(
+                    "p50 ratio {many} / 1: /health {:.2}x, list-all {:.2}x",
+                    r.health_ratio_p50, r.list_ratio_p50
                 );
             }
         }

@@ -14,6 +14,7 @@ mod checkpoints;
 mod e2b;
 mod images;
 mod inspect;
+mod procs;
 mod remote;
 mod sandboxes;
 pub mod serve;

@@ -66,7 +66,7 @@ def test_stdin_and_kill(sandbox: Sandbox) -> None:
 
 
 def test_background_process_survives_restore(sandbox: Sandbox) -> None:
-    if not sandbox.restores_processes():
+    if not sandbox.restores_processes:
         pytest.skip("this daemon keeps files only")
     h = sandbox.commands.run("echo up; while [ ! -e /tmp/go ]; do sleep 0.05; done; exit 6", background=True)
     assert next(iter(h)).text == "up\n"

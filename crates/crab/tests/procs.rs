@@ -84,8 +84,9 @@ fn start_list_follow_with_replay_and_exit_status() {
     .unwrap();
     assert_eq!((String::from_utf8_lossy(&out).as_ref(), exit), ("two\n", Some(7)));
     // JSON: the same, as a document.
-    let j: serde_json::Value =
-        serde_json::from_str(&crab_ok(&["--json", "logs", &sb.name, &id])).unwrap();
+    let o = crab(&["--json", "logs", &sb.name, &id]);
+    assert_eq!(o.status.code(), Some(7));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(j["stdout"], "one\ntwo\n");
     assert_eq!(j["exit_code"], 7);
     // Unknown ids are refused clearly; env, cwd and user reach the command.
@@ -221,7 +222,7 @@ fn comes_back_after_restore_and_in_a_fork() {
     let p: serde_json::Value =
         serde_json::from_str(&crab_ok(&["--json", "checkpoint", &sb.name, "--kind", "full"]))
             .unwrap();
-    let point = p["id"].as_str().unwrap().to_string();
+    let point = p["point"]["id"].as_str().unwrap().to_string();
     // The process ends after the checkpoint; the restore brings back the running one.
     sb.sh_ok("touch /tmp/go");
     assert_eq!(logs(&sb.name, &id, true).2, 5);

@@ -42,8 +42,9 @@ pub const MAX_PROCS: usize = 64;
 
 /// Entries of [`PROCS_DIR`] read at most (the sandbox may fill it with anything).
 const SCAN_MAX: usize = 4 * MAX_PROCS;
-/// Bytes of `meta.json` read at most.
-const META_MAX: u64 = 256 * 1024;
+/// Bytes of `meta.json` at most: written (argv, env and the rest of a start request) and read.
+/// It travels as one argument of the launcher, and Linux takes at most 128 KiB per argument.
+const META_MAX: u64 = 64 * 1024;
 /// Bytes of `pid`, `exit` read at most.
 const SMALL_MAX: u64 = 32;
 /// Bytes of a process's `/proc/<pid>/cmdline` read to recognize a supervisor.
@@ -257,6 +258,8 @@ fn read_proc(
     })
 }
 
+/// The process ids in the sandbox's [`PROCS_DIR`]: at most [`MAX_PROCS`] of the first
+/// [`SCAN_MAX`] entries (a sandbox that fills it with more only hides its own processes).
 fn ids(root: &InRoot) -> Vec<String> {
     let mut v: Vec<String> = root
         .names(Path::new(PROCS_DIR.trim_start_matches('/')), SCAN_MAX)
@@ -264,6 +267,7 @@ fn ids(root: &InRoot) -> Vec<String> {
         .filter(|n| valid_id(n))
         .collect();
     v.sort();
+    v.truncate(MAX_PROCS);
     v
 }
 
@@ -429,9 +433,21 @@ fn as_user(user: Option<&str>, env: &[String], cmd: &[String]) -> Vec<String> {
     }
 }
 
+/// The lock that serializes the starts in sandbox `name` (entries nobody holds are dropped).
+fn start_lock(name: &str) -> Arc<tokio::sync::Mutex<()>> {
+    type Locks = std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>;
+    static LOCKS: std::sync::OnceLock<Locks> = std::sync::OnceLock::new();
+    let mut g = LOCKS.get_or_init(Locks::default).lock().unwrap_or_else(|p| p.into_inner());
+    g.retain(|_, l| Arc::strong_count(l) > 1);
+    g.entry(name.to_string()).or_default().clone()
+}
+
 /// Start `req` as a background process of sandbox `name`; answers it as listed.
 pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Result<ProcInfo> {
     validate(&req)?;
+    // One start at a time per sandbox: the cap and the tag are checked, then taken.
+    let lock = start_lock(&name);
+    let _held = lock.lock().await;
     let (rt2, name2) = (rt.clone(), name.clone());
     let existing = tokio::task::spawn_blocking(move || list(&rt2, &name2))
         .await
@@ -471,6 +487,12 @@ pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Res
     };
     let meta_json = serde_json::to_string(&meta)
         .map_err(|e| SandboxError::Other(format!("encoding the process's meta: {e}")))?;
+    if meta_json.len() as u64 > META_MAX {
+        return Err(SandboxError::Invalid(format!(
+            "the command, environment, cwd and tag of a background process take {} bytes; at most {META_MAX} (pass large data through a file or its stdin)",
+            meta_json.len()
+        )));
+    }
     let argv = as_user(req.user.as_deref(), &req.env, &req.cmd);
     let dir = dir_abs(&id);
     let cwd = req.cwd.clone().unwrap_or_else(|| "/".into());

@@ -118,6 +118,10 @@ fn start_list_follow_with_replay_and_exit_status() {
     assert_eq!(proc_of(&sb.name, &id2)["tag"], "t1");
     let o = crab(&["exec", "-d", "-w", "/nonexistent", &sb.name, "--", "true"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("working directory"), "{o:?}");
+    // argv and env are bounded (they travel as one argument of the launcher).
+    let big = format!("BIG={}", "x".repeat(70_000));
+    let o = crab(&["exec", "-d", "-e", &big, &sb.name, "--", "true"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at most 65536"), "{o:?}");
 }
 
 #[test]

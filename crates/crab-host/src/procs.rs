@@ -25,6 +25,15 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Host {
+    /// The id a selector names: an id as is, `tag:NAME` and `pid:N` looked up.
+    async fn proc_id(&self, name: &str, id: String) -> Result<String, HostError> {
+        if procs::valid_id(&id) {
+            return Ok(id);
+        }
+        let name = name.to_string();
+        Ok(blocking(&self.runtime, move |rt| procs::select(rt, &name, &id)).await?.id)
+    }
+
     /// `Action::ProcStart`.
     pub(crate) async fn proc_start(
         &self,
@@ -59,6 +68,7 @@ impl Host {
         follow: bool,
     ) -> Result<Outcome, HostError> {
         // Unknown sandboxes and processes are refused before the stream starts.
+        let id = self.proc_id(&name, id).await?;
         let (n, i) = (name.clone(), id.clone());
         blocking(&self.runtime, move |rt| procs::info(rt, &n, &i)).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
@@ -73,6 +83,7 @@ impl Host {
         id: String,
         data: Vec<u8>,
     ) -> Result<Outcome, HostError> {
+        let id = self.proc_id(&name, id).await?;
         let written = procs::send_input(self.runtime.clone(), name, id, data).await?;
         Ok(Outcome::StdinWritten(StdinWritten { written, eof: false }))
     }
@@ -83,6 +94,7 @@ impl Host {
         name: String,
         id: String,
     ) -> Result<Outcome, HostError> {
+        let id = self.proc_id(&name, id).await?;
         let p = procs::close_input(self.runtime.clone(), name, id).await?;
         Ok(Outcome::Proc(Box::new(p)))
     }
@@ -94,6 +106,7 @@ impl Host {
         id: String,
         signal: String,
     ) -> Result<Outcome, HostError> {
+        let id = self.proc_id(&name, id).await?;
         let p = procs::signal(self.runtime.clone(), name, id, signal).await?;
         Ok(Outcome::Proc(Box::new(p)))
     }

@@ -116,6 +116,10 @@ fn start_list_follow_with_replay_and_exit_status() {
     let (o, _, c) = logs(&sb.name, &id2, true);
     assert_eq!((o.as_str(), c), ("hi /tmp procuser\n", 0));
     assert_eq!(proc_of(&sb.name, &id2)["tag"], "t1");
+    // E2B's selectors: by tag and by the supervisor's pid in the sandbox.
+    assert_eq!(logs(&sb.name, "tag:t1", true).0, "hi /tmp procuser\n");
+    let pid = proc_of(&sb.name, &id2)["pid"].as_u64().unwrap();
+    assert_eq!(logs(&sb.name, &format!("pid:{pid}"), true).0, "hi /tmp procuser\n");
     let o = crab(&["exec", "-d", "-w", "/nonexistent", &sb.name, "--", "true"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("working directory"), "{o:?}");
     // argv and env are bounded (they travel as one argument of the launcher).
@@ -173,7 +177,8 @@ fn signals_reach_the_command() {
     let (o, _, c) = logs(&sb.name, &id, true);
     assert_eq!((o.as_str(), c), ("ready\ntermed\n", 3));
     let id = start(&sb.name, &["sleep", "1000"]);
-    crab_ok(&["signal", &sb.name, &id, "-s", "9"]);
+    let pid = proc_of(&sb.name, &id)["pid"].as_u64().unwrap();
+    crab_ok(&["signal", &sb.name, &format!("pid:{pid}"), "-s", "9"]);
     assert_eq!(logs(&sb.name, &id, true).2, 137);
     // An ended process is not signalled; a bad signal is refused.
     let o = crab(&["signal", &sb.name, &id]);

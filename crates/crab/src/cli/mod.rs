@@ -57,7 +57,8 @@ enum Cmd {
     Exec(exec::ExecArgs),
     /// List a sandbox's background processes (`crab exec -d`).
     Ps(procs::PsArgs),
-    /// Print a background process's output so far; `-f` follows it until it ends.
+    /// Print a background process's output from its start; `-f` follows it until it ends.
+    /// Exits with the process's exit code once it ended (0 while it runs).
     Logs(procs::LogsArgs),
     /// Send a signal to a background process (TERM by default).
     Signal(procs::SignalArgs),

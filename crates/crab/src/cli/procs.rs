@@ -178,6 +178,8 @@ pub(super) async fn signal(
     let p = client.proc_signal(&a.sandbox, &a.id, &a.signal).await?;
     if json {
         print_json(&p);
+    } else {
+        println!("{}", p.id);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -176,10 +176,18 @@ fn parse_small<T: std::str::FromStr>(root: &InRoot, rel: &Path) -> Option<T> {
     std::str::from_utf8(&b).ok()?.trim().parse().ok()
 }
 
-/// The supervisors running in sandbox `name`: their pid in the sandbox → their cmdline
-/// (bounded), found by walking its cgroup.
-fn supervisors(rt: &Runtime, name: &str) -> std::collections::HashMap<u32, Vec<u8>> {
-    let mut out = std::collections::HashMap::new();
+/// A supervisor found running: its cmdline (bounded) and its host pid with its start time.
+struct Sup {
+    cmdline: Vec<u8>,
+    host: (u32, u64),
+}
+
+type Sups = std::collections::HashMap<u32, Sup>;
+
+/// The supervisors running in sandbox `name`, by their pid in the sandbox, found by walking
+/// its cgroup (`NSpid`, cmdline).
+fn supervisors(rt: &Runtime, name: &str) -> Sups {
+    let mut out = Sups::new();
     for hp in rt.cgroup(name).pids().unwrap_or_default() {
         let Some(cmdline) = read_host_bounded(&format!("/proc/{hp}/cmdline"), CMDLINE_MAX) else {
             continue;
@@ -196,8 +204,9 @@ fn supervisors(rt: &Runtime, name: &str) -> std::collections::HashMap<u32, Vec<u
             .find_map(|l| l.strip_prefix("NSpid:"))
             .and_then(|l| l.split_whitespace().last())
             .and_then(|p| p.parse::<u32>().ok());
-        if let Some(p) = nspid {
-            out.insert(p, cmdline);
+        let start = crate::runtime::process_start_time(hp);
+        if let (Some(p), Some(start)) = (nspid, start) {
+            out.insert(p, Sup { cmdline, host: (hp, start) });
         }
     }
     out
@@ -213,9 +222,15 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
-fn is_running(sups: &std::collections::HashMap<u32, Vec<u8>>, id: &str, pid: Option<u32>) -> bool {
+/// The supervisor of process `id` (pid `pid` in the sandbox), if it runs: its host pid and
+/// start time.
+fn running_supervisor(sups: &Sups, id: &str, pid: Option<u32>) -> Option<(u32, u64)> {
     let want = format!("\0{}\0", dir_abs(id));
-    pid.and_then(|p| sups.get(&p)).is_some_and(|c| contains(c, want.as_bytes()))
+    pid.and_then(|p| sups.get(&p)).filter(|s| contains(&s.cmdline, want.as_bytes())).map(|s| s.host)
+}
+
+fn is_running(sups: &Sups, id: &str, pid: Option<u32>) -> bool {
+    running_supervisor(sups, id, pid).is_some()
 }
 
 fn file_len(root: &InRoot, rel: &Path) -> u64 {
@@ -223,11 +238,7 @@ fn file_len(root: &InRoot, rel: &Path) -> u64 {
 }
 
 /// Read one process's files (`None`: no such process directory). Nothing here is trusted.
-fn read_proc(
-    root: &InRoot,
-    sups: &std::collections::HashMap<u32, Vec<u8>>,
-    id: &str,
-) -> Option<ProcInfo> {
+fn read_proc(root: &InRoot, sups: &Sups, id: &str) -> Option<ProcInfo> {
     let d = dir_rel(id);
     let meta_bytes = root.read_bounded(&d.join("meta.json"), META_MAX);
     let pid: Option<u32> = parse_small(root, &d.join("pid"));
@@ -735,6 +746,7 @@ async fn output_inner(
     let mut err = Cursor { rel: d.join("err"), off: offsets.1, stdout: false };
     let exit_rel = d.join("exit");
     let mut lost = first.state == ProcState::Lost;
+    let mut known: Option<(u32, u64)> = None;
     let mut tick: u32 = 0;
     loop {
         // The root is opened anew each time: a restore puts a new one in its place.
@@ -759,16 +771,22 @@ async fn output_inner(
         }
         tick = tick.wrapping_add(1);
         if tick.is_multiple_of(ALIVE_EVERY) {
-            let (rt2, name2, id2) = (rt.clone(), name.to_string(), id.to_string());
-            let running = tokio::task::spawn_blocking(move || {
-                let root = root_of(&rt2, &name2)?;
-                let pid = parse_small(&root, &dir_rel(&id2).join("pid"));
-                Ok::<_, SandboxError>(is_running(&supervisors(&rt2, &name2), &id2, pid))
-            })
-            .await
-            .map_err(|e| SandboxError::Other(format!("checking the process: {e}")))??;
+            // The supervisor's host pid, once found, is checked alone (its start time tells a
+            // reused pid); a restore gives it a new one, found again by a walk of the cgroup.
+            let still = known
+                .is_some_and(|(hp, start)| crate::runtime::process_start_time(hp) == Some(start));
+            if !still {
+                let (rt2, name2, id2) = (rt.clone(), name.to_string(), id.to_string());
+                known = tokio::task::spawn_blocking(move || {
+                    let root = root_of(&rt2, &name2)?;
+                    let pid = parse_small(&root, &dir_rel(&id2).join("pid"));
+                    Ok::<_, SandboxError>(running_supervisor(&supervisors(&rt2, &name2), &id2, pid))
+                })
+                .await
+                .map_err(|e| SandboxError::Other(format!("checking the process: {e}")))??;
+            }
             // Not running: one more round reads its exit status or reports it lost.
-            lost = !running;
+            lost = known.is_none();
             if lost {
                 continue;
             }

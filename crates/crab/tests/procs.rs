@@ -318,3 +318,25 @@ fn processes_per_sandbox_are_capped() {
     assert!(v.iter().all(|p| p["id"] != ids[0].as_str()), "the ended one was not removed");
     assert!(v.iter().any(|p| p["id"] == newer.as_str()));
 }
+
+/// A follow of a process whose sandbox stops under it ends, saying the process was lost; the
+/// listing says `lost` too.
+#[test]
+fn a_follow_ends_when_its_sandbox_stops() {
+    require_root!();
+    let sb = Sandbox::new("t-procs-lost");
+    let id = start(&sb.name, &["sleep", "1000"]);
+    let mut f = std::process::Command::new(common::bin())
+        .args(["--state-dir", common::state_dir().to_str().unwrap()])
+        .args(["logs", "-f", &sb.name, &id])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    crab_ok(&["docker", "kill", &sb.name]);
+    assert!(wait_until(30.0, || f.try_wait().unwrap().is_some()), "the follow did not end");
+    let out = f.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("was lost"), "{out:?}");
+    assert_eq!(proc_of(&sb.name, &id)["state"], "lost");
+}

@@ -371,12 +371,22 @@ async fn run_program(rt: &Arc<Runtime>, name: &str, req: ExecRequest) -> Result<
                 ran.code = code;
                 return Ok(ran);
             }
-            ExecFrame::Error { error } => {
-                return Err(SandboxError::Other(format!("sandbox {name}: {}", error.message)))
-            }
+            ExecFrame::Error { error } => return Err(from_exec_error(name, error)),
         }
     }
     Err(SandboxError::Other(format!("sandbox {name}: the exec ended without an exit status")))
+}
+
+/// The exec's error as this layer's, keeping its kind (a dead sandbox stays a conflict).
+fn from_exec_error(name: &str, e: crab_common::ApiError) -> SandboxError {
+    use crab_common::ErrorCode;
+    match e.code {
+        ErrorCode::SandboxNotFound => SandboxError::NoSandbox(name.to_string()),
+        ErrorCode::Conflict => SandboxError::Conflict(e.message),
+        ErrorCode::InvalidRequest => SandboxError::Invalid(e.message),
+        ErrorCode::Timeout => SandboxError::Timeout(e.message),
+        _ => SandboxError::Other(format!("sandbox {name}: {}", e.message)),
+    }
 }
 
 fn sh(script: &str, args: &[&str]) -> Vec<String> {

@@ -339,4 +339,10 @@ fn a_follow_ends_when_its_sandbox_stops() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("was lost"), "{out:?}");
     assert_eq!(proc_of(&sb.name, &id)["state"], "lost");
+    // Nothing starts in, or is signalled in, a stopped sandbox (a conflict, not a failure).
+    let o = crab(&["--json", "exec", "-d", &sb.name, "--", "true"]);
+    let e: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(e["code"], "conflict", "{o:?}");
+    let o = crab(&["signal", &sb.name, &id]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("lost"), "{o:?}");
 }

@@ -14,6 +14,7 @@ use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crab_common::api::{ExecFrame, ProcInfo, ProcSignalRequest, ProcStartRequest, StdinWrite};
 use crab_common::{ApiError, ErrorCode};
 
 /// A client of one daemon.
@@ -111,11 +112,22 @@ impl Client {
         &self,
         path: &str,
         body: &B,
-        mut on_frame: impl FnMut(F),
+        on_frame: impl FnMut(F),
     ) -> Result<(), ApiError> {
         let body = serde_json::to_vec(body)
             .map_err(|e| ApiError::internal(format!("encoding request: {e}")))?;
-        let mut resp = self.send(Method::POST, path, Some(body)).await?.into_body();
+        self.stream_with(Method::POST, path, Some(body), on_frame).await
+    }
+
+    /// A streaming call of any method (`GET .../output`).
+    pub async fn stream_with<F: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        mut on_frame: impl FnMut(F),
+    ) -> Result<(), ApiError> {
+        let mut resp = self.send(method, path, body).await?.into_body();
         let mut buf: Vec<u8> = Vec::new();
         while let Some(frame) = resp.frame().await {
             let frame =
@@ -132,6 +144,81 @@ impl Client {
             }
         }
         Ok(())
+    }
+}
+
+/// The background-process service (`crab exec -d`, `crab ps`, `crab logs`, `crab signal`).
+impl Client {
+    /// Start a background process in sandbox `name`.
+    pub async fn proc_start(
+        &self,
+        name: &str,
+        req: &ProcStartRequest,
+    ) -> Result<ProcInfo, ApiError> {
+        self.call(Method::POST, &format!("/v1/sandboxes/{name}/procs"), Some(req)).await
+    }
+
+    /// The background processes of sandbox `name`.
+    pub async fn proc_list(&self, name: &str) -> Result<Vec<ProcInfo>, ApiError> {
+        self.call::<(), _>(Method::GET, &format!("/v1/sandboxes/{name}/procs"), None).await
+    }
+
+    /// One background process (`id`, or `tag:NAME`).
+    pub async fn proc_get(&self, name: &str, id: &str) -> Result<ProcInfo, ApiError> {
+        self.call::<(), _>(Method::GET, &format!("/v1/sandboxes/{name}/procs/{id}"), None).await
+    }
+
+    /// Its output from `offsets` (bytes of stdout and stderr already seen), then with `follow`
+    /// until it ends: `on_frame` gets `Stdout`/`Stderr` frames and finally `Exit` (it exited)
+    /// or `Error`; a read without `follow` of a running process ends with neither.
+    pub async fn proc_output(
+        &self,
+        name: &str,
+        id: &str,
+        offsets: (u64, u64),
+        follow: bool,
+        on_frame: impl FnMut(ExecFrame),
+    ) -> Result<(), ApiError> {
+        let path = format!(
+            "/v1/sandboxes/{name}/procs/{id}/output?follow={follow}&stdout_offset={}&stderr_offset={}",
+            offsets.0, offsets.1
+        );
+        self.stream_with(Method::GET, &path, None, on_frame).await
+    }
+
+    /// Write `data` to its stdin (then close it with `eof`).
+    pub async fn proc_stdin(
+        &self,
+        name: &str,
+        id: &str,
+        data: &[u8],
+        eof: bool,
+    ) -> Result<serde_json::Value, ApiError> {
+        use base64::Engine as _;
+        let req = StdinWrite { d: base64::engine::general_purpose::STANDARD.encode(data), eof };
+        self.call(Method::POST, &format!("/v1/sandboxes/{name}/procs/{id}/stdin"), Some(&req)).await
+    }
+
+    /// Close its stdin.
+    pub async fn proc_close_stdin(&self, name: &str, id: &str) -> Result<ProcInfo, ApiError> {
+        self.call::<(), _>(
+            Method::POST,
+            &format!("/v1/sandboxes/{name}/procs/{id}/close-stdin"),
+            None,
+        )
+        .await
+    }
+
+    /// Send it `signal` (a name like `TERM` or a number).
+    pub async fn proc_signal(
+        &self,
+        name: &str,
+        id: &str,
+        signal: &str,
+    ) -> Result<ProcInfo, ApiError> {
+        let req = ProcSignalRequest { signal: signal.to_string() };
+        self.call(Method::POST, &format!("/v1/sandboxes/{name}/procs/{id}/signal"), Some(&req))
+            .await
     }
 }
 

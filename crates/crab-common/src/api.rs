@@ -454,6 +454,98 @@ pub struct StdinWritten {
     pub eof: bool,
 }
 
+/// `POST /v1/sandboxes/{name}/procs`: start a background process (`crab exec -d`). It runs
+/// detached under a supervisor in the sandbox that keeps its output, stdin and exit status in
+/// a directory of its own there, so it outlives the request, a daemon restart and a
+/// checkpoint/restore/fork.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcStartRequest {
+    /// argv; the first element is looked up in the sandbox's `PATH`.
+    pub cmd: Vec<String>,
+    /// Extra environment, `KEY=VALUE`.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Working directory inside the sandbox (default `/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// The account it runs as (default root); other accounts need util-linux's `setpriv`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// A name of the caller's choosing to find it by (E2B's tag), unique among the sandbox's
+    /// running processes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Give it a stdin fed through `POST .../procs/{id}/stdin` (else `/dev/null`).
+    #[serde(default)]
+    pub stdin: bool,
+}
+
+/// Where a background process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProcState {
+    /// Its supervisor runs.
+    Running,
+    /// It ended; `exit_code` says how.
+    Exited,
+    /// It neither runs nor left an exit status (the sandbox was stopped or died under it).
+    Lost,
+}
+
+/// A background process of a sandbox. Everything but `id` is read back from the sandbox and
+/// is only as true as the sandbox lets it be.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcInfo {
+    /// Its id (16 hex digits), stable across daemon restarts, restores and forks.
+    pub id: String,
+    /// Its supervisor's pid inside the sandbox (E2B's pid), when known.
+    pub pid: Option<u32>,
+    /// argv.
+    pub cmd: Vec<String>,
+    /// The environment it was given, `KEY=VALUE`.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Working directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// The account it runs as.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// The caller's tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Whether it has a stdin fed through the API.
+    #[serde(default)]
+    pub stdin: bool,
+    /// When it started (Unix seconds).
+    #[serde(default)]
+    pub started_at: u64,
+    /// Running, exited or lost.
+    pub state: ProcState,
+    /// Its exit status once it exited (128+N when a signal N ended it, shell convention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Bytes of stdout kept so far.
+    #[serde(default)]
+    pub stdout_bytes: u64,
+    /// Bytes of stderr kept so far.
+    #[serde(default)]
+    pub stderr_bytes: u64,
+}
+
+/// `POST /v1/sandboxes/{name}/procs/{id}/signal`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcSignalRequest {
+    /// Signal name (`TERM`, `KILL`, `INT`, `HUP`, ... with or without `SIG`) or number.
+    pub signal: String,
+}
+
+impl Default for ProcSignalRequest {
+    fn default() -> Self {
+        ProcSignalRequest { signal: "TERM".into() }
+    }
+}
+
 /// One frame of an exec's streamed response.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "t", rename_all = "lowercase")]

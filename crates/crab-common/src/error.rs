@@ -18,6 +18,8 @@ pub enum ErrorCode {
     ImageNotFound,
     /// The named checkpoint does not exist.
     CheckpointNotFound,
+    /// The named background process does not exist in that sandbox.
+    ProcessNotFound,
     /// A sandbox or image with that name already exists.
     NameConflict,
     /// The object is in a state that does not allow the operation (e.g. removing a running
@@ -58,7 +60,8 @@ impl ErrorCode {
             ErrorCode::InvalidRequest | ErrorCode::UnsafeArchive => 400,
             ErrorCode::SandboxNotFound
             | ErrorCode::ImageNotFound
-            | ErrorCode::CheckpointNotFound => 404,
+            | ErrorCode::CheckpointNotFound
+            | ErrorCode::ProcessNotFound => 404,
             ErrorCode::NameConflict | ErrorCode::Conflict => 409,
             ErrorCode::CorruptCheckpoint => 422,
             ErrorCode::Timeout => 504,
@@ -79,6 +82,7 @@ impl ErrorCode {
             ErrorCode::SandboxNotFound => "sandbox_not_found",
             ErrorCode::ImageNotFound => "image_not_found",
             ErrorCode::CheckpointNotFound => "checkpoint_not_found",
+            ErrorCode::ProcessNotFound => "process_not_found",
             ErrorCode::NameConflict => "name_conflict",
             ErrorCode::Conflict => "conflict",
             ErrorCode::UnsafeArchive => "unsafe_archive",

@@ -121,6 +121,63 @@ pub enum Action {
         /// Close its stdin after them.
         eof: bool,
     },
+    /// Start a background process (`crab exec -d`): detached, under a supervisor in the
+    /// sandbox; answers it as listed ([`Outcome::Proc`]).
+    ProcStart {
+        /// Sandbox name.
+        name: String,
+        /// Command, environment, cwd, user, tag, stdin.
+        req: crab_common::api::ProcStartRequest,
+    },
+    /// List a sandbox's background processes.
+    ProcList {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Describe one background process (`id`, `tag:NAME` or `pid:N`).
+    ProcGet {
+        /// Sandbox name.
+        name: String,
+        /// Process id.
+        id: String,
+    },
+    /// Stream a background process's output from `offsets` (bytes of stdout, stderr already
+    /// seen), then with `follow` until it ends; the outcome is a stream of exec frames.
+    ProcOutput {
+        /// Sandbox name.
+        name: String,
+        /// Process id.
+        id: String,
+        /// Bytes of stdout and of stderr to skip.
+        offsets: (u64, u64),
+        /// Keep streaming until the process ends.
+        follow: bool,
+    },
+    /// Write to a background process's stdin.
+    ProcStdin {
+        /// Sandbox name.
+        name: String,
+        /// Process id.
+        id: String,
+        /// Bytes to write.
+        data: Vec<u8>,
+    },
+    /// Close a background process's stdin.
+    ProcCloseStdin {
+        /// Sandbox name.
+        name: String,
+        /// Process id.
+        id: String,
+    },
+    /// Signal a background process (its command's process group).
+    ProcSignal {
+        /// Sandbox name.
+        name: String,
+        /// Process id.
+        id: String,
+        /// Signal name or number.
+        signal: String,
+    },
     /// The inspector's verdict on the current turn; `close` also closes the turn.
     Inspect {
         /// Sandbox name.
@@ -293,6 +350,13 @@ impl Action {
             Action::Exec { .. } => "exec",
             Action::ExecStdin { .. } => "exec_stdin",
             Action::ExecAttach { .. } => "exec_attach",
+            Action::ProcStart { .. } => "proc_start",
+            Action::ProcList { .. } => "proc_list",
+            Action::ProcGet { .. } => "proc_get",
+            Action::ProcOutput { .. } => "proc_output",
+            Action::ProcStdin { .. } => "proc_stdin",
+            Action::ProcCloseStdin { .. } => "proc_close_stdin",
+            Action::ProcSignal { .. } => "proc_signal",
             Action::Inspect { .. } => "inspect",
             Action::Checkpoint { .. } => "checkpoint",
             Action::ListCheckpoints { .. } => "list_checkpoints",
@@ -432,6 +496,10 @@ pub enum Outcome {
     Exec(mpsc::Receiver<ExecFrame>),
     /// Bytes written to an exec session's stdin.
     StdinWritten(crab_common::api::StdinWritten),
+    /// One background process.
+    Proc(Box<crab_common::api::ProcInfo>),
+    /// Background processes.
+    Procs(Vec<crab_common::api::ProcInfo>),
     /// A verdict.
     Verdict(Box<Verdict>),
     /// A checkpoint taken.

@@ -73,7 +73,7 @@ pub struct HostOptions {
 /// Everything one machine runs for Crab, behind [`Host::execute`].
 #[derive(Debug)]
 pub struct Host {
-    runtime: Arc<Runtime>,
+    pub(crate) runtime: Arc<Runtime>,
     inspector: Result<Arc<Inspector>, ApiError>,
     checkpointer: Arc<Checkpointer>,
     policy: Arc<TurnPolicy>,
@@ -536,6 +536,15 @@ impl Host {
                 let written = self.runtime.sessions().write(&name, &session, data, eof).await?;
                 Ok(Outcome::StdinWritten(crab_common::api::StdinWritten { written, eof }))
             }
+            Action::ProcStart { name, req } => self.proc_start(name, req).await,
+            Action::ProcList { name } => self.proc_list(name).await,
+            Action::ProcGet { name, id } => self.proc_get(name, id).await,
+            Action::ProcOutput { name, id, offsets, follow } => {
+                self.proc_output(name, id, offsets, follow).await
+            }
+            Action::ProcStdin { name, id, data } => self.proc_stdin(name, id, data).await,
+            Action::ProcCloseStdin { name, id } => self.proc_close_stdin(name, id).await,
+            Action::ProcSignal { name, id, signal } => self.proc_signal(name, id, signal).await,
             Action::Inspect { name, close } => {
                 self.runtime.record(&name)?;
                 let inspector = self.inspector()?.clone();

@@ -30,6 +30,14 @@ pub enum SandboxError {
     /// No such sandbox.
     #[error("no sandbox named {0:?}")]
     NoSandbox(String),
+    /// No such background process in that sandbox.
+    #[error("sandbox {sandbox:?} has no background process {id}")]
+    NoProcess {
+        /// The sandbox.
+        sandbox: String,
+        /// The process id asked for.
+        id: String,
+    },
     /// No such image.
     #[error("no image named {0:?}")]
     NoImage(String),
@@ -118,6 +126,11 @@ impl From<SandboxError> for ApiError {
             SandboxError::NoSandbox(_) => {
                 ApiError::new(ErrorCode::SandboxNotFound, msg, "list sandboxes with `crab sandbox ls`")
             }
+            SandboxError::NoProcess { ref sandbox, .. } => ApiError::new(
+                ErrorCode::ProcessNotFound,
+                msg.clone(),
+                format!("list its background processes with `crab ps {sandbox}`"),
+            ),
             SandboxError::NoImage(_) => ApiError::new(
                 ErrorCode::ImageNotFound,
                 msg,

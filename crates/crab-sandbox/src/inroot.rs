@@ -244,6 +244,41 @@ impl InRoot {
         written
     }
 
+    /// Open regular file `rel` (resolved inside the root) for reading; `None` when it does not
+    /// exist or is not a regular file. Opened non-blocking and without following a final
+    /// symlink, so a FIFO or a link the sandbox put there can neither block nor redirect it.
+    pub fn open_regular(&self, rel: &Path) -> Option<File> {
+        let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK;
+        let fd = self.resolve(rel, flags, Mode::empty()).ok()?;
+        let f = File::from(fd);
+        f.metadata().ok()?.is_file().then_some(f)
+    }
+
+    /// At most `max` bytes of regular file `rel` (see [`InRoot::open_regular`]).
+    pub fn read_bounded(&self, rel: &Path, max: u64) -> Option<Vec<u8>> {
+        let f = self.open_regular(rel)?;
+        let mut out = Vec::new();
+        f.take(max).read_to_end(&mut out).ok()?;
+        Some(out)
+    }
+
+    /// The names in directory `rel` (resolved inside the root), at most `max` of them, in the
+    /// order the directory gives; empty when it is missing or not a directory.
+    pub fn names(&self, rel: &Path, max: usize) -> Vec<String> {
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW;
+        let Ok(fd) = self.resolve(rel, flags, Mode::empty()) else { return Vec::new() };
+        // `from_fd` owns the descriptor from here (closed on failure too).
+        let Ok(mut dir) = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(fd)) else {
+            return Vec::new();
+        };
+        dir.iter()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().ok().map(str::to_string))
+            .filter(|n| n != "." && n != "..")
+            .take(max)
+            .collect()
+    }
+
     /// Read regular file `rel` (resolved inside the root); `None` when it does not exist or is
     /// not a regular file.
     pub fn read(&self, rel: &Path) -> Option<Vec<u8>> {

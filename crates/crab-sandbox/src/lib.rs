@@ -3,7 +3,7 @@
 //! This crate owns everything a sandbox is made of on the host: the btrfs storage pool
 //! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`]), host-side writes inside a root that never leave it ([`inroot`]), cgroups ([`cgroup`]), the
 //! single-threaded namespace helpers ([`spawn`]), the registry of sandboxes with create, remove
-//! and adoption ([`runtime`]), running commands inside a sandbox ([`exec`]), the `nat` network mode ([`net`]), and the security
+//! and adoption ([`runtime`]), running commands inside a sandbox ([`exec`]), its background processes ([`procs`]), the `nat` network mode ([`net`]), and the security
 //! profile every sandboxed process runs under ([`profile`], [`seccomp`]).
 
 pub mod archive;
@@ -16,6 +16,7 @@ pub mod image;
 pub mod inroot;
 pub mod net;
 pub mod pool;
+pub mod procs;
 pub mod profile;
 pub mod quota;
 pub mod runtime;

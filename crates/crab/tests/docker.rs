@@ -134,6 +134,42 @@ fn mini_swe_agent_call_sequence_and_lifecycle() {
     assert_eq!(out.status.code(), Some(125), "removed sandbox still inspectable: {out:?}");
 }
 
+/// `run -d`'s command is a background process of the sandbox (tagged `docker-main`): `logs`
+/// replays its output, `logs -f` follows it to its end, and it comes back with `start`.
+#[test]
+fn run_detached_keeps_the_main_process_and_its_logs() {
+    ensure_daemon();
+    let (_dir, d) = docker_link();
+    let name = unique("t-dk-logs");
+    let _guard = Sandbox { name: name.clone() };
+    let script = "echo hello; echo oops >&2; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo bye";
+    ok(&d, &["run", "-d", "--name", &name, "debian", "sh", "-c", script]);
+    let hello = || String::from_utf8_lossy(&docker(&d, &["logs", &name], None).stdout) == "hello\n";
+    assert!(wait_until(10.0, hello), "{:?}", docker(&d, &["logs", &name], None));
+    let out = docker(&d, &["logs", &name], None);
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "oops\n");
+    let ps: Vec<serde_json::Value> =
+        serde_json::from_str(&crab_ok(&["--json", "ps", &name])).unwrap();
+    assert_eq!(ps.len(), 1, "{ps:?}");
+    assert_eq!(
+        (ps[0]["tag"].as_str(), ps[0]["state"].as_str()),
+        (Some("docker-main"), Some("running"))
+    );
+    // stop + start: the process comes back from the point, its output with it.
+    ok(&d, &["stop", &name]);
+    ok(&d, &["start", &name]);
+    assert_eq!(ok(&d, &["logs", &name]), "hello\n");
+    ok(&d, &["exec", &name, "touch", "/tmp/go"]);
+    assert_eq!(ok(&d, &["logs", "-f", &name]), "hello\nbye\n");
+    // A sandbox run without a command has no main process to show.
+    let bare = unique("t-dk-bare");
+    let _bare = Sandbox { name: bare.clone() };
+    ok(&d, &["run", "-d", "--name", &bare, "debian"]);
+    let out = docker(&d, &["logs", &bare], None);
+    assert_eq!(out.status.code(), Some(125), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no main process"), "{out:?}");
+}
+
 #[test]
 fn run_in_the_foreground_with_rm_and_refusals() {
     ensure_daemon();

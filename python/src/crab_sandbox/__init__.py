@@ -12,6 +12,8 @@ default ``/var/lib/crab/crab.sock``, or ``socket=``). Blocking::
         sb.exec("rm /work/a.txt")
         sb.restore(p)                       # files, processes, conversation back
         branches = sb.fork(4, p)            # four new sandboxes from p
+        h = sb.commands.run("python3 -m http.server", background=True)   # e2b-style
+        print(sb.commands.list(), h.pid)    # kept across restores, forks, daemon restarts
 
 and the same with ``await`` on :class:`AsyncSandbox`. Errors are the daemon's codes as
 exception classes (:mod:`crab_sandbox.errors`), each with a ``hint``.
@@ -39,21 +41,29 @@ from .errors import (
     NameConflictError,
     NotFoundError,
     PoolFullError,
+    ProcessNotFoundError,
     RequestTimeoutError,
     SandboxNotFoundError,
     TooLargeError,
     UnsafeArchiveError,
     UpstreamError,
 )
+from .commands import AsyncCommandHandle, AsyncCommands, CommandHandle, CommandInfo, CommandResult, Commands
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncCommandHandle",
+    "AsyncCommands",
     "AsyncDaemon",
     "AsyncSandbox",
     "BusyError",
     "Capabilities",
+    "CommandHandle",
+    "CommandInfo",
+    "CommandResult",
+    "Commands",
     "CapabilityError",
     "CheckpointNotFoundError",
     "CommandError",
@@ -76,6 +86,7 @@ __all__ = [
     "NotFoundError",
     "Point",
     "PoolFullError",
+    "ProcessNotFoundError",
     "RequestTimeoutError",
     "RestoreReport",
     "Sandbox",

@@ -8,13 +8,16 @@ import asyncio
 import json
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, Union
 
 import httpx
 
 from . import _common as c
 from .errors import CapabilityError, NotFoundError
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .commands import AsyncCommands
 
 __all__ = ["AsyncDaemon", "AsyncSandbox", "default_async_daemon"]
 
@@ -119,6 +122,13 @@ class AsyncSandbox:
     @property
     def _base(self) -> str:
         return f"/v1/sandboxes/{c.seg(self.name)}"
+
+    @property
+    def commands(self) -> "AsyncCommands":
+        """Foreground and background commands, e2b-style (:mod:`crab_sandbox.commands`)."""
+        from .commands import AsyncCommands
+
+        return AsyncCommands(self)
 
     @classmethod
     async def create(

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar, Union
 
 import httpx
 
 from . import _common as c
 from .errors import CapabilityError, NotFoundError
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .commands import Commands
 
 __all__ = ["Daemon", "Sandbox", "default_daemon"]
 
@@ -137,6 +140,13 @@ class Sandbox:
     @property
     def _base(self) -> str:
         return f"/v1/sandboxes/{c.seg(self.name)}"
+
+    @property
+    def commands(self) -> "Commands":
+        """Foreground and background commands, e2b-style (:mod:`crab_sandbox.commands`)."""
+        from .commands import Commands
+
+        return Commands(self)
 
     # --- getting one --------------------------------------------------------------------------
 

@@ -115,6 +115,12 @@ class CheckpointNotFoundError(NotFoundError):
     code = "checkpoint_not_found"
 
 
+class ProcessNotFoundError(NotFoundError):
+    """``process_not_found`` (404): no background process of that id in the sandbox."""
+
+    code = "process_not_found"
+
+
 class NameConflictError(CrabError):
     """``name_conflict`` (409): the name is taken."""
 
@@ -232,6 +238,7 @@ ERROR_CLASSES: Dict[str, Type[CrabError]] = {
         SandboxNotFoundError,
         ImageNotFoundError,
         CheckpointNotFoundError,
+        ProcessNotFoundError,
         NameConflictError,
         ConflictError,
         CorruptCheckpointError,

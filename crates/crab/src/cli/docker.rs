@@ -2,10 +2,11 @@
 //! shell out to `docker`, translated to the same daemon calls as the rest of the CLI.
 //!
 //! A container is a sandbox; its name is its id. `run` creates a sandbox from an image (and
-//! starts its command detached with `-d`), `exec` is `crab exec`, `stop` publishes a restore
+//! starts its command as a background process with `-d`), `exec` is `crab exec`, `stop` publishes a restore
 //! point and then kills the sandbox's processes (files and points stay; `start` restores the
 //! newest point), `kill` stops without a checkpoint, `rm` removes (with `-f` also a running
-//! one), `ps` and `inspect` describe, `cp` copies files and trees in and out (`docker_cp.rs`).
+//! one), `ps` and `inspect` describe, `logs` prints the output of `run -d`'s command (a background
+//! process of the sandbox, tagged `docker-main`), `cp` copies files and trees in and out (`docker_cp.rs`).
 //! Exit codes follow docker's: the command's own, 125 when Crab failed.
 
 use std::process::ExitCode;
@@ -13,7 +14,8 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use crab_client::{Client, Method};
 use crab_common::api::{
-    ExecRequest, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState, VersionInfo,
+    ExecRequest, Limits, NetMode, ProcStartRequest, SandboxCreateRequest, SandboxInfo,
+    SandboxState, VersionInfo,
 };
 use crab_common::ApiError;
 
@@ -24,12 +26,23 @@ use crate::output::{age, print_error, table};
 #[path = "docker_cp.rs"]
 mod cp;
 
+/// The tag of a container's main process (`run -d`), which `logs` prints.
+const MAIN_TAG: &str = "docker-main";
+
 #[derive(Debug, Subcommand)]
 pub(super) enum DockerCmd {
     /// Create a sandbox from an image and run a command in it (`-d`: detached; prints the name).
     Run(RunArgs),
     /// Run a command in a running sandbox.
     Exec(DockerExecArgs),
+    /// Print the output of a container's main process (`run -d`); `-f` follows it.
+    Logs {
+        /// Follow the output until the process ends.
+        #[arg(short = 'f', long = "follow")]
+        follow: bool,
+        /// Sandbox name.
+        name: String,
+    },
     /// Publish a restore point, then kill every process (files and restore points stay).
     Stop {
         /// Accepted for compatibility; there is no grace period (the checkpoint keeps the state).
@@ -245,6 +258,20 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
             };
             Ok(exec_streaming(client, &a.name, req, json).await)
         }
+        DockerCmd::Logs { follow, name } => {
+            let p = client.proc_get(&name, &format!("tag:{MAIN_TAG}")).await.map_err(|e| {
+                if e.code == crab_common::ErrorCode::ProcessNotFound {
+                    ApiError::invalid(
+                        format!("{name} has no main process to show the logs of"),
+                        "`docker logs` shows the output of the command given to `run -d`",
+                    )
+                } else {
+                    e
+                }
+            })?;
+            super::procs::print_output(client, &name, &p.id, follow, json).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         DockerCmd::Stop { time: _, names } => lifecycle(client, names, "stop", Some(true)).await,
         DockerCmd::Kill { signal, names } => {
             if let Some(s) = signal.as_deref().filter(|s| !matches!(*s, "KILL" | "SIGKILL" | "9")) {
@@ -405,22 +432,16 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
     }
     if a.detach {
         if !a.cmd.is_empty() {
-            // The command runs on with its output detached, as a container's main process
-            // would; the exec returns at once.
-            let mut cmd = vec![
-                "sh".into(),
-                "-c".into(),
-                "\"$@\" >/dev/null 2>&1 </dev/null &".into(),
-                "crab-docker-run".into(),
-            ];
-            cmd.extend(a.cmd);
-            let req = ExecRequest { cmd, env, workdir: a.workdir, ..Default::default() };
-            let code = exec_quiet(client, &name, req).await?;
-            if code != 0 {
-                return Err(ApiError::internal(format!(
-                    "starting the command in {name} failed (sh exited {code})"
-                )));
-            }
+            // The container's main process: a background process of the sandbox tagged
+            // `MAIN_TAG` (its output kept for `docker logs`, its exit status kept too).
+            let req = ProcStartRequest {
+                cmd: a.cmd,
+                env,
+                cwd: a.workdir,
+                tag: Some(MAIN_TAG.into()),
+                ..Default::default()
+            };
+            client.proc_start(&name, &req).await?;
         }
         if json {
             print_json(&s);

@@ -1,4 +1,5 @@
-//! `crab exec`: run a command in a sandbox, streaming its output (flags as `docker exec`).
+//! `crab exec`: run a command in a sandbox, streaming its output (flags as `docker exec`); with
+//! `-d` it starts a background process instead ([`super::procs`]).
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -24,9 +25,19 @@ pub(super) struct ExecArgs {
     /// Environment variable KEY=VALUE (repeatable).
     #[arg(short = 'e', long = "env")]
     env: Vec<String>,
-    /// Pass standard input through.
+    /// Pass standard input through (with `-d`: give the process a stdin fed through the API).
     #[arg(short = 'i', long = "interactive")]
     interactive: bool,
+    /// Run it in the background (detached, kept across daemon restarts, restores and forks);
+    /// prints its id for `crab logs`, `crab ps`, `crab signal`.
+    #[arg(short = 'd', long = "detach")]
+    detach: bool,
+    /// With `-d`: the account to run as (default root).
+    #[arg(short = 'u', long = "user", requires = "detach")]
+    user: Option<String>,
+    /// With `-d`: a tag to find the process by.
+    #[arg(long, requires = "detach")]
+    tag: Option<String>,
     /// Sandbox name.
     sandbox: String,
     /// The command and its arguments.
@@ -44,6 +55,24 @@ struct ExecResult {
 }
 
 pub(super) async fn run(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
+    if a.detach {
+        if a.timeout.is_some() {
+            print_error(&ApiError::invalid(
+                "--timeout does not apply to `crab exec -d`",
+                "stop a background process with `crab signal SB ID`",
+            ));
+            return ExitCode::from(125);
+        }
+        let req = crab_common::api::ProcStartRequest {
+            cmd: a.cmd,
+            env: a.env,
+            cwd: a.workdir,
+            user: a.user,
+            tag: a.tag,
+            stdin: a.interactive,
+        };
+        return super::procs::exec_detached(client, &a.sandbox, req, json).await;
+    }
     // With -i, stdin streams to the command as it arrives (an exec session), not read whole
     // first: `crab exec -i SB -- cat` answers line by line, and any size goes through.
     let session = a.interactive.then(|| {

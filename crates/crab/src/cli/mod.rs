@@ -12,6 +12,7 @@ mod daemon;
 mod docker;
 mod exec;
 mod image;
+mod procs;
 mod remote;
 mod sandbox;
 mod top;
@@ -52,8 +53,15 @@ enum Cmd {
     /// Manage sandboxes.
     #[command(subcommand)]
     Sandbox(sandbox::SandboxCmd),
-    /// Run a command in a sandbox (flags as `docker exec`).
+    /// Run a command in a sandbox (flags as `docker exec`; `-d` starts it in the background).
     Exec(exec::ExecArgs),
+    /// List a sandbox's background processes (`crab exec -d`).
+    Ps(procs::PsArgs),
+    /// Print a background process's output from its start; `-f` follows it until it ends.
+    /// Exits with the process's exit code once it ended (0 while it runs).
+    Logs(procs::LogsArgs),
+    /// Send a signal to a background process (TERM by default).
+    Signal(procs::SignalArgs),
     /// Take a checkpoint of a sandbox (publishes a new restore point).
     Checkpoint(checkpoint::CheckpointArgs),
     /// List a sandbox's restore points, or prune them.
@@ -88,7 +96,7 @@ enum Cmd {
         args: Vec<String>,
     },
     /// A docker-CLI front for harnesses that shell out to `docker` (run, exec, stop, start,
-    /// kill, rm, ps, inspect, cp); also reached as `crab-docker`, a link to this binary.
+    /// kill, rm, ps, inspect, logs, cp); also reached as `crab-docker`, a link to this binary.
     #[command(subcommand)]
     Docker(docker::DockerCmd),
 }
@@ -179,6 +187,9 @@ async fn run(cli: Cli) -> ExitCode {
         Cmd::Image(c) => image::run(&client, c, json).await,
         Cmd::Sandbox(c) => sandbox::run(&client, c, json).await,
         Cmd::Exec(a) => return exec::run(&client, a, json).await,
+        Cmd::Ps(a) => procs::ps(&client, a, json).await,
+        Cmd::Logs(a) => procs::logs(&client, a, json).await,
+        Cmd::Signal(a) => procs::signal(&client, a, json).await,
         Cmd::Docker(c) => return docker::run(&client, c, json).await,
         #[cfg(feature = "bench")]
         Cmd::Bench(b) => bench::run(&client, &state, b, json).await,

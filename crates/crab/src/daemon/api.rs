@@ -21,7 +21,7 @@ use crab_common::api::ProgressFrame;
 use crab_common::{ApiError, Progress};
 use crab_host::{Action, Host, HostError, Outcome};
 
-use super::{checkpoints, images, inspect, lifecycle, remote, sandboxes};
+use super::{checkpoints, images, inspect, lifecycle, procs, remote, sandboxes};
 
 /// The daemon's routes.
 pub fn router(d: Arc<Host>) -> Router {
@@ -39,6 +39,12 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/sandboxes/{name}/exec", post(sandboxes::exec))
         .route("/v1/sandboxes/{name}/exec/{session}/stdin", post(sandboxes::exec_stdin))
         .route("/v1/sandboxes/{name}/exec/{session}/attach", post(sandboxes::exec_attach))
+        .route("/v1/sandboxes/{name}/procs", get(procs::list).post(procs::start))
+        .route("/v1/sandboxes/{name}/procs/{id}", get(procs::get))
+        .route("/v1/sandboxes/{name}/procs/{id}/output", get(procs::output))
+        .route("/v1/sandboxes/{name}/procs/{id}/stdin", post(procs::stdin))
+        .route("/v1/sandboxes/{name}/procs/{id}/close-stdin", post(procs::close_stdin))
+        .route("/v1/sandboxes/{name}/procs/{id}/signal", post(procs::signal))
         .route("/v1/sandboxes/{name}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{name}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{name}/pause", post(lifecycle::pause))

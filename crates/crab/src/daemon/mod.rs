@@ -15,6 +15,7 @@ mod e2b;
 mod images;
 mod inspect;
 mod lifecycle;
+mod procs;
 mod remote;
 mod sandboxes;
 pub mod serve;

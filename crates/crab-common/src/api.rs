@@ -531,6 +531,10 @@ pub struct ProcInfo {
     /// Bytes of stderr kept so far.
     #[serde(default)]
     pub stderr_bytes: u64,
+    /// The last signal sent to it through the service (`KILL`, `TERM`, …): an exit code of
+    /// 128+N after signal N is that signal, not the command's own `exit`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signalled: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{name}/procs/{id}/signal`.

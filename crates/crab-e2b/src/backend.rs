@@ -7,8 +7,8 @@
 use std::future::Future;
 
 use crab_common::api::{
-    BranchSettings, ExecFrame, ExecRequest, LabelledPoint, SandboxCreateRequest, SandboxInfo,
-    SandboxState,
+    BranchSettings, ExecFrame, ExecRequest, LabelledPoint, ProcInfo, ProcStartRequest,
+    SandboxCreateRequest, SandboxInfo, SandboxState,
 };
 use crab_common::{ApiError, CheckpointKind};
 use tokio::sync::mpsc;
@@ -82,4 +82,50 @@ pub trait Backend: Send + Sync + 'static {
     fn delete_label(&self, label: String) -> impl Future<Output = Result<(), ApiError>> + Send;
     /// Names of the images (E2B templates).
     fn images(&self) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
+    /// Start a background process (the host's one process service).
+    fn proc_start(
+        &self,
+        name: String,
+        req: ProcStartRequest,
+    ) -> impl Future<Output = Result<ProcInfo, ApiError>> + Send;
+    /// Every background process of `name` (running, and ended ones not removed yet).
+    fn proc_list(
+        &self,
+        name: String,
+    ) -> impl Future<Output = Result<Vec<ProcInfo>, ApiError>> + Send;
+    /// One background process, by id, `pid:N` or `tag:T`.
+    fn proc_get(
+        &self,
+        name: String,
+        sel: String,
+    ) -> impl Future<Output = Result<ProcInfo, ApiError>> + Send;
+    /// Its output from `offsets` (bytes of stdout, stderr already seen), following it with
+    /// `follow`, as exec frames (the last an `Exit`, or an `Error` when it was lost).
+    fn proc_output(
+        &self,
+        name: String,
+        id: String,
+        offsets: (u64, u64),
+        follow: bool,
+    ) -> impl Future<Output = Result<mpsc::Receiver<ExecFrame>, ApiError>> + Send;
+    /// Write to its stdin.
+    fn proc_stdin(
+        &self,
+        name: String,
+        sel: String,
+        data: Vec<u8>,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Close its stdin.
+    fn proc_close_stdin(
+        &self,
+        name: String,
+        sel: String,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Send it `signal` (`KILL`, `TERM`).
+    fn proc_signal(
+        &self,
+        name: String,
+        sel: String,
+        signal: String,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
 }

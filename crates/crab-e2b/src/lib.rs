@@ -10,6 +10,7 @@ pub mod auth;
 pub mod backend;
 pub mod connect;
 pub mod envd;
+pub mod process;
 pub mod rest;
 pub mod server;
 pub mod shell;

@@ -6,11 +6,10 @@
 //! restart keeps it — and the per-sandbox access tokens, derived from the store's secret.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequest, Multipart, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -22,15 +21,14 @@ use crab_common::api::{
     SandboxState,
 };
 use crab_common::{ApiError, CheckpointKind, ErrorCode};
-use tokio::sync::mpsc;
 
 use crate::auth::{ct_eq, random_hex, Keys};
 use crate::backend::Backend;
 use crate::connect::{self, CallKind, Code, ConnectError};
-use crate::envd::{self, DataEvent, EndEvent, EventResponse, ProcessConfig, ProcessEvent};
+use crate::envd;
 use crate::rest::{self, ApiErrorBody};
 use crate::shell::{self, FsFailure};
-use crate::store::{SandboxFile, Store, StoredEnd, StoredProcess};
+use crate::store::Store;
 
 /// The envd protocol version Crab answers as (the SDK enables features by it: default user,
 /// octet-stream uploads, file metadata).
@@ -41,9 +39,6 @@ pub const DEFAULT_TIMEOUT_S: u64 = 300;
 pub const MAX_UPLOAD: usize = 100 << 20;
 /// Largest sandbox timeout (E2B's Pro limit, 24 h).
 pub const MAX_TIMEOUT_S: u64 = 86_400;
-/// How many ended envd processes a sandbox remembers (for `Connect` by pid after the end).
-pub const ENDED_KEPT: usize = 32;
-
 /// How the front door is configured.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -55,76 +50,11 @@ pub struct Config {
     pub store: Store,
 }
 
-/// The front door: its configuration, the host actions, and the envd processes per sandbox.
+/// The front door: its configuration and the host actions. It keeps no state of a sandbox.
 #[derive(Debug)]
 pub struct E2b<B> {
-    backend: Arc<B>,
+    pub(crate) backend: Arc<B>,
     cfg: Config,
-    sandboxes: Mutex<HashMap<String, Arc<Sb>>>,
-}
-
-/// The envd side of one sandbox: its processes. Everything else about it is the host's.
-#[derive(Debug)]
-struct Sb {
-    id: String,
-    token: String,
-    /// envd processes by pid: running ones and the last [`ENDED_KEPT`] that ended.
-    procs: Mutex<HashMap<u32, Arc<Proc>>>,
-    /// Sandbox directories of processes reported ended, removed by the next start.
-    gc: Mutex<Vec<String>>,
-    /// A lifecycle step in progress that ends exec streams (what a stream's end means).
-    step: Mutex<Step>,
-    /// Serialises pause, resume and kill of this sandbox through this front door (the
-    /// host serialises them too; this keeps the process table's bookkeeping in step).
-    lifecycle: tokio::sync::Mutex<()>,
-}
-
-/// A lifecycle step that stops a sandbox's processes, so that the exec streams of its envd
-/// processes end without the processes having ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Step {
-    None,
-    Pausing,
-    Killing,
-}
-
-/// A process started through envd. It runs in the sandbox under a supervisor of its own
-/// (`shell::launch`), detached from any exec stream; while one is attached (the start's, or a
-/// `shell::follow` after a restart or a resume) its output fans out to every connected stream.
-#[derive(Debug)]
-struct Proc {
-    /// The supervisor's pid in the sandbox.
-    pid: u32,
-    tag: Option<String>,
-    config: ProcessConfig,
-    /// Its directory in the sandbox.
-    dir: String,
-    subs: Mutex<Vec<mpsc::UnboundedSender<Result<ProcessEvent, ConnectError>>>>,
-    st: Mutex<ProcState>,
-}
-
-#[derive(Debug, Default)]
-struct ProcState {
-    /// How it ended; `None` while it runs.
-    ended: Option<EndEvent>,
-    /// When it ended (orders the ended ones, the oldest forgotten first).
-    ended_seq: u64,
-    /// An exec stream follows it (and `gen` is that stream's).
-    attached: bool,
-    /// Bumped whenever the attached stream is given up (pause, kill): a pump of an older
-    /// generation that ends says nothing.
-    gen: u64,
-    /// The signal the front door sent it.
-    signalled: Option<i32>,
-    /// The exit status its stream reported while a pause was in progress (used when a
-    /// re-attach after a refused pause finds no status in the sandbox).
-    seen: Option<i32>,
-}
-
-static ENDED_SEQ: AtomicU64 = AtomicU64::new(1);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -158,7 +88,7 @@ impl IntoResponse for RestError {
     }
 }
 
-fn api_to_connect(e: ApiError) -> ConnectError {
+pub(crate) fn api_to_connect(e: ApiError) -> ConnectError {
     let code = match e.code {
         ErrorCode::InvalidRequest | ErrorCode::UnsafeArchive => Code::InvalidArgument,
         ErrorCode::SandboxNotFound => Code::Unavailable,
@@ -175,12 +105,12 @@ fn api_to_connect(e: ApiError) -> ConnectError {
     ConnectError::new(code, msg)
 }
 
-type Shared<B> = Arc<E2b<B>>;
+pub(crate) type Shared<B> = Arc<E2b<B>>;
 
 impl<B: Backend> E2b<B> {
     /// A front door over `backend`.
     pub fn new(backend: Arc<B>, cfg: Config) -> Shared<B> {
-        Arc::new(E2b { backend, cfg, sandboxes: Mutex::new(HashMap::new()) })
+        Arc::new(E2b { backend, cfg })
     }
 
     /// The router (serve it with `axum::serve`).
@@ -200,7 +130,7 @@ impl<B: Backend> E2b<B> {
             .route("/templates/{id}", axum::routing::delete(delete_template::<B>))
             .route_layer(axum::middleware::from_fn_with_state(self.clone(), api_key::<B>));
         let envd = Router::new()
-            .route("/process.Process/{method}", post(process::<B>))
+            .route("/process.Process/{method}", post(crate::process::process::<B>))
             .route("/filesystem.Filesystem/{method}", post(filesystem::<B>))
             .route("/files", get(download::<B>).post(upload::<B>))
             .layer(DefaultBodyLimit::max(MAX_UPLOAD));
@@ -217,552 +147,56 @@ impl<B: Backend> E2b<B> {
             .with_state(self.clone())
     }
 
-    /// The envd side of sandbox `id`, which the host must know and not have retired (a
-    /// retired sandbox is one E2B killed: not found). One cheap host call.
-    async fn sandbox(&self, id: &str) -> Result<Arc<Sb>, RestError> {
+    /// Sandbox `id`, which the host must know and not have retired (a retired sandbox is one
+    /// E2B killed: not found). One cheap host call.
+    async fn sandbox(&self, id: &str) -> Result<(), RestError> {
         match self.backend.status(id.to_string()).await {
             Ok(SandboxState::Retired) => {}
-            Ok(_) => return Ok(self.entry(id)),
+            Ok(_) => return Ok(()),
             Err(e) if e.code == ErrorCode::SandboxNotFound => {}
             Err(e) => return Err(e.into()),
         }
-        lock(&self.sandboxes).remove(id);
         Err(RestError::new(404, format!("sandbox {id:?} not found")))
     }
 
-    /// The envd side of sandbox `id` (made on first use).
-    fn entry(&self, id: &str) -> Arc<Sb> {
-        lock(&self.sandboxes)
-            .entry(id.to_string())
-            .or_insert_with(|| {
-                Arc::new(Sb {
-                    id: id.to_string(),
-                    token: self.cfg.store.token(id),
-                    procs: Mutex::new(HashMap::new()),
-                    gc: Mutex::new(Vec::new()),
-                    step: Mutex::new(Step::None),
-                    lifecycle: tokio::sync::Mutex::new(()),
-                })
-            })
-            .clone()
-    }
-
-    /// What sandbox `sb` persists as: its envd process table.
-    fn file_of(&self, sb: &Sb) -> SandboxFile {
-        let mut processes: Vec<StoredProcess> =
-            lock(&sb.procs).values().map(|p| p.stored()).collect();
-        processes.sort_by_key(|p| p.pid);
-        SandboxFile::processes_of(&sb.id, processes, lock(&sb.gc).clone())
-    }
-
-    /// Write `sb`'s process table. A failure is logged, not answered: the sandbox works on,
-    /// but a daemon restart would forget its envd processes.
-    fn persist(&self, sb: &Sb) {
-        if let Err(e) = self.cfg.store.save(&self.file_of(sb)) {
-            tracing::error!(sandbox = %sb.id, error = %e, "cannot persist the envd process table of the sandbox; a daemon restart will forget its processes (check the state directory's disk)");
-        }
-    }
-
-    /// Drop every trace of sandbox `id` from the front door (memory and state file).
-    fn forget(&self, id: &str) {
-        lock(&self.sandboxes).remove(id);
-        if let Err(e) = self.cfg.store.delete(id) {
-            tracing::error!(sandbox = %id, error = %e, "cannot delete the E2B state file; remove it by hand");
-        }
-    }
-
-    /// Load the persisted process tables (call once, before serving; format ≤ 2 files were
-    /// migrated into the host's records by the daemon first) and follow again the envd
-    /// processes that ran when the daemon stopped; one that ended meanwhile is reported ended
-    /// (with the exit status its supervisor kept).
-    pub async fn restore_state(self: &Shared<B>) {
-        let files = self.cfg.store.load();
-        let n = files.len();
-        for f in files {
-            match self.backend.status(f.id.clone()).await {
-                Ok(SandboxState::Retired) | Err(_) => {
-                    // Gone from the host (or kept only for its points): nothing to follow.
-                    self.forget(&f.id);
-                    continue;
-                }
-                Ok(_) => {}
-            }
-            let sb = self.entry(&f.id);
-            *lock(&sb.procs) =
-                f.processes.into_iter().map(|p| (p.pid, Arc::new(Proc::from_stored(p)))).collect();
-            *lock(&sb.gc) = f.gc;
-        }
-        let known: Vec<Arc<Sb>> = lock(&self.sandboxes).values().cloned().collect();
-        for sb in &known {
-            if self.alive(sb).await {
-                self.reattach(sb).await;
-            }
-        }
-        if n > 0 {
-            tracing::info!(loaded = n, kept = known.len(), "E2B envd process tables restored");
-        }
-    }
-
-    fn created(&self, sb: &Sb, template: &str) -> rest::Created {
+    fn created(&self, id: &str, template: &str) -> rest::Created {
         rest::Created {
             template_id: template.to_string(),
-            sandbox_id: sb.id.clone(),
+            sandbox_id: id.to_string(),
             client_id: "crab".into(),
             envd_version: ENVD_VERSION.into(),
-            envd_access_token: sb.token.clone(),
+            envd_access_token: self.cfg.store.token(id),
         }
     }
 
-    /// Kill (the host's: retired when its snapshots outlive it, else removed); whatever ran
-    /// in it is gone, so every envd stream ends with the process killed.
-    async fn do_kill(&self, sb: &Arc<Sb>) -> Result<(), RestError> {
-        let _g = sb.lifecycle.lock().await;
-        *lock(&sb.step) = Step::Killing;
-        let r = match self.backend.kill(sb.id.clone()).await {
-            Ok(()) => Ok(()),
-            Err(e) if e.code == ErrorCode::SandboxNotFound => Ok(()),
-            Err(e) => Err(RestError::from(e)),
-        };
-        *lock(&sb.step) = Step::None;
-        if r.is_ok() {
-            for p in lock(&sb.procs).drain().map(|(_, p)| p).collect::<Vec<_>>() {
-                p.give_up(Ok(killed_end()));
-            }
-            self.forget(&sb.id);
-        }
-        r
-    }
-
-    /// Pause: nothing is touched before the host's pause, which checks what it can first
-    /// (the dump's capability) and leaves the sandbox running when it fails. On success the
-    /// envd processes live on in the pause point; their streams end (E2B's streams do not
-    /// survive a pause either). On failure they were never stopped: their streams go on, and
-    /// one whose exec stream ended while the pause was under way is followed again.
-    async fn do_pause(self: &Shared<B>, sb: &Arc<Sb>) -> Result<(), RestError> {
-        let _g = sb.lifecycle.lock().await;
-        *lock(&sb.step) = Step::Pausing;
-        let r = self.backend.pause(sb.id.clone()).await;
-        *lock(&sb.step) = Step::None;
-        match r {
-            Ok(_point) => {
-                let paused = ConnectError::new(
-                    Code::Unavailable,
-                    format!(
-                        "sandbox {} was paused; the process is kept in its pause point: after Sandbox.connect() commands.list() shows it again and commands.connect(pid) follows it",
-                        sb.id
-                    ),
-                );
-                for p in lock(&sb.procs).values() {
-                    p.give_up(Err(paused.clone()));
-                }
-                self.persist(sb);
-                Ok(())
-            }
-            Err(e) => {
-                self.reattach(sb).await;
-                Err(e.into())
-            }
-        }
-    }
-
-    /// Whether the host runs sandbox `sb`'s init (`true` when it cannot tell). One record
+    /// Whether the host runs sandbox `id`'s init (`true` when it cannot tell). One record
     /// and one `/proc` stat on the host, whatever the number of sandboxes.
-    async fn alive(&self, sb: &Sb) -> bool {
-        match self.backend.status(sb.id.clone()).await {
+    async fn alive(&self, id: &str) -> bool {
+        match self.backend.status(id.to_string()).await {
             Ok(s) => s == SandboxState::Running,
             Err(e) => e.code != ErrorCode::SandboxNotFound,
         }
     }
 
-    /// An exec in `sb` failed with `e`: the sandbox's death (told as E2B tells a sandbox that
+    /// An exec in `id` failed with `e`: the sandbox's death (told as E2B tells a sandbox that
     /// is not running), or `e`.
-    async fn exec_failed(&self, sb: &Sb, e: ApiError) -> ConnectError {
-        if e.code == ErrorCode::SandboxNotFound || !self.alive(sb).await {
-            return dead_error(&sb.id);
+    async fn exec_failed(&self, id: &str, e: ApiError) -> ConnectError {
+        if e.code == ErrorCode::SandboxNotFound || !self.alive(id).await {
+            return dead_error(id);
         }
         api_to_connect(e)
-    }
-
-    /// Follow every running envd process of `sb` that no exec stream follows (after a daemon
-    /// restart, a resume, a refused pause). Returns once each is followed or found ended.
-    async fn reattach(self: &Shared<B>, sb: &Arc<Sb>) {
-        let todo: Vec<Arc<Proc>> = lock(&sb.procs)
-            .values()
-            .filter(|p| {
-                let st = lock(&p.st);
-                st.ended.is_none() && !st.attached
-            })
-            .cloned()
-            .collect();
-        let mut set = tokio::task::JoinSet::new();
-        for p in todo {
-            let (me, sb) = (self.clone(), sb.clone());
-            set.spawn(async move { me.attach(&sb, &p).await });
-        }
-        while set.join_next().await.is_some() {}
-    }
-
-    /// Attach an exec stream to envd process `p` (`shell::follow`): it streams the output from
-    /// now on and ends with its exit status; or its header says the process already ended.
-    async fn attach(self: &Shared<B>, sb: &Arc<Sb>, p: &Arc<Proc>) {
-        let gen = {
-            let mut st = lock(&p.st);
-            if st.ended.is_some() || st.attached {
-                return;
-            }
-            st.attached = true;
-            st.gen
-        };
-        let req = ExecRequest {
-            cmd: shell::follow(&p.dir, p.pid),
-            workdir: Some("/".into()),
-            ..Default::default()
-        };
-        let head = exec_header(&*self.backend, sb.id.clone(), req).await;
-        match head {
-            Ok((h, rx, pending)) if h.running => {
-                tokio::spawn(pump(self.clone(), sb.clone(), p.clone(), rx, pending, gen));
-            }
-            Ok((h, _, _)) => {
-                let (seen, signalled) = {
-                    let st = lock(&p.st);
-                    (st.seen, st.signalled)
-                };
-                let end = match h.status.or(seen) {
-                    Some(code) => exit_end(code, signalled),
-                    None => EndEvent {
-                        exit_code: -1,
-                        exited: false,
-                        status: "unknown".into(),
-                        error: Some("the process ended while no exec stream followed it (a daemon restart or a pause) and left no exit status".into()),
-                    },
-                };
-                self.end_proc(sb, p, gen, Ok(end));
-            }
-            Err(f) => {
-                lock(&p.st).attached = false;
-                let why = f.error.map(|e| e.message).unwrap_or(f.stderr);
-                tracing::warn!(sandbox = %sb.id, pid = p.pid, error = %why, "cannot follow an envd process");
-            }
-        }
-    }
-
-    /// Record that `p` ended (as of stream generation `gen`) — persisted before any stream
-    /// hears of it, so a `List` after the end never shows it — then tell its streams.
-    fn end_proc(&self, sb: &Sb, p: &Proc, gen: u64, how: Result<EndEvent, ConnectError>) {
-        let end = match &how {
-            Ok(e) => e.clone(),
-            Err(e) => EndEvent {
-                exit_code: -1,
-                exited: false,
-                status: "unknown".into(),
-                error: Some(e.message.clone()),
-            },
-        };
-        {
-            let mut st = lock(&p.st);
-            if st.gen != gen || st.ended.is_some() {
-                return;
-            }
-            st.ended = Some(end);
-            st.ended_seq = ENDED_SEQ.fetch_add(1, Ordering::Relaxed);
-            st.attached = false;
-        }
-        lock(&sb.gc).push(p.dir.clone());
-        {
-            let mut procs = lock(&sb.procs);
-            let mut ended: Vec<(u64, u32)> = procs
-                .values()
-                .filter_map(|q| {
-                    let st = lock(&q.st);
-                    st.ended.as_ref().map(|_| (st.ended_seq, q.pid))
-                })
-                .collect();
-            if ended.len() > ENDED_KEPT {
-                ended.sort_unstable();
-                for (_, pid) in &ended[..ended.len() - ENDED_KEPT] {
-                    procs.remove(pid);
-                }
-            }
-        }
-        self.persist(sb);
-        p.finish(how);
-    }
-
-    /// `p`'s exec stream (generation `gen`) ended with `last`: the process ended, or a pause
-    /// or a kill of the sandbox is under way, or the sandbox died.
-    async fn stream_ended(&self, sb: &Sb, p: &Proc, gen: u64, last: Result<i32, ApiError>) {
-        if lock(&p.st).gen != gen {
-            return;
-        }
-        match *lock(&sb.step) {
-            Step::Killing => return self.end_proc(sb, p, gen, Ok(killed_end())),
-            // Stopped with the sandbox, or ending by itself: said after the pause (a refused
-            // pause follows it again; a resumed sandbox too).
-            Step::Pausing => {
-                let mut st = lock(&p.st);
-                st.attached = false;
-                st.seen = last.as_ref().ok().copied();
-                return;
-            }
-            Step::None => {}
-        }
-        if self.backend.status(sb.id.clone()).await.is_ok_and(|s| s == SandboxState::Paused) {
-            lock(&p.st).attached = false;
-            return;
-        }
-        let signalled = lock(&p.st).signalled;
-        let end = match last {
-            Ok(code) if signalled.is_some() || !(code == 137 || code == 255) => {
-                Ok(exit_end(code, signalled))
-            }
-            // Killed or without a status: was it the sandbox that died?
-            last => {
-                if !self.alive(sb).await {
-                    Err(dead_error(&sb.id))
-                } else {
-                    match last {
-                        Ok(code) => Ok(exit_end(code, signalled)),
-                        Err(e) => {
-                            let msg = if e.hint.is_empty() {
-                                e.message
-                            } else {
-                                format!("{} ({})", e.message, e.hint)
-                            };
-                            Ok(EndEvent {
-                                exit_code: -1,
-                                exited: false,
-                                status: "error".into(),
-                                error: Some(msg),
-                            })
-                        }
-                    }
-                }
-            }
-        };
-        self.end_proc(sb, p, gen, end);
     }
 }
 
 /// What the SDK is told of a sandbox whose init is gone (its message says "was not found", so
 /// the SDK raises `SandboxNotRunningException`).
-fn dead_error(id: &str) -> ConnectError {
+pub(crate) fn dead_error(id: &str) -> ConnectError {
     ConnectError::new(
         Code::Unavailable,
         format!(
             "The sandbox {id} was not found running: its processes ended outside the E2B API (its init is gone: killed, or stopped through Crab); Sandbox.connect() brings it back from its newest restore point, kill() removes it"
         ),
     )
-}
-
-/// The end of a process killed with the sandbox.
-fn killed_end() -> EndEvent {
-    EndEvent { exit_code: -1, exited: false, status: "signal: killed".into(), error: None }
-}
-
-/// The end of a process whose supervisor reported `code`; a process the front door signalled
-/// and that died of it ends as Go's envd reports a signal.
-fn exit_end(code: i32, signalled: Option<i32>) -> EndEvent {
-    match signalled {
-        Some(sig) if code == 128 + sig || code == 255 => EndEvent {
-            exit_code: -1,
-            exited: false,
-            status: if sig == 9 { "signal: killed".into() } else { "signal: terminated".into() },
-            error: None,
-        },
-        _ => EndEvent {
-            exit_code: code,
-            exited: true,
-            status: format!("exit status {code}"),
-            error: None,
-        },
-    }
-}
-
-/// The header line of a `shell::launch` / `shell::follow` stream.
-#[derive(Debug)]
-struct Header {
-    pid: u32,
-    running: bool,
-    /// `follow`'s exit status of an ended process, when it left one.
-    status: Option<i32>,
-}
-
-/// Why no header came.
-#[derive(Debug)]
-struct HeaderFail {
-    /// The exec's exit code.
-    code: Option<i32>,
-    /// What it printed on stderr.
-    stderr: String,
-    /// The exec's own failure.
-    error: Option<ApiError>,
-}
-
-/// Run `req` in sandbox `id` and read its header line ([`read_header`]); a failure to start
-/// the exec is a [`HeaderFail`] with the exec's error.
-async fn exec_header<B: Backend>(
-    backend: &B,
-    id: String,
-    req: ExecRequest,
-) -> Result<(Header, mpsc::Receiver<ExecFrame>, Vec<ExecFrame>), HeaderFail> {
-    match backend.exec(id, req).await {
-        Ok(rx) => read_header(rx).await,
-        Err(e) => Err(HeaderFail { code: None, stderr: String::new(), error: Some(e) }),
-    }
-}
-
-/// Read the header line off `rx`; answers it, the stream, and the frames that came with it
-/// (stderr, and stdout after the header's newline), in order.
-async fn read_header(
-    mut rx: mpsc::Receiver<ExecFrame>,
-) -> Result<(Header, mpsc::Receiver<ExecFrame>, Vec<ExecFrame>), HeaderFail> {
-    let b64 = base64::engine::general_purpose::STANDARD;
-    let mut line: Vec<u8> = Vec::new();
-    let mut pending = Vec::new();
-    let mut stderr = Vec::new();
-    loop {
-        match rx.recv().await {
-            Some(ExecFrame::Stdout { d }) => {
-                let bytes = b64.decode(&d).unwrap_or_default();
-                line.extend_from_slice(&bytes);
-                if let Some(nl) = line.iter().position(|b| *b == b'\n') {
-                    let rest = line.split_off(nl + 1);
-                    if !rest.is_empty() {
-                        pending.push(ExecFrame::Stdout { d: b64.encode(&rest) });
-                    }
-                    let text = String::from_utf8_lossy(&line).trim().to_string();
-                    let mut w = text.split_whitespace();
-                    let pid = w.next().and_then(|p| p.parse::<u32>().ok());
-                    let word = w.next();
-                    let status = w.next().and_then(|c| c.parse::<i32>().ok());
-                    return match pid {
-                        Some(pid) if pid > 0 => Ok((
-                            Header { pid, running: word != Some("ended"), status },
-                            rx,
-                            pending,
-                        )),
-                        _ => Err(HeaderFail {
-                            code: None,
-                            stderr: format!("bad envd header {text:?}"),
-                            error: None,
-                        }),
-                    };
-                }
-                if line.len() > 256 {
-                    return Err(HeaderFail {
-                        code: None,
-                        stderr: "no envd header line".into(),
-                        error: None,
-                    });
-                }
-            }
-            Some(ExecFrame::Stderr { d }) => {
-                stderr.extend(b64.decode(&d).unwrap_or_default());
-                pending.push(ExecFrame::Stderr { d });
-            }
-            Some(ExecFrame::Exit { code, .. }) => {
-                return Err(HeaderFail {
-                    code: Some(code),
-                    stderr: String::from_utf8_lossy(&stderr).trim().to_string(),
-                    error: None,
-                })
-            }
-            Some(ExecFrame::Error { error }) => {
-                return Err(HeaderFail { code: None, stderr: String::new(), error: Some(error) })
-            }
-            None => {
-                return Err(HeaderFail {
-                    code: None,
-                    stderr: "the exec stream ended before the process started".into(),
-                    error: None,
-                })
-            }
-        }
-    }
-}
-
-impl Proc {
-    fn from_stored(p: StoredProcess) -> Proc {
-        Proc {
-            pid: p.pid,
-            tag: p.tag,
-            config: ProcessConfig { cmd: p.cmd, args: p.args, envs: p.envs, cwd: p.cwd },
-            dir: p.dir,
-            subs: Mutex::new(Vec::new()),
-            st: Mutex::new(ProcState {
-                ended: p.ended.map(|e| EndEvent {
-                    exit_code: e.exit_code,
-                    exited: e.exited,
-                    status: e.status,
-                    error: e.error,
-                }),
-                ..Default::default()
-            }),
-        }
-    }
-
-    fn stored(&self) -> StoredProcess {
-        let st = lock(&self.st);
-        StoredProcess {
-            pid: self.pid,
-            tag: self.tag.clone(),
-            cmd: self.config.cmd.clone(),
-            args: self.config.args.clone(),
-            envs: self.config.envs.clone(),
-            cwd: self.config.cwd.clone(),
-            dir: self.dir.clone(),
-            ended: st.ended.as_ref().map(|e| StoredEnd {
-                exit_code: e.exit_code,
-                exited: e.exited,
-                status: e.status.clone(),
-                error: e.error.clone(),
-            }),
-        }
-    }
-
-    fn running(&self) -> bool {
-        lock(&self.st).ended.is_none()
-    }
-
-    fn subscribe(&self) -> Option<mpsc::UnboundedReceiver<Result<ProcessEvent, ConnectError>>> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        if !self.running() {
-            return None;
-        }
-        lock(&self.subs).push(tx);
-        Some(rx)
-    }
-
-    fn publish(&self, ev: ProcessEvent) {
-        lock(&self.subs).retain(|s| s.send(Ok(ev.clone())).is_ok());
-    }
-
-    /// Tell every stream how it ended (an end event, or an error end of stream) and close them.
-    fn finish(&self, how: Result<EndEvent, ConnectError>) {
-        let subs = std::mem::take(&mut *lock(&self.subs));
-        for s in subs {
-            let _ = s.send(how.clone().map(ProcessEvent::End));
-        }
-    }
-
-    /// Give up the attached exec stream (a pause stopped it, or the sandbox was killed):
-    /// `Ok(end)` records the process ended; `Err(e)` keeps it running, unattached. Its streams
-    /// are told either way.
-    fn give_up(&self, how: Result<EndEvent, ConnectError>) {
-        {
-            let mut st = lock(&self.st);
-            if st.ended.is_some() {
-                return;
-            }
-            st.gen += 1;
-            st.attached = false;
-            if let Ok(end) = &how {
-                st.ended = Some(end.clone());
-            }
-        }
-        self.finish(how);
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -918,9 +352,8 @@ async fn create<B: Backend>(
             })
             .await?;
     }
-    let sb = e2b.entry(&id);
-    tracing::info!(sandbox = %sb.id, template = %req.template_id, "E2B sandbox created");
-    Ok((StatusCode::CREATED, Json(e2b.created(&sb, &req.template_id))).into_response())
+    tracing::info!(sandbox = %id, template = %req.template_id, "E2B sandbox created");
+    Ok((StatusCode::CREATED, Json(e2b.created(&id, &req.template_id))).into_response())
 }
 
 fn check_env_key(k: &str) -> Result<(), String> {
@@ -1055,8 +488,14 @@ async fn kill<B: Backend>(
     State(e2b): State<Shared<B>>,
     Path(id): Path<String>,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id).await?;
-    e2b.do_kill(&sb).await?;
+    e2b.sandbox(&id).await?;
+    // The host retires it when its snapshots outlive it, else removes it; whatever ran in it
+    // is gone, and every envd stream following one of its processes ends with it killed.
+    match e2b.backend.kill(id.clone()).await {
+        Ok(()) => {}
+        Err(e) if e.code == ErrorCode::SandboxNotFound => {}
+        Err(e) => return Err(e.into()),
+    }
     tracing::info!(sandbox = %id, "E2B sandbox killed");
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -1134,7 +573,7 @@ async fn pause<B: Backend>(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id).await?;
+    e2b.sandbox(&id).await?;
     let req: rest::PauseRequest = body(&raw)?;
     if req.memory == Some(false) {
         return Err(RestError::new(
@@ -1142,7 +581,10 @@ async fn pause<B: Backend>(
             "a files-only pause is not supported: Crab pauses keep processes (omit mode, or use mode=\"full\")",
         ));
     }
-    e2b.do_pause(&sb).await?;
+    // Nothing is touched before the host's pause, which checks what it can first (the dump's
+    // capability) and leaves the sandbox running when it fails. On success the envd processes
+    // live on in the pause point and their streams end saying so.
+    e2b.backend.pause(id.clone()).await?;
     tracing::info!(sandbox = %id, "E2B sandbox paused");
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -1155,23 +597,17 @@ async fn connect_sb<B: Backend>(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, RestError> {
-    let sb = e2b.sandbox(&id).await?;
+    e2b.sandbox(&id).await?;
     let req: rest::ConnectRequest = body(&raw)?;
     let timeout = req.timeout.map(|t| t.clamp(1, MAX_TIMEOUT_S)).unwrap_or(DEFAULT_TIMEOUT_S);
-    let resumed = {
-        let _g = sb.lifecycle.lock().await;
-        e2b.backend.resume(id.clone(), timeout).await?
-    };
-    if resumed {
-        e2b.reattach(&sb).await;
-    }
+    let resumed = e2b.backend.resume(id.clone(), timeout).await?;
     let template = match e2b.backend.sandbox(id.clone()).await {
         Ok(i) => i.template.unwrap_or(i.image),
         Err(_) => String::new(),
     };
     tracing::info!(sandbox = %id, resumed, "E2B connect");
     let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
-    Ok((status, Json(e2b.created(&sb, &template))).into_response())
+    Ok((status, Json(e2b.created(&id, &template))).into_response())
 }
 
 async fn snapshot<B: Backend>(
@@ -1227,9 +663,8 @@ async fn fork<B: Backend>(
     for (name, r) in names.into_iter().zip(results) {
         match r {
             Ok(_) => {
-                let c = e2b.entry(&name);
                 out.push(rest::ForkResult {
-                    sandbox: Some(e2b.created(&c, &template)),
+                    sandbox: Some(e2b.created(&name, &template)),
                     error: None,
                 });
             }
@@ -1250,10 +685,10 @@ async fn fork<B: Backend>(
 // envd
 
 /// The sandbox an envd call is for, checked against its access token, and running.
-async fn envd_sandbox<B: Backend>(
+pub(crate) async fn envd_sandbox<B: Backend>(
     e2b: &E2b<B>,
     headers: &HeaderMap,
-) -> Result<Arc<Sb>, ConnectError> {
+) -> Result<String, ConnectError> {
     let id = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()).ok_or_else(|| {
         ConnectError::new(
             Code::InvalidArgument,
@@ -1286,11 +721,10 @@ async fn envd_sandbox<B: Backend>(
         }
         Err(e) => return Err(api_to_connect(e)),
     }
-    let sb = e2b.entry(id);
-    Ok(sb)
+    Ok(id.to_string())
 }
 
-fn call_user(headers: &HeaderMap) -> Result<String, ConnectError> {
+pub(crate) fn call_user(headers: &HeaderMap) -> Result<String, ConnectError> {
     shell::user_from_basic(headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()))
         .map_err(|m| ConnectError::new(Code::InvalidArgument, m))
 }
@@ -1304,7 +738,7 @@ struct Ran {
 
 async fn run_collect<B: Backend>(
     e2b: &E2b<B>,
-    sb: &Sb,
+    sb: &str,
     user: &str,
     argv: Vec<String>,
     stdin: Option<&[u8]>,
@@ -1318,7 +752,7 @@ async fn run_collect<B: Backend>(
         stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
         stdin_session: None,
     };
-    let mut rx = match e2b.backend.exec(sb.id.clone(), req).await {
+    let mut rx = match e2b.backend.exec(sb.to_string(), req).await {
         Ok(rx) => rx,
         Err(e) => return Err(e2b.exec_failed(sb, e).await),
     };
@@ -1337,7 +771,7 @@ async fn run_collect<B: Backend>(
                 }
                 // Killed: by the sandbox's death?
                 if code == 137 && !e2b.alive(sb).await {
-                    return Err(dead_error(&sb.id));
+                    return Err(dead_error(sb));
                 }
                 return Ok(Ran { code, stdout, stderr });
             }
@@ -1453,370 +887,12 @@ async fn filesystem_call<B: Backend>(
     }
 }
 
-fn unsupported(method: &str, headers: &HeaderMap) -> ConnectError {
+pub(crate) fn unsupported(method: &str, headers: &HeaderMap) -> ConnectError {
     let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("none");
     ConnectError::new(
         Code::InvalidArgument,
         format!("{method}: content type {ct:?} is not served; Crab speaks Connect's JSON codec (application/json, application/connect+json for streams)"),
     )
-}
-
-async fn process<B: Backend>(
-    State(e2b): State<Shared<B>>,
-    Path(method): Path<String>,
-    headers: HeaderMap,
-    raw: Bytes,
-) -> Response {
-    let stream = connect::call_kind(&headers) == Some(CallKind::Stream);
-    let r = match method.as_str() {
-        "Start" | "Connect" if stream => process_stream(&e2b, &method, &headers, &raw).await,
-        "Start" | "Connect" => Err(unsupported(&method, &headers)),
-        _ if stream => Err(ConnectError::new(
-            Code::Unimplemented,
-            format!("process.Process/{method} (a streaming call) is not supported by Crab's E2B front door"),
-        )),
-        _ => process_unary(&e2b, &method, &headers, &raw).await,
-    };
-    match r {
-        Ok(r) => r,
-        Err(e) if stream => e.stream_response(),
-        Err(e) => e.unary_response(),
-    }
-}
-
-/// The process `sel` names: by pid (running, or among the last ended), or by tag (running).
-fn find_proc(sb: &Sb, sel: Option<&envd::ProcessSelector>) -> Result<Arc<Proc>, ConnectError> {
-    let procs = lock(&sb.procs);
-    let found = match sel {
-        Some(envd::ProcessSelector { pid: Some(pid), .. }) => procs.get(pid).cloned(),
-        Some(envd::ProcessSelector { tag: Some(tag), .. }) => {
-            procs.values().find(|p| p.tag.as_deref() == Some(tag.as_str()) && p.running()).cloned()
-        }
-        _ => {
-            return Err(ConnectError::new(
-                Code::InvalidArgument,
-                "process selector (pid or tag) is required",
-            ))
-        }
-    };
-    found.ok_or_else(|| ConnectError::new(Code::NotFound, format!("process {sel:?} not found")))
-}
-
-async fn process_unary<B: Backend>(
-    e2b: &Shared<B>,
-    method: &str,
-    headers: &HeaderMap,
-    raw: &[u8],
-) -> Result<Response, ConnectError> {
-    if connect::call_kind(headers) != Some(CallKind::Unary) {
-        return Err(unsupported(method, headers));
-    }
-    let sb = envd_sandbox(e2b, headers).await?;
-    match method {
-        "List" => {
-            let mut processes: Vec<envd::ProcessInfo> = lock(&sb.procs)
-                .values()
-                .filter(|p| p.running())
-                .map(|p| envd::ProcessInfo {
-                    config: p.config.clone(),
-                    pid: p.pid,
-                    tag: p.tag.clone(),
-                })
-                .collect();
-            processes.sort_by_key(|p| p.pid);
-            Ok(connect::unary_ok(&envd::ListResponse { processes }))
-        }
-        "SendSignal" => {
-            let req: envd::SelectRequest = connect::decode_json(raw)?;
-            let (sig, name) = match req.signal {
-                Some(9) => (9, "KILL"),
-                Some(15) => (15, "TERM"),
-                other => {
-                    return Err(ConnectError::new(
-                        Code::InvalidArgument,
-                        format!("signal {other:?} is not supported; use SIGKILL or SIGTERM"),
-                    ))
-                }
-            };
-            let p = find_proc(&sb, req.process.as_ref())?;
-            if !p.running() {
-                return Err(ConnectError::new(
-                    Code::NotFound,
-                    format!("process {} has ended", p.pid),
-                ));
-            }
-            lock(&p.st).signalled = Some(sig);
-            let r = run_collect(e2b, &sb, "root", shell::signal(&p.dir, name), None).await?;
-            if r.code == 44 {
-                return Err(ConnectError::new(
-                    Code::NotFound,
-                    format!("process {} has no command left to signal", p.pid),
-                ));
-            }
-            // One no stream follows (after a restart or a resume) is followed now, so that
-            // its end is recorded.
-            if !lock(&p.st).attached {
-                let (e2b, sb, p) = (e2b.clone(), sb.clone(), p.clone());
-                tokio::spawn(async move { e2b.attach(&sb, &p).await });
-            }
-            Ok(connect::unary_ok(&serde_json::json!({})))
-        }
-        "SendInput" | "CloseStdin" => {
-            let req: envd::SelectRequest = connect::decode_json(raw)?;
-            let p = find_proc(&sb, req.process.as_ref())?;
-            if !p.running() {
-                return Err(ConnectError::new(
-                    Code::NotFound,
-                    format!("process {} has ended", p.pid),
-                ));
-            }
-            let r = if method == "SendInput" {
-                let data = input_bytes(req.input.as_ref())?;
-                run_collect(e2b, &sb, "root", shell::send_input(&p.dir), Some(&data)).await?
-            } else {
-                run_collect(e2b, &sb, "root", shell::close_input(&p.dir), None).await?
-            };
-            match r.code {
-                0 => Ok(connect::unary_ok(&serde_json::json!({}))),
-                44 => Err(ConnectError::new(
-                    Code::FailedPrecondition,
-                    format!("process {} has no stdin: start it with stdin=True (its stdin is closed once close_stdin is called)", p.pid),
-                )),
-                c => Err(ConnectError::new(
-                    Code::Internal,
-                    format!("{method} of process {}: exit {c}: {}", p.pid, String::from_utf8_lossy(&r.stderr).trim()),
-                )),
-            }
-        }
-        "Update" => {
-            let req: envd::SelectRequest = connect::decode_json(raw)?;
-            find_proc(&sb, req.process.as_ref())?;
-            Err(ConnectError::new(
-                Code::Unimplemented,
-                "process.Process/Update (a PTY's size) is not supported: Crab runs E2B commands without a PTY",
-            ))
-        }
-        other => Err(ConnectError::new(
-            Code::Unimplemented,
-            format!("process.Process/{other} is not supported by Crab's E2B front door"),
-        )),
-    }
-}
-
-/// `SendInput`'s bytes: `{"input": {"stdin": base64}}` (a `pty` input is refused).
-fn input_bytes(input: Option<&serde_json::Value>) -> Result<Vec<u8>, ConnectError> {
-    let bad = |m: &str| ConnectError::new(Code::InvalidArgument, m.to_string());
-    let v = input.ok_or_else(|| bad("input is required"))?;
-    if v.get("pty").is_some() {
-        return Err(ConnectError::new(
-            Code::Unimplemented,
-            "PTY input is not supported: Crab runs E2B commands without a PTY",
-        ));
-    }
-    let s = v
-        .get("stdin")
-        .and_then(|s| s.as_str())
-        .ok_or_else(|| bad("input.stdin (base64) is required"))?;
-    base64::engine::general_purpose::STANDARD
-        .decode(s)
-        .map_err(|e| bad(&format!("input.stdin is not base64: {e}")))
-}
-
-type Events = mpsc::UnboundedReceiver<Result<ProcessEvent, ConnectError>>;
-
-/// `Start`: the command runs under its supervisor (`shell::launch`); the start event goes out
-/// once the supervisor said its pid. `Connect`: a stream of a running process's output from
-/// now on, or, for one that ended, its end.
-async fn process_stream<B: Backend>(
-    e2b: &Shared<B>,
-    method: &str,
-    headers: &HeaderMap,
-    raw: &[u8],
-) -> Result<Response, ConnectError> {
-    let sb = envd_sandbox(e2b, headers).await?;
-    let (pid, events): (u32, Events) = if method == "Start" {
-        let req: envd::StartRequest = connect::decode_stream_request(raw)?;
-        if req.pty.is_some() {
-            return Err(ConnectError::new(
-                Code::Unimplemented,
-                "PTYs are not supported by Crab's E2B front door; use commands.run",
-            ));
-        }
-        let tag = req.tag.clone();
-        let config = req
-            .process
-            .ok_or_else(|| ConnectError::new(Code::InvalidArgument, "process is required"))?;
-        if config.cmd.is_empty() {
-            return Err(ConnectError::new(Code::InvalidArgument, "process.cmd is empty"));
-        }
-        let user = call_user(headers)?;
-        // The sandbox's own environment (the host's record), then the call's.
-        let own = e2b.backend.sandbox(sb.id.clone()).await.map_err(api_to_connect)?.env;
-        let mut envs: Vec<(String, String)> = own.into_iter().collect();
-        for (k, v) in &config.envs {
-            check_env_key(k).map_err(|m| ConnectError::new(Code::InvalidArgument, m))?;
-            envs.retain(|(k2, _)| k2 != k);
-            envs.push((k.clone(), v.clone()));
-        }
-        let mut argv = vec![config.cmd.clone()];
-        argv.extend(config.args.iter().cloned());
-        let (cmd, env) = shell::as_user(&user, &envs, argv);
-        let workdir =
-            config.cwd.clone().filter(|c| !c.is_empty()).unwrap_or_else(|| shell::home_of(&user));
-        let dir = format!("{}/{}", shell::ENVD_DIR, random_hex(8));
-        let gc = std::mem::take(&mut *lock(&sb.gc));
-        let req = ExecRequest {
-            cmd: shell::launch(&dir, &gc, req.stdin == Some(true), cmd),
-            env,
-            workdir: Some(workdir),
-            ..Default::default()
-        };
-        let head = exec_header(&*e2b.backend, sb.id.clone(), req).await;
-        let (h, rx, pending) = match head {
-            Ok(x) => x,
-            Err(f) => {
-                lock(&sb.gc).extend(gc);
-                return Err(match (f.error, f.code) {
-                    (Some(e), _) => e2b.exec_failed(&sb, e).await,
-                    (None, Some(126 | 127)) => ConnectError::new(Code::InvalidArgument, f.stderr),
-                    (None, Some(137)) if !e2b.alive(&sb).await => dead_error(&sb.id),
-                    (None, code) => ConnectError::new(
-                        Code::Internal,
-                        format!("the process did not start (exit {code:?}): {}", f.stderr),
-                    ),
-                });
-            }
-        };
-        let p = Arc::new(Proc {
-            pid: h.pid,
-            tag,
-            config,
-            dir,
-            subs: Mutex::new(Vec::new()),
-            st: Mutex::new(ProcState { attached: true, ..Default::default() }),
-        });
-        let events = p
-            .subscribe()
-            .ok_or_else(|| ConnectError::new(Code::Internal, "process ended at once"))?;
-        lock(&sb.procs).insert(p.pid, p.clone());
-        e2b.persist(&sb);
-        tokio::spawn(pump(e2b.clone(), sb.clone(), p.clone(), rx, pending, 0));
-        (p.pid, events)
-    } else {
-        let req: envd::SelectRequest = connect::decode_stream_request(raw)?;
-        let p = find_proc(&sb, req.process.as_ref())?;
-        let events = match p.subscribe() {
-            Some(ev) => {
-                if !lock(&p.st).attached {
-                    e2b.attach(&sb, &p).await;
-                }
-                ev
-            }
-            None => {
-                // Ended: its end, as the stream would have told it.
-                let (tx, rx) = mpsc::unbounded_channel();
-                if let Some(end) = lock(&p.st).ended.clone() {
-                    let _ = tx.send(Ok(ProcessEvent::End(end)));
-                }
-                rx
-            }
-        };
-        (p.pid, events)
-    };
-    let keepalive = headers
-        .get("keepalive-ping-interval")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .filter(|s| *s > 0)
-        .map(Duration::from_secs);
-    let deadline = connect::timeout_ms(headers).map(Duration::from_millis);
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
-    tokio::spawn(stream_events(pid, events, tx, keepalive, deadline));
-    Ok(connect::stream_head(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))))
-}
-
-/// Forward a process's events to one client stream: the start event, then what happens, until
-/// the end event (or an error end of stream), the deadline, or the client leaving.
-async fn stream_events(
-    pid: u32,
-    mut events: Events,
-    tx: mpsc::Sender<Result<Bytes, std::convert::Infallible>>,
-    keepalive: Option<Duration>,
-    deadline: Option<Duration>,
-) {
-    let send = |ev: ProcessEvent| connect::message(&EventResponse { event: ev });
-    if tx.send(Ok(send(ProcessEvent::Start { pid }))).await.is_err() {
-        return;
-    }
-    let sleep = tokio::time::sleep(deadline.unwrap_or(Duration::from_secs(u64::MAX / 4)));
-    tokio::pin!(sleep);
-    let mut ping = tokio::time::interval(keepalive.unwrap_or(Duration::from_secs(3600)));
-    ping.tick().await;
-    loop {
-        tokio::select! {
-            ev = events.recv() => match ev {
-                Some(Ok(ev)) => {
-                    let end = matches!(ev, ProcessEvent::End(_));
-                    if tx.send(Ok(send(ev))).await.is_err() {
-                        return;
-                    }
-                    if end {
-                        let _ = tx.send(Ok(connect::end_stream(None))).await;
-                        return;
-                    }
-                }
-                Some(Err(e)) => {
-                    let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
-                    return;
-                }
-                None => {
-                    let e = ConnectError::new(Code::Unavailable, "the process's output stream ended (the sandbox was paused or killed)");
-                    let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
-                    return;
-                }
-            },
-            _ = ping.tick(), if keepalive.is_some() => {
-                if tx.send(Ok(send(ProcessEvent::Keepalive {}))).await.is_err() {
-                    return;
-                }
-            }
-            _ = &mut sleep, if deadline.is_some() => {
-                let e = ConnectError::new(Code::DeadlineExceeded, "the stream's timeout passed; the process keeps running (connect to it again by pid)");
-                let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
-                return;
-            }
-            _ = tx.closed() => return,
-        }
-    }
-}
-
-/// Own the exec stream attached to `p` (generation `gen`): fan its output out as envd
-/// events; when it ends, say what that means ([`E2b::stream_ended`]). The process itself does
-/// not depend on this stream: a client leaving, or the stream ending, never kills it.
-async fn pump<B: Backend>(
-    e2b: Shared<B>,
-    sb: Arc<Sb>,
-    p: Arc<Proc>,
-    mut rx: mpsc::Receiver<ExecFrame>,
-    pending: Vec<ExecFrame>,
-    gen: u64,
-) {
-    let mut pending = pending.into_iter();
-    let last = loop {
-        let f = match pending.next() {
-            Some(f) => Some(f),
-            None => rx.recv().await,
-        };
-        match f {
-            Some(ExecFrame::Stdout { d }) => p.publish(ProcessEvent::Data(DataEvent::Stdout(d))),
-            Some(ExecFrame::Stderr { d }) => p.publish(ProcessEvent::Data(DataEvent::Stderr(d))),
-            Some(ExecFrame::Exit { code, .. }) => break Ok(code),
-            Some(ExecFrame::Error { error }) => break Err(error),
-            None => break Err(ApiError::internal("the exec stream ended without an exit status")),
-        }
-    };
-    drop(rx);
-    e2b.stream_ended(&sb, &p, gen, last).await;
 }
 
 // ---------------------------------------------------------------------------------------------

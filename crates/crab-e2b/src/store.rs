@@ -1,8 +1,11 @@
-//! What the E2B front door remembers across daemon restarts: one versioned JSON file per E2B
-//! sandbox under `<state>/e2b/sandboxes/` holding its envd process table (format 3), written
-//! atomically — a sandbox's life (run state, deadline, metadata, environment, template,
-//! snapshots) is the host's, in its record; files of format ≤ 2 also held those, and the
-//! daemon hands them to the host once ([`SandboxFile::legacy`]) and rewrites the file — and the
+//! What the E2B front door keeps on disk: the per-daemon secret (`<state>/e2b/token-secret`,
+//! mode 0600) from which each sandbox's envd access token is derived (HMAC-SHA256 of the
+//! sandbox id), so no token is stored. Nothing else: a sandbox's life (run state, deadline,
+//! metadata, environment, template, snapshots) is the host's, in its record, and its envd
+//! processes are the host's process service's. Older daemons kept one JSON file per E2B
+//! sandbox under `<state>/e2b/sandboxes/` (formats 1 and 2); [`Store::load`] reads them so
+//! the daemon hands them to the host once and deletes them. The old format is documented in
+//! `docs/format.md` ("E2B front-door state"); the old
 //! per-daemon secret (`<state>/e2b/token-secret`, mode 0600) from which each sandbox's envd
 //! access token is derived (HMAC-SHA256 of the sandbox id), so no token is stored. The format is
 //! documented in `docs/format.md` ("E2B front-door state").
@@ -16,9 +19,8 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-/// Version of a sandbox file (2 added `processes` and `gc`; 3 keeps only them, the lifecycle
-/// fields moved to the host's record; version 1 and 2 files still load, for migration).
-pub const FORMAT: u32 = 3;
+/// The newest version of an older daemon's sandbox file (2 added `processes` and `gc`).
+pub const FORMAT: u32 = 2;
 
 /// The oldest sandbox file version this crab reads.
 pub const OLDEST_FORMAT: u32 = 1;
@@ -50,118 +52,43 @@ pub struct StoredSnapshot {
     pub names: Vec<String>,
 }
 
-/// How an envd process ended.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredEnd {
-    /// Its exit code (`-1` when killed by a signal).
-    pub exit_code: i32,
-    /// Whether it exited by itself.
-    pub exited: bool,
-    /// `exit status N`, `signal: killed`, or why it is unknown.
-    pub status: String,
-    /// What failed, when something did.
-    #[serde(default)]
-    pub error: Option<String>,
-}
-
-/// One process started through envd (`process.Process/Start`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredProcess {
-    /// Its pid in the sandbox (the supervisor's; what the SDK selects it by).
-    pub pid: u32,
-    /// Its tag, if the start gave one.
-    #[serde(default)]
-    pub tag: Option<String>,
-    /// The program.
-    pub cmd: String,
-    /// Its arguments.
-    #[serde(default)]
-    pub args: Vec<String>,
-    /// The environment the start added.
-    #[serde(default)]
-    pub envs: HashMap<String, String>,
-    /// The working directory the start asked for.
-    #[serde(default)]
-    pub cwd: Option<String>,
-    /// Its directory in the sandbox (`/run/crab-envd/<hex>`: output, exit status).
-    pub dir: String,
-    /// How it ended; `None` while it runs.
-    #[serde(default)]
-    pub ended: Option<StoredEnd>,
-}
-
-/// One E2B sandbox as persisted (`<state>/e2b/sandboxes/<id>.json`). Format 3 writes `format`,
-/// `id`, `processes` and `gc`; the other fields are read from format ≤ 2 files only.
+/// One E2B sandbox as an older daemon persisted it (`<state>/e2b/sandboxes/<id>.json`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxFile {
-    /// [`FORMAT`].
+    /// Its format version (1 or 2).
     pub format: u32,
     /// The sandbox id (the Crab sandbox name).
     pub id: String,
-    /// Format ≤ 2: the template it was created from.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// The template it was created from.
+    #[serde(default)]
     pub template: String,
-    /// Format ≤ 2: E2B metadata.
-    #[serde(default, skip_serializing_if = "HashMap::is_empty")]
+    /// E2B metadata.
+    #[serde(default)]
     pub metadata: HashMap<String, String>,
-    /// Format ≤ 2: the environment of every command.
-    #[serde(default, skip_serializing_if = "HashMap::is_empty")]
+    /// The environment of every command.
+    #[serde(default)]
     pub envs: HashMap<String, String>,
-    /// Format ≤ 2: creation time, ms since the epoch.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    /// Creation time, ms since the epoch.
+    #[serde(default)]
     pub started_at_ms: u64,
-    /// Format ≤ 2: when the timeout fires, ms since the epoch.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    /// When the timeout fires, ms since the epoch.
+    #[serde(default)]
     pub end_at_ms: u64,
-    /// Format ≤ 2: pause (not kill) at the timeout.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// Pause (not kill) at the timeout.
+    #[serde(default)]
     pub auto_pause: bool,
-    /// Format ≤ 2: run state.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub state: Option<StoredState>,
-    /// Format ≤ 2: the restore point a pause took.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Run state.
+    pub state: StoredState,
+    /// The restore point a pause took.
+    #[serde(default)]
     pub pause_point: Option<String>,
-    /// Format ≤ 2: snapshots taken of it.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Snapshots taken of it.
+    #[serde(default)]
     pub snapshots: Vec<StoredSnapshot>,
-    /// Processes started through envd: those running, and the last ones that ended (so a
-    /// `Connect` by pid still gets their end).
+    /// Processes started through envd (format 2): not carried over — they keep running in the
+    /// sandbox, but the host's process service does not know them.
     #[serde(default)]
-    pub processes: Vec<StoredProcess>,
-    /// Directories in the sandbox of processes reported ended, removed at the next start.
-    #[serde(default)]
-    pub gc: Vec<String>,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-impl SandboxFile {
-    /// A format-3 file: sandbox `id`'s envd process table.
-    pub fn processes_of(id: &str, processes: Vec<StoredProcess>, gc: Vec<String>) -> SandboxFile {
-        SandboxFile {
-            format: FORMAT,
-            id: id.to_string(),
-            template: String::new(),
-            metadata: HashMap::new(),
-            envs: HashMap::new(),
-            started_at_ms: 0,
-            end_at_ms: 0,
-            auto_pause: false,
-            state: None,
-            pause_point: None,
-            snapshots: Vec::new(),
-            processes,
-            gc,
-        }
-    }
-
-    /// Whether this file still holds a sandbox's life (format ≤ 2), for the host to adopt.
-    pub fn legacy(&self) -> bool {
-        self.format < FORMAT
-    }
+    pub processes: Vec<serde_json::Value>,
 }
 
 /// Why the state directory could not be used.
@@ -224,8 +151,7 @@ impl Store {
 
     /// State under `dir` (created, mode 0700), with its secret (created on first use, 0600).
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
-        let sandboxes = dir.join("sandboxes");
-        std::fs::create_dir_all(&sandboxes).map_err(io("creating", &sandboxes))?;
+        std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
             .map_err(io("chmod", dir))?;
         let path = dir.join("token-secret");
@@ -274,15 +200,6 @@ impl Store {
         self.dir.as_ref().map(|d| d.join("sandboxes").join(format!("{id}.json")))
     }
 
-    /// Write sandbox `f`'s file (atomically; nothing in memory-only mode).
-    pub fn save(&self, f: &SandboxFile) -> Result<(), StoreError> {
-        let Some(path) = self.file(&f.id) else { return Ok(()) };
-        let bytes =
-            serde_json::to_vec_pretty(f).map_err(|e| StoreError::Encode(f.id.clone(), e))?;
-        crab_common::fsutil::write_atomic(&path, &bytes)?;
-        Ok(())
-    }
-
     /// Delete sandbox `id`'s file (absent is fine).
     pub fn delete(&self, id: &str) -> Result<(), StoreError> {
         let Some(path) = self.file(id) else { return Ok(()) };
@@ -293,13 +210,14 @@ impl Store {
         }
     }
 
-    /// Every readable sandbox file. A file that cannot be read, does not parse, has another
-    /// format version or names another id is logged (with what to do) and skipped — left in
-    /// place, untouched — so one bad file never costs the others.
+    /// Every readable sandbox file an older daemon left. A file that cannot be read, does not
+    /// parse, has another format version or names another id is logged (with what to do) and
+    /// skipped — left in place, untouched — so one bad file never costs the others.
     pub fn load(&self) -> Vec<SandboxFile> {
         let Some(dir) = self.dir.as_ref().map(|d| d.join("sandboxes")) else { return Vec::new() };
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
             Err(e) => {
                 tracing::error!(dir = %dir.display(), error = %e, "cannot list the E2B state; no E2B sandbox is restored");
                 return Vec::new();
@@ -315,7 +233,7 @@ impl Store {
                 Ok(f) => out.push(f),
                 Err(why) => tracing::error!(
                     file = %path.display(),
-                    "E2B state file skipped: {why}; the other sandboxes are restored. Fix or remove the file and restart the daemon (the sandbox itself is untouched: `crab sandbox ls`)"
+                    "an older daemon's E2B state file skipped: {why}; the other sandboxes are migrated. Fix or remove the file and restart the daemon (the sandbox itself is untouched: `crab sandbox ls`)"
                 ),
             }
         }
@@ -351,79 +269,56 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
-    fn sample(id: &str) -> SandboxFile {
-        SandboxFile {
-            format: FORMAT,
-            id: id.into(),
-            template: "base".into(),
-            metadata: HashMap::from([("k".into(), "v".into())]),
-            envs: HashMap::new(),
-            started_at_ms: 1,
-            end_at_ms: 2,
-            auto_pause: true,
-            state: Some(StoredState::Killed),
-            pause_point: None,
-            snapshots: vec![StoredSnapshot {
-                id: format!("{id}:c1"),
-                point: "c1".into(),
-                fs_only: false,
-                names: vec!["n".into()],
-            }],
-            processes: vec![StoredProcess {
-                pid: 7,
-                tag: None,
-                cmd: "/bin/bash".into(),
-                args: vec!["-l".into(), "-c".into(), "sleep 9".into()],
-                envs: HashMap::new(),
-                cwd: Some("/tmp".into()),
-                dir: "/run/crab-envd/ab12".into(),
-                ended: Some(StoredEnd {
-                    exit_code: 3,
-                    exited: true,
-                    status: "exit status 3".into(),
-                    error: None,
-                }),
-            }],
-            gc: vec!["/run/crab-envd/cd34".into()],
-        }
+    fn sample(id: &str) -> serde_json::Value {
+        serde_json::json!({
+            "format": 2, "id": id, "template": "base", "metadata": {"k": "v"}, "envs": {},
+            "started_at_ms": 1, "end_at_ms": 2, "auto_pause": true, "state": "killed",
+            "pause_point": null,
+            "snapshots": [{"id": format!("{id}:c1"), "point": "c1", "fs_only": false, "names": ["n"]}],
+            "processes": [{"pid": 7, "cmd": "/bin/bash", "dir": "/run/crab-envd/ab12"}],
+            "gc": ["/run/crab-envd/cd34"]
+        })
     }
 
     #[test]
-    fn round_trip_and_bad_files_are_skipped_not_fatal() {
+    fn older_files_load_and_bad_files_are_skipped_not_fatal() {
         let d = std::env::temp_dir().join(format!("crab-e2b-store-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         let s = Store::open(&d).unwrap();
+        std::fs::create_dir_all(d.join("sandboxes")).unwrap();
         let mode = std::fs::metadata(d.join("token-secret")).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
-        s.save(&sample("e2b-a")).unwrap();
-        s.save(&sample("e2b-b")).unwrap();
+        let put = |id: &str, v: &serde_json::Value| {
+            std::fs::write(d.join(format!("sandboxes/{id}.json")), serde_json::to_vec(v).unwrap())
+                .unwrap()
+        };
+        put("e2b-a", &sample("e2b-a"));
         std::fs::write(d.join("sandboxes/e2b-c.json"), b"{not json").unwrap();
-        // A version-1 file (no process table) still loads.
-        let mut v1 = serde_json::to_value(sample("e2b-v1")).unwrap();
+        // A version-1 file (no process table) loads too.
+        let mut v1 = sample("e2b-v1");
         v1["format"] = 1.into();
         v1.as_object_mut().unwrap().remove("processes");
         v1.as_object_mut().unwrap().remove("gc");
-        std::fs::write(d.join("sandboxes/e2b-v1.json"), serde_json::to_vec(&v1).unwrap()).unwrap();
+        put("e2b-v1", &v1);
         std::fs::write(d.join("sandboxes/e2b-d.json"), br#"{"format": 99, "id": "e2b-d"}"#)
             .unwrap();
+        put("e2b-x", &sample("e2b-other"));
         let got = s.load();
-        let mut old = sample("e2b-v1");
-        old.format = 1;
-        old.processes.clear();
-        old.gc.clear();
-        assert_eq!(got, vec![sample("e2b-a"), sample("e2b-b"), old]);
+        assert_eq!(got.iter().map(|f| f.id.as_str()).collect::<Vec<_>>(), ["e2b-a", "e2b-v1"]);
+        assert_eq!(got[0].state, StoredState::Killed);
+        assert_eq!(got[0].snapshots[0].names, ["n"]);
+        assert_eq!(got[0].metadata["k"], "v");
+        s.delete("e2b-v1").unwrap();
         s.delete("e2b-v1").unwrap();
         // The bad files are left for inspection.
         assert!(d.join("sandboxes/e2b-c.json").exists());
+        assert_eq!(s.load().len(), 1);
         // Tokens survive a reopen (same secret), differ per sandbox and per secret.
         let again = Store::open(&d).unwrap();
         assert_eq!(s.token("e2b-a"), again.token("e2b-a"));
         assert_ne!(s.token("e2b-a"), s.token("e2b-b"));
         assert_ne!(s.token("e2b-a"), Store::memory().token("e2b-a"));
         assert_eq!(s.token("e2b-a").len(), 48);
-        s.delete("e2b-a").unwrap();
-        s.delete("e2b-a").unwrap();
-        assert_eq!(s.load().len(), 1);
         std::fs::write(d.join("token-secret"), b"short").unwrap();
         assert!(matches!(Store::open(&d), Err(StoreError::BadSecret { .. })));
         std::fs::remove_dir_all(&d).unwrap();

@@ -129,7 +129,9 @@ const SEND_INPUT: &str = r#"[ -p "$1/in" ] && [ -s "$1/inpid" ] || exit 44; exec
 const CLOSE_INPUT: &str = r#"[ -p "$1/in" ] && read k <"$1/inpid" 2>/dev/null && [ -n "$k" ] || exit 44; kill "$k" 2>/dev/null; : >"$1/inpid""#;
 
 /// Send signal `$2` to the command's process group (else the command); 44: no command pid.
-const SIGNAL: &str = r#"read c <"$1/cpid" 2>/dev/null && [ -n "$c" ] || exit 44; kill -s "$2" -- "-$c" 2>/dev/null || kill -s "$2" "$c" 2>/dev/null; exit 0"#;
+/// The signal is recorded in `signalled` first (so an exit status of 128+N can be told from a
+/// command's own `exit 128+N`).
+const SIGNAL: &str = r#"read c <"$1/cpid" 2>/dev/null && [ -n "$c" ] || exit 44; echo "$2" >"$1/signalled"; kill -s "$2" -- "-$c" 2>/dev/null || kill -s "$2" "$c" 2>/dev/null; exit 0"#;
 
 /// Whether `id` is a process id this service hands out (16 lowercase hex digits).
 pub fn valid_id(id: &str) -> bool {
@@ -247,6 +249,9 @@ fn read_proc(root: &InRoot, sups: &Sups, id: &str) -> Option<ProcInfo> {
     }
     let meta: Meta = meta_bytes.and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
     let exit: Option<i32> = parse_small(root, &d.join("exit"));
+    let signalled = root
+        .read_bounded(&d.join("signalled"), SMALL_MAX)
+        .and_then(|b| parse_signal(String::from_utf8_lossy(&b).trim()).ok());
     let state = match exit {
         Some(_) => ProcState::Exited,
         None if is_running(sups, id, pid) => ProcState::Running,
@@ -266,6 +271,7 @@ fn read_proc(root: &InRoot, sups: &Sups, id: &str) -> Option<ProcInfo> {
         exit_code: exit,
         stdout_bytes: file_len(root, &d.join("out")),
         stderr_bytes: file_len(root, &d.join("err")),
+        signalled,
     })
 }
 
@@ -514,7 +520,18 @@ pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Res
             meta_json.len()
         )));
     }
-    let argv = as_user(req.user.as_deref(), &req.env, &req.cmd);
+    // A switched user starts from a fresh login environment: the sandbox's own environment
+    // (its record's; root's commands get it from the exec) goes in first, the request's wins.
+    let own = rt.record(&name)?.env;
+    let mut env: Vec<String> = own
+        .iter()
+        .filter(|(k, _)| {
+            !req.env.iter().any(|kv| kv.split_once('=').is_some_and(|(k2, _)| k2 == *k))
+        })
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    env.extend(req.env.iter().cloned());
+    let argv = as_user(req.user.as_deref(), &env, &req.cmd);
     let dir = dir_abs(&id);
     let cwd = req.cwd.clone().unwrap_or_else(|| "/".into());
     let mut cmd: Vec<String> = vec![

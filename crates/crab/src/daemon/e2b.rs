@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use crab_common::api::{
-    BranchSettings, ExecFrame, ExecRequest, ForkRequest, LabelledPoint, SandboxCreateRequest,
-    SandboxInfo, SandboxState, SandboxUpdateRequest,
+    BranchSettings, ExecFrame, ExecRequest, ForkRequest, LabelledPoint, ProcInfo, ProcStartRequest,
+    SandboxCreateRequest, SandboxInfo, SandboxState, SandboxUpdateRequest,
 };
 use crab_common::life::TimeoutSet;
 use crab_common::{ApiError, CheckpointKind};
@@ -157,6 +157,52 @@ impl Backend for HostBackend {
         self.run(Action::DeleteLabel { label }).await.map(|_| ())
     }
 
+    async fn proc_start(&self, name: String, req: ProcStartRequest) -> Result<ProcInfo, ApiError> {
+        match self.run(Action::ProcStart { name, req }).await? {
+            Outcome::Proc(p) => Ok(*p),
+            _ => Err(unexpected("proc_start")),
+        }
+    }
+
+    async fn proc_list(&self, name: String) -> Result<Vec<ProcInfo>, ApiError> {
+        match self.run(Action::ProcList { name }).await? {
+            Outcome::Procs(v) => Ok(v),
+            _ => Err(unexpected("proc_list")),
+        }
+    }
+
+    async fn proc_get(&self, name: String, sel: String) -> Result<ProcInfo, ApiError> {
+        match self.run(Action::ProcGet { name, id: sel }).await? {
+            Outcome::Proc(p) => Ok(*p),
+            _ => Err(unexpected("proc_get")),
+        }
+    }
+
+    async fn proc_output(
+        &self,
+        name: String,
+        id: String,
+        offsets: (u64, u64),
+        follow: bool,
+    ) -> Result<mpsc::Receiver<ExecFrame>, ApiError> {
+        match self.run(Action::ProcOutput { name, id, offsets, follow }).await? {
+            Outcome::Exec(rx) => Ok(rx),
+            _ => Err(unexpected("proc_output")),
+        }
+    }
+
+    async fn proc_stdin(&self, name: String, sel: String, data: Vec<u8>) -> Result<(), ApiError> {
+        self.run(Action::ProcStdin { name, id: sel, data }).await.map(|_| ())
+    }
+
+    async fn proc_close_stdin(&self, name: String, sel: String) -> Result<(), ApiError> {
+        self.run(Action::ProcCloseStdin { name, id: sel }).await.map(|_| ())
+    }
+
+    async fn proc_signal(&self, name: String, sel: String, signal: String) -> Result<(), ApiError> {
+        self.run(Action::ProcSignal { name, id: sel, signal }).await.map(|_| ())
+    }
+
     async fn images(&self) -> Result<Vec<String>, ApiError> {
         match self.run(Action::ListImages).await? {
             Outcome::Images(v) => Ok(v.into_iter().map(|i| i.name).collect()),
@@ -167,8 +213,8 @@ impl Backend for HostBackend {
 
 /// Hand the sandboxes' life that an older daemon's E2B front door kept in its own files
 /// (`<state>/e2b/sandboxes/*.json` of format ≤ 2: run state, pause point, deadline, metadata,
-/// environment, template, snapshots) to the host once, then rewrite each file as the envd
-/// process table alone (format 3). Runs at every start, E2B served or not; a file whose
+/// environment, template, snapshots) to the host once, then delete each file (the processes
+/// it listed are not carried over). Runs at every start, E2B served or not; a file whose
 /// sandbox is gone is deleted; one the host cannot take is left as it was (and logged), to be
 /// tried again at the next start.
 pub async fn migrate(host: &Arc<Host>, dir: &std::path::Path) {
@@ -182,13 +228,13 @@ pub async fn migrate(host: &Arc<Host>, dir: &std::path::Path) {
             return;
         }
     };
-    for f in store.load().into_iter().filter(|f| f.legacy()) {
+    for f in store.load() {
         use crab_common::life::{Life, OnDeadline};
         use crab_e2b::store::StoredState;
         let life = match (f.state, &f.pause_point) {
-            (Some(StoredState::Paused), Some(p)) => Life::Paused { point: p.clone() },
-            (Some(StoredState::Paused), None) => Life::Stopped,
-            (Some(StoredState::Killed), _) => Life::Retired {
+            (StoredState::Paused, Some(p)) => Life::Paused { point: p.clone() },
+            (StoredState::Paused, None) => Life::Stopped,
+            (StoredState::Killed, _) => Life::Retired {
                 why: "killed through the E2B API while it holds snapshots; deleting its last \
                       snapshot (Sandbox.delete_snapshot) removes it"
                     .into(),
@@ -215,13 +261,15 @@ pub async fn migrate(host: &Arc<Host>, dir: &std::path::Path) {
         };
         match host.adopt(f.id.clone(), adopted).await {
             Ok(()) => {
-                let file = crab_e2b::store::SandboxFile::processes_of(&f.id, f.processes, f.gc);
-                match store.save(&file) {
+                if !f.processes.is_empty() {
+                    tracing::warn!(sandbox = %f.id, processes = f.processes.len(), "E2B processes started by the previous version are not carried over: they keep running in the sandbox, but commands.list() no longer shows them");
+                }
+                match store.delete(&f.id) {
                     Ok(()) => {
                         tracing::info!(sandbox = %f.id, "E2B front-door state migrated into the sandbox's record")
                     }
                     Err(e) => {
-                        tracing::error!(sandbox = %f.id, error = %e, "E2B state migrated, but its file could not be rewritten; it is migrated again at the next start")
+                        tracing::error!(sandbox = %f.id, error = %e, "E2B state migrated, but its file could not be deleted; it is migrated again at the next start")
                     }
                 }
             }

@@ -148,7 +148,6 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
                 std::sync::Arc::new(e2b::HostBackend(host.clone())),
                 crab_e2b::Config { keys: o.keys.clone(), default_image: "debian".into(), store },
             );
-            front.restore_state().await;
             let router = front.router();
             tracing::info!(listen = %o.listen, "E2B-compatible API ready");
             // The API socket's bounds, with a connection cap of its own from the budget; the

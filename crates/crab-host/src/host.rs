@@ -94,6 +94,8 @@ pub struct Host {
     pub(crate) life_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serializes label changes (a label is unique on the host).
     pub(crate) label_lock: Mutex<()>,
+    /// Sandboxes whose deadline is being fired (the watchdog fires one at a time).
+    pub(crate) firing: Mutex<std::collections::HashSet<String>>,
 }
 
 use crab_common::sync::lock;
@@ -312,6 +314,7 @@ impl Host {
             remote,
             life_locks: Mutex::new(HashMap::new()),
             label_lock: Mutex::new(()),
+            firing: Mutex::new(std::collections::HashSet::new()),
         });
         let _ = hooks.0.set(Arc::downgrade(&host));
         if let Some(t) = &host.remote {

@@ -14,6 +14,7 @@
 
 mod action;
 mod error;
+mod files;
 pub mod glue;
 mod host;
 mod policy;

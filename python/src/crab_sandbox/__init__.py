@@ -38,6 +38,9 @@ from .errors import (
     InvalidRequestError,
     NameConflictError,
     NotFoundError,
+    PathNotFoundError,
+    PermissionDeniedError,
+    AlreadyExistsError,
     PoolFullError,
     RequestTimeoutError,
     SandboxNotFoundError,
@@ -45,12 +48,20 @@ from .errors import (
     UnsafeArchiveError,
     UpstreamError,
 )
+from .files import AsyncFiles, EntryInfo, FileType, Files
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyExistsError",
     "AsyncDaemon",
+    "AsyncFiles",
+    "EntryInfo",
+    "FileType",
+    "Files",
+    "PathNotFoundError",
+    "PermissionDeniedError",
     "AsyncSandbox",
     "BusyError",
     "Capabilities",

@@ -20,6 +20,9 @@ __all__ = [
     "ImageNotFoundError",
     "CheckpointNotFoundError",
     "NameConflictError",
+    "PathNotFoundError",
+    "AlreadyExistsError",
+    "PermissionDeniedError",
     "ConflictError",
     "CorruptCheckpointError",
     "HostUnsupportedError",
@@ -115,6 +118,12 @@ class CheckpointNotFoundError(NotFoundError):
     code = "checkpoint_not_found"
 
 
+class PathNotFoundError(NotFoundError, FileNotFoundError):
+    """``not_found`` (404): a path inside the sandbox does not exist (the file service)."""
+
+    code = "not_found"
+
+
 class NameConflictError(CrabError):
     """``name_conflict`` (409): the name is taken."""
 
@@ -125,6 +134,18 @@ class ConflictError(CrabError):
     """``conflict`` (409): the operation is not allowed in this state."""
 
     code = "conflict"
+
+
+class AlreadyExistsError(CrabError, FileExistsError):
+    """``already_exists`` (409): a path inside the sandbox exists already (``make_dir``)."""
+
+    code = "already_exists"
+
+
+class PermissionDeniedError(CrabError, PermissionError):
+    """``permission_denied`` (403): the sandbox's user may not do that to the path."""
+
+    code = "permission_denied"
 
 
 class CorruptCheckpointError(CrabError):
@@ -234,6 +255,9 @@ ERROR_CLASSES: Dict[str, Type[CrabError]] = {
         CheckpointNotFoundError,
         NameConflictError,
         ConflictError,
+        PathNotFoundError,
+        AlreadyExistsError,
+        PermissionDeniedError,
         CorruptCheckpointError,
         HostUnsupportedError,
         HostCapabilityMissingError,

@@ -225,7 +225,8 @@ class BusyError(CrabError):
 
 
 class CommandError(CrabError):
-    """A helper command the SDK ran in the sandbox (file transfer) failed.
+    """A helper command run in the sandbox failed (kept for callers: the file helpers now go
+    through the daemon's file service and raise its codes).
 
     ``exit_code`` and ``stderr`` are the command's.
     """

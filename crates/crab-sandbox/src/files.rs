@@ -47,6 +47,9 @@ const STDERR_TAIL: usize = 2048;
 const SHORT: Duration = Duration::from_secs(60);
 /// Deadline of a transfer (read, write, tar in and out).
 const LONG: Duration = Duration::from_secs(3600);
+/// Longest a transfer may go without a byte moving before it is abandoned (a program that
+/// stalls: a hostile sandbox's `cat`, a reader that stopped).
+const IDLE: Duration = Duration::from_secs(120);
 /// What a streaming program prints before its data.
 const READY: &[u8] = b"crab-files:ok\n";
 
@@ -438,9 +441,17 @@ async fn feed(
                 "split it, or copy it in parts",
             ));
         }
-        if stdin.write_all(&chunk).await.is_err() {
+        match tokio::time::timeout(IDLE, stdin.write_all(&chunk)).await {
+            Ok(Ok(())) => {}
             // The program stopped reading (it failed): its status says why.
-            return Ok(());
+            Ok(Err(_)) => return Ok(()),
+            Err(_) => {
+                return Err(ApiError::new(
+                    ErrorCode::Timeout,
+                    format!("{what} was not taken for {} s; the write was killed", IDLE.as_secs()),
+                    "check what the sandbox runs",
+                ))
+            }
         }
     }
     let _ = stdin.shutdown().await;
@@ -614,11 +625,22 @@ impl Ctx {
                     return false;
                 }
                 loop {
-                    match stdout.read(&mut buf).await {
-                        Ok(0) | Err(_) => return true,
-                        Ok(n) => {
-                            if tx.send(Ok(buf[..n].to_vec())).await.is_err() {
-                                return false;
+                    match tokio::time::timeout(IDLE, stdout.read(&mut buf)).await {
+                        Err(_) => {
+                            let _ = tx
+                                .send(Err(ApiError::new(
+                                    ErrorCode::Timeout,
+                                    format!("the {what} of {path} in sandbox {name} sent nothing for {} s; it was killed", IDLE.as_secs()),
+                                    "check what the sandbox runs",
+                                )))
+                                .await;
+                            return false;
+                        }
+                        Ok(Ok(0) | Err(_)) => return true,
+                        Ok(Ok(n)) => {
+                            match tokio::time::timeout(IDLE, tx.send(Ok(buf[..n].to_vec()))).await {
+                                Ok(Ok(())) => {}
+                                _ => return false,
                             }
                         }
                     }

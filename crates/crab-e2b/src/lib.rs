@@ -13,8 +13,8 @@ pub mod envd;
 pub mod process;
 pub mod rest;
 pub mod server;
-pub mod shell;
 pub mod store;
+pub mod user;
 
 pub use auth::{Keys, KeysError};
 pub use backend::Backend;

@@ -651,6 +651,7 @@ impl Host {
                 Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
             }
             Action::FromRemote(req) => self.from_remote(req).await,
+            Action::Files { name, user, op } => self.files(name, user, op).await,
         }
     }
 

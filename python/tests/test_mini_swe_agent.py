@@ -124,7 +124,7 @@ def test_mini_swe_agent_runs_in_a_crab_sandbox_via_crab_docker(daemon: Daemon, c
     # processes are gone, a restore point holds them.
     sb = Sandbox(name, daemon)
     deadline = time.monotonic() + 60
-    while sb.info().state != "dead":
+    while sb.info().state != "stopped":
         assert time.monotonic() < deadline, "the agent's `stop` did not stop the sandbox"
         time.sleep(0.2)
     points = json.loads(crab("--json", "checkpoints", name).stdout)

@@ -77,7 +77,6 @@ pub struct Host {
     inspector: Result<Arc<Inspector>, ApiError>,
     checkpointer: Arc<Checkpointer>,
     policy: Arc<TurnPolicy>,
-    failures: Arc<Mutex<HashMap<String, HostError>>>,
     engine: Engine<Payload>,
     coordinator: Arc<Coordinator>,
     proxy: Mutex<Option<ProxyServer>>,
@@ -277,11 +276,10 @@ impl Host {
         })
         .await?;
         let policy = Arc::new(TurnPolicy::new());
-        let failures = Arc::new(Mutex::new(HashMap::new()));
-        let exec = CheckpointExecutor::new(checkpointer.clone(), policy.clone(), failures.clone());
+        let exec = CheckpointExecutor::new(checkpointer.clone(), policy.clone());
         let engine = Engine::new(opts.engine.clone(), Arc::new(exec))
             .map_err(|e| HostError::internal(format!("starting the engine: {e}")))?;
-        let hooks = Arc::new(Hooks::default());
+        let hooks = Arc::new(Hooks::new(policy.clone()));
         let coordinator = Coordinator::new(
             opts.proxy.clone(),
             Arc::new(SandboxDir(runtime.clone())),
@@ -301,7 +299,6 @@ impl Host {
             inspector,
             checkpointer,
             policy,
-            failures,
             engine,
             coordinator,
             proxy: Mutex::new(None),
@@ -313,7 +310,7 @@ impl Host {
             life_locks: Mutex::new(HashMap::new()),
             label_lock: Mutex::new(()),
         });
-        let _ = hooks.0.set(Arc::downgrade(&host));
+        hooks.set_host(Arc::downgrade(&host));
         if let Some(t) = &host.remote {
             tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
             tokio::spawn(t.clone().run(Arc::downgrade(&host)));
@@ -688,13 +685,12 @@ impl Host {
         self.close_sandbox_proxy(&name).await;
         self.coordinator.forget(&name);
         self.policy.clear(&name);
-        lock(&self.failures).remove(&name);
         self.drop_life_lock(&name);
         Ok(Outcome::Removed { removed: true })
     }
 
     /// Close the inspector's turn for `name` and decide the checkpoint kind (the policy's).
-    fn decide(&self, name: &str, force_full: bool) -> Decision {
+    fn decide(&self, name: &str) -> Decision {
         let verdict = match self.inspector() {
             Ok(i) => i.take(name).map_err(|e| format!("no verdict ({e})")),
             Err(e) => Err(format!("inspector unavailable ({})", e.0.message)),
@@ -704,7 +700,7 @@ impl Host {
         let read = |pid: u32| crab_criu::soft_dirty::process_dirty_pages(pid).ok();
         let dirty: Option<&dyn Fn(u32) -> Option<usize>> =
             if self.soft_dirty.available { Some(&read) } else { None };
-        self.policy.decide_with(name, verdict, init_pid, force_full, dirty)
+        self.policy.decide_with(name, verdict, init_pid, dirty)
     }
 
     /// Submit a checkpoint job for `name` carrying `decision`'s changeset.
@@ -724,17 +720,6 @@ impl Host {
         self.engine.submit(JobSpec::checkpoint(name, kind, payload, turn.unwrap_or(0)))
     }
 
-    /// The typed error of a failed job of `name` (the executor's), or the engine's.
-    fn job_error(&self, name: &str, e: &crab_engine::JobError) -> HostError {
-        if let Some(h) = e.source_as::<HostError>() {
-            return h.clone();
-        }
-        lock(&self.failures)
-            .get(name)
-            .cloned()
-            .unwrap_or_else(|| HostError::internal(e.to_string()))
-    }
-
     /// A turn boundary seen by the proxy: decide, submit, and return the ticket to gate on.
     pub(crate) async fn boundary(
         self: &Arc<Self>,
@@ -749,8 +734,7 @@ impl Host {
         }
         let h = self.clone();
         let name = b.sandbox.clone();
-        let force = b.force_full;
-        let d = blocking(move || Ok(h.decide(&name, force))).await?;
+        let d = blocking(move || Ok(h.decide(&name))).await?;
         // A fixed policy takes its kind whatever the verdict (the turn is closed all the same:
         // its changes are in this checkpoint). `fs` stays `fs` after a failure: a snapshot
         // holds every file, whatever the lost changeset said; the processes it never holds.
@@ -785,7 +769,7 @@ impl Host {
         let h = self.clone();
         let n = name.clone();
         // An explicit kind also closes the inspector's turn: its changes are in this checkpoint.
-        let d = blocking(move || Ok(h.decide(&n, false))).await?;
+        let d = blocking(move || Ok(h.decide(&n))).await?;
         let explicit = kind.is_some();
         let handle = self.submit(
             &name,
@@ -796,11 +780,8 @@ impl Host {
         );
         let (reasons, verdict) = if explicit { (Vec::new(), None) } else { (d.reasons, d.verdict) };
         self.engine.promote(handle.id());
-        let f = handle.wait().await.map_err(|e| {
-            // The turn was closed for this checkpoint: the next one must be full.
-            self.policy.failed(&name);
-            self.job_error(&name, &e)
-        })?;
+        // A failure is in the policy already (the executor's): the next one is full.
+        let f = handle.wait().await.map_err(|e| crate::glue::job_error(&e))?;
         let h = self.clone();
         let id = f.outcome.checkpoint_id.clone();
         let n = name.clone();
@@ -1099,10 +1080,7 @@ impl Host {
         ticket.promote();
         match ticket.wait_published().await {
             Ok(p) => Ok(Outcome::Turn(TurnMarked { turn, checkpoint: p.checkpoint_id })),
-            Err(m) => Err(lock(&self.failures)
-                .get(&name)
-                .cloned()
-                .unwrap_or_else(|| HostError::internal(m))),
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -23,7 +23,7 @@ use crab_checkpoint::{Checkpointer, PointSummary};
 use crab_common::api::{FeatureStatus, Features, NetMode, SandboxState, VersionInfo, API_VERSION};
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
-use crab_common::{CheckpointKind, CheckpointPolicy};
+use crab_common::{CheckpointKind, CheckpointPolicy, NoProgress, Progress};
 use crab_coordinator::{
     bind_in_netns, Boundary, BoundaryTicket, Coordinator, ProxyConfig, ProxyServer, ReadyTicket,
 };
@@ -598,9 +598,9 @@ impl Host {
             Action::Restore { name, checkpoint } => {
                 let l = self.life_lock(&name);
                 let _g = l.lock().await;
-                self.restore(name, checkpoint).await
+                self.restore(name, checkpoint, Arc::new(NoProgress)).await
             }
-            Action::Fork { name, req } => self.fork(name, req).await,
+            Action::Fork { name, req } => self.fork(name, req, Arc::new(NoProgress)).await,
             Action::Conversation { name, at } => self.conversation(name, at).await,
             Action::Turn { name } => self.turn(name).await,
             Action::HarnessChanged { name } => {
@@ -644,7 +644,10 @@ impl Host {
                 let t = self.tier()?;
                 Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
             }
-            Action::FromRemote(req) => self.from_remote(req).await,
+            Action::FromRemote(req) => self.from_remote(req, Arc::new(NoProgress)).await,
+            Action::WithProgress { action, progress } => {
+                self.with_progress(*action, progress.into()).await
+            }
         }
     }
 
@@ -811,6 +814,7 @@ impl Host {
         self: &Arc<Self>,
         name: String,
         checkpoint: Option<String>,
+        progress: Arc<dyn Progress>,
     ) -> Result<Outcome, HostError> {
         let t0 = std::time::Instant::now();
         let h = self.clone();
@@ -819,7 +823,7 @@ impl Host {
             h.runtime.record(&n)?;
             let offset = h.point_offset(&n, checkpoint.as_deref())?;
             h.detach(&n);
-            let r = h.checkpointer.restore(&n, checkpoint.as_deref());
+            let r = h.checkpointer.restore(&n, checkpoint.as_deref(), progress.as_ref());
             let t_attach = std::time::Instant::now();
             // Whatever happened, the sandbox's (possibly new) cgroup is tracked again.
             h.attach(&n);
@@ -874,13 +878,14 @@ impl Host {
             fs_only: false,
             branch: req.branch,
         };
-        self.fork(name, req).await
+        self.fork(name, req, Arc::new(NoProgress)).await
     }
 
-    async fn fork(
+    pub(crate) async fn fork(
         self: &Arc<Self>,
         name: String,
         req: crab_common::api::ForkRequest,
+        progress: Arc<dyn Progress>,
     ) -> Result<Outcome, HostError> {
         let h = self.clone();
         let n = name.clone();
@@ -894,7 +899,7 @@ impl Host {
                 req.count,
                 req.names,
                 crab_checkpoint::ForkOptions { fs_only: req.fs_only, verified: false },
-                &crab_common::NoProgress,
+                progress.as_ref(),
             )?;
             let names: Vec<String> = branches.iter().map(|b| b.sandbox.clone()).collect();
             if let Err(e) = h.settle_branches(&names, &req.branch) {
@@ -917,7 +922,11 @@ impl Host {
         Ok(Outcome::Forked(branches))
     }
 
-    async fn from_remote(self: &Arc<Self>, req: FromRemote) -> Result<Outcome, HostError> {
+    pub(crate) async fn from_remote(
+        self: &Arc<Self>,
+        req: FromRemote,
+        progress: Arc<dyn Progress>,
+    ) -> Result<Outcome, HostError> {
         let t = self.tier()?;
         let (sb, point) = match req.source.split_once('@') {
             Some((s, p)) => (s.to_string(), Some(p.to_string())),
@@ -926,6 +935,8 @@ impl Host {
         crab_common::names::validate("sandbox", &sb)?;
         let t0 = std::time::Instant::now();
         let mut clock = crab_common::stats::StageClock::starting(t0);
+        progress.stage("load_point", None);
+        progress.message(&format!("remote point {}", req.source));
         let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
         clock.mark("load_point");
         if !req.fs_only {
@@ -950,6 +961,7 @@ impl Host {
         let handle = tokio::runtime::Handle::current();
         let grant2 = grant.clone();
         let mat_store = store.clone();
+        progress.stage("materialize", None);
         let mat = tokio::task::spawn_blocking(move || {
             let disk_limit = grant2.limits.disk_bytes;
             let check = move |m: &crab_checkpoint::Manifest| {
@@ -995,7 +1007,7 @@ impl Host {
                 names,
                 opts,
                 &template,
-                &crab_common::NoProgress,
+                progress.as_ref(),
             )?;
             for x in &b {
                 h.attach(&x.sandbox);

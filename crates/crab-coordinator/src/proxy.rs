@@ -583,7 +583,7 @@ impl Coordinator {
         // runs nothing while it waits for the LLM, so the sandbox is the same whenever the
         // verdict is taken, and the gate holds the answer until the checkpoint is published.
         let (deferred, tx) = DeferredTicket::new();
-        let ticket: Arc<dyn BoundaryTicket> = deferred.clone();
+        let ticket = ReportingTicket::wrap(deferred.clone(), self.hooks.clone(), &slot.name, turn);
         let (me, bslot, bpath) = (self.clone(), slot.clone(), path.to_string());
         tokio::spawn(async move {
             let t0 = Instant::now();
@@ -595,21 +595,10 @@ impl Coordinator {
         Decision::Forward { turn, ticket, retry: false }
     }
 
-    /// The turn's boundary: its ticket, which reports its failure through
-    /// [`TurnHooks::checkpoint_failed`] to the first waiter's wait, before the waiter sees it
-    /// (so no later boundary is decided before the report).
+    /// The turn's boundary: the log made durable, then the hooks' ticket (or a settled failed
+    /// one). Its callers hand out the ticket wrapped in a [`ReportingTicket`], so whatever
+    /// fails is reported through [`TurnHooks::checkpoint_failed`] before a waiter sees it.
     async fn boundary(
-        &self,
-        slot: &Arc<Slot>,
-        turn: u64,
-        provider: Provider,
-        path: &str,
-    ) -> Arc<dyn BoundaryTicket> {
-        let ticket = self.start_boundary(slot, turn, provider, path).await;
-        ReportingTicket::wrap(ticket, self.hooks.clone(), &slot.name, turn)
-    }
-
-    async fn start_boundary(
         &self,
         slot: &Arc<Slot>,
         turn: u64,
@@ -1039,6 +1028,7 @@ impl Coordinator {
         st.turn += 1;
         let turn = st.turn;
         let ticket = self.boundary(&slot, turn, Provider::OpenAi, "").await;
+        let ticket = ReportingTicket::wrap(ticket, self.hooks.clone(), sandbox, turn);
         st.ticket = Some(ticket.clone());
         st.last_hash = None;
         Ok((turn, ticket))

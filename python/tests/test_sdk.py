@@ -94,9 +94,10 @@ def test_files(sandbox: Sandbox, tmp_path: Path) -> None:
     assert sandbox.exec("stat -c %a /work/deep/dir/blob.bin").stdout.strip() == "750"
     sandbox.write_file("/work/t.txt", "héllo\n")
     assert sandbox.read_file("/work/t.txt").decode() == "héllo\n"
-    with pytest.raises(cs.CommandError) as ei:
+    with pytest.raises(cs.PathNotFoundError) as ei:
         sandbox.read_file("/work/missing")
-    assert "does not exist" in ei.value.hint and ei.value.exit_code != 0
+    assert "/work/missing" in ei.value.message and ei.value.hint
+    assert isinstance(ei.value, FileNotFoundError) and ei.value.code == "not_found"
 
     # upload/download of a tree, with a symlink and an executable bit
     src = tmp_path / "src"

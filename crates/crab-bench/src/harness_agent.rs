@@ -115,15 +115,11 @@ struct Arm {
 
 async fn start(client: &Client, image: &str, name: &str, harness: bool) -> Result<Arm, ApiError> {
     create(client, image, name, harness).await?;
-    sandbox::exec(
-        client,
-        name,
-        vec!["sh".into(), "-c".into(), "mkdir -p /opt/agent && cat > /opt/agent/agent.py".into()],
-        Some("/"),
-        Some(AGENT.as_bytes()),
-        30.0,
-    )
-    .await?;
+    let q = crab_common::files::FilesQuery {
+        path: Some("/opt/agent/agent.py".into()),
+        ..Default::default()
+    };
+    client.file_write(name, &q, AGENT.as_bytes().to_vec()).await?;
     let mut req = sandbox::exec_request(
         vec!["bash".into(), "-c".into(), "(exec setsid python3 /opt/agent/agent.py) <&0 &".into()],
         Some("/root"),

@@ -17,6 +17,8 @@ use serde::Serialize;
 use crab_common::api::{ExecFrame, ProcInfo, ProcSignalRequest, ProcStartRequest, StdinWrite};
 use crab_common::{ApiError, ErrorCode};
 
+mod files;
+
 /// A client of one daemon.
 #[derive(Debug, Clone)]
 pub struct Client {
@@ -66,13 +68,23 @@ impl Client {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<hyper::Response<hyper::body::Incoming>, ApiError> {
+        self.send_typed(method, path, "application/json", body.unwrap_or_default()).await
+    }
+
+    async fn send_typed(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: &str,
+        body: Vec<u8>,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, ApiError> {
         let mut conn = self.connect().await?;
         let req = Request::builder()
             .method(method)
             .uri(path)
             .header("host", "crab")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .header("content-type", content_type)
+            .body(Full::new(Bytes::from(body)))
             .map_err(|e| ApiError::internal(format!("building request: {e}")))?;
         let resp = conn
             .send_request(req)

@@ -49,6 +49,12 @@ pub enum ErrorCode {
     RequestTimeout,
     /// A bound is reached (connections, request bytes in memory); retry shortly.
     Busy,
+    /// A path inside a sandbox does not exist (the file service).
+    NotFound,
+    /// A path inside a sandbox exists already (the file service's mkdir).
+    AlreadyExists,
+    /// The sandbox's user may not do that to a path inside it (the file service).
+    PermissionDenied,
     /// Anything else; the message says what.
     Internal,
 }
@@ -61,8 +67,10 @@ impl ErrorCode {
             ErrorCode::SandboxNotFound
             | ErrorCode::ImageNotFound
             | ErrorCode::CheckpointNotFound
-            | ErrorCode::ProcessNotFound => 404,
-            ErrorCode::NameConflict | ErrorCode::Conflict => 409,
+            | ErrorCode::ProcessNotFound
+            | ErrorCode::NotFound => 404,
+            ErrorCode::PermissionDenied => 403,
+            ErrorCode::NameConflict | ErrorCode::Conflict | ErrorCode::AlreadyExists => 409,
             ErrorCode::CorruptCheckpoint => 422,
             ErrorCode::Timeout => 504,
             ErrorCode::Upstream => 502,
@@ -96,6 +104,9 @@ impl ErrorCode {
             ErrorCode::TooLarge => "too_large",
             ErrorCode::RequestTimeout => "request_timeout",
             ErrorCode::Busy => "busy",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::AlreadyExists => "already_exists",
+            ErrorCode::PermissionDenied => "permission_denied",
             ErrorCode::Internal => "internal",
         }
     }

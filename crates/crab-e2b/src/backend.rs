@@ -10,6 +10,7 @@ use crab_common::api::{
     BranchSettings, ExecFrame, ExecRequest, LabelledPoint, ProcInfo, ProcStartRequest,
     SandboxCreateRequest, SandboxInfo, SandboxState,
 };
+use crab_common::files::FileEntry;
 use crab_common::{ApiError, CheckpointKind};
 use tokio::sync::mpsc;
 
@@ -128,4 +129,58 @@ pub trait Backend: Send + Sync + 'static {
         sel: String,
         signal: String,
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    // The sandbox file service (`crab_sandbox::files`): each call runs inside sandbox `name` as
+    // `user`; paths are as the client gave them (absolute, `~/…`, or from the user's home).
+    /// Describe a path.
+    fn file_stat(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+    ) -> impl Future<Output = Result<FileEntry, ApiError>> + Send;
+    /// The entries of a directory, `depth` levels deep.
+    fn file_list(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+        depth: u32,
+    ) -> impl Future<Output = Result<Vec<FileEntry>, ApiError>> + Send;
+    /// Make a directory and its parents (`already_exists` when it exists).
+    fn file_make_dir(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+    ) -> impl Future<Output = Result<FileEntry, ApiError>> + Send;
+    /// Remove a file or a tree.
+    fn file_remove(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Rename `from` to `to`; the new path's entry.
+    fn file_rename(
+        &self,
+        name: String,
+        user: String,
+        from: String,
+        to: String,
+    ) -> impl Future<Output = Result<FileEntry, ApiError>> + Send;
+    /// A file's bytes, as a stream of chunks (an `Err` ends it as failed).
+    fn file_read(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+    ) -> impl Future<Output = Result<mpsc::Receiver<Result<Vec<u8>, ApiError>>, ApiError>> + Send;
+    /// Write a file from `data` as it arrives (parents made); its entry.
+    fn file_write(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+        data: mpsc::Receiver<Result<Vec<u8>, ApiError>>,
+    ) -> impl Future<Output = Result<FileEntry, ApiError>> + Send;
 }

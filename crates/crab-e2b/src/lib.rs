@@ -2,9 +2,11 @@
 //! `E2B_API_URL` and `E2B_SANDBOX_URL` point at `crab daemon --e2b-listen` — E2B's REST control
 //! plane (sandboxes, timeouts, pause/connect, snapshots, fork) and envd's Connect RPCs
 //! (`process.Process`, `filesystem.Filesystem`) plus `/files` and `/health`, on one plain
-//! HTTP/1.1 port. It is a thin translator: every lifecycle step is one [`Backend`] call, which
-//! the daemon implements over the host layer's actions. The protocol is documented in
-//! `docs/e2b.md`.
+//! HTTP/1.1 port. It is a codec that keeps no state of a sandbox: every call is one
+//! [`Backend`] call, which the daemon implements over the host layer's actions (a sandbox's
+//! life, deadline, metadata and snapshots are the host's record; its processes and files the
+//! host's process and file services). `server` is the REST control plane, `process` and
+//! `files` envd's RPCs, `user` who a call runs as. The protocol is documented in `docs/e2b.md`.
 
 pub mod auth;
 pub mod backend;
@@ -13,8 +15,8 @@ pub mod envd;
 pub mod process;
 pub mod rest;
 pub mod server;
-pub mod shell;
 pub mod store;
+pub mod user;
 
 pub use auth::{Keys, KeysError};
 pub use backend::Backend;

@@ -22,7 +22,7 @@ use crate::backend::Backend;
 use crate::connect::{self, CallKind, Code, ConnectError};
 use crate::envd::{self, DataEvent, EndEvent, EventResponse, ProcessEvent};
 use crate::server::{api_to_connect, call_user, dead_error, envd_sandbox, unsupported, Shared};
-use crate::shell;
+use crate::user;
 
 /// `POST /process.Process/{method}`.
 pub async fn process<B: Backend>(
@@ -254,7 +254,7 @@ async fn process_stream<B: Backend>(
                     .cwd
                     .clone()
                     .filter(|c| !c.is_empty())
-                    .unwrap_or_else(|| shell::home_of(&user)),
+                    .unwrap_or_else(|| user::home_of(&user)),
             ),
             user: (user != "root").then_some(user),
             tag: req.tag.clone(),

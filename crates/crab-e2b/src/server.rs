@@ -10,25 +10,23 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, FromRequest, Multipart, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use base64::Engine;
-use crab_common::api::{
-    BranchSettings, ExecFrame, ExecRequest, NetMode, SandboxCreateRequest, SandboxInfo,
-    SandboxState,
-};
+use crab_common::api::{BranchSettings, NetMode, SandboxCreateRequest, SandboxInfo, SandboxState};
 use crab_common::{ApiError, CheckpointKind, ErrorCode};
 
 use crate::auth::{ct_eq, random_hex, Keys};
 use crate::backend::Backend;
-use crate::connect::{self, CallKind, Code, ConnectError};
-use crate::envd;
+use crate::connect::{Code, ConnectError};
 use crate::rest::{self, ApiErrorBody};
-use crate::shell::{self, FsFailure};
 use crate::store::Store;
+use crate::user;
+
+#[path = "files.rs"]
+mod files;
 
 /// The envd protocol version Crab answers as (the SDK enables features by it: default user,
 /// octet-stream uploads, file metadata).
@@ -131,8 +129,8 @@ impl<B: Backend> E2b<B> {
             .route_layer(axum::middleware::from_fn_with_state(self.clone(), api_key::<B>));
         let envd = Router::new()
             .route("/process.Process/{method}", post(crate::process::process::<B>))
-            .route("/filesystem.Filesystem/{method}", post(filesystem::<B>))
-            .route("/files", get(download::<B>).post(upload::<B>))
+            .route("/filesystem.Filesystem/{method}", post(files::filesystem::<B>))
+            .route("/files", get(files::download::<B>).post(files::upload::<B>))
             .layer(DefaultBodyLimit::max(MAX_UPLOAD));
         Router::new()
             .route("/health", get(health::<B>))
@@ -725,166 +723,8 @@ pub(crate) async fn envd_sandbox<B: Backend>(
 }
 
 pub(crate) fn call_user(headers: &HeaderMap) -> Result<String, ConnectError> {
-    shell::user_from_basic(headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()))
+    user::user_from_basic(headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()))
         .map_err(|m| ConnectError::new(Code::InvalidArgument, m))
-}
-
-/// What a command printed, collected.
-struct Ran {
-    code: i32,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
-}
-
-async fn run_collect<B: Backend>(
-    e2b: &E2b<B>,
-    sb: &str,
-    user: &str,
-    argv: Vec<String>,
-    stdin: Option<&[u8]>,
-) -> Result<Ran, ConnectError> {
-    let (cmd, env) = shell::as_user(user, &[], argv);
-    let req = ExecRequest {
-        cmd,
-        env,
-        workdir: Some("/".into()),
-        timeout_s: Some(120.0),
-        stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
-        stdin_session: None,
-    };
-    let mut rx = match e2b.backend.exec(sb.to_string(), req).await {
-        Ok(rx) => rx,
-        Err(e) => return Err(e2b.exec_failed(sb, e).await),
-    };
-    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    let b64 = base64::engine::general_purpose::STANDARD;
-    while let Some(f) = rx.recv().await {
-        match f {
-            ExecFrame::Stdout { d } => stdout.extend(b64.decode(d).unwrap_or_default()),
-            ExecFrame::Stderr { d } => stderr.extend(b64.decode(d).unwrap_or_default()),
-            ExecFrame::Exit { code, timed_out, .. } => {
-                if timed_out {
-                    return Err(ConnectError::new(
-                        Code::DeadlineExceeded,
-                        "the filesystem operation timed out",
-                    ));
-                }
-                // Killed: by the sandbox's death?
-                if code == 137 && !e2b.alive(sb).await {
-                    return Err(dead_error(sb));
-                }
-                return Ok(Ran { code, stdout, stderr });
-            }
-            ExecFrame::Error { error } => return Err(e2b.exec_failed(sb, error).await),
-        }
-    }
-    Err(ConnectError::new(Code::Internal, "the command's stream ended without an exit status"))
-}
-
-fn fs_error(r: &Ran, path: &str) -> ConnectError {
-    match FsFailure::from_code(r.code) {
-        Some(FsFailure::NotFound) => {
-            ConnectError::new(Code::NotFound, format!("path {path} does not exist"))
-        }
-        Some(FsFailure::AlreadyExists) => {
-            ConnectError::new(Code::AlreadyExists, format!("path {path} already exists"))
-        }
-        Some(FsFailure::PermissionDenied) => {
-            ConnectError::new(Code::PermissionDenied, format!("permission denied: {path}"))
-        }
-        Some(FsFailure::NotADirectory) => {
-            ConnectError::new(Code::InvalidArgument, format!("path {path} is not a directory"))
-        }
-        Some(FsFailure::IsADirectory) => {
-            ConnectError::new(Code::InvalidArgument, format!("path {path} is a directory"))
-        }
-        None => ConnectError::new(
-            Code::Internal,
-            format!("{path}: exit {}: {}", r.code, String::from_utf8_lossy(&r.stderr).trim()),
-        ),
-    }
-}
-
-async fn filesystem<B: Backend>(
-    State(e2b): State<Shared<B>>,
-    Path(method): Path<String>,
-    headers: HeaderMap,
-    raw: Bytes,
-) -> Response {
-    match filesystem_call(&e2b, &method, &headers, &raw).await {
-        Ok(r) => r,
-        Err(e) => {
-            if connect::call_kind(&headers) == Some(CallKind::Stream) {
-                e.stream_response()
-            } else {
-                e.unary_response()
-            }
-        }
-    }
-}
-
-async fn filesystem_call<B: Backend>(
-    e2b: &E2b<B>,
-    method: &str,
-    headers: &HeaderMap,
-    raw: &[u8],
-) -> Result<Response, ConnectError> {
-    if connect::call_kind(headers) != Some(CallKind::Unary) {
-        return Err(unsupported(method, headers));
-    }
-    let sb = envd_sandbox(e2b, headers).await?;
-    let user = call_user(headers)?;
-    let one = |r: Ran, path: &str| -> Result<envd::EntryInfo, ConnectError> {
-        if r.code != 0 {
-            return Err(fs_error(&r, path));
-        }
-        shell::parse_entries(&r.stdout)
-            .map_err(|m| ConnectError::new(Code::Internal, m))?
-            .pop()
-            .ok_or_else(|| ConnectError::new(Code::Internal, format!("{path}: no entry listed")))
-    };
-    match method {
-        "Stat" | "MakeDir" | "Remove" | "ListDir" => {
-            let req: envd::PathRequest = connect::decode_json(raw)?;
-            let path = shell::absolute(&req.path, &user);
-            let argv = match method {
-                "Stat" => shell::stat(&path),
-                "MakeDir" => shell::make_dir(&path),
-                "Remove" => shell::remove(&path),
-                _ => shell::list(&path, req.depth),
-            };
-            let r = run_collect(e2b, &sb, &user, argv, None).await?;
-            match method {
-                "Remove" => {
-                    if r.code != 0 {
-                        return Err(fs_error(&r, &path));
-                    }
-                    Ok(connect::unary_ok(&serde_json::json!({})))
-                }
-                "ListDir" => {
-                    if r.code != 0 {
-                        return Err(fs_error(&r, &path));
-                    }
-                    let entries = shell::parse_entries(&r.stdout).map_err(|m| ConnectError::new(Code::Internal, m))?;
-                    Ok(connect::unary_ok(&envd::ListDirResponse { entries }))
-                }
-                _ => Ok(connect::unary_ok(&envd::EntryResponse { entry: one(r, &path)? })),
-            }
-        }
-        "Move" => {
-            let req: envd::MoveRequest = connect::decode_json(raw)?;
-            let (src, dst) = (shell::absolute(&req.source, &user), shell::absolute(&req.destination, &user));
-            let r = run_collect(e2b, &sb, &user, shell::rename(&src, &dst), None).await?;
-            if r.code == 44 {
-                return Err(fs_error(&r, &src));
-            }
-            Ok(connect::unary_ok(&envd::EntryResponse { entry: one(r, &dst)? }))
-        }
-        other => Err(ConnectError::new(
-            Code::Unimplemented,
-            format!("filesystem.Filesystem/{other} is not supported by Crab's E2B front door (docs/e2b.md)"),
-        )),
-    }
 }
 
 pub(crate) fn unsupported(method: &str, headers: &HeaderMap) -> ConnectError {
@@ -898,140 +738,10 @@ pub(crate) fn unsupported(method: &str, headers: &HeaderMap) -> ConnectError {
 // ---------------------------------------------------------------------------------------------
 // /files
 
-#[derive(Debug, serde::Deserialize)]
-struct FileQuery {
-    path: Option<String>,
-    username: Option<String>,
-}
-
 fn envd_rest_error(e: ConnectError) -> RestError {
     let status = match e.code {
         Code::Unavailable => 502,
         other => other.http_status().as_u16(),
     };
     RestError::new(status, e.message)
-}
-
-fn file_user(q: &FileQuery, headers: &HeaderMap) -> Result<String, ConnectError> {
-    match &q.username {
-        Some(u) if !u.is_empty() => {
-            shell::check_user(u).map_err(|m| ConnectError::new(Code::InvalidArgument, m))?;
-            Ok(u.clone())
-        }
-        _ => call_user(headers),
-    }
-}
-
-async fn download<B: Backend>(
-    State(e2b): State<Shared<B>>,
-    headers: HeaderMap,
-    Query(q): Query<FileQuery>,
-) -> Result<Response, RestError> {
-    let sb = envd_sandbox(&e2b, &headers).await.map_err(envd_rest_error)?;
-    let user = file_user(&q, &headers).map_err(envd_rest_error)?;
-    let path = shell::absolute(
-        q.path.as_deref().ok_or_else(|| RestError::new(400, "path is required"))?,
-        &user,
-    );
-    let r =
-        run_collect(&e2b, &sb, &user, shell::read(&path), None).await.map_err(envd_rest_error)?;
-    if r.code != 0 {
-        return Err(envd_rest_error(fs_error(&r, &path)));
-    }
-    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], r.stdout).into_response())
-}
-
-/// `POST /files`. A refused upload is answered with `Connection: close`: its body may be
-/// partly or wholly unread (the sandbox is checked before it is read), so the server cannot
-/// reuse the connection, and a client that did would send its next request into a socket
-/// being closed ("connection closed before message completed").
-async fn upload<B: Backend>(
-    state: State<Shared<B>>,
-    query: Query<FileQuery>,
-    req: Request,
-) -> Response {
-    match upload_files(state, query, req).await {
-        Ok(r) => r,
-        Err(e) => {
-            let mut r = e.into_response();
-            r.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
-            r
-        }
-    }
-}
-
-async fn upload_files<B: Backend>(
-    State(e2b): State<Shared<B>>,
-    Query(q): Query<FileQuery>,
-    req: Request,
-) -> Result<Response, RestError> {
-    let headers = req.headers().clone();
-    let sb = envd_sandbox(&e2b, &headers).await.map_err(envd_rest_error)?;
-    let user = file_user(&q, &headers).map_err(envd_rest_error)?;
-    let too_big = || {
-        RestError::new(413, format!("upload exceeds the {MAX_UPLOAD}-byte limit of Crab's E2B front door; split it or copy it with a command"))
-    };
-    let ct =
-        headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    if headers.get(header::CONTENT_ENCODING).is_some() {
-        return Err(RestError::new(
-            400,
-            "compressed uploads are not supported; upload without gzip",
-        ));
-    }
-    let mut files: Vec<(String, Bytes)> = Vec::new();
-    if ct.starts_with("multipart/form-data") {
-        let mut mp = Multipart::from_request(req, &())
-            .await
-            .map_err(|e| RestError::new(400, format!("malformed multipart body: {e}")))?;
-        loop {
-            let field = match mp.next_field().await {
-                Ok(Some(f)) => f,
-                Ok(None) => break,
-                Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_big()),
-                Err(e) => {
-                    return Err(RestError::new(400, format!("malformed multipart body: {e}")))
-                }
-            };
-            let name = field.file_name().map(str::to_string).or_else(|| q.path.clone());
-            let data = match field.bytes().await {
-                Ok(b) => b,
-                Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_big()),
-                Err(e) => {
-                    return Err(RestError::new(400, format!("malformed multipart body: {e}")))
-                }
-            };
-            let path = name.ok_or_else(|| {
-                RestError::new(400, "a file part has no file name and the request no path")
-            })?;
-            files.push((path, data));
-        }
-    } else {
-        let path = q
-            .path
-            .clone()
-            .ok_or_else(|| RestError::new(400, "path is required for an octet-stream upload"))?;
-        let data = match Bytes::from_request(req, &()).await {
-            Ok(b) => b,
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_big()),
-            Err(e) => return Err(RestError::new(400, format!("reading the upload: {e}"))),
-        };
-        files.push((path, data));
-    }
-    if files.is_empty() {
-        return Err(RestError::new(400, "no file in the upload"));
-    }
-    let mut out = Vec::new();
-    for (path, data) in files {
-        let path = shell::absolute(&path, &user);
-        let r = run_collect(&e2b, &sb, &user, shell::write(&path), Some(&data))
-            .await
-            .map_err(envd_rest_error)?;
-        if r.code != 0 {
-            return Err(envd_rest_error(fs_error(&r, &path)));
-        }
-        let name = path.rsplit('/').next().unwrap_or("").to_string();
-        out.push(serde_json::json!({"name": name, "type": "file", "path": path}));
-    }
-    Ok(Json(out).into_response())
 }

@@ -11,6 +11,7 @@ use crab_common::api::{
     BranchSettings, ExecFrame, ExecRequest, LabelledPoint, ProcInfo, ProcStartRequest, ProcState,
     SandboxCreateRequest, SandboxInfo, SandboxState,
 };
+use crab_common::files::{FileEntry, FileKind};
 use crab_common::life::{Deadline, Life, OnDeadline, Status};
 use crab_common::{ApiError, CheckpointKind, ErrorCode};
 use crab_e2b::{Backend, Config, E2b, Keys};
@@ -27,6 +28,8 @@ struct Fake {
     execs: Mutex<Vec<ExecRequest>>,
     starts: Mutex<Vec<ProcStartRequest>>,
     killed: Mutex<Vec<String>>,
+    /// (user, path, bytes) of each file written.
+    written: Mutex<Vec<(String, String, Vec<u8>)>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -260,6 +263,62 @@ impl Backend for Fake {
     ) -> Result<(), ApiError> {
         Ok(())
     }
+    async fn file_stat(&self, _n: String, _u: String, path: String) -> Result<FileEntry, ApiError> {
+        Ok(entry(&path))
+    }
+    async fn file_list(
+        &self,
+        _n: String,
+        _u: String,
+        path: String,
+        _depth: u32,
+    ) -> Result<Vec<FileEntry>, ApiError> {
+        Ok(vec![entry(&format!("{path}/a"))])
+    }
+    async fn file_make_dir(
+        &self,
+        _n: String,
+        _u: String,
+        path: String,
+    ) -> Result<FileEntry, ApiError> {
+        Ok(entry(&path))
+    }
+    async fn file_remove(&self, _n: String, _u: String, path: String) -> Result<(), ApiError> {
+        Err(ApiError::new(ErrorCode::NotFound, format!("no such file or directory: {path}"), ""))
+    }
+    async fn file_rename(
+        &self,
+        _n: String,
+        _u: String,
+        _from: String,
+        to: String,
+    ) -> Result<FileEntry, ApiError> {
+        Ok(entry(&to))
+    }
+    async fn file_read(
+        &self,
+        _n: String,
+        _u: String,
+        _path: String,
+    ) -> Result<mpsc::Receiver<Result<Vec<u8>, ApiError>>, ApiError> {
+        let (tx, rx) = mpsc::channel(2);
+        tx.send(Ok(b"hi\n".to_vec())).await.unwrap();
+        Ok(rx)
+    }
+    async fn file_write(
+        &self,
+        _n: String,
+        user: String,
+        path: String,
+        mut data: mpsc::Receiver<Result<Vec<u8>, ApiError>>,
+    ) -> Result<FileEntry, ApiError> {
+        let mut got = Vec::new();
+        while let Some(c) = data.recv().await {
+            got.extend(c?);
+        }
+        self.written.lock().unwrap().push((user, path.clone(), got));
+        Ok(entry(&path))
+    }
 }
 
 /// The one process the fake runs: supervisor pid 7, running.
@@ -279,6 +338,22 @@ fn proc_info(r: &ProcStartRequest) -> ProcInfo {
         stdout_bytes: 0,
         stderr_bytes: 0,
         signalled: None,
+    }
+}
+
+fn entry(path: &str) -> FileEntry {
+    FileEntry {
+        name: path.rsplit('/').next().unwrap_or("").into(),
+        path: path.into(),
+        kind: FileKind::File,
+        is_symlink: false,
+        symlink_target: None,
+        size: 3,
+        mode: 0o644,
+        permissions: "-rw-r--r--".into(),
+        owner: "user".into(),
+        group: "user".into(),
+        modified_s: 1_700_000_000.0,
     }
 }
 
@@ -546,4 +621,66 @@ async fn a_refused_upload_closes_the_connection() {
     let r = e2b.router().oneshot(req).await.unwrap();
     assert!(!r.status().is_success());
     assert!(r.headers().get("connection").is_none());
+}
+
+/// The file calls are codecs over the backend's file service: an entry becomes envd's
+/// `EntryInfo` (size as a string, RFC 3339 time), a multipart upload reaches the service as
+/// the call's user with each part's bytes, a download is the service's bytes, and a missing
+/// path is Connect's `not_found`.
+#[tokio::test]
+async fn file_calls_go_through_the_file_service() {
+    let (e2b, fake) = front();
+    let (s, b) = call(
+        &e2b,
+        Request::post("/v2/sandboxes")
+            .header("content-type", "application/json")
+            .header("x-api-key", KEY)
+            .body(Body::from(r#"{"templateID":"base"}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s, 201);
+    let created = json(&b);
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    let token = created["envdAccessToken"].as_str().unwrap().to_string();
+    let rpc = |m: &str, body: &str| {
+        Request::post(format!("/filesystem.Filesystem/{m}"))
+            .header("content-type", "application/json")
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let (s, b) = call(&e2b, rpc("Stat", r#"{"path":"/tmp/f"}"#)).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let e = &json(&b)["entry"];
+    assert_eq!(
+        (e["name"].as_str(), e["type"].as_str(), e["size"].as_str()),
+        (Some("f"), Some("FILE_TYPE_FILE"), Some("3"))
+    );
+    assert!(e["modifiedTime"].as_str().unwrap().starts_with("2023-11-14T22:13:20"), "{e}");
+    let (s, b) = call(&e2b, rpc("ListDir", r#"{"path":"/tmp","depth":1}"#)).await;
+    assert_eq!((s, json(&b)["entries"][0]["path"].as_str()), (StatusCode::OK, Some("/tmp/a")));
+    let (s, b) = call(&e2b, rpc("Remove", r#"{"path":"/tmp/gone"}"#)).await;
+    assert_eq!((s, json(&b)["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
+    let req = Request::post("/files?path=/tmp/up&username=root")
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .header("content-type", "multipart/form-data; boundary=b")
+        .body(Body::from("--b\r\ncontent-disposition: form-data; name=\"file\"; filename=\"/tmp/one\"\r\n\r\nabc\r\n--b--\r\n"))
+        .unwrap();
+    let (s, b) = call(&e2b, req).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(json(&b)[0]["path"], "/tmp/one");
+    assert_eq!(
+        *fake.written.lock().unwrap(),
+        vec![("root".to_string(), "/tmp/one".to_string(), b"abc".to_vec())]
+    );
+    let req = Request::get("/files?path=/tmp/one")
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .body(Body::empty())
+        .unwrap();
+    let (s, b) = call(&e2b, req).await;
+    assert_eq!((s, b.as_slice()), (StatusCode::OK, &b"hi\n"[..]));
 }

@@ -331,6 +331,16 @@ pub enum Action {
     },
     /// Build sandboxes from a point in the remote store (this host needs nothing else).
     FromRemote(FromRemote),
+    /// A file operation inside a sandbox (read, write, stat, list, mkdir, remove, rename, tar
+    /// out, tar in), run there as `user` (root when `None`).
+    Files {
+        /// Sandbox name.
+        name: String,
+        /// The account inside the sandbox.
+        user: Option<String>,
+        /// The operation.
+        op: crab_sandbox::files::FileOp,
+    },
 }
 
 impl std::fmt::Debug for Action {
@@ -391,6 +401,7 @@ impl Action {
             Action::RemotePrune { .. } => "remote_prune",
             Action::RemoteWait { .. } => "remote_wait",
             Action::FromRemote(_) => "from_remote",
+            Action::Files { .. } => "files",
         }
     }
 
@@ -551,4 +562,7 @@ pub enum Outcome {
     Durable(Durable),
     /// Sandboxes built from the remote.
     FromRemote(Box<FromRemoteReport>),
+    /// What a file operation answered (an entry, entries, done, or a byte stream the front
+    /// door renders).
+    Files(crab_sandbox::files::FileAnswer),
 }

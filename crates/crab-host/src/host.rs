@@ -93,6 +93,8 @@ pub struct Host {
     pub(crate) life_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Serializes label changes (a label is unique on the host).
     pub(crate) label_lock: Mutex<()>,
+    /// Sandboxes whose deadline is being fired (the watchdog fires one at a time).
+    pub(crate) firing: Mutex<std::collections::HashSet<String>>,
 }
 
 use crab_common::sync::lock;
@@ -309,6 +311,7 @@ impl Host {
             remote,
             life_locks: Mutex::new(HashMap::new()),
             label_lock: Mutex::new(()),
+            firing: Mutex::new(std::collections::HashSet::new()),
         });
         hooks.set_host(Arc::downgrade(&host));
         if let Some(t) = &host.remote {
@@ -645,6 +648,7 @@ impl Host {
                 Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
             }
             Action::FromRemote(req) => self.from_remote(req, Arc::new(NoProgress)).await,
+            Action::Files { name, user, op } => self.files(name, user, op).await,
             Action::WithProgress { action, progress } => {
                 self.with_progress(*action, progress.into()).await
             }

@@ -15,6 +15,7 @@
 
 mod action;
 mod error;
+mod files;
 pub mod glue;
 mod host;
 mod lifecycle;

@@ -454,8 +454,16 @@ impl Host {
                 t.tick().await;
                 let Some(h) = weak.upgrade() else { return };
                 for (name, d) in h.runtime().due(now_ms()) {
+                    // One firing per sandbox at a time: a slow pause is not fired again by the
+                    // next tick.
+                    if !lock(&h.firing).insert(name.clone()) {
+                        continue;
+                    }
                     let h = h.clone();
-                    tokio::spawn(async move { h.fire(name, d).await });
+                    tokio::spawn(async move {
+                        h.clone().fire(name.clone(), d).await;
+                        lock(&h.firing).remove(&name);
+                    });
                 }
             }
         });
@@ -463,19 +471,29 @@ impl Host {
 
     async fn fire(self: Arc<Self>, name: String, d: Deadline) {
         // Fired once: the deadline goes first (a failing step is not retried every second).
+        let mut mine = false;
         if let Err(e) = self.runtime().edit(&name, |r| {
-            if r.deadline_ms == Some(d.at_ms) {
+            if r.deadline_ms == Some(d.at_ms) && r.life == Life::Running {
                 r.deadline_ms = None;
+                mine = true;
             }
         }) {
             tracing::warn!(sandbox = %name, error = %e, "deadline: cannot clear it");
+            return;
+        }
+        if !mine {
+            // Changed meanwhile (a new deadline, a pause through another door).
             return;
         }
         if d.on == OnDeadline::Pause {
             tracing::info!(sandbox = %name, "deadline: pausing");
             match self.execute(Action::Pause { name: name.clone() }).await {
                 Ok(_) => return,
-                Err(e) if e.0.code == ErrorCode::SandboxNotFound => return,
+                // Gone, or not running any more (paused or stopped through another door):
+                // nothing left to do.
+                Err(e) if matches!(e.0.code, ErrorCode::SandboxNotFound | ErrorCode::Conflict) => {
+                    return
+                }
                 Err(e) => {
                     tracing::warn!(sandbox = %name, error = %e.0.message, "deadline: pause failed; killing")
                 }

@@ -3,7 +3,7 @@
 //! This crate owns everything a sandbox is made of on the host: the btrfs storage pool
 //! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`]), host-side writes inside a root that never leave it ([`inroot`]), cgroups ([`cgroup`]), the
 //! single-threaded namespace helpers ([`spawn`]), the registry of sandboxes with create, remove
-//! and adoption ([`runtime`]), running commands inside a sandbox ([`exec`]), its background processes ([`procs`]), the `nat` network mode ([`net`]), and the security
+//! and adoption ([`runtime`]), running commands inside a sandbox ([`exec`]), its background processes ([`procs`]), the file service ([`files`]), the `nat` network mode ([`net`]), and the security
 //! profile every sandboxed process runs under ([`profile`], [`seccomp`]).
 
 pub mod archive;
@@ -12,6 +12,7 @@ pub mod cgroup;
 pub mod devices;
 pub mod error;
 pub mod exec;
+pub mod files;
 pub mod image;
 pub mod inroot;
 pub mod net;

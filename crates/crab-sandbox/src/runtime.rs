@@ -139,6 +139,8 @@ pub struct Runtime {
     creating: Mutex<Vec<String>>,
     /// Open exec sessions (streamed stdin).
     sessions: crate::exec::Sessions,
+    /// Serializes [`Runtime::edit`]s (read, change, write of one record never interleave).
+    edit_lock: Mutex<()>,
 }
 
 use crab_common::clock::now_s as now;
@@ -246,6 +248,7 @@ impl Runtime {
             sandboxes: Mutex::new(HashMap::new()),
             creating: Mutex::new(Vec::new()),
             sessions: crate::exec::Sessions::default(),
+            edit_lock: Mutex::new(()),
         };
         rt.load()?;
         rt.adopt_nat();
@@ -468,6 +471,7 @@ impl Runtime {
     /// Change sandbox `name`'s record with `f` and persist it (durably) when `f` changed it.
     /// The host's lifecycle actions write `life`, `deadline`, labels and env through here.
     pub fn edit(&self, name: &str, f: impl FnOnce(&mut SandboxRecord)) -> Result<SandboxRecord> {
+        let _one = self.edit_lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.record(name)?;
         let before = rec.clone();
         f(&mut rec);

@@ -34,6 +34,9 @@ fn sigkilled_daemon_adopts_running_sandboxes() {
         std::fs::read_to_string(state_dir().join("daemon.pid")).unwrap().trim().parse().unwrap();
     nix_kill(pid);
     assert!(wait_until(5.0, || !common::daemon_up()));
+    // Gone, not only deaf: a SIGKILLed process holds its pid-file lock until its exit is done
+    // (slow on a loaded machine), and a daemon started before that refuses the state dir.
+    assert!(wait_until(20.0, || !std::path::Path::new(&format!("/proc/{pid}")).exists()));
     // Down: the CLI says so clearly.
     let o = crab(&["sandbox", "ls"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("daemon is not running"));

@@ -40,6 +40,9 @@ from .errors import (
     InvalidRequestError,
     NameConflictError,
     NotFoundError,
+    PathNotFoundError,
+    PermissionDeniedError,
+    AlreadyExistsError,
     PoolFullError,
     ProcessNotFoundError,
     RequestTimeoutError,
@@ -49,6 +52,7 @@ from .errors import (
     UpstreamError,
 )
 from .commands import AsyncCommandHandle, AsyncCommands, CommandHandle, CommandInfo, CommandResult, Commands
+from .files import AsyncFiles, EntryInfo, FileType, Files
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
 
 __version__ = "0.1.0"
@@ -56,7 +60,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncCommandHandle",
     "AsyncCommands",
+    "AlreadyExistsError",
     "AsyncDaemon",
+    "AsyncFiles",
+    "EntryInfo",
+    "FileType",
+    "Files",
+    "PathNotFoundError",
+    "PermissionDeniedError",
     "AsyncSandbox",
     "BusyError",
     "Capabilities",

@@ -14,6 +14,7 @@ import httpx
 
 from . import _common as c
 from .errors import CapabilityError, NotFoundError
+from .files import AsyncFiles, FileType, tar_of_dir, untar_into
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -220,36 +221,38 @@ class AsyncSandbox:
             col.feed(ev)
         return col.result()
 
+    @property
+    def files(self) -> AsyncFiles:
+        """The sandbox's files, e2b-style: ``read``, ``write``, ``list``, ``exists``,
+        ``get_info``, ``make_dir``, ``remove``, ``rename`` (and ``tar_out``/``tar_in``)."""
+        return AsyncFiles(self)
+
     async def write_file(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> None:
-        r = await self.exec(c.write_argv(path, mode), stdin=data if isinstance(data, bytes) else data.encode())
-        if r.exit_code != 0:
-            raise c.file_failed("writing", path, r)
+        """Write ``data`` to ``path`` in the sandbox (parents created; ``mode`` e.g. ``0o755``)."""
+        await self.files.write(path, data, mode=mode)
 
     async def read_file(self, path: str) -> bytes:
-        r = await self.exec(c.READ_ARGV + [path])
-        if r.exit_code != 0:
-            raise c.file_failed("reading", path, r)
-        return r.stdout_bytes
+        """The bytes of a file in the sandbox."""
+        return await self.files.read(path, format="bytes")
 
     async def upload(self, local: c.PathLike, remote: str) -> None:
+        """Copy a local file or directory tree to ``remote`` in the sandbox."""
         src = Path(local)
         if src.is_dir():
-            r = await self.exec(["sh", "-c", c.UNTAR_SH, "crab-upload", remote], stdin=c.tar_of_dir(src))
-            if r.exit_code != 0:
-                raise c.file_failed("unpacking into", remote, r)
+            await self.files.tar_in(remote, tar_of_dir(src))
         else:
-            await self.write_file(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
+            await self.files.write(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
 
     async def download(self, remote: str, local: c.PathLike) -> None:
-        r = await self.exec(["sh", "-c", c.DOWNLOAD_SH, "crab-download", remote])
-        if r.exit_code != 0:
-            raise c.file_failed("reading", remote, r)
+        """Copy a file or directory tree from the sandbox to ``local`` (a tree through a tar
+        checked on the way in: nothing lands outside ``local``)."""
         dest = Path(local)
-        if r.stderr.startswith("crab:dir"):
-            c.untar_into(r.stdout_bytes, dest)
+        if (await self.files.get_info(remote)).type == FileType.DIR:
+            untar_into(await self.files.tar_out(remote, contents=True), dest)
         else:
+            data = await self.files.read(remote, format="bytes")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(r.stdout_bytes)
+            dest.write_bytes(data)
 
     async def checkpoint(self, kind: str = "auto", durable: bool = False, *, durable_timeout: float = 600.0) -> Point:
         if durable and not await self.durable():

@@ -1,5 +1,5 @@
-"""What the sync and async clients share: the socket's location, request bodies, frame
-decoding, and the shell snippets and tar handling behind the file helpers.
+"""What the sync and async clients share: the socket's location, request bodies and frame
+decoding (the file helpers are in ``files``, over the daemon's file service).
 
 Nothing here does I/O with the daemon; ``_sync`` and ``_async`` do, with the same helpers, so
 the two front ends cannot drift apart.
@@ -8,20 +8,16 @@ the two front ends cannot drift apart.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import re
 import secrets
-import tarfile
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from urllib.parse import quote
 
 import httpx
 
 from .errors import (
-    CommandError,
     CommandTimeoutError,
     CrabError,
     DaemonUnavailableError,
@@ -224,43 +220,3 @@ class Collector:
                 result=r,
             )
         return r
-
-
-# --- files ------------------------------------------------------------------------------------
-
-WRITE_SH = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-CHMOD_SH = ' && chmod "$2" "$1"'
-READ_ARGV = ["cat", "--"]
-#: Download: a directory comes back as a tar of its contents (marked on stderr), a file as is.
-DOWNLOAD_SH = 'if [ -d "$1" ]; then echo crab:dir >&2; cd "$1" && exec tar -c -f - .; else exec cat -- "$1"; fi'
-UNTAR_SH = 'mkdir -p -- "$1" && exec tar -x --no-same-owner -f - -C "$1"'
-
-
-def write_argv(path: str, mode: Optional[int]) -> List[str]:
-    if mode is None:
-        return ["sh", "-c", WRITE_SH, "crab-write", path]
-    return ["sh", "-c", WRITE_SH + CHMOD_SH, "crab-write", path, format(mode, "o")]
-
-
-def file_failed(op: str, path: str, r: ExecResult) -> CommandError:
-    err = r.stderr.strip()
-    hint = "check the path inside the sandbox"
-    if "No such file" in err or "Not a directory" in err:
-        hint = "the path does not exist in the sandbox"
-    return CommandError(f"{op} {path!r} failed (exit {r.exit_code}): {err}", hint, exit_code=r.exit_code, stderr=err)
-
-
-def tar_of_dir(local: Path) -> bytes:
-    """The contents of a local directory as an in-memory tar (names relative to it)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for child in sorted(local.iterdir()):
-            tf.add(str(child), arcname=child.name)
-    return buf.getvalue()
-
-
-def untar_into(data: bytes, dest: Path) -> None:
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
-        # 'data' refuses absolute names, '..', links out of dest and device files.
-        tf.extractall(str(dest), filter="data")

@@ -1,7 +1,8 @@
 """The blocking client: :class:`Daemon` (one daemon's socket) and :class:`Sandbox`.
 
 Every method is one or two calls of the daemon's HTTP API (``docs/api.md``); the daemon does
-the work. File helpers run ``cat``/``tar`` in the sandbox through ``exec``.
+the work. File helpers (``sb.files``, ``upload``, ``download``) go through the daemon's file
+service (``files``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 
 from . import _common as c
 from .errors import CapabilityError, NotFoundError
+from .files import Files, FileType, tar_of_dir, untar_into
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -278,40 +280,40 @@ class Sandbox:
 
     # --- files --------------------------------------------------------------------------------
 
+    @property
+    def files(self) -> Files:
+        """The sandbox's files, e2b-style: ``read``, ``write``, ``list``, ``exists``,
+        ``get_info``, ``make_dir``, ``remove``, ``rename`` (and ``tar_out``/``tar_in``)."""
+        return Files(self)
+
     def write_file(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> None:
         """Write ``data`` to ``path`` in the sandbox (parents created; ``mode`` e.g. ``0o755``)."""
-        r = self.exec(c.write_argv(path, mode), stdin=data if isinstance(data, bytes) else data.encode())
-        if r.exit_code != 0:
-            raise c.file_failed("writing", path, r)
+        self.files.write(path, data, mode=mode)
 
     def read_file(self, path: str) -> bytes:
         """The bytes of a file in the sandbox."""
-        r = self.exec(c.READ_ARGV + [path])
-        if r.exit_code != 0:
-            raise c.file_failed("reading", path, r)
-        return r.stdout_bytes
+        return self.files.read(path, format="bytes")
 
     def upload(self, local: c.PathLike, remote: str) -> None:
         """Copy a local file or directory tree to ``remote`` in the sandbox."""
         src = Path(local)
         if src.is_dir():
-            r = self.exec(["sh", "-c", c.UNTAR_SH, "crab-upload", remote], stdin=c.tar_of_dir(src))
-            if r.exit_code != 0:
-                raise c.file_failed("unpacking into", remote, r)
+            self.files.tar_in(remote, tar_of_dir(src))
         else:
-            self.write_file(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
+            self.files.write(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
 
     def download(self, remote: str, local: c.PathLike) -> None:
-        """Copy a file or directory tree from the sandbox to ``local``."""
-        r = self.exec(["sh", "-c", c.DOWNLOAD_SH, "crab-download", remote])
-        if r.exit_code != 0:
-            raise c.file_failed("reading", remote, r)
+        """Copy a file or directory tree from the sandbox to ``local`` (a tree through a tar
+        checked on the way in: nothing lands outside ``local``)."""
         dest = Path(local)
-        if r.stderr.startswith("crab:dir"):
-            c.untar_into(r.stdout_bytes, dest)
+        if (self.files.get_info(remote)).type == FileType.DIR:
+            untar_into(self.files.tar_out(remote, contents=True), dest)
         else:
+            data = self.files.read(remote, format="bytes")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(r.stdout_bytes)
+            dest.write_bytes(data)
+
+    # --- checkpoints --------------------------------------------------------------------------
 
     # --- checkpoints --------------------------------------------------------------------------
 

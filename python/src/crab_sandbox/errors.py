@@ -20,6 +20,9 @@ __all__ = [
     "ImageNotFoundError",
     "CheckpointNotFoundError",
     "NameConflictError",
+    "PathNotFoundError",
+    "AlreadyExistsError",
+    "PermissionDeniedError",
     "ConflictError",
     "CorruptCheckpointError",
     "HostUnsupportedError",
@@ -121,6 +124,12 @@ class ProcessNotFoundError(NotFoundError):
     code = "process_not_found"
 
 
+class PathNotFoundError(NotFoundError, FileNotFoundError):
+    """``not_found`` (404): a path inside the sandbox does not exist (the file service)."""
+
+    code = "not_found"
+
+
 class NameConflictError(CrabError):
     """``name_conflict`` (409): the name is taken."""
 
@@ -131,6 +140,18 @@ class ConflictError(CrabError):
     """``conflict`` (409): the operation is not allowed in this state."""
 
     code = "conflict"
+
+
+class AlreadyExistsError(CrabError, FileExistsError):
+    """``already_exists`` (409): a path inside the sandbox exists already (``make_dir``)."""
+
+    code = "already_exists"
+
+
+class PermissionDeniedError(CrabError, PermissionError):
+    """``permission_denied`` (403): the sandbox's user may not do that to the path."""
+
+    code = "permission_denied"
 
 
 class CorruptCheckpointError(CrabError):
@@ -210,7 +231,8 @@ class BusyError(CrabError):
 
 
 class CommandError(CrabError):
-    """A helper command the SDK ran in the sandbox (file transfer) failed.
+    """A helper command run in the sandbox failed (kept for callers: the file helpers now go
+    through the daemon's file service and raise its codes).
 
     ``exit_code`` and ``stderr`` are the command's.
     """
@@ -241,6 +263,9 @@ ERROR_CLASSES: Dict[str, Type[CrabError]] = {
         ProcessNotFoundError,
         NameConflictError,
         ConflictError,
+        PathNotFoundError,
+        AlreadyExistsError,
+        PermissionDeniedError,
         CorruptCheckpointError,
         HostUnsupportedError,
         HostCapabilityMissingError,

@@ -165,7 +165,7 @@ pub(super) struct RunArgs {
     /// Accepted for compatibility (the sandbox's pid 1 is always Crab's reaper).
     #[arg(long)]
     init: bool,
-    /// Bind mounts are not supported: copy files in with `crab exec -i … tar -x` instead.
+    /// Bind mounts are not supported: copy files in with `crab docker cp` instead.
     #[arg(short = 'v', long = "volume")]
     volume: Vec<String>,
     /// Image.
@@ -398,7 +398,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
     if !a.volume.is_empty() {
         return Err(ApiError::invalid(
             format!("bind mounts are not supported (-v {})", a.volume.join(", -v ")),
-            "copy files in after `run -d` with `crab docker exec -i NAME tar -x -C DIR < files.tar`",
+            "copy files in after `run -d` with `crab docker cp SRC NAME:DIR`",
         ));
     }
     let _ = (a.tty, a.init);

@@ -1,7 +1,7 @@
 //! `crab docker cp`: docker's `cp SRC NAME:DST`, `cp NAME:SRC DST` and `-` (a tar stream on
-//! stdin or stdout), translated to the daemon's exec action — a `tar` in the sandbox fed or
-//! read through the exec's stdin/stdout, as the SDK's `upload`/`download` and the E2B front's
-//! `/files` do (the daemon has no file route of its own).
+//! stdin or stdout), translated to the daemon's file service (`/v1/sandboxes/{name}/files…`:
+//! stat, tar out of a path, tar in under a directory — run inside the sandbox, as the SDK's
+//! `sb.files` and the E2B front's `/files` are).
 //!
 //! Path rules are docker's: a directory is copied *into* an existing directory (as
 //! `DST/basename`) or *becomes* a missing one; `SRC/.` copies a directory's contents; a file
@@ -16,14 +16,10 @@ use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
 use std::process::ExitCode;
 
-use base64::Engine;
 use crab_client::Client;
-use crab_common::api::{ExecFrame, ExecRequest, SandboxState};
+use crab_common::api::SandboxState;
+use crab_common::files::{FileKind, FilesQuery};
 use crab_common::{ApiError, ErrorCode};
-
-/// Largest stdin one exec carries (the daemon's API body limit is 64 MiB, base64 adds 1/3);
-/// bigger archives go in several appends to a file in the sandbox.
-const CHUNK: usize = 32 << 20;
 
 /// One side of a `cp`.
 #[derive(Debug, PartialEq)]
@@ -145,41 +141,8 @@ async fn ensure_running(client: &Client, name: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Run `cmd` in the sandbox with `stdin`; its exit code, stdout and stderr.
-async fn exec_collect(
-    client: &Client,
-    name: &str,
-    cmd: Vec<String>,
-    stdin: Option<&[u8]>,
-) -> Result<(i32, Vec<u8>, String), ApiError> {
-    let b64 = base64::engine::general_purpose::STANDARD;
-    let req = ExecRequest {
-        cmd,
-        stdin_b64: stdin.map(|s| b64.encode(s)),
-        workdir: Some("/".into()),
-        ..Default::default()
-    };
-    let (mut out, mut err, mut code, mut failure) = (Vec::new(), Vec::new(), None, None);
-    client
-        .stream(&format!("/v1/sandboxes/{name}/exec"), &req, |f: ExecFrame| match f {
-            ExecFrame::Stdout { d } => out.extend(b64.decode(d).unwrap_or_default()),
-            ExecFrame::Stderr { d } => err.extend(b64.decode(d).unwrap_or_default()),
-            ExecFrame::Exit { code: c, .. } => code = Some(c),
-            ExecFrame::Error { error } => failure = Some(error),
-        })
-        .await?;
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    let code =
-        code.ok_or_else(|| ApiError::internal("the daemon ended the exec without an exit status"))?;
-    Ok((code, out, String::from_utf8_lossy(&err).trim().to_string()))
-}
-
-fn sh(script: &str, args: &[&str]) -> Vec<String> {
-    let mut v = vec!["sh".into(), "-c".into(), script.into(), "crab-cp".into()];
-    v.extend(args.iter().map(|a| a.to_string()));
-    v
+fn query(path: &str) -> FilesQuery {
+    FilesQuery { path: Some(path.to_string()), ..Default::default() }
 }
 
 /// What a sandbox path is.
@@ -194,20 +157,22 @@ enum Probe {
 }
 
 async fn probe(client: &Client, name: &str, path: &str) -> Result<Probe, ApiError> {
-    const SCRIPT: &str = r#"if [ -d "$1" ]; then echo dir; elif [ -e "$1" ] || [ -L "$1" ]; then echo file; elif [ -d "$(dirname -- "$1")" ]; then echo missing; else echo noparent; fi"#;
-    let (code, out, err) = exec_collect(client, name, sh(SCRIPT, &[path]), None).await?;
-    match (code, String::from_utf8_lossy(&out).trim()) {
-        (0, "dir") => Ok(Probe::Dir),
-        (0, "file") => Ok(Probe::File),
-        (0, "missing") => Ok(Probe::Missing),
-        (0, "noparent") => Ok(Probe::NoParent),
-        (c, o) => Err(ApiError::internal(format!(
-            "probing {name}:{path} failed (sh exited {c}, output {o:?}): {err}"
-        ))),
+    match client.file_stat(name, &query(path)).await {
+        Ok(e) if e.kind == FileKind::Dir => Ok(Probe::Dir),
+        Ok(_) => Ok(Probe::File),
+        Err(e) if e.code == ErrorCode::NotFound => {
+            match client.file_stat(name, &query(&split_path(path).0)).await {
+                Ok(p) if p.kind == FileKind::Dir => Ok(Probe::Missing),
+                Ok(_) => Ok(Probe::NoParent),
+                Err(e) if e.code == ErrorCode::NotFound => Ok(Probe::NoParent),
+                Err(e) => Err(e),
+            }
+        }
+        Err(e) => Err(e),
     }
 }
 
-/// `tar -c` of a sandbox path: the archive and its top member's name (`.` for `SRC/.`).
+/// A tar of a sandbox path: the archive and its top member's name (`.` for `SRC/.`).
 async fn pack_in_sandbox(
     client: &Client,
     name: &str,
@@ -215,38 +180,28 @@ async fn pack_in_sandbox(
     follow: bool,
 ) -> Result<(Vec<u8>, String), ApiError> {
     ensure_running(client, name).await?;
-    const SCRIPT: &str = r#"[ -e "$1" ] || [ -L "$1" ] || { echo "no such file or directory" >&2; exit 3; }
-if [ "$3" = 1 ]; then [ -d "$1" ] || { echo "not a directory" >&2; exit 4; }; fi
-exec tar -c $4 -C "$2" -- "$5""#;
     let contents = path.ends_with("/.");
     let p = sandbox_path(path);
-    let (dir, base) = if contents { (p.clone(), ".".to_string()) } else { split_path(&p) };
+    let base = if contents { ".".to_string() } else { split_path(&p).1 };
     if !contents && p == "/" {
         return Err(ApiError::invalid(
             "copying a sandbox's whole / is not supported",
             "name the directory to copy (or `NAME:/.` for the contents of /)",
         ));
     }
-    let args = [
-        p.as_str(),
-        dir.as_str(),
-        if contents { "1" } else { "0" },
-        if follow { "-h" } else { "" },
-        base.as_str(),
-    ];
-    let (code, tar, err) = exec_collect(client, name, sh(SCRIPT, &args), None).await?;
-    match code {
-        0 => Ok((tar, base)),
-        3 => Err(ApiError::new(
-            ErrorCode::InvalidRequest,
+    let q = FilesQuery { contents: Some(contents), follow: Some(follow), ..query(&p) };
+    match client.file_tar_out(name, &q).await {
+        Ok(tar) => Ok((tar, base)),
+        Err(e) if e.code == ErrorCode::NotFound => Err(ApiError::new(
+            ErrorCode::NotFound,
             format!("{name}:{p}: no such file or directory"),
-            format!("list it with `crab docker exec {name} ls -la {dir}`"),
+            format!("list it with `crab docker exec {name} ls -la {}`", split_path(&p).0),
         )),
-        4 => Err(ApiError::invalid(
+        Err(e) if e.code == ErrorCode::InvalidRequest && contents => Err(ApiError::invalid(
             format!("{name}:{p} is not a directory (SRC/. copies a directory's contents)"),
             "drop the trailing /.",
         )),
-        c => Err(ApiError::internal(format!("tar -c of {name}:{p} failed (exit {c}): {err}"))),
+        Err(e) => Err(e),
     }
 }
 
@@ -499,7 +454,7 @@ fn pack_local(src: &Path, top: &str, is_dir: bool, follow: bool) -> Result<Vec<u
     b.into_inner().map_err(err)
 }
 
-/// `tar -x` of `tar` in the sandbox's directory `dir` (in chunks through a file when large).
+/// Extract `tar` in the sandbox's directory `dir` (the file service's tar in).
 async fn unpack_in_sandbox(
     client: &Client,
     name: &str,
@@ -507,45 +462,8 @@ async fn unpack_in_sandbox(
     dir: &str,
     archive: bool,
 ) -> Result<(), ApiError> {
-    let owner = if archive { "--same-owner" } else { "--no-same-owner" };
-    let (code, err) = if tar.len() <= CHUNK {
-        let (c, _, e) = exec_collect(
-            client,
-            name,
-            sh(r#"exec tar -x -f - $2 -C "$1""#, &[dir, owner]),
-            Some(tar),
-        )
-        .await?;
-        (c, e)
-    } else {
-        let tmp = format!("/tmp/.crab-cp-{}", std::process::id());
-        for (i, chunk) in tar.chunks(CHUNK).enumerate() {
-            let op = if i == 0 { "cat > \"$1\"" } else { "cat >> \"$1\"" };
-            let (c, _, e) = exec_collect(client, name, sh(op, &[&tmp]), Some(chunk)).await?;
-            if c != 0 {
-                let _ =
-                    exec_collect(client, name, vec!["rm".into(), "-f".into(), tmp.clone()], None)
-                        .await;
-                return Err(ApiError::internal(format!(
-                    "staging the archive at {name}:{tmp} failed (exit {c}): {e}"
-                )));
-            }
-        }
-        let (c, _, e) = exec_collect(
-            client,
-            name,
-            sh(r#"tar -x -f "$3" $2 -C "$1"; s=$?; rm -f "$3"; exit $s"#, &[dir, owner, &tmp]),
-            None,
-        )
-        .await?;
-        (c, e)
-    };
-    if code != 0 {
-        return Err(ApiError::internal(format!(
-            "tar -x into {name}:{dir} failed (exit {code}): {err}"
-        )));
-    }
-    Ok(())
+    let q = FilesQuery { same_owner: Some(archive), ..query(dir) };
+    client.file_tar_in(name, &q, tar.to_vec()).await
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use crab_common::api::ProgressFrame;
 use crab_common::{ApiError, Progress};
 use crab_host::{Action, Host, HostError, Outcome};
 
-use super::{checkpoints, images, inspect, lifecycle, procs, remote, sandboxes};
+use super::{checkpoints, files, images, inspect, lifecycle, procs, remote, sandboxes};
 
 /// The daemon's routes.
 pub fn router(d: Arc<Host>) -> Router {
@@ -54,6 +54,15 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/sandboxes/{name}/checkpoints/{id}/labels", post(lifecycle::label))
         .route("/v1/labels", get(lifecycle::labels))
         .route("/v1/labels/{label}", delete(lifecycle::delete_label))
+        .route(
+            "/v1/sandboxes/{name}/files",
+            get(files::read).put(files::write).delete(files::remove),
+        )
+        .route("/v1/sandboxes/{name}/files/stat", get(files::stat))
+        .route("/v1/sandboxes/{name}/files/list", get(files::list))
+        .route("/v1/sandboxes/{name}/files/mkdir", post(files::mkdir))
+        .route("/v1/sandboxes/{name}/files/rename", post(files::rename))
+        .route("/v1/sandboxes/{name}/files/tar", get(files::tar_out).put(files::tar_in))
         .route("/v1/sandboxes/{name}/inspect", get(inspect::peek).post(inspect::close))
         .route("/v1/sandboxes/{name}/checkpoints", get(checkpoints::list).post(checkpoints::create))
         .route("/v1/sandboxes/{name}/checkpoints/prune", post(checkpoints::prune))

@@ -6,10 +6,12 @@ use crab_common::api::{
     BranchSettings, ExecFrame, ExecRequest, ForkRequest, LabelledPoint, ProcInfo, ProcStartRequest,
     SandboxCreateRequest, SandboxInfo, SandboxState, SandboxUpdateRequest,
 };
+use crab_common::files::FileEntry;
 use crab_common::life::TimeoutSet;
 use crab_common::{ApiError, CheckpointKind};
 use crab_e2b::Backend;
 use crab_host::{Action, Host, Outcome};
+use crab_sandbox::files::{Chunks, FileAnswer, FileOp};
 use tokio::sync::mpsc;
 
 /// The host, as the E2B front door sees it.
@@ -23,6 +25,25 @@ fn unexpected(action: &str) -> ApiError {
 impl HostBackend {
     async fn run(&self, a: Action) -> Result<Outcome, ApiError> {
         self.0.execute(a).await.map_err(|e| e.into_api())
+    }
+
+    async fn files(&self, name: String, user: String, op: FileOp) -> Result<FileAnswer, ApiError> {
+        match self.run(Action::Files { name, user: Some(user), op }).await? {
+            Outcome::Files(a) => Ok(a),
+            _ => Err(unexpected("files")),
+        }
+    }
+
+    async fn file_entry(
+        &self,
+        name: String,
+        user: String,
+        op: FileOp,
+    ) -> Result<FileEntry, ApiError> {
+        match self.files(name, user, op).await? {
+            FileAnswer::Entry(e) => Ok(*e),
+            _ => Err(unexpected("files")),
+        }
     }
 }
 
@@ -208,6 +229,73 @@ impl Backend for HostBackend {
             Outcome::Images(v) => Ok(v.into_iter().map(|i| i.name).collect()),
             _ => Err(unexpected("list_images")),
         }
+    }
+
+    async fn file_stat(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+    ) -> Result<FileEntry, ApiError> {
+        self.file_entry(name, user, FileOp::Stat { path }).await
+    }
+
+    async fn file_list(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+        depth: u32,
+    ) -> Result<Vec<FileEntry>, ApiError> {
+        match self.files(name, user, FileOp::List { path, depth }).await? {
+            FileAnswer::Entries(v) => Ok(v),
+            _ => Err(unexpected("files")),
+        }
+    }
+
+    async fn file_make_dir(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+    ) -> Result<FileEntry, ApiError> {
+        self.file_entry(name, user, FileOp::MakeDir { path }).await
+    }
+
+    async fn file_remove(&self, name: String, user: String, path: String) -> Result<(), ApiError> {
+        self.files(name, user, FileOp::Remove { path }).await.map(|_| ())
+    }
+
+    async fn file_rename(
+        &self,
+        name: String,
+        user: String,
+        from: String,
+        to: String,
+    ) -> Result<FileEntry, ApiError> {
+        self.file_entry(name, user, FileOp::Rename { from, to }).await
+    }
+
+    async fn file_read(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+    ) -> Result<Chunks, ApiError> {
+        match self.files(name, user, FileOp::Read { path }).await? {
+            FileAnswer::Stream(rx) => Ok(rx),
+            _ => Err(unexpected("files")),
+        }
+    }
+
+    async fn file_write(
+        &self,
+        name: String,
+        user: String,
+        path: String,
+        data: Chunks,
+    ) -> Result<FileEntry, ApiError> {
+        self.file_entry(name, user, FileOp::Write { path, mode: None, data }).await
     }
 }
 

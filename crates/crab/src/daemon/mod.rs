@@ -12,6 +12,7 @@
 mod api;
 mod checkpoints;
 mod e2b;
+mod files;
 mod images;
 mod inspect;
 mod lifecycle;

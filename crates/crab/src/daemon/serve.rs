@@ -66,20 +66,15 @@ pub async fn serve(
         drain: true,
         name: "api",
     };
-    let mut last_warn: Option<std::time::Instant> = None;
-    let refuse = move |stream: &tokio::net::UnixStream, _gate: usize| {
+    let limit = gate.limit();
+    let refuse = refuser::<UnixListener>("API", move || {
         let e = ApiError::new(
             ErrorCode::Busy,
-            format!("the daemon has {} API connections open, its limit", gate.limit()),
+            format!("the daemon has {limit} API connections open, its limit"),
             "retry shortly; close idle clients",
         );
-        let body = serde_json::to_string(&e).unwrap_or_default();
-        <UnixListener as listener::Accept>::try_write(stream, &refusal_bytes(&body));
-        if last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
-            last_warn = Some(std::time::Instant::now());
-            tracing::warn!(limit = gate.limit(), "API connections refused at the cap");
-        }
-    };
+        serde_json::to_string(&e).unwrap_or_default()
+    });
     let svc = TowerToHyperService::new(app);
     listener::serve(listener, bounds, svc, refuse, stopped(stop)).await;
 }
@@ -101,23 +96,29 @@ pub async fn serve_e2b(
         drain: true,
         name: "e2b",
     };
-    let mut last_warn: Option<std::time::Instant> = None;
-    let refuse = move |stream: &tokio::net::TcpStream, _gate: usize| {
-        let body = serde_json::json!({
-            "code": 503,
-            "message": format!("the E2B API has {} connections open, its limit; retry shortly", gate.limit()),
-        });
-        <tokio::net::TcpListener as listener::Accept>::try_write(
-            stream,
-            &refusal_bytes(&body.to_string()),
-        );
-        if last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
-            last_warn = Some(std::time::Instant::now());
-            tracing::warn!(limit = gate.limit(), "E2B connections refused at the cap");
-        }
-    };
+    let limit = gate.limit();
+    let refuse = refuser::<tokio::net::TcpListener>("E2B", move || {
+        let m = format!("the E2B API has {limit} connections open, its limit; retry shortly");
+        serde_json::json!({ "code": 503, "message": m }).to_string()
+    });
     let svc = TowerToHyperService::new(app);
     listener::serve(listener, bounds, svc, refuse, stopped(stop)).await;
+}
+
+/// What a connection past the cap gets: a 503 with `body()` (JSON), then closed; a warning in
+/// the log at most every 5 s.
+fn refuser<L: listener::Accept>(
+    what: &'static str,
+    body: impl Fn() -> String + Send,
+) -> impl FnMut(&L::Stream, usize) + Send {
+    let mut last_warn: Option<std::time::Instant> = None;
+    move |stream, _gate| {
+        L::try_write(stream, &refusal_bytes(&body()));
+        if last_warn.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+            last_warn = Some(std::time::Instant::now());
+            tracing::warn!(door = what, "connections refused at the cap");
+        }
+    }
 }
 
 /// `app` with the body deadline and the body-size cap of `limits`.

@@ -652,6 +652,14 @@ async fn a_failed_checkpoint_releases_the_response_and_is_reported_once_typed() 
     assert!(failed[0].3.contains("no space"), "{failed:?}");
     assert!(failed[1].3.contains("gate timeout"), "{failed:?}");
     assert!(failed[2].3.contains("starting the checkpoint of turn 3"), "{failed:?}");
+    // An explicit turn mark's failure is reported the same way, to its waiter typed.
+    hooks.script(&[Mode::HookErr]);
+    let (turn, ticket) = h.coord.begin_turn("a").await.unwrap();
+    assert_eq!(turn, 6);
+    let e = ticket.wait_published().await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Busy, "{e}");
+    assert_eq!(hooks.failed().last().map(|f| (f.1, f.2)), Some((6, ErrorCode::Busy)));
+    assert_eq!(hooks.failed().len(), 4, "once per failed turn");
     let conv = h.coord.conversation("a", None).await.unwrap();
     assert!(conv[0].checkpoint_error.as_deref().unwrap().contains("no space"));
     assert!(conv[1].checkpoint_error.as_deref().unwrap().contains("gate timeout"));

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::NetMode;
-use crab_common::{CheckpointKind, NoProgress, PointKind, Progress};
+use crab_common::{CheckpointKind, PointKind, Progress};
 use crab_criu::{phase, CgroupMode, Criu, DumpOpts, NetworkLockMethod, RestoreOpts};
 use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_start_time};
 use crab_sandbox::{btrfs, Runtime, SandboxRecord};
@@ -515,18 +515,10 @@ impl Checkpointer {
         Ok(())
     }
 
-    /// Take a checkpoint of `sandbox` and publish it as a new restore point.
+    /// Take a checkpoint of `sandbox` and publish it as a new restore point. (It reports no
+    /// progress: it runs as an engine job, inside a turn or behind `crab checkpoint`'s answer,
+    /// and its stages are timed in the manifest instead.)
     pub fn checkpoint(&self, sandbox: &str, req: CheckpointRequest) -> Result<Manifest> {
-        self.checkpoint_with_progress(sandbox, req, &NoProgress)
-    }
-
-    /// [`Checkpointer::checkpoint`], reporting its stages (`snapshot`, `dump`, `publish`).
-    pub fn checkpoint_with_progress(
-        &self,
-        sandbox: &str,
-        req: CheckpointRequest,
-        progress: &dyn Progress,
-    ) -> Result<Manifest> {
         let started = Instant::now();
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -559,7 +551,6 @@ impl Checkpointer {
                 } else {
                     None
                 };
-                progress.stage("snapshot", None);
                 let t1 = Instant::now();
                 let snap = staging.snapshot_fs(&rootfs);
                 draft.timings.fs_snapshot_us = Some(us(t1.elapsed()));
@@ -583,7 +574,6 @@ impl Checkpointer {
                     });
                 }
                 let criu = self.criu()?;
-                progress.stage("dump", None);
                 let images = staging.proc_dir()?;
                 let image_name = images
                     .file_name()
@@ -710,7 +700,6 @@ impl Checkpointer {
                 )
             });
         }
-        progress.stage("publish", None);
         let m = staging.publish(draft)?;
         tracing::info!(
             sandbox,
@@ -844,13 +833,9 @@ impl Checkpointer {
 
     /// Restore `sandbox` in place to `point` (newest when `None`): filesystem first, then
     /// processes. Verification happens before anything is touched: a corrupt or missing file
-    /// refuses the restore and leaves the sandbox as it was.
-    pub fn restore(&self, sandbox: &str, point: Option<&str>) -> Result<RestoreReport> {
-        self.restore_with_progress(sandbox, point, &NoProgress)
-    }
-
-    /// [`Checkpointer::restore`], reporting its stages (`verify`, `filesystem`, `processes`).
-    pub fn restore_with_progress(
+    /// refuses the restore and leaves the sandbox as it was. Reports its stages (`verify`,
+    /// `filesystem`, `processes`) to `progress`.
+    pub fn restore(
         &self,
         sandbox: &str,
         point: Option<&str>,
@@ -1216,20 +1201,9 @@ impl Checkpointer {
 
     /// Create `count` new sandboxes from a restore point of `sandbox` (newest when `None`),
     /// restored in parallel. Branch names are `names` when given (one per branch), else
-    /// `<sandbox>-<point>-<n>`.
+    /// `<sandbox>-<point>-<n>`. Reports its stages (`verify`, then `branches` advancing by one
+    /// per branch up) to `progress`.
     pub fn fork(
-        &self,
-        sandbox: &str,
-        point: Option<&str>,
-        count: usize,
-        names: Option<Vec<String>>,
-    ) -> Result<Vec<ForkBranch>> {
-        self.fork_with_progress(sandbox, point, count, names, &NoProgress)
-    }
-
-    /// [`Checkpointer::fork`], reporting its stages (`verify`, then `branches` advancing by
-    /// one per branch up).
-    pub fn fork_with_progress(
         &self,
         sandbox: &str,
         point: Option<&str>,
@@ -1240,7 +1214,7 @@ impl Checkpointer {
         self.fork_files_or_all(sandbox, point, count, names, ForkOptions::default(), progress)
     }
 
-    /// [`Checkpointer::fork_with_progress`] with [`ForkOptions`]: with `fs_only`, the branches
+    /// [`Checkpointer::fork`] with [`ForkOptions`]: with `fs_only`, the branches
     /// get the point's files and a fresh init, not its processes (an E2B filesystem snapshot).
     pub fn fork_files_or_all(
         &self,

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use crab_checkpoint::{CheckpointRequest, Checkpointer, Config};
 use crab_common::api::{ExecRequest, NetMode, SandboxCreateRequest};
 use crab_common::paths::StateDir;
-use crab_common::CheckpointKind;
+use crab_common::{CheckpointKind, NoProgress};
 use crab_sandbox::{Runtime, RuntimeConfig};
 
 const SANDBOXES: usize = 4;
@@ -114,12 +114,12 @@ fn rounds(rt: &Runtime, ck: &Checkpointer, name: &str, ops: &AtomicUsize) -> Res
         ck.checkpoint(name, req(CheckpointKind::Skip)).map_err(e("skip checkpoint", r))?;
         ops.fetch_add(4, Ordering::Relaxed);
 
-        ck.restore(name, Some(&full.id.to_string())).map_err(e("restore", r))?;
+        ck.restore(name, Some(&full.id.to_string()), &NoProgress).map_err(e("restore", r))?;
         check(rt, name, &mark).map_err(|m| format!("round {r}, after the restore: {m}"))?;
 
         let names: Vec<String> = (0..BRANCHES).map(|b| format!("{name}-r{r}b{b}")).collect();
         let branches = ck
-            .fork(name, Some(&full.id.to_string()), BRANCHES, Some(names.clone()))
+            .fork(name, Some(&full.id.to_string()), BRANCHES, Some(names.clone()), &NoProgress)
             .map_err(e("fork", r))?;
         let mut result = Ok(());
         for b in &branches {

@@ -16,10 +16,34 @@ use std::time::{Duration, Instant};
 use crab_checkpoint::{CheckpointError, CheckpointRequest, Checkpointer, Config};
 use crab_common::api::{ExecRequest, NetMode, SandboxCreateRequest};
 use crab_common::paths::StateDir;
-use crab_common::{CheckpointKind, PointKind};
+use crab_common::{CheckpointKind, NoProgress, PointKind};
 use crab_sandbox::{Runtime, RuntimeConfig};
 
 use crab_testkit::require_root;
+
+/// A [`crab_common::Progress`] that keeps what it was told (`stage NAME`, `advance N`, `message
+/// LINE`), in order.
+#[derive(Default)]
+struct Recorder(std::sync::Mutex<Vec<String>>);
+
+impl Recorder {
+    fn stages(&self) -> Vec<String> {
+        let v = self.0.lock().unwrap();
+        v.iter().filter_map(|e| e.strip_prefix("stage ").map(str::to_string)).collect()
+    }
+}
+
+impl crab_common::Progress for Recorder {
+    fn stage(&self, name: &str, _total: Option<u64>) {
+        self.0.lock().unwrap().push(format!("stage {name}"));
+    }
+    fn advance(&self, done: u64) {
+        self.0.lock().unwrap().push(format!("advance {done}"));
+    }
+    fn message(&self, line: &str) {
+        self.0.lock().unwrap().push(format!("message {line}"));
+    }
+}
 
 fn helper() -> PathBuf {
     std::env::var_os("CRAB_BIN").map(PathBuf::from).unwrap_or_else(|| {
@@ -165,8 +189,11 @@ impl Sb {
     }
 
     fn restore(&self, point: Option<&str>) -> crab_checkpoint::RestoreReport {
-        let r = self.ck.restore(&self.name, point).unwrap_or_else(|e| panic!("{e}"));
+        let p = Recorder::default();
+        let r = self.ck.restore(&self.name, point, &p).unwrap_or_else(|e| panic!("{e}"));
         eprintln!("restore: {r:?}");
+        // Every restore reports its stages, in order (`processes`: restored, or a fresh init).
+        assert_eq!(p.stages(), ["verify", "filesystem", "processes"], "{r:?}");
         r
     }
 
@@ -359,8 +386,13 @@ fn three_forks_serve_and_diverge() {
     assert_eq!(sb.sh(GET), "2");
     let m = sb.checkpoint(CheckpointKind::Full);
     let t = Instant::now();
-    let branches =
-        sb.ck.fork(&sb.name, Some(&m.id.to_string()), 3, None).unwrap_or_else(|e| panic!("{e}"));
+    let p = Recorder::default();
+    let branches = sb
+        .ck
+        .fork(&sb.name, Some(&m.id.to_string()), 3, None, &p)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(p.stages(), ["verify", "branches"]);
+    assert_eq!(p.0.lock().unwrap().last().map(String::as_str), Some("advance 3"));
     eprintln!("fork of 3: {:.1} ms: {branches:?}", t.elapsed().as_secs_f64() * 1000.0);
     sb.extra = branches.iter().map(|b| b.sandbox.clone()).collect();
     assert_eq!(branches.len(), 3);
@@ -399,7 +431,7 @@ fn three_forks_serve_and_diverge() {
     sb.ck.remove_all(&sb.name).unwrap();
     sb.sh_in(b, GET);
     sb.rt.stop(b).unwrap();
-    let r = sb.ck.restore(b, None).unwrap_or_else(|e| panic!("{e}"));
+    let r = sb.ck.restore(b, None, &NoProgress).unwrap_or_else(|e| panic!("{e}"));
     assert!(r.processes_restored);
     assert_eq!(sb.sh_in(b, GET).1, "3", "branch back at the fork point");
     let (_, host) = sb.sh_in(b, "hostname; cat /etc/hostname");
@@ -425,7 +457,7 @@ fn flipped_image_byte_is_refused_and_sandbox_left_alone() {
     bytes[mid] ^= 0x04;
     std::fs::write(&pages, &bytes).unwrap();
     let pid_before = sb.rt.record(&sb.name).unwrap().init_pid;
-    let err = sb.ck.restore(&sb.name, None).unwrap_err();
+    let err = sb.ck.restore(&sb.name, None, &NoProgress).unwrap_err();
     assert!(matches!(&err, CheckpointError::Corrupt { path, .. } if path == &pages), "{err}");
     assert_eq!(err.to_api().code, crab_common::ErrorCode::CorruptCheckpoint);
     // Nothing was touched: same init, the server still counts on.
@@ -474,7 +506,7 @@ fn interrupted_checkpoint_leaves_older_points_restorable() {
     assert!(!tables.contains("CRIU"), "{tables}");
     assert_eq!(sb.sh(GET), "3", "the sandbox was thawed and its network unlocked");
     sb.kill_all();
-    let r = ck2.restore(&sb.name, None).unwrap();
+    let r = ck2.restore(&sb.name, None, &NoProgress).unwrap();
     assert!(r.processes_restored);
     assert_eq!(sb.sh(GET), "2");
 }
@@ -596,7 +628,7 @@ fn daemon_killed_mid_checkpoint_leaves_older_points_restorable() {
         // The sandbox runs (thawed), then is lost and comes back from the newest point.
         let before: u64 = sb.sh(GET).parse().unwrap();
         sb.kill_all();
-        ck.restore(&sb.name, None).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        ck.restore(&sb.name, None, &NoProgress).unwrap_or_else(|e| panic!("round {round}: {e}"));
         let after: u64 = sb.sh(GET).parse().unwrap();
         assert!(after <= before, "round {round}: {after} > {before}");
         eprintln!(

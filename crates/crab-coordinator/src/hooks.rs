@@ -2,7 +2,9 @@
 //! ([`SandboxDirectory`]), what happens at a turn boundary ([`TurnHooks`]), and the handle on the
 //! turn's checkpoint that gates the response ([`BoundaryTicket`]). The host implements all
 //! three (`crab-host`: a ticket is an engine job); [`ReadyTicket`] is a ticket that is already
-//! settled.
+//! settled. What fails crosses the seam typed ([`HookError`]: the host's stable code, message
+//! and fix), and every failure the proxy sees is reported back through
+//! [`TurnHooks::checkpoint_failed`]: the host alone decides what the next checkpoint takes.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -10,6 +12,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crab_common::{ApiError, ErrorCode};
 use serde::{Deserialize, Serialize};
 
 /// A boxed, sendable future.
@@ -50,8 +53,6 @@ pub struct Boundary {
     pub sandbox: String,
     /// Turn number (1 for the first request of a fresh log).
     pub turn: u64,
-    /// The previous checkpoint failed (or could not be submitted): take a full one.
-    pub force_full: bool,
     /// Conversation-log offset at the boundary: the restore point of this turn records it, so
     /// a restore returns the conversation that matches the sandbox state.
     pub conversation_offset: u64,
@@ -59,6 +60,42 @@ pub struct Boundary {
     pub provider: Provider,
     /// Request path (without the `/s/<sandbox>` prefix); empty for explicit turn marks.
     pub path: String,
+}
+
+/// Why a turn's checkpoint failed or could not start, as it crosses the seam between the proxy
+/// and the host: the host's error (stable code, message, fix) unchanged, or the proxy's own
+/// (`timeout` when the gate gave up waiting, `internal` when the boundary's task died).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{}", .0.message, if .0.hint.is_empty() { String::new() } else { format!(" (hint: {})", .0.hint) })]
+pub struct HookError(pub ApiError);
+
+impl HookError {
+    /// A new error with a code, message and hint.
+    pub fn new(code: ErrorCode, message: impl Into<String>, hint: impl Into<String>) -> Self {
+        HookError(ApiError::new(code, message, hint))
+    }
+
+    /// An internal error with no particular hint.
+    pub fn internal(message: impl Into<String>) -> Self {
+        HookError(ApiError::internal(message))
+    }
+
+    /// The stable code.
+    pub fn code(&self) -> ErrorCode {
+        self.0.code
+    }
+
+    /// The same error, its message prefixed with what was being done (`context: message`).
+    pub fn context(mut self, context: impl std::fmt::Display) -> Self {
+        self.0.message = format!("{context}: {}", self.0.message);
+        self
+    }
+}
+
+impl From<ApiError> for HookError {
+    fn from(e: ApiError) -> Self {
+        HookError(e)
+    }
 }
 
 /// What a published checkpoint reports to the gate.
@@ -72,8 +109,8 @@ pub struct Published {
 pub trait BoundaryTicket: Send + Sync + 'static {
     /// Whether the checkpoint has settled (published or failed) already.
     fn is_published(&self) -> bool;
-    /// Wait until the checkpoint is published; `Err` names what failed.
-    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>>;
+    /// Wait until the checkpoint is published; `Err` says what failed.
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>>;
     /// A response is waiting on this checkpoint: make it urgent.
     fn promote(&self);
     /// How long a response was held on this checkpoint (zero when not held).
@@ -89,17 +126,27 @@ pub trait BoundaryTicket: Send + Sync + 'static {
 pub trait TurnHooks: Send + Sync + 'static {
     /// Ask the inspector for the turn's verdict and submit the checkpoint job; return a ticket
     /// on it. Should return quickly (the request is forwarded after it returns). `Err` means no
-    /// checkpoint could be started: the response is released ungated and the next boundary gets
-    /// `force_full`.
+    /// checkpoint could be started: the response is released ungated, and the proxy reports
+    /// the failure through [`TurnHooks::checkpoint_failed`].
     fn on_boundary(
         &self,
         boundary: Boundary,
-    ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>>;
+    ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, HookError>>;
+
+    /// Turn `turn` of `sandbox` got no checkpoint: its log could not be made durable, its
+    /// boundary failed, or its ticket failed or was not published within the gate timeout
+    /// (`error` says which). Called before the turn's waiter (the gate, or the caller of
+    /// `Coordinator::begin_turn`) sees the failure; once for the ticket's failure, and once
+    /// more each time a gate gives up waiting; never for a turn that published.
+    /// The implementer decides what follows (the host's `TurnPolicy` makes the next decided
+    /// checkpoint `full`: the failed turn's changes are safe only in one); the proxy keeps no
+    /// such rule of its own.
+    fn checkpoint_failed(&self, sandbox: &str, turn: u64, error: &HookError);
 }
 
 /// A ticket that is already settled.
 #[derive(Debug, Clone)]
-pub struct ReadyTicket(Result<Published, String>);
+pub struct ReadyTicket(Result<Published, HookError>);
 
 impl ReadyTicket {
     /// Published already (e.g. nothing to do).
@@ -107,8 +154,8 @@ impl ReadyTicket {
         Arc::new(ReadyTicket(Ok(Published { checkpoint_id: checkpoint_id.into() })))
     }
     /// Failed already.
-    pub fn failed(message: impl Into<String>) -> Arc<dyn BoundaryTicket> {
-        Arc::new(ReadyTicket(Err(message.into())))
+    pub fn failed(error: HookError) -> Arc<dyn BoundaryTicket> {
+        Arc::new(ReadyTicket(Err(error)))
     }
 }
 
@@ -116,11 +163,66 @@ impl BoundaryTicket for ReadyTicket {
     fn is_published(&self) -> bool {
         true
     }
-    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
         let r = self.0.clone();
         Box::pin(async move { r })
     }
     fn promote(&self) {}
+}
+
+/// A turn's ticket that reports its failure to the hooks ([`TurnHooks::checkpoint_failed`])
+/// once, inside the first wait that sees it, before that waiter goes on: the proxy's one place
+/// for a ticket's failure (the gate reports only its own timeout).
+pub(crate) struct ReportingTicket {
+    inner: Arc<dyn BoundaryTicket>,
+    hooks: Arc<dyn TurnHooks>,
+    sandbox: String,
+    turn: u64,
+    reported: std::sync::atomic::AtomicBool,
+}
+
+impl ReportingTicket {
+    /// `inner`, reporting a failure as turn `turn` of `sandbox`.
+    pub(crate) fn wrap(
+        inner: Arc<dyn BoundaryTicket>,
+        hooks: Arc<dyn TurnHooks>,
+        sandbox: &str,
+        turn: u64,
+    ) -> Arc<dyn BoundaryTicket> {
+        Arc::new(ReportingTicket {
+            inner,
+            hooks,
+            sandbox: sandbox.to_string(),
+            turn,
+            reported: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+}
+
+impl BoundaryTicket for ReportingTicket {
+    fn is_published(&self) -> bool {
+        self.inner.is_published()
+    }
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
+        Box::pin(async move {
+            let r = self.inner.wait_published().await;
+            if let Err(e) = &r {
+                if !self.reported.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    self.hooks.checkpoint_failed(&self.sandbox, self.turn, e);
+                }
+            }
+            r
+        })
+    }
+    fn promote(&self) {
+        self.inner.promote();
+    }
+    fn record_exposed(&self, held: Duration) {
+        self.inner.record_exposed(held);
+    }
+    fn held_breakdown(&self, gate_start: Instant, woke: Instant) -> Vec<(String, f64)> {
+        self.inner.held_breakdown(gate_start, woke)
+    }
 }
 
 /// The ticket of a turn whose boundary ([`TurnHooks::on_boundary`]: the verdict and the job
@@ -172,7 +274,7 @@ impl BoundaryTicket for DeferredTicket {
     fn is_published(&self) -> bool {
         self.get().is_some_and(|t| t.is_published())
     }
-    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
         Box::pin(async move {
             let mut rx = self.inner.clone();
             let t = match rx.wait_for(Option::is_some).await {
@@ -181,7 +283,9 @@ impl BoundaryTicket for DeferredTicket {
             };
             match t {
                 Some(t) => t.wait_published().await,
-                None => Err("the turn boundary's task ended without starting a checkpoint".into()),
+                None => Err(HookError::internal(
+                    "the turn boundary's task ended without starting a checkpoint",
+                )),
             }
         })
     }

@@ -16,9 +16,11 @@
 //!
 //! 1. Implement [`SandboxDirectory`] (`exists`, `conversation_log_path`) over the runtime.
 //! 2. Implement [`TurnHooks::on_boundary`]: read the inspector's verdict for
-//!    `boundary.sandbox` (use `full` when `boundary.force_full`), start the turn's checkpoint
-//!    (recording `boundary.conversation_offset` in the restore point), and return a
-//!    [`BoundaryTicket`] on it (`crab-host` submits an engine job and returns a `JobTicket`).
+//!    `boundary.sandbox`, start the turn's checkpoint (recording
+//!    `boundary.conversation_offset` in the restore point), and return a [`BoundaryTicket`] on
+//!    it (`crab-host` submits an engine job and returns a `JobTicket`). Implement
+//!    [`TurnHooks::checkpoint_failed`]: the proxy reports there every turn that got no
+//!    checkpoint (`crab-host` makes the next one full); errors cross typed ([`HookError`]).
 //! 3. `let coord = Coordinator::new(ProxyConfig { listen, upstream_openai, upstream_anthropic,
 //!    ..Default::default() }, directory, hooks)?; let server = coord.bind().await?;` — and
 //!    `server.shutdown().await` on exit. For agents inside a sandbox:
@@ -41,8 +43,8 @@ mod proxy;
 pub use config::{ConfigError, ProxyConfig, DEFAULT_LISTEN};
 pub use convlog::{ConversationLog, LogError, LogRecord};
 pub use hooks::{
-    Boundary, BoundaryTicket, BoxFuture, Provider, Published, ReadyTicket, SandboxDirectory,
-    TurnHooks,
+    Boundary, BoundaryTicket, BoxFuture, HookError, Provider, Published, ReadyTicket,
+    SandboxDirectory, TurnHooks,
 };
 pub use limits::FdBudget;
 pub use netns::{bind_in_netns, NetnsError};

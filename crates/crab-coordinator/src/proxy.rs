@@ -23,7 +23,7 @@ use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -47,7 +47,8 @@ use crab_common::ErrorCode;
 use crate::config::{ConfigError, ProxyConfig, Upstream};
 use crate::convlog::{sha256_hex, ConversationLog, LogError, LogRecord};
 use crate::hooks::{
-    Boundary, BoundaryTicket, DeferredTicket, Provider, ReadyTicket, SandboxDirectory, TurnHooks,
+    Boundary, BoundaryTicket, DeferredTicket, HookError, Provider, ReadyTicket, ReportingTicket,
+    SandboxDirectory, TurnHooks,
 };
 use crate::limits::{read_body, BodyHold, BodyReadError, ByteBudget, ConnGate, DeadlineBody};
 
@@ -157,7 +158,6 @@ struct Slot {
     name: String,
     log: Arc<Mutex<ConversationLog>>,
     turn: tokio::sync::Mutex<TurnState>,
-    force_full: AtomicBool,
     stats: Mutex<SandboxProxyStats>,
     /// Turn-request bytes this sandbox has in memory.
     bodies: ByteBudget,
@@ -185,7 +185,7 @@ use crab_common::clock::now_ms;
 #[derive(Debug, Clone, Default)]
 struct GateInfo {
     held: Duration,
-    error: Option<String>,
+    error: Option<HookError>,
     /// Where the held time went, by stage.
     stages: Vec<(String, f64)>,
 }
@@ -496,7 +496,6 @@ impl Coordinator {
                 ..Default::default()
             }),
             turn: tokio::sync::Mutex::new(state),
-            force_full: AtomicBool::new(false),
             bodies: ByteBudget::new(if self.cfg.max_sandbox_buffered_bytes == 0 {
                 0
             } else {
@@ -584,7 +583,7 @@ impl Coordinator {
         // runs nothing while it waits for the LLM, so the sandbox is the same whenever the
         // verdict is taken, and the gate holds the answer until the checkpoint is published.
         let (deferred, tx) = DeferredTicket::new();
-        let ticket: Arc<dyn BoundaryTicket> = deferred.clone();
+        let ticket = ReportingTicket::wrap(deferred.clone(), self.hooks.clone(), &slot.name, turn);
         let (me, bslot, bpath) = (self.clone(), slot.clone(), path.to_string());
         tokio::spawn(async move {
             let t0 = Instant::now();
@@ -596,6 +595,9 @@ impl Coordinator {
         Decision::Forward { turn, ticket, retry: false }
     }
 
+    /// The turn's boundary: the log made durable, then the hooks' ticket (or a settled failed
+    /// one). Its callers hand out the ticket wrapped in a [`ReportingTicket`], so whatever
+    /// fails is reported through [`TurnHooks::checkpoint_failed`] before a waiter sees it.
     async fn boundary(
         &self,
         slot: &Arc<Slot>,
@@ -607,20 +609,17 @@ impl Coordinator {
         // durable first: the point is published only after them (invariant 1).
         if self.cfg.fsync_log && lock(&slot.log).has_unsynced() {
             if let Err(e) = Self::with_log(slot, |log| log.sync()).await {
-                tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not make the conversation log durable; no checkpoint this turn, the next one will be full");
+                tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not make the conversation log durable; no checkpoint this turn");
                 slot.fail("log", &e.to_string());
-                slot.force_full.store(true, Ordering::SeqCst);
-                return ReadyTicket::failed(format!(
+                return ReadyTicket::failed(HookError::internal(format!(
                     "making the conversation log durable before turn {turn}'s checkpoint: {e}"
-                ));
+                )));
             }
         }
-        let force_full = slot.force_full.swap(false, Ordering::SeqCst);
         let conversation_offset = lock(&slot.log).offset();
         let b = Boundary {
             sandbox: slot.name.clone(),
             turn,
-            force_full,
             conversation_offset,
             provider,
             path: path.to_string(),
@@ -633,15 +632,14 @@ impl Coordinator {
         match self.hooks.on_boundary(b).await {
             Ok(t) => t,
             Err(e) => {
-                tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not start the turn's checkpoint; the next one will be full");
-                slot.force_full.store(true, Ordering::SeqCst);
+                tracing::warn!(sandbox = %slot.name, turn, error = %e, "could not start the turn's checkpoint");
                 // Settled failure: the gate counts it, logs it with the turn and releases at once.
-                ReadyTicket::failed(format!("starting the checkpoint of turn {turn}: {e}"))
+                ReadyTicket::failed(e.context(format!("starting the checkpoint of turn {turn}")))
             }
         }
     }
 
-    async fn gate(&self, slot: &Slot, ticket: &Arc<dyn BoundaryTicket>) -> GateInfo {
+    async fn gate(&self, slot: &Slot, turn: u64, ticket: &Arc<dyn BoundaryTicket>) -> GateInfo {
         let t0 = Instant::now();
         let (held, res) = if ticket.is_published() {
             (false, ticket.wait_published().await)
@@ -650,10 +648,20 @@ impl Coordinator {
             let r = match tokio::time::timeout(self.cfg.gate_timeout, ticket.wait_published()).await
             {
                 Ok(r) => r,
-                Err(_) => Err(format!(
-                    "checkpoint not published within the gate timeout ({:?})",
-                    self.cfg.gate_timeout
-                )),
+                Err(_) => {
+                    let e = HookError::new(
+                        ErrorCode::Timeout,
+                        format!(
+                            "checkpoint not published within the gate timeout ({:?})",
+                            self.cfg.gate_timeout
+                        ),
+                        "the response was released without its checkpoint; raise the proxy's gate timeout if checkpoints take this long",
+                    );
+                    // The ticket itself may still publish (or fail: reported then): the turn's
+                    // response went out without it all the same.
+                    self.hooks.checkpoint_failed(&slot.name, turn, &e);
+                    Err(e)
+                }
             };
             (true, r)
         };
@@ -679,9 +687,8 @@ impl Coordinator {
         }
         let error = res.err();
         if let Some(e) = &error {
-            tracing::warn!(sandbox = %slot.name, error = %e, "turn checkpoint failed; releasing the response and taking a full checkpoint next turn");
-            slot.force_full.store(true, Ordering::SeqCst);
-            slot.fail("checkpoint", e);
+            tracing::warn!(sandbox = %slot.name, turn, error = %e, "turn checkpoint failed; releasing the response");
+            slot.fail("checkpoint", &e.to_string());
         }
         GateInfo { held: held_d, error, stages }
     }
@@ -787,7 +794,7 @@ impl Coordinator {
                     error_chain(&e)
                 );
                 slot.fail("upstream", &msg);
-                self.gate(&slot, &ticket).await;
+                self.gate(&slot, turn, &ticket).await;
                 return error_response(
                     StatusCode::BAD_GATEWAY,
                     ErrorCode::Upstream,
@@ -801,7 +808,7 @@ impl Coordinator {
                     upstream.provider, upstream.url, self.cfg.upstream_timeout
                 );
                 slot.fail("upstream", &msg);
-                self.gate(&slot, &ticket).await;
+                self.gate(&slot, turn, &ticket).await;
                 return error_response(StatusCode::GATEWAY_TIMEOUT, ErrorCode::Timeout, msg, "");
             }
         };
@@ -838,7 +845,7 @@ impl Coordinator {
             let idle = self.cfg.stream_idle_timeout;
             let collect =
                 async move { tokio::time::timeout(idle, Limited::new(rbody, max).collect()).await };
-            let (gi, collected) = tokio::join!(self.gate(&slot, &ticket), collect);
+            let (gi, collected) = tokio::join!(self.gate(&slot, turn, &ticket), collect);
             let bytes = match collected {
                 Ok(Ok(c)) => c.to_bytes(),
                 Ok(Err(e)) => {
@@ -866,7 +873,7 @@ impl Coordinator {
             rec.complete = true;
             rec.set_response_body(&bytes);
             rec.held_ms = gi.held.as_secs_f64() * 1e3;
-            rec.checkpoint_error = gi.error;
+            rec.checkpoint_error = gi.error.map(|e| e.to_string());
             rec.responded_at_ms = now_ms();
             let t_log = Instant::now();
             self.append_log(&slot, rec).await;
@@ -927,13 +934,13 @@ impl Coordinator {
             rec.client_disconnected = disconnected;
             rec.set_response_body(&buf);
             rec.held_ms = gi.held.as_secs_f64() * 1e3;
-            rec.checkpoint_error = gi.error;
+            rec.checkpoint_error = gi.error.map(|e| e.to_string());
             rec.responded_at_ms = now_ms();
             me.append_log(&pslot, rec).await;
             drop(hold);
             drop(tx);
         });
-        let gi = self.gate(&slot, &ticket).await;
+        let gi = self.gate(&slot, turn, &ticket).await;
         let stages = gi.stages.clone();
         self.record_breakdown(&slot, &stages);
         let _ = gate_tx.send(gi);
@@ -1021,6 +1028,7 @@ impl Coordinator {
         st.turn += 1;
         let turn = st.turn;
         let ticket = self.boundary(&slot, turn, Provider::OpenAi, "").await;
+        let ticket = ReportingTicket::wrap(ticket, self.hooks.clone(), sandbox, turn);
         st.ticket = Some(ticket.clone());
         st.last_hash = None;
         Ok((turn, ticket))
@@ -1083,7 +1091,6 @@ impl Coordinator {
         st.last_hash = last_hash;
         st.ticket = None;
         st.replay_cursor = if replay && offset < len { Some(offset) } else { None };
-        slot.force_full.store(false, Ordering::SeqCst);
         slot.stats().conversation_offset = if replay { len } else { offset };
         Ok(())
     }

@@ -13,10 +13,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
-use crab_common::CheckpointKind;
+use crab_common::{CheckpointKind, ErrorCode};
 use crab_coordinator::{
-    Boundary, BoundaryTicket, BoxFuture, Coordinator, ProxyConfig, ProxyServer, Published,
-    TurnHooks, REPLAYED_HEADER,
+    Boundary, BoundaryTicket, BoxFuture, Coordinator, HookError, ProxyConfig, ProxyServer,
+    Published, TurnHooks, REPLAYED_HEADER,
 };
 use crab_engine::{Engine, EngineConfig, Job, JobOutcome, JobSpec};
 use crab_testkit::engine::EngineHooks;
@@ -37,7 +37,7 @@ enum Mode {
 }
 
 struct FakeTicket {
-    tx: watch::Sender<Option<Result<Published, String>>>,
+    tx: watch::Sender<Option<Result<Published, HookError>>>,
     promoted_at: Mutex<Option<Instant>>,
     published_at: Mutex<Option<Instant>>,
     exposed: Mutex<Vec<Duration>>,
@@ -47,10 +47,13 @@ impl BoundaryTicket for FakeTicket {
     fn is_published(&self) -> bool {
         self.tx.borrow().is_some()
     }
-    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
         let mut rx = self.tx.subscribe();
         Box::pin(async move {
-            let v = rx.wait_for(Option::is_some).await.map_err(|e| e.to_string())?;
+            let v = rx
+                .wait_for(Option::is_some)
+                .await
+                .map_err(|e| HookError::internal(e.to_string()))?;
             v.clone().unwrap()
         })
     }
@@ -67,6 +70,8 @@ struct FakeHooks {
     default: Mutex<Mode>,
     boundaries: Mutex<Vec<Boundary>>,
     tickets: Mutex<Vec<Arc<FakeTicket>>>,
+    /// The failures the proxy reported: (sandbox, turn, code, message).
+    failed: Mutex<Vec<(String, u64, ErrorCode, String)>>,
 }
 
 impl FakeHooks {
@@ -76,6 +81,7 @@ impl FakeHooks {
             default: Mutex::new(default),
             boundaries: Mutex::new(Vec::new()),
             tickets: Mutex::new(Vec::new()),
+            failed: Mutex::new(Vec::new()),
         })
     }
     /// Modes for the next boundaries, in order; then the default.
@@ -88,10 +94,19 @@ impl FakeHooks {
     fn ticket(&self, i: usize) -> Arc<FakeTicket> {
         self.tickets.lock().unwrap()[i].clone()
     }
+    /// The reported failures, by turn.
+    fn failed(&self) -> Vec<(String, u64, ErrorCode, String)> {
+        let mut v = self.failed.lock().unwrap().clone();
+        v.sort_by_key(|f| f.1);
+        v
+    }
 }
 
 impl TurnHooks for FakeHooks {
-    fn on_boundary(&self, b: Boundary) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+    fn on_boundary(
+        &self,
+        b: Boundary,
+    ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, HookError>> {
         let mode = {
             let mut m = self.modes.lock().unwrap();
             if m.is_empty() {
@@ -110,7 +125,7 @@ impl TurnHooks for FakeHooks {
             exposed: Mutex::new(Vec::new()),
         });
         self.tickets.lock().unwrap().push(t.clone());
-        let settle = |t: Arc<FakeTicket>, after: Duration, r: Result<Published, String>| {
+        let settle = |t: Arc<FakeTicket>, after: Duration, r: Result<Published, HookError>| {
             if after.is_zero() {
                 *t.published_at.lock().unwrap() = Some(Instant::now());
                 t.tx.send_replace(Some(r));
@@ -124,11 +139,27 @@ impl TurnHooks for FakeHooks {
         };
         match mode {
             Mode::After(d) => settle(t.clone(), d, Ok(Published { checkpoint_id: id })),
-            Mode::Fail(d) => settle(t.clone(), d, Err("btrfs snapshot failed: no space".into())),
+            Mode::Fail(d) => settle(
+                t.clone(),
+                d,
+                Err(HookError::new(ErrorCode::PoolFull, "btrfs snapshot failed: no space", "")),
+            ),
             Mode::Never => {}
-            Mode::HookErr => return Box::pin(async { Err("inspector unreachable".to_string()) }),
+            Mode::HookErr => {
+                return Box::pin(async {
+                    Err(HookError::new(ErrorCode::Busy, "inspector unreachable", ""))
+                })
+            }
         }
         Box::pin(async move { Ok(t as Arc<dyn BoundaryTicket>) })
+    }
+    fn checkpoint_failed(&self, sandbox: &str, turn: u64, error: &HookError) {
+        self.failed.lock().unwrap().push((
+            sandbox.to_string(),
+            turn,
+            error.code(),
+            error.to_string(),
+        ));
     }
 }
 
@@ -255,10 +286,7 @@ async fn response_is_withheld_until_the_checkpoint_publishes() {
     assert_eq!(conv[0].response_body(), r.body.to_vec());
     assert!(conv[0].held_ms >= 150.0);
     let b = &hooks.boundaries()[0];
-    assert_eq!(
-        (b.sandbox.as_str(), b.turn, b.force_full, b.conversation_offset),
-        ("a", 1, false, 0)
-    );
+    assert_eq!((b.sandbox.as_str(), b.turn, b.conversation_offset), ("a", 1, 0));
     // Auth passes through untouched; the sandbox prefix is gone.
     let seen = &h.stub.requests()[0];
     assert_eq!(seen.path, "/v1/chat/completions");
@@ -594,7 +622,7 @@ async fn upstream_down_is_502_and_slow_is_504() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_checkpoint_releases_the_response_and_forces_full_next() {
+async fn a_failed_checkpoint_releases_the_response_and_is_reported_once_typed() {
     let hooks = FakeHooks::new(Mode::After(Duration::ZERO));
     hooks.script(&[Mode::Fail(Duration::from_millis(30)), Mode::Never, Mode::HookErr]);
     let h = harness(hooks.clone(), StubConfig::default(), |c| {
@@ -611,8 +639,27 @@ async fn a_failed_checkpoint_releases_the_response_and_forces_full_next() {
     assert_eq!(r.status, StatusCode::OK, "released although no checkpoint started");
     h.chat("a", r#"{"t":4}"#).await;
     h.chat("a", r#"{"t":5}"#).await;
-    let full: Vec<bool> = hooks.boundaries().iter().map(|b| b.force_full).collect();
-    assert_eq!(full, [false, true, true, true, false]);
+    // Every turn without a checkpoint is reported through the seam once, with its code (the
+    // host's policy makes the next one full); the published ones are not.
+    assert_eq!(hooks.boundaries().len(), 5);
+    let failed = hooks.failed();
+    let seen: Vec<(&str, u64, ErrorCode)> =
+        failed.iter().map(|f| (f.0.as_str(), f.1, f.2)).collect();
+    assert_eq!(
+        seen,
+        [("a", 1, ErrorCode::PoolFull), ("a", 2, ErrorCode::Timeout), ("a", 3, ErrorCode::Busy)]
+    );
+    assert!(failed[0].3.contains("no space"), "{failed:?}");
+    assert!(failed[1].3.contains("gate timeout"), "{failed:?}");
+    assert!(failed[2].3.contains("starting the checkpoint of turn 3"), "{failed:?}");
+    // An explicit turn mark's failure is reported the same way, to its waiter typed.
+    hooks.script(&[Mode::HookErr]);
+    let (turn, ticket) = h.coord.begin_turn("a").await.unwrap();
+    assert_eq!(turn, 6);
+    let e = ticket.wait_published().await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Busy, "{e}");
+    assert_eq!(hooks.failed().last().map(|f| (f.1, f.2)), Some((6, ErrorCode::Busy)));
+    assert_eq!(hooks.failed().len(), 4, "once per failed turn");
     let conv = h.coord.conversation("a", None).await.unwrap();
     assert!(conv[0].checkpoint_error.as_deref().unwrap().contains("no space"));
     assert!(conv[1].checkpoint_error.as_deref().unwrap().contains("gate timeout"));
@@ -624,6 +671,68 @@ async fn a_failed_checkpoint_releases_the_response_and_forces_full_next() {
         .coord
         .metrics_text()
         .contains("crab_proxy_checkpoint_failures_total{sandbox=\"a\"} 3"));
+}
+
+/// The force-full rule lives in the host's `TurnPolicy` alone (here through the testkit's engine
+/// hooks, which hold one): the proxy only reports a turn without a checkpoint through the seam —
+/// a failed job, a gate that gave up waiting — and the next decided kind is `full`, once,
+/// whichever way the turn failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_without_a_checkpoint_makes_the_policys_next_kind_full() {
+    struct Exec {
+        kinds: Mutex<Vec<(u64, CheckpointKind)>>,
+        done: Mutex<Vec<u64>>,
+    }
+    impl crab_engine::Executor<()> for Exec {
+        type Error = std::io::Error;
+        fn run(&self, job: &Job<()>) -> Result<JobOutcome, Self::Error> {
+            self.kinds.lock().unwrap().push((job.turn, job.kind));
+            let r = match job.turn {
+                1 => Err(std::io::Error::other("btrfs snapshot failed: no space")),
+                3 => {
+                    // Published long after the gate gave up on it.
+                    std::thread::sleep(Duration::from_millis(600));
+                    Ok(JobOutcome::default())
+                }
+                _ => Ok(JobOutcome::default()),
+            };
+            self.done.lock().unwrap().push(job.turn);
+            r
+        }
+    }
+    let exec = Arc::new(Exec { kinds: Mutex::new(Vec::new()), done: Mutex::new(Vec::new()) });
+    let engine =
+        Engine::new(EngineConfig { workers: 1, ..Default::default() }, exec.clone()).unwrap();
+    let hooks = EngineHooks::new(engine.clone(), |_: &Boundary| CheckpointKind::Fs);
+    let h = harness(hooks.clone(), StubConfig::default(), |c| {
+        c.gate_timeout = Duration::from_millis(150)
+    })
+    .await;
+    for t in 1..=5 {
+        let r = h.chat("a", &format!(r#"{{"t":{t}}}"#)).await;
+        assert_eq!(r.status, StatusCode::OK, "turn {t} is released, checkpoint or not");
+        if t == 3 {
+            // Turn 3's job is still running: let it finish before turn 4 queues behind it.
+            while !exec.done.lock().unwrap().contains(&3) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+    assert_eq!(
+        *exec.kinds.lock().unwrap(),
+        [
+            (1, CheckpointKind::Fs),
+            (2, CheckpointKind::Full),
+            (3, CheckpointKind::Fs),
+            (4, CheckpointKind::Full),
+            (5, CheckpointKind::Fs)
+        ],
+        "the turn after a failed job and after a gate timeout is full; the one after that is not"
+    );
+    assert!(!hooks.policy().is_forced("a"));
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    assert!(conv[0].checkpoint_error.as_deref().unwrap().contains("no space"));
+    assert!(conv[2].checkpoint_error.as_deref().unwrap().contains("gate timeout"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -208,6 +208,15 @@ pub enum Action {
         /// How many to keep.
         keep_last: usize,
     },
+    /// Run `action` reporting its stages to `progress` (a front door streaming them to its
+    /// client): `Restore`, `Fork` and `FromRemote` report; any other action is refused
+    /// (`invalid_request`), as is a nested `WithProgress`.
+    WithProgress {
+        /// The action.
+        action: Box<Action>,
+        /// Where its stages go.
+        progress: Box<dyn Progress>,
+    },
     /// Restore a sandbox in place (the newest point when `checkpoint` is `None`).
     Restore {
         /// Sandbox name.
@@ -371,6 +380,7 @@ impl Action {
             Action::Checkpoint { .. } => "checkpoint",
             Action::ListCheckpoints { .. } => "list_checkpoints",
             Action::Prune { .. } => "prune",
+            Action::WithProgress { action, .. } => action.name(),
             Action::Restore { .. } => "restore",
             Action::Fork { .. } => "fork",
             Action::ForkLive { .. } => "fork_live",

@@ -31,6 +31,19 @@ impl HostError {
     }
 }
 
+/// Across the proxy's seam ([`crab_coordinator::TurnHooks`]) unchanged: code, message, hint.
+impl From<HostError> for crab_coordinator::HookError {
+    fn from(e: HostError) -> Self {
+        crab_coordinator::HookError(e.0)
+    }
+}
+
+impl From<crab_coordinator::HookError> for HostError {
+    fn from(e: crab_coordinator::HookError) -> Self {
+        HostError(e.0)
+    }
+}
+
 impl From<ApiError> for HostError {
     fn from(e: ApiError) -> Self {
         HostError(e)

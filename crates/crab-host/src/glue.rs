@@ -2,22 +2,24 @@
 //!
 //! * [`CheckpointExecutor`] is the engine's [`Executor`]: it publishes a restore point of the
 //!   job's (merged) kind through the [`Checkpointer`], applying the turn policy's base rule, and
-//!   records a failure in the [`TurnPolicy`] (the next checkpoint is full).
+//!   reports a failure to the [`TurnPolicy`] (the next checkpoint is full); its typed
+//!   [`HostError`] reaches every waiter through the engine.
 //! * [`Hooks`] is the proxy's [`TurnHooks`]: at a turn boundary it closes the inspector's turn,
 //!   asks the [`TurnPolicy`] for the kind, submits the job with the verdict's changeset, and hands
-//!   the proxy a [`JobTicket`] to gate the response on.
+//!   the proxy a [`JobTicket`] to gate the response on; a turn the proxy reports failed goes to
+//!   the [`TurnPolicy`] too. Errors cross as [`HookError`] (the [`HostError`]'s code, message
+//!   and hint unchanged, both ways).
 //! * [`SandboxDir`] tells the proxy which sandboxes exist and where their conversation logs live
 //!   (`<pool>/sandboxes/<name>/conversation.log`, next to the root subvolume).
 
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crab_checkpoint::{CheckpointRequest, Checkpointer};
 use crab_common::CheckpointKind;
 use crab_coordinator::{
-    Boundary, BoundaryTicket, BoxFuture, Published, SandboxDirectory, TurnHooks,
+    Boundary, BoundaryTicket, BoxFuture, HookError, Published, SandboxDirectory, TurnHooks,
 };
 use crab_engine::{Changeset, Engine, Executor, Job, JobHandle, JobOutcome, Stage};
 use crab_inspector::PathChange;
@@ -58,18 +60,12 @@ impl Changeset for Payload {
 pub struct CheckpointExecutor {
     checkpointer: Arc<Checkpointer>,
     policy: Arc<TurnPolicy>,
-    /// The last failure of each sandbox's job, typed (for waiters that only see a ticket).
-    failures: Arc<Mutex<HashMap<String, HostError>>>,
 }
 
 impl CheckpointExecutor {
-    /// An executor publishing through `checkpointer`, recording failures in `policy`.
-    pub fn new(
-        checkpointer: Arc<Checkpointer>,
-        policy: Arc<TurnPolicy>,
-        failures: Arc<Mutex<HashMap<String, HostError>>>,
-    ) -> Self {
-        CheckpointExecutor { checkpointer, policy, failures }
+    /// An executor publishing through `checkpointer`, reporting failures to `policy`.
+    pub fn new(checkpointer: Arc<Checkpointer>, policy: Arc<TurnPolicy>) -> Self {
+        CheckpointExecutor { checkpointer, policy }
     }
 
     fn publish(&self, job: &Job<Payload>) -> Result<JobOutcome, HostError> {
@@ -146,20 +142,14 @@ impl Executor<Payload> for CheckpointExecutor {
     type Error = HostError;
 
     fn run(&self, job: &Job<Payload>) -> Result<JobOutcome, HostError> {
-        let r = self.publish(job);
-        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        match &r {
-            Ok(_) => {
-                failures.remove(&job.sandbox);
-            }
-            Err(e) => {
-                // The inspector's turn was closed when this job was decided: its changes are
-                // only safe in a full checkpoint now.
-                self.policy.failed(&job.sandbox);
-                failures.insert(job.sandbox.clone(), e.clone());
-            }
+        // A panic is a failure too (the engine turns it into the job's error).
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.publish(job)));
+        if !matches!(r, Ok(Ok(_))) {
+            // The inspector's turn was closed when this job was decided: its changes are
+            // only safe in a full checkpoint now. The policy's record, whoever waits.
+            self.policy.failed(&job.sandbox);
         }
-        r
+        r.unwrap_or_else(|p| std::panic::resume_unwind(p))
     }
 }
 
@@ -176,18 +166,48 @@ impl SandboxDirectory for SandboxDir {
     }
 }
 
-/// The proxy's turn hooks (the host is set once it exists).
-#[derive(Debug, Default)]
-pub struct Hooks(pub OnceLock<Weak<Host>>);
+/// The proxy's turn hooks over the host's [`TurnPolicy`] (the host is set once it exists).
+#[derive(Debug)]
+pub struct Hooks {
+    host: OnceLock<Weak<Host>>,
+    policy: Arc<TurnPolicy>,
+}
+
+impl Hooks {
+    /// Hooks reporting failed turns to `policy` (the host's).
+    pub fn new(policy: Arc<TurnPolicy>) -> Self {
+        Hooks { host: OnceLock::new(), policy }
+    }
+
+    /// The host whose boundaries these are (set once; later calls are ignored).
+    pub fn set_host(&self, host: Weak<Host>) {
+        let _ = self.host.set(host);
+    }
+}
 
 impl TurnHooks for Hooks {
-    fn on_boundary(&self, b: Boundary) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+    fn on_boundary(
+        &self,
+        b: Boundary,
+    ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, HookError>> {
         Box::pin(async move {
-            let host = self.0.get().and_then(Weak::upgrade).ok_or("the host is not running")?;
-            let ticket = host.boundary(&b).await.map_err(|e| e.to_string())?;
-            Ok(ticket)
+            let host = self.host.get().and_then(Weak::upgrade).ok_or_else(|| {
+                HookError::internal("the host is not running (the daemon is starting or stopping)")
+            })?;
+            Ok(host.boundary(&b).await?)
         })
     }
+
+    fn checkpoint_failed(&self, sandbox: &str, turn: u64, error: &HookError) {
+        tracing::debug!(sandbox, turn, code = ?error.code(), "turn without a checkpoint: the next one is full");
+        self.policy.failed(sandbox);
+    }
+}
+
+/// The typed error of a failed job: the executor's own [`HostError`], or the engine's (a
+/// panic, a shutdown) as an internal one.
+pub fn job_error(e: &crab_engine::JobError) -> HostError {
+    e.source_as::<HostError>().cloned().unwrap_or_else(|| HostError::internal(e.to_string()))
 }
 
 /// An engine job as a boundary ticket: waiting waits for the job, promoting promotes it, and the
@@ -216,13 +236,13 @@ impl<P: crab_engine::Changeset> BoundaryTicket for JobTicket<P> {
     fn is_published(&self) -> bool {
         self.handle.try_result().is_some()
     }
-    fn wait_published(&self) -> BoxFuture<'_, Result<Published, String>> {
+    fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
         Box::pin(async move {
             self.handle
                 .wait()
                 .await
                 .map(|f| Published { checkpoint_id: f.outcome.checkpoint_id })
-                .map_err(|e| e.to_string())
+                .map_err(|e| job_error(&e).into())
         })
     }
     fn promote(&self) {
@@ -236,5 +256,90 @@ impl<P: crab_engine::Changeset> BoundaryTicket for JobTicket<P> {
             Some(Ok(f)) => f.held_breakdown(gate_start, woke),
             _ => Vec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crab_common::{ApiError, ErrorCode};
+    use crab_inspector::{ProcessChanges, Verdict};
+
+    fn skip() -> Result<Verdict, String> {
+        Ok(Verdict {
+            sandbox: "s".into(),
+            turn: 1,
+            kind: CheckpointKind::Skip,
+            changeset: Vec::new(),
+            processes: ProcessChanges::default(),
+            reasons: Vec::new(),
+            conservative: false,
+        })
+    }
+
+    /// The proxy's door: a turn it reports failed makes the policy's next decision full, once;
+    /// the policy keeps the record, not the caller.
+    #[test]
+    fn a_reported_turn_makes_the_next_decided_checkpoint_full_once() {
+        let policy = Arc::new(TurnPolicy::new());
+        let hooks = Hooks::new(policy.clone());
+        let e = HookError::new(ErrorCode::Timeout, "checkpoint not published in time", "");
+        hooks.checkpoint_failed("s", 3, &e);
+        assert!(policy.is_forced("s"));
+        assert!(!policy.is_forced("t"), "per sandbox");
+        let d = policy.decide("s", skip(), None);
+        assert_eq!(d.kind, CheckpointKind::Full, "{d:?}");
+        assert!(d.reasons[0].contains("previous checkpoint failed"), "{d:?}");
+        assert_eq!(policy.decide("s", skip(), None).kind, CheckpointKind::Skip, "consumed");
+        // reported twice (a job failure and a gate timeout of one turn): still one full point
+        hooks.checkpoint_failed("s", 4, &e);
+        hooks.checkpoint_failed("s", 4, &e);
+        assert_eq!(policy.decide("s", skip(), None).kind, CheckpointKind::Full);
+        assert_eq!(policy.decide("s", skip(), None).kind, CheckpointKind::Skip);
+    }
+
+    /// Errors cross the seam typed, both ways, with nothing lost; a host that is not running
+    /// answers a boundary with a typed error (no checkpoint started: the proxy reports it).
+    #[tokio::test]
+    async fn errors_cross_the_seam_typed() {
+        let h =
+            HostError(ApiError::new(ErrorCode::PoolFull, "no space for sandbox s", "free some"));
+        let k: HookError = h.clone().into();
+        assert_eq!((k.code(), k.0.hint.as_str()), (ErrorCode::PoolFull, "free some"));
+        assert_eq!(HostError::from(k), h);
+        let hooks = Hooks::new(Arc::new(TurnPolicy::new()));
+        let b = Boundary {
+            sandbox: "s".into(),
+            turn: 1,
+            conversation_offset: 0,
+            provider: crab_coordinator::Provider::OpenAi,
+            path: String::new(),
+        };
+        let e = hooks.on_boundary(b).await.err().map(|e| (e.code(), e.to_string()));
+        assert!(matches!(&e, Some((ErrorCode::Internal, m)) if m.contains("not running")), "{e:?}");
+    }
+
+    /// An engine failure that is not the executor's (a panic) is typed too: internal, with the
+    /// engine's words.
+    #[test]
+    fn a_job_error_keeps_the_executors_type() {
+        let h = HostError(ApiError::new(ErrorCode::CriuFailed, "dump failed", "see criu.log"));
+        let e = crab_engine::JobError::Failed {
+            job: crab_engine::JobId(1),
+            op: crab_engine::JobOp::Checkpoint,
+            sandbox: "s".into(),
+            kind: CheckpointKind::Full,
+            turn: 1,
+            message: h.to_string(),
+            source: Arc::new(h.clone()),
+        };
+        assert_eq!(job_error(&e), h);
+        let p = crab_engine::JobError::Panicked {
+            job: crab_engine::JobId(2),
+            sandbox: "s".into(),
+            message: "boom".into(),
+        };
+        assert_eq!(job_error(&p).code(), ErrorCode::Internal);
+        assert!(job_error(&p).to_string().contains("boom"));
     }
 }

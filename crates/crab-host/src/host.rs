@@ -23,7 +23,7 @@ use crab_checkpoint::{Checkpointer, PointSummary};
 use crab_common::api::{FeatureStatus, Features, NetMode, SandboxState, VersionInfo, API_VERSION};
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
-use crab_common::{CheckpointKind, CheckpointPolicy};
+use crab_common::{CheckpointKind, CheckpointPolicy, NoProgress, Progress};
 use crab_coordinator::{
     bind_in_netns, Boundary, BoundaryTicket, Coordinator, ProxyConfig, ProxyServer, ReadyTicket,
 };
@@ -77,7 +77,6 @@ pub struct Host {
     inspector: Result<Arc<Inspector>, ApiError>,
     checkpointer: Arc<Checkpointer>,
     policy: Arc<TurnPolicy>,
-    failures: Arc<Mutex<HashMap<String, HostError>>>,
     engine: Engine<Payload>,
     coordinator: Arc<Coordinator>,
     proxy: Mutex<Option<ProxyServer>>,
@@ -279,11 +278,10 @@ impl Host {
         })
         .await?;
         let policy = Arc::new(TurnPolicy::new());
-        let failures = Arc::new(Mutex::new(HashMap::new()));
-        let exec = CheckpointExecutor::new(checkpointer.clone(), policy.clone(), failures.clone());
+        let exec = CheckpointExecutor::new(checkpointer.clone(), policy.clone());
         let engine = Engine::new(opts.engine.clone(), Arc::new(exec))
             .map_err(|e| HostError::internal(format!("starting the engine: {e}")))?;
-        let hooks = Arc::new(Hooks::default());
+        let hooks = Arc::new(Hooks::new(policy.clone()));
         let coordinator = Coordinator::new(
             opts.proxy.clone(),
             Arc::new(SandboxDir(runtime.clone())),
@@ -303,7 +301,6 @@ impl Host {
             inspector,
             checkpointer,
             policy,
-            failures,
             engine,
             coordinator,
             proxy: Mutex::new(None),
@@ -316,7 +313,7 @@ impl Host {
             label_lock: Mutex::new(()),
             firing: Mutex::new(std::collections::HashSet::new()),
         });
-        let _ = hooks.0.set(Arc::downgrade(&host));
+        hooks.set_host(Arc::downgrade(&host));
         if let Some(t) = &host.remote {
             tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
             tokio::spawn(t.clone().run(Arc::downgrade(&host)));
@@ -604,9 +601,9 @@ impl Host {
             Action::Restore { name, checkpoint } => {
                 let l = self.life_lock(&name);
                 let _g = l.lock().await;
-                self.restore(name, checkpoint).await
+                self.restore(name, checkpoint, Arc::new(NoProgress)).await
             }
-            Action::Fork { name, req } => self.fork(name, req).await,
+            Action::Fork { name, req } => self.fork(name, req, Arc::new(NoProgress)).await,
             Action::Conversation { name, at } => self.conversation(name, at).await,
             Action::Turn { name } => self.turn(name).await,
             Action::HarnessChanged { name } => {
@@ -650,8 +647,11 @@ impl Host {
                 let t = self.tier()?;
                 Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
             }
-            Action::FromRemote(req) => self.from_remote(req).await,
+            Action::FromRemote(req) => self.from_remote(req, Arc::new(NoProgress)).await,
             Action::Files { name, user, op } => self.files(name, user, op).await,
+            Action::WithProgress { action, progress } => {
+                self.with_progress(*action, progress.into()).await
+            }
         }
     }
 
@@ -692,13 +692,12 @@ impl Host {
         self.close_sandbox_proxy(&name).await;
         self.coordinator.forget(&name);
         self.policy.clear(&name);
-        lock(&self.failures).remove(&name);
         self.drop_life_lock(&name);
         Ok(Outcome::Removed { removed: true })
     }
 
     /// Close the inspector's turn for `name` and decide the checkpoint kind (the policy's).
-    fn decide(&self, name: &str, force_full: bool) -> Decision {
+    fn decide(&self, name: &str) -> Decision {
         let verdict = match self.inspector() {
             Ok(i) => i.take(name).map_err(|e| format!("no verdict ({e})")),
             Err(e) => Err(format!("inspector unavailable ({})", e.0.message)),
@@ -708,7 +707,7 @@ impl Host {
         let read = |pid: u32| crab_criu::soft_dirty::process_dirty_pages(pid).ok();
         let dirty: Option<&dyn Fn(u32) -> Option<usize>> =
             if self.soft_dirty.available { Some(&read) } else { None };
-        self.policy.decide_with(name, verdict, init_pid, force_full, dirty)
+        self.policy.decide_with(name, verdict, init_pid, dirty)
     }
 
     /// Submit a checkpoint job for `name` carrying `decision`'s changeset.
@@ -728,17 +727,6 @@ impl Host {
         self.engine.submit(JobSpec::checkpoint(name, kind, payload, turn.unwrap_or(0)))
     }
 
-    /// The typed error of a failed job of `name` (the executor's), or the engine's.
-    fn job_error(&self, name: &str, e: &crab_engine::JobError) -> HostError {
-        if let Some(h) = e.source_as::<HostError>() {
-            return h.clone();
-        }
-        lock(&self.failures)
-            .get(name)
-            .cloned()
-            .unwrap_or_else(|| HostError::internal(e.to_string()))
-    }
-
     /// A turn boundary seen by the proxy: decide, submit, and return the ticket to gate on.
     pub(crate) async fn boundary(
         self: &Arc<Self>,
@@ -753,8 +741,7 @@ impl Host {
         }
         let h = self.clone();
         let name = b.sandbox.clone();
-        let force = b.force_full;
-        let d = blocking(move || Ok(h.decide(&name, force))).await?;
+        let d = blocking(move || Ok(h.decide(&name))).await?;
         // A fixed policy takes its kind whatever the verdict (the turn is closed all the same:
         // its changes are in this checkpoint). `fs` stays `fs` after a failure: a snapshot
         // holds every file, whatever the lost changeset said; the processes it never holds.
@@ -789,7 +776,7 @@ impl Host {
         let h = self.clone();
         let n = name.clone();
         // An explicit kind also closes the inspector's turn: its changes are in this checkpoint.
-        let d = blocking(move || Ok(h.decide(&n, false))).await?;
+        let d = blocking(move || Ok(h.decide(&n))).await?;
         let explicit = kind.is_some();
         let handle = self.submit(
             &name,
@@ -800,11 +787,8 @@ impl Host {
         );
         let (reasons, verdict) = if explicit { (Vec::new(), None) } else { (d.reasons, d.verdict) };
         self.engine.promote(handle.id());
-        let f = handle.wait().await.map_err(|e| {
-            // The turn was closed for this checkpoint: the next one must be full.
-            self.policy.failed(&name);
-            self.job_error(&name, &e)
-        })?;
+        // A failure is in the policy already (the executor's): the next one is full.
+        let f = handle.wait().await.map_err(|e| crate::glue::job_error(&e))?;
         let h = self.clone();
         let id = f.outcome.checkpoint_id.clone();
         let n = name.clone();
@@ -834,6 +818,7 @@ impl Host {
         self: &Arc<Self>,
         name: String,
         checkpoint: Option<String>,
+        progress: Arc<dyn Progress>,
     ) -> Result<Outcome, HostError> {
         let t0 = std::time::Instant::now();
         let h = self.clone();
@@ -842,7 +827,7 @@ impl Host {
             h.runtime.record(&n)?;
             let offset = h.point_offset(&n, checkpoint.as_deref())?;
             h.detach(&n);
-            let r = h.checkpointer.restore(&n, checkpoint.as_deref());
+            let r = h.checkpointer.restore(&n, checkpoint.as_deref(), progress.as_ref());
             let t_attach = std::time::Instant::now();
             // Whatever happened, the sandbox's (possibly new) cgroup is tracked again.
             h.attach(&n);
@@ -897,13 +882,14 @@ impl Host {
             fs_only: false,
             branch: req.branch,
         };
-        self.fork(name, req).await
+        self.fork(name, req, Arc::new(NoProgress)).await
     }
 
-    async fn fork(
+    pub(crate) async fn fork(
         self: &Arc<Self>,
         name: String,
         req: crab_common::api::ForkRequest,
+        progress: Arc<dyn Progress>,
     ) -> Result<Outcome, HostError> {
         let h = self.clone();
         let n = name.clone();
@@ -917,7 +903,7 @@ impl Host {
                 req.count,
                 req.names,
                 crab_checkpoint::ForkOptions { fs_only: req.fs_only, verified: false },
-                &crab_common::NoProgress,
+                progress.as_ref(),
             )?;
             let names: Vec<String> = branches.iter().map(|b| b.sandbox.clone()).collect();
             if let Err(e) = h.settle_branches(&names, &req.branch) {
@@ -940,7 +926,11 @@ impl Host {
         Ok(Outcome::Forked(branches))
     }
 
-    async fn from_remote(self: &Arc<Self>, req: FromRemote) -> Result<Outcome, HostError> {
+    pub(crate) async fn from_remote(
+        self: &Arc<Self>,
+        req: FromRemote,
+        progress: Arc<dyn Progress>,
+    ) -> Result<Outcome, HostError> {
         let t = self.tier()?;
         let (sb, point) = match req.source.split_once('@') {
             Some((s, p)) => (s.to_string(), Some(p.to_string())),
@@ -949,6 +939,8 @@ impl Host {
         crab_common::names::validate("sandbox", &sb)?;
         let t0 = std::time::Instant::now();
         let mut clock = crab_common::stats::StageClock::starting(t0);
+        progress.stage("load_point", None);
+        progress.message(&format!("remote point {}", req.source));
         let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
         clock.mark("load_point");
         if !req.fs_only {
@@ -973,6 +965,7 @@ impl Host {
         let handle = tokio::runtime::Handle::current();
         let grant2 = grant.clone();
         let mat_store = store.clone();
+        progress.stage("materialize", None);
         let mat = tokio::task::spawn_blocking(move || {
             let disk_limit = grant2.limits.disk_bytes;
             let check = move |m: &crab_checkpoint::Manifest| {
@@ -1018,7 +1011,7 @@ impl Host {
                 names,
                 opts,
                 &template,
-                &crab_common::NoProgress,
+                progress.as_ref(),
             )?;
             for x in &b {
                 h.attach(&x.sandbox);
@@ -1103,10 +1096,7 @@ impl Host {
         ticket.promote();
         match ticket.wait_published().await {
             Ok(p) => Ok(Outcome::Turn(TurnMarked { turn, checkpoint: p.checkpoint_id })),
-            Err(m) => Err(lock(&self.failures)
-                .get(&name)
-                .cloned()
-                .unwrap_or_else(|| HostError::internal(m))),
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -21,6 +21,7 @@ mod host;
 mod lifecycle;
 mod policy;
 mod procs;
+mod progress;
 pub mod remote;
 
 pub use action::{

@@ -245,7 +245,7 @@ impl Host {
                 Life::Paused { point } => Some(point.clone()),
                 _ => None,
             };
-            match self.restore(name.clone(), from).await? {
+            match self.restore(name.clone(), from, Arc::new(crab_common::NoProgress)).await? {
                 Outcome::Restored(r) => Some(r.point),
                 _ => None,
             }

@@ -9,8 +9,11 @@
 //!    ran" never calls for a process dump ([`ignore_init`]).
 //! 3. Force-full after a failure: the inspector's turn is closed when a checkpoint is decided,
 //!    so a failed checkpoint loses that turn's changeset; the next checkpoint of the sandbox is
-//!    then `full`. The failure is stored here once (the host marks it when any checkpoint job
-//!    fails or cannot be started; a restore forgets it).
+//!    then `full`. The failure is stored here and nowhere else: it is reported by the engine's
+//!    executor (a job failed, whichever door submitted it) and by the proxy through the typed
+//!    seam (`TurnHooks::checkpoint_failed`: a turn's log could not be made durable, its
+//!    boundary failed, or its gate timed out); a restore forgets it. Callers never pass a
+//!    "force" of their own: [`TurnPolicy::decide`] and [`TurnPolicy::decide_kind`] apply it.
 //! 4. The base rule: a sandbox's first restore point must hold the filesystem (there is no
 //!    earlier snapshot to reference), so it is at least `fs` ([`TurnPolicy::base`]).
 //! 5. The harness rule: a declared harness's running never calls for a dump (the inspector
@@ -101,17 +104,26 @@ impl TurnPolicy {
     }
 
     /// Decide the kind of `sandbox`'s checkpoint from the inspector's `verdict` (or why there
-    /// is none). `init_pid` is the sandbox's init (for the init-only rule); `force_full` forces
-    /// a full checkpoint (the caller knows the previous one failed). Consumes a recorded
+    /// is none). `init_pid` is the sandbox's init (for the init-only rule). Consumes a recorded
     /// failure and a recorded harness change.
     pub fn decide(
         &self,
         sandbox: &str,
         verdict: Result<Verdict, String>,
         init_pid: Option<u32>,
-        force_full: bool,
     ) -> Decision {
-        self.decide_with(sandbox, verdict, init_pid, force_full, None)
+        self.decide_with(sandbox, verdict, init_pid, None)
+    }
+
+    /// Rule 3 alone, for a checkpoint whose content is chosen without a verdict (the proxy's
+    /// test hooks and benchmark pick `kind` themselves): `full` when `sandbox`'s last
+    /// checkpoint failed (consumed), else `kind`.
+    pub fn decide_kind(&self, sandbox: &str, kind: CheckpointKind) -> CheckpointKind {
+        if lock(&self.force_full).remove(sandbox) {
+            CheckpointKind::Full
+        } else {
+            kind
+        }
     }
 
     /// [`TurnPolicy::decide`] with rule 6: `dirty` gives the pages a (host) pid wrote since
@@ -122,10 +134,9 @@ impl TurnPolicy {
         sandbox: &str,
         verdict: Result<Verdict, String>,
         init_pid: Option<u32>,
-        force_full: bool,
         dirty: Option<&dyn Fn(u32) -> Option<usize>>,
     ) -> Decision {
-        let forced = lock(&self.force_full).remove(sandbox) || force_full;
+        let forced = lock(&self.force_full).remove(sandbox);
         let harness = lock(&self.harness_changed).remove(sandbox);
         let mut reasons = Vec::new();
         match verdict {
@@ -265,7 +276,7 @@ mod tests {
     fn the_verdict_decides() {
         let p = TurnPolicy::new();
         for k in CheckpointKind::ALL {
-            let d = p.decide("s", Ok(verdict(k, vec![], vec![])), Some(1), false);
+            let d = p.decide("s", Ok(verdict(k, vec![], vec![])), Some(1));
             assert_eq!(d.kind, k);
             assert!(d.reasons.is_empty());
             assert_eq!(d.verdict.map(|v| v.kind), Some(k));
@@ -276,22 +287,22 @@ mod tests {
     fn a_harness_change_dumps_the_next_decided_checkpoint_once() {
         let p = TurnPolicy::new();
         p.harness_changed("s");
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Process, "{d:?}");
         assert!(d.reasons[0].contains("harness"), "{d:?}");
         // consumed: the next one is the verdict's again; a file change and a harness change
         // make a full point
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Skip);
         p.harness_changed("s");
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None, false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Full);
         // another sandbox's change is not this one's; a restore forgets it
         p.harness_changed("t");
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Skip);
         p.clear("t");
-        let d = p.decide("t", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        let d = p.decide("t", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Skip);
     }
 
@@ -313,10 +324,10 @@ mod tests {
         let p = TurnPolicy::new();
         let quiet = verdict(CheckpointKind::Process, vec![10], vec![]);
         // not armed (no dump cleared the bits yet): the dump stays
-        let d = p.decide_with("s", Ok(quiet.clone()), None, false, Some(&recorded_dirty));
+        let d = p.decide_with("s", Ok(quiet.clone()), None, Some(&recorded_dirty));
         assert_eq!(d.kind, CheckpointKind::Process, "{d:?}");
         p.soft_dirty_dumped("s", true);
-        let d = p.decide_with("s", Ok(quiet.clone()), None, false, Some(&recorded_dirty));
+        let d = p.decide_with("s", Ok(quiet.clone()), None, Some(&recorded_dirty));
         assert_eq!(d.kind, CheckpointKind::Skip, "{d:?}");
         assert!(d.reasons[0].contains("soft-dirty"), "{d:?}");
         // with file changes too: full becomes fs
@@ -324,7 +335,6 @@ mod tests {
             "s",
             Ok(verdict(CheckpointKind::Full, vec![10], vec![])),
             None,
-            false,
             Some(&recorded_dirty),
         );
         assert_eq!(d.kind, CheckpointKind::Fs, "{d:?}");
@@ -334,24 +344,24 @@ mod tests {
             verdict(CheckpointKind::Process, vec![12], vec![]),
             verdict(CheckpointKind::Process, vec![10], vec![13]),
         ] {
-            let d = p.decide_with("s", Ok(v), None, false, Some(&recorded_dirty));
+            let d = p.decide_with("s", Ok(v), None, Some(&recorded_dirty));
             assert_eq!(d.kind, CheckpointKind::Process, "{d:?}");
         }
         // without soft-dirty (no reader), or disarmed by a failed dump or a restore
-        let d = p.decide_with("s", Ok(quiet.clone()), None, false, None);
+        let d = p.decide_with("s", Ok(quiet.clone()), None, None);
         assert_eq!(d.kind, CheckpointKind::Process);
         p.soft_dirty_dumped("s", false);
-        let d = p.decide_with("s", Ok(quiet.clone()), None, false, Some(&recorded_dirty));
+        let d = p.decide_with("s", Ok(quiet.clone()), None, Some(&recorded_dirty));
         assert_eq!(d.kind, CheckpointKind::Process);
         p.soft_dirty_dumped("s", true);
         p.clear("s");
-        let d = p.decide_with("s", Ok(quiet), None, false, Some(&recorded_dirty));
+        let d = p.decide_with("s", Ok(quiet), None, Some(&recorded_dirty));
         assert_eq!(d.kind, CheckpointKind::Process);
     }
 
     #[test]
     fn no_verdict_is_full_never_a_guess() {
-        let d = TurnPolicy::new().decide("s", Err("inspector unavailable".into()), None, false);
+        let d = TurnPolicy::new().decide("s", Err("inspector unavailable".into()), None);
         assert_eq!(d.kind, CheckpointKind::Full);
         assert!(d.verdict.is_none());
         assert!(d.reasons[0].contains("inspector unavailable"));
@@ -360,8 +370,7 @@ mod tests {
     #[test]
     fn init_only_rule_applies_through_decide() {
         let p = TurnPolicy::new();
-        let d =
-            p.decide("s", Ok(verdict(CheckpointKind::Process, vec![7], vec![])), Some(7), false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Process, vec![7], vec![])), Some(7));
         assert_eq!(d.kind, CheckpointKind::Skip);
         assert_eq!(d.reasons.len(), 1);
     }
@@ -372,13 +381,15 @@ mod tests {
         p.failed("s");
         assert!(p.is_forced("s"));
         assert!(!p.is_forced("t"), "a failure is per sandbox");
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Full);
         assert!(d.reasons[0].contains("previous checkpoint failed"));
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None, false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Skip, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Skip, "the failure is consumed by one decision");
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None, true);
-        assert_eq!(d.kind, CheckpointKind::Full, "the caller can force it too");
+        // the verdict-less form follows the same rule from the same record
+        p.failed("s");
+        assert_eq!(p.decide_kind("s", CheckpointKind::Fs), CheckpointKind::Full);
+        assert_eq!(p.decide_kind("s", CheckpointKind::Fs), CheckpointKind::Fs, "consumed");
     }
 
     #[test]
@@ -386,7 +397,7 @@ mod tests {
         let p = TurnPolicy::new();
         p.failed("s");
         p.clear("s");
-        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None, false);
+        let d = p.decide("s", Ok(verdict(CheckpointKind::Fs, vec![], vec![])), None);
         assert_eq!(d.kind, CheckpointKind::Fs);
     }
 

@@ -19,8 +19,8 @@ use tokio::net::TcpListener;
 
 use crab_coordinator::convlog::sha256_hex;
 use crab_coordinator::{
-    Boundary, BoundaryTicket, BoxError, BoxFuture, ProxyBody, ReadyTicket, SandboxDirectory,
-    TurnHooks,
+    Boundary, BoundaryTicket, BoxError, BoxFuture, HookError, ProxyBody, ReadyTicket,
+    SandboxDirectory, TurnHooks,
 };
 
 fn full(b: impl Into<Bytes>) -> ProxyBody {
@@ -311,9 +311,15 @@ impl InstantHooks {
 }
 
 impl TurnHooks for InstantHooks {
-    fn on_boundary(&self, b: Boundary) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, String>> {
+    fn on_boundary(
+        &self,
+        b: Boundary,
+    ) -> BoxFuture<'_, Result<Arc<dyn BoundaryTicket>, HookError>> {
         let id = format!("{}-{}", b.sandbox, b.turn);
         lock(&self.boundaries).push(b);
         Box::pin(async move { Ok(ReadyTicket::published(id)) })
     }
+
+    /// Never called: every ticket is published.
+    fn checkpoint_failed(&self, _sandbox: &str, _turn: u64, _error: &HookError) {}
 }

@@ -241,3 +241,83 @@ fn checkpoint_policy_decides_what_each_turn_takes() {
     assert_eq!(rec["format"], crab_sandbox::runtime::RECORD_FORMAT);
     assert_eq!(rec["checkpoint_policy"], "auto");
 }
+
+/// The `==> STAGE` lines `crab` drew on a non-terminal stderr.
+fn stage_lines(o: &std::process::Output) -> Vec<String> {
+    let err = String::from_utf8_lossy(&o.stderr);
+    err.lines().filter_map(|l| l.strip_prefix("==> ")).map(str::to_string).collect()
+}
+
+/// `crab restore` and `crab fork` draw the stages the daemon streams (asked with
+/// `?progress=true`): on a stderr that is not a terminal, a line per stage; under `--json`
+/// nothing is drawn and the answer is the same document as the plain API call's, which clients
+/// that do not ask for progress (the SDK, scripts) still get as one JSON answer.
+#[test]
+fn restore_and_fork_report_their_stages() {
+    let sb = Sandbox::new("t-ck-progress");
+    let p = checkpoint(&sb, "full");
+    let id = p["id"].as_str().unwrap();
+
+    let o = crab(&["restore", &sb.name, id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(stage_lines(&o), ["verify", "filesystem", "processes"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with(&format!("restored {} to {id} in ", sb.name)), "{out}");
+
+    let o = crab(&["--json", "restore", &sb.name, id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stage_lines(&o).is_empty(), "--json draws nothing");
+    let cli: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (code, plain) = api(
+        "POST",
+        &format!("/v1/sandboxes/{}/restore", sb.name),
+        &format!(r#"{{"checkpoint":"{id}"}}"#),
+    );
+    assert_eq!(code, 200, "{plain}");
+    let keys = |v: &serde_json::Value| {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&cli), keys(&plain), "the same document either way");
+    assert_eq!((&cli["sandbox"], &cli["point"]), (&plain["sandbox"], &plain["point"]));
+    assert_eq!(cli["processes_restored"], true);
+
+    let o = crab(&["fork", &sb.name, id, "--count", "2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let forks: Vec<Sandbox> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| Sandbox { name: l.trim().to_string() })
+        .collect();
+    assert_eq!(forks.len(), 2, "{}", String::from_utf8_lossy(&o.stdout));
+    assert_eq!(stage_lines(&o), ["verify", "branches"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("    2/2"), "one step per branch up");
+    for f in &forks {
+        assert_eq!(f.info()["state"], "running", "{}", f.name);
+    }
+
+    // The stream itself: NDJSON frames, the stages, then `done` with the answer.
+    let sock = common::state_dir().join("crab.sock");
+    let out = std::process::Command::new("curl")
+        .args(["-s", "--unix-socket"])
+        .arg(&sock)
+        .args(["-X", "POST", "-H", "content-type: application/json"])
+        .args(["-d", &format!(r#"{{"checkpoint":"{id}"}}"#)])
+        .arg(format!("http://crab/v1/sandboxes/{}/restore?progress=true", sb.name))
+        .output()
+        .unwrap();
+    let frames: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let stages: Vec<&str> =
+        frames.iter().filter(|f| f["t"] == "stage").map(|f| f["name"].as_str().unwrap()).collect();
+    assert_eq!(stages, ["verify", "filesystem", "processes"]);
+    let last = frames.last().unwrap();
+    assert_eq!(last["t"], "done", "{last}");
+    assert_eq!(keys(&last["result"]), keys(&plain));
+    // A failure arrives as the stream's last frame, with its code.
+    let (_, e) = api("POST", "/v1/sandboxes/no-such-sandbox/restore?progress=true", "{}");
+    assert_eq!(e["t"], "error", "{e}");
+    assert_eq!(e["error"]["code"], "sandbox_not_found", "{e}");
+}

@@ -2,7 +2,7 @@
 //! (`scripts/s3-test-server.sh`), daemon A (its own state dir, pool, proxy port) exports a
 //! full checkpoint (`crab checkpoint --durable`), is stopped and its state dir deleted; daemon
 //! B (another state dir, pool, port) builds a sandbox from the remote point with
-//! `crab sandbox create --from-remote` and finds the file, two hard-linked names of one file
+//! `crab sandbox create --from-remote` (which draws its stages) and finds the file, two hard-linked names of one file
 //! with its `user.*` extended attribute, and the running process again.
 //! The image daemon A needs is imported from the test daemon's state dir (`make test` builds it).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -85,7 +85,12 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
     let ls = b.crab_ok(&["remote", "ls"]);
     assert!(ls.contains(&name), "{ls}");
     let copy = common::unique("t-xcopy");
-    b.crab_ok(&["sandbox", "create", "--from-remote", &name, "--name", &copy]);
+    let o = b.crab(&["sandbox", "create", "--from-remote", &name, "--name", &copy]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Its stages, drawn as lines on a stderr that is not a terminal.
+    let err = String::from_utf8_lossy(&o.stderr);
+    let stages: Vec<&str> = err.lines().filter_map(|l| l.strip_prefix("==> ")).collect();
+    assert_eq!(stages, ["load_point", "materialize", "branches"], "{err}");
     let file = b.crab_ok(&["exec", &copy, "--", "cat", "/root/state.txt"]);
     assert_eq!(file, "from-host-a\n");
     // Two hard-linked names, one inode, its user.* extended attribute.

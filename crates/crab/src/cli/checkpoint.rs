@@ -207,13 +207,13 @@ pub(super) async fn restore(
 ) -> Result<ExitCode, ApiError> {
     let RestoreArgs { sandbox, checkpoint } = a;
     let t = std::time::Instant::now();
-    let v: crab_checkpoint::RestoreReport = client
-        .call(
-            Method::POST,
-            &format!("/v1/sandboxes/{sandbox}/restore"),
-            Some(&RestoreRequest { checkpoint }),
-        )
-        .await?;
+    let v: crab_checkpoint::RestoreReport = super::staged_op(
+        client,
+        &format!("/v1/sandboxes/{sandbox}/restore"),
+        &RestoreRequest { checkpoint },
+        json,
+    )
+    .await?;
     if json {
         print_json(&v);
     } else {
@@ -258,7 +258,7 @@ pub(super) async fn fork(client: &Client, a: ForkArgs, json: bool) -> Result<Exi
         branch: Default::default(),
     };
     let v: Vec<crab_checkpoint::ForkBranch> =
-        client.call(Method::POST, &format!("/v1/sandboxes/{sandbox}/fork"), Some(&req)).await?;
+        super::staged_op(client, &format!("/v1/sandboxes/{sandbox}/fork"), &req, json).await?;
     if json {
         print_json(&v);
     } else {

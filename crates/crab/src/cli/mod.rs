@@ -227,6 +227,25 @@ fn init_tracing() {
         tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
+/// A long action that reports its stages (restore, fork, remote restore): asked with
+/// `?progress=true` and its stages drawn on stderr (bars on a terminal, lines otherwise) —
+/// except under `--json`, where it is one plain call and nothing is drawn. The answer is the
+/// same document either way.
+pub(super) async fn staged_op<B: Serialize, T: serde::de::DeserializeOwned>(
+    client: &Client,
+    path: &str,
+    body: &B,
+    json: bool,
+) -> Result<T, ApiError> {
+    let v: serde_json::Value = if json {
+        client.call(Method::POST, path, Some(body)).await?
+    } else {
+        long_op(client, &format!("{path}?progress=true"), body, false).await?
+    };
+    serde_json::from_value(v)
+        .map_err(|e| ApiError::internal(format!("undecodable answer from the daemon: {e}")))
+}
+
 /// Run a streamed long operation, drawing progress, and return its result document.
 pub(super) async fn long_op<B: Serialize>(
     client: &Client,

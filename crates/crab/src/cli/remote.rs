@@ -145,7 +145,7 @@ pub(super) async fn from_remote(
     if grant.limits != crab_common::api::Limits::default() {
         body["limits"] = serde_json::to_value(&grant.limits).unwrap_or_default();
     }
-    let v: serde_json::Value = client.call(Method::POST, "/v1/remote/restore", Some(&body)).await?;
+    let v: serde_json::Value = super::staged_op(client, "/v1/remote/restore", &body, json).await?;
     if json {
         print_json(&v);
     } else if let Some(bs) = v["branches"].as_array() {

@@ -198,6 +198,25 @@ impl Progress for StreamProgress {
     }
 }
 
+/// Whether the client asked for progress (`?progress=true` or `?progress=1`).
+pub fn wants_progress(q: &std::collections::HashMap<String, String>) -> bool {
+    q.get("progress").is_some_and(|v| v == "true" || v == "1")
+}
+
+/// Answer `action`: with `progress`, as a stream of its stages ending in the answer
+/// ([`long_operation`] over [`Action::WithProgress`]); else the one plain JSON answer (clients
+/// that do not ask — the SDK, scripts — see no difference).
+pub async fn maybe_streamed(h: Arc<Host>, action: Action, progress: bool) -> Response {
+    if progress {
+        long_operation(h, move |progress| Action::WithProgress {
+            action: Box::new(action),
+            progress,
+        })
+    } else {
+        render(h.execute(action).await)
+    }
+}
+
 /// Run a long action that reports progress (`make` builds it around the progress sink),
 /// streaming the progress and then the outcome.
 pub fn long_operation(

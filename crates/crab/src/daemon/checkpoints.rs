@@ -12,7 +12,7 @@ use axum::response::Response;
 use crab_common::api::{CheckpointCreateRequest, ForkRequest, PruneRequest, RestoreRequest};
 use crab_host::{Action, Host};
 
-use super::api::{err, parse, parse_or_default, render};
+use super::api::{err, maybe_streamed, parse, parse_or_default, render, wants_progress};
 
 pub async fn create(State(h): State<Arc<Host>>, Path(name): Path<String>, body: Bytes) -> Response {
     let action = parse_or_default::<CheckpointCreateRequest>(&body)
@@ -34,20 +34,31 @@ pub async fn prune(State(h): State<Arc<Host>>, Path(name): Path<String>, body: B
     }
 }
 
+/// `POST /v1/sandboxes/{name}/restore[?progress=true]`.
 pub async fn restore(
     State(h): State<Arc<Host>>,
     Path(name): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
     body: Bytes,
 ) -> Response {
     match parse_or_default::<RestoreRequest>(&body) {
-        Ok(req) => render(h.execute(Action::Restore { name, checkpoint: req.checkpoint }).await),
+        Ok(req) => {
+            let action = Action::Restore { name, checkpoint: req.checkpoint };
+            maybe_streamed(h, action, wants_progress(&q)).await
+        }
         Err(e) => err(e.into_api()),
     }
 }
 
-pub async fn fork(State(h): State<Arc<Host>>, Path(name): Path<String>, body: Bytes) -> Response {
+/// `POST /v1/sandboxes/{name}/fork[?progress=true]`.
+pub async fn fork(
+    State(h): State<Arc<Host>>,
+    Path(name): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+    body: Bytes,
+) -> Response {
     match parse::<ForkRequest>(&body) {
-        Ok(req) => render(h.execute(Action::Fork { name, req }).await),
+        Ok(req) => maybe_streamed(h, Action::Fork { name, req }, wants_progress(&q)).await,
         Err(e) => err(e),
     }
 }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use crab_host::remote::FromRemote;
 use crab_host::{Action, Host};
 
-use super::api::{err, parse, render};
+use super::api::{err, maybe_streamed, parse, render, wants_progress};
 
 /// `GET /v1/remote/points?sandbox=SB`.
 pub async fn ls(State(h): State<Arc<Host>>, Query(q): Query<HashMap<String, String>>) -> Response {
@@ -55,10 +55,15 @@ pub async fn wait(State(h): State<Arc<Host>>, Query(q): Query<WaitQuery>) -> Res
     render(h.execute(Action::RemoteWait { sandbox: q.sandbox, point: q.point, timeout }).await)
 }
 
-/// `POST /v1/remote/restore`: build sandboxes from a remote point (create = one branch).
-pub async fn restore(State(h): State<Arc<Host>>, body: Bytes) -> Response {
+/// `POST /v1/remote/restore[?progress=true]`: build sandboxes from a remote point (create =
+/// one branch).
+pub async fn restore(
+    State(h): State<Arc<Host>>,
+    Query(q): Query<HashMap<String, String>>,
+    body: Bytes,
+) -> Response {
     match parse::<FromRemote>(&body) {
-        Ok(req) => render(h.execute(Action::FromRemote(req)).await),
+        Ok(req) => maybe_streamed(h, Action::FromRemote(req), wants_progress(&q)).await,
         Err(e) => err(e),
     }
 }

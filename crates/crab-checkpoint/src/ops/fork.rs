@@ -1,0 +1,419 @@
+//! [`Checkpointer::fork`] and its kin: new sandboxes from a point (a local one, files only,
+//! or one materialized from a remote store), each claimed, given its own root and incarnated.
+
+use super::*;
+
+impl Checkpointer {
+    /// Create `count` new sandboxes from a restore point of `sandbox` (newest when `None`),
+    /// restored in parallel. Branch names are `names` when given (one per branch), else
+    /// `<sandbox>-<point>-<n>`. Reports its stages (`verify`, then `branches` advancing by one
+    /// per branch up) to `progress`.
+    pub fn fork(
+        &self,
+        sandbox: &str,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
+        self.fork_files_or_all(sandbox, point, count, names, ForkOptions::default(), progress)
+    }
+
+    /// [`Checkpointer::fork`] with [`ForkOptions`]: with `fs_only`, the branches
+    /// get the point's files and a fresh init, not its processes (an E2B filesystem snapshot).
+    pub fn fork_files_or_all(
+        &self,
+        sandbox: &str,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+        opts: ForkOptions,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
+        let store = self.store(sandbox)?;
+        self.fork_from(&store, point, count, names, opts, None, progress)
+    }
+
+    /// Fork from point `point` of `store`, a store of points materialized from a remote
+    /// store ([`Checkpointer::remote_store`]). The branches' records are built from
+    /// `template` — the network mode, limits, profile and image the restoring host grants —
+    /// and never from the point's own `sandbox_meta`, which is not trusted. The caller has
+    /// materialized the point (`crab_remote::local::materialize`), which verified its images
+    /// and checked them against the default profile.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fork_remote(
+        &self,
+        store: &Arc<Store>,
+        point: &str,
+        count: usize,
+        names: Option<Vec<String>>,
+        opts: ForkOptions,
+        template: &SandboxRecord,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
+        self.fork_from(store, Some(point), count, names, opts, Some(template), progress)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fork_from(
+        &self,
+        store: &Arc<Store>,
+        point: Option<&str>,
+        count: usize,
+        names: Option<Vec<String>>,
+        opts: ForkOptions,
+        template: Option<&SandboxRecord>,
+        progress: &dyn Progress,
+    ) -> Result<Vec<ForkBranch>> {
+        let sandbox = store.sandbox();
+        if count == 0 || count > 256 {
+            return Err(CheckpointError::Invalid("--count must be between 1 and 256".into()));
+        }
+        let mut m = store.resolve(point)?;
+        if !opts.verified {
+            progress.stage("verify", None);
+            store.verify(&m)?;
+        }
+        if opts.fs_only {
+            m.procs = None;
+        }
+        let fs = m.fs.clone().ok_or_else(|| {
+            CheckpointError::Invalid(format!("restore point {} has no filesystem snapshot", m.id))
+        })?;
+        let mut src: SandboxRecord = match (template, self.rt.record(sandbox)) {
+            (Some(t), _) => t.clone(),
+            (None, Ok(r)) => r,
+            (None, Err(_)) => serde_json::from_value(m.sandbox_meta.clone()).map_err(|e| {
+                CheckpointError::corrupt(
+                    &store.manifest_path(m.id),
+                    format!("sandbox_meta is not a sandbox record: {e}"),
+                )
+            })?,
+        };
+        // A remote point's branches (those with a template): never `--privileged` nor host
+        // networking. Its images were checked against the default profile
+        // ([`crate::foreign::check`]) when it was materialized, as they were verified.
+        if template.is_some() {
+            if src.net == NetMode::Host {
+                return Err(CheckpointError::Invalid(format!(
+                    "point {} of {sandbox} is of a sandbox with host networking, which a remote \
+                     point is never given",
+                    m.id
+                )));
+            }
+            src.profile.privileged = false;
+        }
+        let names = match names {
+            Some(n) if n.len() == count => n,
+            Some(n) => {
+                return Err(CheckpointError::Invalid(format!(
+                    "{} names given for {count} branches",
+                    n.len()
+                )))
+            }
+            // `<sandbox>-<point>-<i>`, skipping the i of branches an earlier fork of the
+            // same point made (a second unnamed fork would otherwise collide with the first).
+            None => {
+                let mut out = Vec::with_capacity(count);
+                let mut i = 0usize;
+                while out.len() < count {
+                    i += 1;
+                    let suffix = format!("-{}-{i}", m.id);
+                    let keep = crab_common::names::MAX_NAME_LEN.saturating_sub(suffix.len());
+                    let n = format!("{}{suffix}", &sandbox[..sandbox.len().min(keep)]);
+                    if self.rt.record(&n).is_err() {
+                        out.push(n);
+                    }
+                }
+                out
+            }
+        };
+        for n in &names {
+            crab_common::names::validate("sandbox", n)
+                .map_err(|e| CheckpointError::Invalid(e.message))?;
+        }
+        let criu = if m.procs.is_some() { Some(self.criu()?) } else { None };
+        self.check_room(sandbox, "fork")?;
+        let origin = Origin { sandbox: sandbox.to_owned(), point: m.id };
+        progress.stage("branches", Some(count as u64));
+        let done = std::sync::atomic::AtomicU64::new(0);
+        let results: Vec<Result<ForkBranch>> = std::thread::scope(|s| {
+            let handles: Vec<_> = names
+                .iter()
+                .map(|name| {
+                    let (store, m, fs, src, criu, origin, done) =
+                        (&store, &m, &fs, &src, criu.as_ref(), &origin, &done);
+                    s.spawn(move || {
+                        let r = self.fork_one(store, m, fs, src, criu, origin, name);
+                        if r.is_ok() {
+                            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                            progress.advance(n);
+                        }
+                        r
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(CheckpointError::Invalid("a fork branch panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let mut out = Vec::new();
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(b) => out.push(b),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            // All or nothing: remove the branches that did come up.
+            for b in &out {
+                if let Err(e) = self.rt.remove(&b.sandbox, true) {
+                    tracing::warn!(sandbox = %b.sandbox, error = %e, "cannot remove fork branch");
+                }
+                if let Err(e) = self.remove_all(&b.sandbox) {
+                    tracing::warn!(sandbox = %b.sandbox, error = %e, "cannot remove points of fork branch");
+                }
+            }
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fork_one(
+        &self,
+        store: &Store,
+        m: &Manifest,
+        fs: &crate::manifest::FsPart,
+        src: &SandboxRecord,
+        criu: Option<&Criu>,
+        origin: &Origin,
+        name: &str,
+    ) -> Result<ForkBranch> {
+        let t = Instant::now();
+        let state = self.rt.state();
+        if self.rt.record(name).is_ok() {
+            return Err(CheckpointError::Invalid(format!(
+                "a sandbox named {name:?} already exists"
+            )));
+        }
+        let lock = self.lock(name);
+        let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let branch = self.store(name)?;
+        let held = branch.lock()?;
+        if !branch.point_ids()?.is_empty() {
+            return Err(CheckpointError::Invalid(format!(
+                "restore points of an earlier sandbox named {name:?} exist in {}; remove them or pick another name",
+                branch.dir().display()
+            )));
+        }
+        // Claim the name with a directory that holds a record from its first moment, of a
+        // sandbox not running yet: a runtime opened meanwhile on this state directory (another
+        // process, a restarted daemon) adopts it, where a directory without a record would be
+        // discarded as a half-created sandbox, deleting the root and killing the restore in
+        // the branch's cgroup under our feet.
+        let dir = state.sandbox_dir(name);
+        let mut rec = SandboxRecord {
+            format: src.format,
+            name: name.to_owned(),
+            image: src.image.clone(),
+            created_at: now_ms() / 1000,
+            init_pid: 0,
+            init_start: 0,
+            net: src.net,
+            hostname: name.to_owned(),
+            limits: src.limits.clone(),
+            cgroup: Some(self.rt.new_cgroup_rel(name)),
+            profile: src.profile,
+            nat: None,
+            held: None,
+            // A branch checkpoints like its source, and carries its labels and environment;
+            // it runs, with no deadline and no labelled points of its own.
+            checkpoint_policy: src.checkpoint_policy,
+            harness: src.harness.clone(),
+            life: crab_common::life::Life::Running,
+            deadline_ms: None,
+            on_deadline: src.on_deadline,
+            labels: src.labels.clone(),
+            env: src.env.clone(),
+            template: src.template.clone(),
+            point_labels: Default::default(),
+        };
+        crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
+        let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
+        match result {
+            Ok((pid, stages)) => {
+                tracing::info!(sandbox = name, from = %origin.sandbox, point = %origin.point, "fork branch up");
+                Ok(ForkBranch {
+                    sandbox: name.to_owned(),
+                    init_pid: pid,
+                    ms: ms(t.elapsed()),
+                    stages,
+                })
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = name, error = %e, "fork branch failed; removing it");
+                self.rt.nat().release(name);
+                let cg = self.rt.cgroup(name);
+                if let Err(e) = cg.destroy() {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove cgroup of failed branch");
+                }
+                let rootfs = state.sandbox_rootfs(name);
+                if let Err(e) = self.fs.delete(&rootfs) {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove root of failed branch");
+                }
+                if let Err(e) = std::fs::remove_dir_all(&dir) {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove directory of failed branch");
+                }
+                // Its points go; its CRIU log stays, since the error names it.
+                if let Err(e) = branch.remove_all() {
+                    tracing::warn!(sandbox = name, error = %e, "cannot remove points of failed branch");
+                }
+                drop(held);
+                self.stores.lock().unwrap_or_else(|p| p.into_inner()).remove(name);
+                Err(e)
+            }
+        }
+    }
+
+    /// Give a fork branch its own first restore point, equal to the source point: a read-only
+    /// snapshot of the branch's fresh (personalized, not yet running) root and hard links to
+    /// the source's image files (immutable once published), whose hashes are carried over. The
+    /// branch's points then never depend on the source's store.
+    pub(super) fn publish_origin(
+        &self,
+        branch: &Store,
+        src_store: &Store,
+        m: &Manifest,
+        rootfs: &Path,
+        meta: &SandboxRecord,
+    ) -> Result<Manifest> {
+        let mut staging = branch.begin();
+        staging.snapshot_fs(rootfs)?;
+        let mut draft =
+            Draft::new(if m.procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
+        if let Some(p) = &m.procs {
+            let dir = staging.proc_dir()?;
+            let src_dir = src_store.proc_dir(p.id);
+            for f in &p.files {
+                let (from, to) = (src_dir.join(&f.name), dir.join(&f.name));
+                std::fs::hard_link(&from, &to).map_err(|e| CheckpointError::io("link", &to, e))?;
+            }
+            draft.trusted_files = Some(p.files.clone());
+            draft.root_pid = p.root_pid;
+            draft.criu_version = p.criu_version.clone();
+        } else {
+            draft.no_procs = true;
+        }
+        draft.conversation_offset = m.conversation_offset;
+        draft.origin = Some(Origin { sandbox: m.sandbox.clone(), point: m.id });
+        draft.sandbox_meta = serde_json::to_value(meta).unwrap_or_default();
+        staging.publish(draft)
+    }
+
+    /// Build branch `rec.name` (whose directory exists) from point `m` of `store`: its root,
+    /// its first restore point, its cgroup, its processes; then record it as running. Returns
+    /// its init's pid and the time of each of those stages, ms.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fork_into(
+        &self,
+        store: &Store,
+        branch: &Store,
+        m: &Manifest,
+        fs: &crate::manifest::FsPart,
+        src: &SandboxRecord,
+        criu: Option<&Criu>,
+        rec: &mut SandboxRecord,
+    ) -> Result<(u32, Vec<(String, f64)>)> {
+        let name = rec.name.clone();
+        let name = name.as_str();
+        let state = self.rt.state();
+        let rootfs = state.sandbox_rootfs(name);
+        let mut clock = crab_common::stats::StageClock::starting(Instant::now());
+        self.fs
+            .snapshot(&store.fs_path(fs.id), &rootfs, false)
+            .map_err(|e| CheckpointError::io("snapshot", &rootfs, e))?;
+        clock.mark("snapshot");
+        // A branch inherits its source's disk quota (its record carries `src.limits`).
+        self.rt.limit_disk(&rootfs, &src.limits).map_err(sandbox_err(name))?;
+        clock.mark("quota");
+        personalize(&rootfs, name).map_err(sandbox_err(name))?;
+        let mut meta = src.clone();
+        meta.name = name.to_owned();
+        meta.hostname = name.to_owned();
+        meta.cgroup = rec.cgroup.clone();
+        let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
+        clock.mark("origin_point");
+        let cg = self.rt.cgroup(name);
+        cg.create_for(&src.limits, &src.profile).map_err(cg_err(name))?;
+        clock.mark("cgroup");
+        if src.net == NetMode::Nat {
+            // The branch's own address, from its source's range.
+            let range = src.nat.as_ref().map(|l| l.range.as_str());
+            self.rt.nat().allocate(name, range).map_err(sandbox_err(name))?;
+        }
+        let pid = match (&first.procs, criu) {
+            (Some(p), Some(criu)) => {
+                let log =
+                    self.log_dir(name)?.join(format!("fork-{}-{}-restore.log", m.sandbox, p.id));
+                let paths = cgroup_paths(&cg);
+                let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
+                // The branch's own hard links: a prune of the source cannot pull the image
+                // away in the middle of the restore.
+                let mut opts = self.restore_opts(
+                    &branch.proc_dir(p.id),
+                    log,
+                    &rootfs,
+                    cgroups,
+                    &src.profile,
+                    src.net,
+                );
+                opts.external.extend(self.masked_external(name, &src.profile)?);
+                let fresh_net = fresh_netns(src.net, &src.profile);
+                if src.net == NetMode::Nat {
+                    opts.external.push(
+                        self.rt.nat().prepare_restore(name, None).map_err(sandbox_err(name))?,
+                    );
+                }
+                let r = criu.restore_with(&opts, |n| {
+                    set_up_fresh_netns(&n, fresh_net)?;
+                    if n.phase == phase::POST_RESTORE {
+                        if let Some(pid) = n.pid {
+                            set_hostname_of(pid, name)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                let pid = u32::try_from(r.pid).unwrap_or(0);
+                if src.net == NetMode::Nat {
+                    self.rt.nat().finish_restore(name, pid).map_err(sandbox_err(name))?;
+                }
+                pid
+            }
+            _ => {
+                self.rt
+                    .start_init(name, src.net, &src.limits, src.profile)
+                    .map_err(sandbox_err(name))?
+                    .0
+            }
+        };
+        clock.mark("processes");
+        rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
+            sandbox: name.to_owned(),
+            message: format!("the restored init {pid} died right after the restore"),
+        })?;
+        rec.init_pid = pid;
+        rec.created_at = now_ms() / 1000;
+        self.rt.update(rec.clone()).map_err(sandbox_err(name))?;
+        clock.mark("record");
+        Ok((pid, clock.into_stages()))
+    }
+}

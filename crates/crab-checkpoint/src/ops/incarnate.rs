@@ -1,0 +1,156 @@
+//! The incarnation code restore and fork share: CRIU's restore options for a sandbox (its
+//! root, cgroups, masked paths, network namespace) and the restore of a point's processes
+//! into them.
+
+use super::*;
+
+impl Checkpointer {
+    pub(super) fn restore_opts(
+        &self,
+        images: &Path,
+        log: PathBuf,
+        root: &Path,
+        cgroups: Vec<PathBuf>,
+        profile: &crab_sandbox::profile::SecurityProfile,
+        net: NetMode,
+    ) -> RestoreOpts {
+        let mut o = RestoreOpts::new(images, log);
+        if fresh_netns(net, profile) {
+            // See `fresh_netns`: CRIU makes the namespace empty, the hook sets it up.
+            o.empty_ns = libc::CLONE_NEWNET as u32;
+        }
+        o.log_level = self.cfg.criu_log_level;
+        o.root = Some(root.to_path_buf());
+        // The init must outlive the daemon, as a freshly started one does: let it be
+        // re-parented away from us when `criu swrk` exits.
+        o.sibling = false;
+        o.tcp_established = true;
+        o.ext_unix_sk = true;
+        o.file_locks = true;
+        // CRIU's network lock keeps packets from outside away from TCP connections while they
+        // are half restored. A namespace CRIU makes empty for this restore (`fresh_netns`)
+        // has only `lo` and no way in — no interface, and no task of it runs before the
+        // restore completes — so the lock guards nothing there; it cost an nftables table
+        // added and removed through libnftables, 15–35 ms of CRIU's restore under load
+        // (its log, issue 15). Replayed namespaces (`nat`, `--privileged`) keep it.
+        o.network_lock = Some(if fresh_netns(net, profile) {
+            NetworkLockMethod::Skip
+        } else {
+            NetworkLockMethod::Nftables
+        });
+        o.manage_cgroups = Some(CgroupMode::Ignore);
+        o.join_cgroups = cgroups;
+        // The default profile gives every sandbox its own cgroup namespace; CRIU does not
+        // restore it with unmanaged cgroups, so criu swrk makes one after joining the groups.
+        o.cgroup_ns = !profile.privileged;
+        o
+    }
+
+    /// The `external` entry a restore or fork of `sandbox` needs for its masked directories:
+    /// dumps declare them external (`profile::MASKED_MOUNT_KEY`), and they come back as
+    /// read-only binds of the daemon's empty tmpfs, mounted here if it is not. Unused by
+    /// images dumped before that, which still hold the tmpfs. None for `--privileged`.
+    pub(super) fn masked_external(
+        &self,
+        sandbox: &str,
+        profile: &crab_sandbox::profile::SecurityProfile,
+    ) -> Result<Option<String>> {
+        if profile.privileged {
+            return Ok(None);
+        }
+        let src = self.rt.state().masked();
+        crab_sandbox::profile::ensure_masked_source(&src).map_err(sandbox_err(sandbox))?;
+        Ok(Some(crab_sandbox::profile::masked_restore_external(&src)))
+    }
+
+    /// The processes of a restore whose root is in place: CRIU's images of `m`, or a fresh
+    /// init when `m` has none. Returns the init's pid and whether processes were restored.
+    pub(super) fn restore_procs(
+        &self,
+        sandbox: &str,
+        m: &Manifest,
+        criu: Option<&Criu>,
+        store: &Store,
+        rootfs: &Path,
+        rec: &SandboxRecord,
+    ) -> Result<(u32, bool)> {
+        let cg = self.rt.cgroup(sandbox);
+        let (pid, restored) = match (&m.procs, criu) {
+            (Some(p), Some(criu)) => {
+                cg.create_for(&rec.limits, &rec.profile).map_err(cg_err(sandbox))?;
+                // criu swrk joins this cgroup: frozen, it would hang there.
+                ensure_thawed(&cg, sandbox)?;
+                let log = self.log_dir(sandbox)?.join(format!("{}-restore-{}.log", p.id, now_ms()));
+                let paths = cgroup_paths(&cg);
+                let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
+                let mut opts = self.restore_opts(
+                    &store.proc_dir(p.id),
+                    log,
+                    rootfs,
+                    cgroups,
+                    &rec.profile,
+                    rec.net,
+                );
+                opts.external.extend(self.masked_external(sandbox, &rec.profile)?);
+                let fresh_net = fresh_netns(rec.net, &rec.profile);
+                if rec.net == NetMode::Nat {
+                    // CRIU recreates eth0's veth pair with a new host end; wired below.
+                    opts.external.push(
+                        self.rt
+                            .nat()
+                            .prepare_restore(sandbox, None)
+                            .map_err(sandbox_err(sandbox))?,
+                    );
+                }
+                // Exec sessions' pipes to the daemon come back as new pipes it holds (the
+                // client re-attaches): without them a restored shell would read end-of-file
+                // and its children write into pipes nobody reads.
+                let wiring = self.rt.sessions().prepare_restore(sandbox).unwrap_or_else(|e| {
+                    tracing::warn!(sandbox, error = %e, "exec sessions not re-wired");
+                    Default::default()
+                });
+                for (key, fd) in &wiring.inherit {
+                    opts.inherit_fd.push(crab_criu::InheritFd {
+                        key: key.clone(),
+                        fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+                    });
+                }
+                let hostname = rec.hostname.clone();
+                let r = criu.restore_with(&opts, |n| {
+                    set_up_fresh_netns(&n, fresh_net)?;
+                    // A branch restored to its origin point carries its source's UTS name.
+                    if n.phase == phase::POST_RESTORE {
+                        if let Some(pid) = n.pid {
+                            set_hostname_of(pid, &hostname)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                let pid = u32::try_from(r.pid).unwrap_or(0);
+                if !wiring.inherit.is_empty() {
+                    let pids = cg.pids().unwrap_or_default();
+                    let n = self.rt.sessions().finish_restore(sandbox, wiring, &pids);
+                    tracing::debug!(sandbox, sessions = n, "exec sessions re-wired");
+                }
+                if rec.net == NetMode::Nat {
+                    self.rt.nat().finish_restore(sandbox, pid).map_err(sandbox_err(sandbox))?;
+                }
+                (pid, true)
+            }
+            _ => {
+                let (pid, _) = self
+                    .rt
+                    .start_init(sandbox, rec.net, &rec.limits, rec.profile)
+                    .map_err(sandbox_err(sandbox))?;
+                (pid, false)
+            }
+        };
+        if process_start_time(pid).is_none() {
+            return Err(CheckpointError::Sandbox {
+                sandbox: sandbox.to_owned(),
+                message: format!("the restored init {pid} died right after the restore"),
+            });
+        }
+        Ok((pid, restored))
+    }
+}

@@ -1,0 +1,254 @@
+//! A sandbox's points made into running sandboxes again: restore in place, fork of a point
+//! (or of the sandbox as it is now), and new sandboxes from a point in the remote store —
+//! each re-attached to the inspector, its conversation log rewound or copied, its in-sandbox
+//! proxy endpoint opened.
+
+use super::*;
+
+impl Host {
+    pub(crate) async fn restore(
+        self: &Arc<Self>,
+        name: String,
+        checkpoint: Option<String>,
+        progress: Arc<dyn Progress>,
+    ) -> Result<Outcome, HostError> {
+        let t0 = std::time::Instant::now();
+        let h = self.clone();
+        let n = name.clone();
+        let (report, offset, t_attach) = blocking(move || {
+            h.runtime.record(&n)?;
+            let offset = h.point_offset(&n, checkpoint.as_deref())?;
+            h.detach(&n);
+            let r = h.checkpointer.restore(&n, checkpoint.as_deref(), progress.as_ref());
+            let t_attach = std::time::Instant::now();
+            // Whatever happened, the sandbox's (possibly new) cgroup is tracked again.
+            h.attach(&n);
+            h.policy.clear(&n);
+            let r = r?;
+            // It runs again (no longer paused, stopped or only a holder of restore points).
+            h.set_life(&n, crab_common::life::Life::Running)?;
+            Ok((r, offset, t_attach))
+        })
+        .await?;
+        let t_log = std::time::Instant::now();
+        if let Some(off) = offset {
+            // Replay: the agent's re-sent requests up to the point are answered from the log.
+            if let Err(e) = self.coordinator.restored(&name, off, true).await {
+                tracing::warn!(sandbox = %name, error = %e, "could not rewind the conversation log");
+            }
+        }
+        let t_proxy = std::time::Instant::now();
+        self.open_sandbox_proxy(&name).await;
+        // The host's share around the checkpointer (issue 15's end-to-end budget).
+        tracing::info!(
+            sandbox = %name,
+            checkpointer_ms = report.total_ms,
+            attach_ms = ms_between(t_attach, t_log),
+            log_ms = ms_between(t_log, t_proxy),
+            proxy_ms = t_proxy.elapsed().as_secs_f64() * 1e3,
+            total_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "restore answered"
+        );
+        Ok(Outcome::Restored(report))
+    }
+
+    /// A `full` point of `name` now, then branches `names` from it.
+    pub(super) async fn fork_live(
+        self: &Arc<Self>,
+        name: String,
+        req: crab_common::api::ForkRequest,
+    ) -> Result<Outcome, HostError> {
+        let names = req.names.clone().unwrap_or_default();
+        if names.is_empty() {
+            return Err(HostError::invalid(
+                "a fork needs at least one branch",
+                "ask for count >= 1",
+            ));
+        }
+        let taken = self.checkpoint(name.clone(), Some(CheckpointKind::Full), None, None).await?;
+        let point = full_point(&taken, "fork")?;
+        let req = crab_common::api::ForkRequest {
+            checkpoint: Some(point),
+            count: names.len(),
+            names: Some(names),
+            fs_only: false,
+            branch: req.branch,
+        };
+        self.fork(name, req, Arc::new(NoProgress)).await
+    }
+
+    pub(crate) async fn fork(
+        self: &Arc<Self>,
+        name: String,
+        req: crab_common::api::ForkRequest,
+        progress: Arc<dyn Progress>,
+    ) -> Result<Outcome, HostError> {
+        let h = self.clone();
+        let n = name.clone();
+        // Bad branch settings are refused before anything is made.
+        req.branch.deadline(crab_common::clock::now_ms())?;
+        let (branches, offset) = blocking(move || {
+            let offset = h.point_offset(&n, req.checkpoint.as_deref())?;
+            let branches = h.checkpointer.fork_files_or_all(
+                &n,
+                req.checkpoint.as_deref(),
+                req.count,
+                req.names,
+                crab_checkpoint::ForkOptions { fs_only: req.fs_only, verified: false },
+                progress.as_ref(),
+            )?;
+            let names: Vec<String> = branches.iter().map(|b| b.sandbox.clone()).collect();
+            if let Err(e) = h.settle_branches(&names, &req.branch) {
+                tracing::warn!(error = %e.0.message, "fork branches: settings not applied");
+            }
+            for b in &branches {
+                h.attach(&b.sandbox);
+            }
+            Ok((branches, offset))
+        })
+        .await?;
+        for b in &branches {
+            if let Some(off) = offset {
+                if let Err(e) = self.coordinator.forked(&name, &b.sandbox, off).await {
+                    tracing::warn!(sandbox = %b.sandbox, error = %e, "could not copy the conversation log");
+                }
+            }
+            self.open_sandbox_proxy(&b.sandbox).await;
+        }
+        Ok(Outcome::Forked(branches))
+    }
+
+    pub(crate) async fn from_remote(
+        self: &Arc<Self>,
+        req: FromRemote,
+        progress: Arc<dyn Progress>,
+    ) -> Result<Outcome, HostError> {
+        let t = self.tier()?;
+        let (sb, point) = match req.source.split_once('@') {
+            Some((s, p)) => (s.to_string(), Some(p.to_string())),
+            None => (req.source.clone(), None),
+        };
+        crab_common::names::validate("sandbox", &sb)?;
+        let t0 = std::time::Instant::now();
+        let mut clock = crab_common::stats::StageClock::starting(t0);
+        progress.stage("load_point", None);
+        progress.message(&format!("remote point {}", req.source));
+        let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
+        clock.mark("load_point");
+        if !req.fs_only {
+            let criu = blocking(|| Ok(criu_version())).await?;
+            crab_remote::preflight(&rec, &crab_remote::HostFacts::local(), criu.as_deref())
+                .map_err(remote_error)?;
+            clock.mark("preflight");
+        }
+        // What the new sandboxes get is this host's decision (the caller's flags, else its
+        // defaults); the point's sandbox_meta may ask for no more (checked before anything is
+        // written, and again on the manifest as materialized).
+        let limits = crab_sandbox::runtime::with_defaults(
+            &req.limits.clone().unwrap_or_default(),
+            &self.runtime.default_limits(),
+        );
+        crab_sandbox::runtime::validate_limits(&limits)?;
+        let grant = crate::remote::Grant { net: req.net.unwrap_or_default(), limits };
+        // Remote points live in a store of their own, never in a local sandbox's.
+        let store = self.checkpointer.remote_store(&sb)?;
+        let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
+        let state = self.state().clone();
+        let handle = tokio::runtime::Handle::current();
+        let grant2 = grant.clone();
+        let mat_store = store.clone();
+        progress.stage("materialize", None);
+        let mat = tokio::task::spawn_blocking(move || {
+            let disk_limit = grant2.limits.disk_bytes;
+            let check = move |m: &crab_checkpoint::Manifest| {
+                crate::remote::admit_meta(&m.sandbox_meta, &grant2).map(drop).map_err(|refusal| {
+                    crab_remote::RemoteError::Refused {
+                        point: format!("{}@{}", m.sandbox, m.id),
+                        refusal,
+                    }
+                })
+            };
+            let admission = crab_remote::local::Admission { check: &check, disk_limit };
+            handle.block_on(crab_remote::local::materialize(
+                &repo, &state, &mat_store, &rec2, fs_only, &admission,
+            ))
+        })
+        .await
+        .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
+        .map_err(remote_error)?;
+        let template =
+            crate::remote::admit_meta(&mat.manifest.sandbox_meta, &grant).map_err(|refusal| {
+                remote_error(crab_remote::RemoteError::Refused {
+                    point: format!("{}@{}", rec.sandbox, rec.point),
+                    refusal,
+                })
+            })?;
+        clock.restart();
+        for (stage, ms) in &mat.stages {
+            clock.add(format!("materialize_{stage}"), *ms);
+        }
+        let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let h = self.clone();
+        let (pid, count, names, fs_only) =
+            (rec.point.clone(), req.count, req.names.clone(), req.fs_only);
+        let branches = blocking(move || {
+            // The materialization verified the images it wrote (or found) and checked them
+            // against the default profile; the branches are built from the host's grant
+            // (`template`), never the point's meta.
+            let opts = crab_checkpoint::ForkOptions { fs_only, verified: true };
+            let b = h.checkpointer.fork_remote(
+                &store,
+                &pid,
+                count,
+                names,
+                opts,
+                &template,
+                progress.as_ref(),
+            )?;
+            for x in &b {
+                h.attach(&x.sandbox);
+            }
+            Ok(b)
+        })
+        .await?;
+        clock.mark("fork");
+        // The first branch's own split (the branches run side by side).
+        if let Some(b) = branches.first() {
+            for (stage, ms) in &b.stages {
+                clock.add(format!("fork_{stage}"), *ms);
+            }
+        }
+        for b in &branches {
+            if let (Some(log), Some(off)) = (&mat.conversation, mat.manifest.conversation_offset) {
+                let path = self.state().sandbox_dir(&b.sandbox).join("conversation.log");
+                match std::fs::write(&path, log) {
+                    Ok(()) => {
+                        if let Err(e) = self.coordinator.restored(&b.sandbox, off, true).await {
+                            tracing::warn!(sandbox = %b.sandbox, error = %e, "could not rewind the conversation log");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %b.sandbox, path = %path.display(), error = %e, "could not write the conversation log")
+                    }
+                }
+            }
+            self.open_sandbox_proxy(&b.sandbox).await;
+        }
+        clock.mark("attach");
+        Ok(Outcome::FromRemote(Box::new(FromRemoteReport {
+            source: format!("{}@{}", rec.sandbox, rec.point),
+            downloaded: mat.fetched,
+            base_image: mat.base_image.clone(),
+            fetch_ms,
+            total_ms: t0.elapsed().as_secs_f64() * 1e3,
+            fs_only: req.fs_only,
+            stages: clock.into_stages(),
+            branches,
+        })))
+    }
+}
+
+/// Milliseconds from `a` to `b`.
+fn ms_between(a: std::time::Instant, b: std::time::Instant) -> f64 {
+    b.saturating_duration_since(a).as_secs_f64() * 1e3
+}

@@ -1,0 +1,253 @@
+//! A sandbox's restore points taken: a turn boundary (the inspector's verdict → the turn
+//! policy → an engine job the proxy's gate waits for), an explicit checkpoint (after the
+//! dump's capability pre-check), `Action::Turn` and the conversation log up to a point.
+
+use super::*;
+
+/// The id of the `full` point a checkpoint answered, or why it holds no processes (a dump that
+/// fell back to the filesystem), as a `criu_failed` error saying what was not done.
+pub(crate) fn full_point(o: &Outcome, what: &str) -> Result<String, HostError> {
+    match o {
+        Outcome::Taken(t) => match &t.point.procs_missing {
+            None => Ok(t.point.id.clone()),
+            Some(why) => Err(HostError(ApiError::new(
+                crab_common::ErrorCode::CriuFailed,
+                format!(
+                    "no {what}: the processes could not be dumped ({why}); restore point {} holds the files only",
+                    t.point.id
+                ),
+                "the sandbox was left running as it was",
+            ))),
+        },
+        _ => Err(HostError::internal("the checkpoint answered no restore point")),
+    }
+}
+
+/// This process's effective capability mask (`CapEff` of `/proc/self/status`), read once.
+pub(super) fn cap_eff() -> Option<u64> {
+    static CAPS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *CAPS.get_or_init(|| {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim().to_string();
+        u64::from_str_radix(&hex, 16).ok()
+    })
+}
+
+/// Whether the daemon holds `CAP_SYS_RESOURCE`, which CRIU needs to read the rlimits of a
+/// process of another uid (`prlimit(2)`); unknown counts as held (CRIU then says).
+pub(super) fn has_sys_resource() -> bool {
+    cap_eff().is_none_or(|c| c & (1 << CAP_SYS_RESOURCE) != 0)
+}
+
+/// The first process of `pids` whose real, effective or saved uid or gid is not root:
+/// `(pid, uid, gid, command)`.
+fn first_non_root(pids: &[u32]) -> Option<(u32, String, String, String)> {
+    for &pid in pids {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue; // gone meanwhile
+        };
+        let field = |k: &str| -> Vec<String> {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .map(|v| v.split_whitespace().take(3).map(str::to_string).collect())
+                .unwrap_or_default()
+        };
+        let (uids, gids) = (field("Uid:"), field("Gid:"));
+        if uids.iter().chain(gids.iter()).any(|id| id != "0") {
+            let name = field("Name:").into_iter().next().unwrap_or_default();
+            let uid = uids.first().cloned().unwrap_or_default();
+            let gid = gids.first().cloned().unwrap_or_default();
+            return Some((pid, uid, gid, name));
+        }
+    }
+    None
+}
+
+/// Refuse a process dump CRIU cannot do on this host — a non-root process in the sandbox and
+/// no `CAP_SYS_RESOURCE` ("Can't get rlimit") — with the cause and the fix, before anything
+/// of the sandbox is touched.
+pub(super) fn dump_preflight(rt: &Runtime, name: &str) -> Result<(), HostError> {
+    if has_sys_resource() {
+        return Ok(());
+    }
+    let pids = rt.cgroup(name).pids().unwrap_or_default();
+    let Some((pid, uid, gid, comm)) = first_non_root(&pids) else { return Ok(()) };
+    Err(HostError(ApiError::new(
+        crab_common::ErrorCode::HostCapabilityMissing,
+        format!(
+            "cannot dump the processes of sandbox {name:?}: process {pid} ({comm}) runs as uid {uid} gid {gid}, and this crab daemon lacks CAP_SYS_RESOURCE (CapEff {:016x}), which CRIU needs to read a non-root process's rlimits",
+            cap_eff().unwrap_or(0)
+        ),
+        "run the daemon where its capability set includes CAP_SYS_RESOURCE (a host or container that does not drop it), or run that process as root, or take a filesystem checkpoint (--kind fs; E2B: mode=\"filesystem\"); the sandbox was left running, untouched",
+    )))
+}
+
+impl Host {
+    /// Close the inspector's turn for `name` and decide the checkpoint kind (the policy's).
+    pub(super) fn decide(&self, name: &str) -> Decision {
+        let verdict = match self.inspector() {
+            Ok(i) => i.take(name).map_err(|e| format!("no verdict ({e})")),
+            Err(e) => Err(format!("inspector unavailable ({})", e.0.message)),
+        };
+        let init_pid = self.runtime.record(name).ok().map(|r| r.init_pid);
+        // Rule 6 (soft-dirty) only where the kernel tracks written pages.
+        let read = |pid: u32| crab_criu::soft_dirty::process_dirty_pages(pid).ok();
+        let dirty: Option<&dyn Fn(u32) -> Option<usize>> =
+            if self.soft_dirty.available { Some(&read) } else { None };
+        self.policy.decide_with(name, verdict, init_pid, dirty)
+    }
+
+    /// Submit a checkpoint job for `name` carrying `decision`'s changeset.
+    pub(super) fn submit(
+        &self,
+        name: &str,
+        kind: CheckpointKind,
+        verdict: Option<&crab_inspector::Verdict>,
+        turn: Option<u64>,
+        conversation_offset: Option<u64>,
+    ) -> JobHandle {
+        let payload = Payload {
+            turn,
+            conversation_offset,
+            changeset: verdict.map(|v| v.changeset.clone()).unwrap_or_default(),
+        };
+        self.engine.submit(JobSpec::checkpoint(name, kind, payload, turn.unwrap_or(0)))
+    }
+
+    /// A turn boundary seen by the proxy: decide, submit, and return the ticket to gate on.
+    pub(crate) async fn boundary(
+        self: &Arc<Self>,
+        b: &Boundary,
+    ) -> Result<Arc<dyn BoundaryTicket>, HostError> {
+        let policy = self.runtime.record(&b.sandbox)?.checkpoint_policy;
+        if policy == CheckpointPolicy::None {
+            // No checkpoint, and the inspector's turn stays open: its changes accumulate into
+            // the verdict of the next turn that does checkpoint (after a policy change), so
+            // nothing is skipped that changed meanwhile.
+            return Ok(ReadyTicket::published(""));
+        }
+        let h = self.clone();
+        let name = b.sandbox.clone();
+        let d = blocking(move || Ok(h.decide(&name))).await?;
+        // A fixed policy takes its kind whatever the verdict (the turn is closed all the same:
+        // its changes are in this checkpoint). `fs` stays `fs` after a failure: a snapshot
+        // holds every file, whatever the lost changeset said; the processes it never holds.
+        let kind = policy.fixed_kind().unwrap_or(d.kind);
+        if !d.reasons.is_empty() && policy == CheckpointPolicy::Auto {
+            tracing::info!(sandbox = %b.sandbox, reasons = ?d.reasons, "turn boundary");
+        }
+        let handle = self.submit(
+            &b.sandbox,
+            kind,
+            d.verdict.as_ref(),
+            Some(b.turn),
+            Some(b.conversation_offset),
+        );
+        Ok(Arc::new(JobTicket::new(self.engine.clone(), handle, b.sandbox.clone())))
+    }
+
+    pub(crate) async fn checkpoint(
+        self: &Arc<Self>,
+        name: String,
+        kind: Option<CheckpointKind>,
+        turn: Option<u64>,
+        conversation_offset: Option<u64>,
+    ) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        if matches!(kind, Some(CheckpointKind::Full | CheckpointKind::Process)) {
+            // Before anything is touched (the turn stays open, nothing is frozen).
+            let rt = self.runtime.clone();
+            let n = name.clone();
+            blocking(move || dump_preflight(&rt, &n)).await?;
+        }
+        let h = self.clone();
+        let n = name.clone();
+        // An explicit kind also closes the inspector's turn: its changes are in this checkpoint.
+        let d = blocking(move || Ok(h.decide(&n))).await?;
+        let explicit = kind.is_some();
+        let handle = self.submit(
+            &name,
+            kind.unwrap_or(d.kind),
+            d.verdict.as_ref(),
+            turn,
+            conversation_offset,
+        );
+        let (reasons, verdict) = if explicit { (Vec::new(), None) } else { (d.reasons, d.verdict) };
+        self.engine.promote(handle.id());
+        // A failure is in the policy already (the executor's): the next one is full.
+        let f = handle.wait().await.map_err(|e| crate::glue::job_error(&e))?;
+        let h = self.clone();
+        let id = f.outcome.checkpoint_id.clone();
+        let n = name.clone();
+        let point = blocking(move || {
+            let m = h.checkpointer.store(&n)?.resolve(Some(&id))?;
+            Ok(PointSummary::of(&m))
+        })
+        .await?;
+        let queue_ms = f.queue_wait.as_secs_f64() * 1e3;
+        let mut reasons = reasons;
+        if let Some(why) = &point.procs_missing {
+            reasons.push(format!("filesystem only, processes missing: {why}"));
+        }
+        if let Some(t) = &self.remote {
+            t.kick();
+        }
+        Ok(Outcome::Taken(Box::new(Taken { point, verdict, reasons, queue_ms })))
+    }
+
+    /// The conversation offset recorded by a restore point (`None`: the newest).
+    pub(super) fn point_offset(
+        &self,
+        name: &str,
+        point: Option<&str>,
+    ) -> Result<Option<u64>, HostError> {
+        let store = self.checkpointer.store(name)?;
+        Ok(store.resolve(point)?.conversation_offset)
+    }
+
+    pub(super) async fn conversation(
+        self: &Arc<Self>,
+        name: String,
+        at: Option<String>,
+    ) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        let offset = match at {
+            Some(at) => {
+                let h = self.clone();
+                let n = name.clone();
+                let a = at.clone();
+                match blocking(move || h.point_offset(&n, Some(&a))).await? {
+                    Some(o) => Some(o),
+                    None => {
+                        return Err(HostError::invalid(
+                            format!("restore point {:?} of {name} records no conversation offset", Some(at)),
+                            "points taken outside the LLM proxy have none; pick one taken at a turn boundary",
+                        ))
+                    }
+                }
+            }
+            None => None,
+        };
+        let records = self
+            .coordinator
+            .conversation(&name, offset)
+            .await
+            .map_err(|e| HostError::internal(e.to_string()))?;
+        Ok(Outcome::Conversation(records))
+    }
+
+    pub(super) async fn turn(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        self.runtime.record(&name)?;
+        let (turn, ticket) = self
+            .coordinator
+            .begin_turn(&name)
+            .await
+            .map_err(|e| HostError::internal(e.to_string()))?;
+        ticket.promote();
+        match ticket.wait_published().await {
+            Ok(p) => Ok(Outcome::Turn(TurnMarked { turn, checkpoint: p.checkpoint_id })),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

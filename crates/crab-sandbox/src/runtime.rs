@@ -492,6 +492,21 @@ impl Runtime {
             .collect()
     }
 
+    /// Record a new init of sandbox `name` (a restore's), changing nothing else of the record
+    /// as it is now: a label, deadline or life another door wrote while the restore ran stays.
+    /// `lazy`: not fsynced (what a host crash makes stale anyway, see [`Runtime::update_lazy`]).
+    pub fn set_init(&self, name: &str, pid: u32, start: u64, lazy: bool) -> Result<()> {
+        let _one = self.edit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rec = self.record(name)?;
+        rec.init_pid = pid;
+        rec.init_start = start;
+        if lazy {
+            self.update_lazy(rec)
+        } else {
+            self.update(rec)
+        }
+    }
+
     /// Every record (for the host's watchdog and label lookups; no `/proc` or cgroup reads).
     pub fn records(&self) -> Vec<SandboxRecord> {
         self.lock().values().cloned().collect()

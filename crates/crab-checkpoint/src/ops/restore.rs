@@ -130,8 +130,10 @@ impl Checkpointer {
         rec.init_start = process_start_time(pid).unwrap_or(0);
         // Not fsynced: a restore changes only the init's pid and start time (and a `nat`
         // sandbox's host end), which a host crash makes stale whichever record survives —
-        // the sandbox is dead after it either way. Atomic for readers and daemon restarts.
-        if let Err(e) = self.rt.update_lazy(rec.clone()).map_err(sandbox_err(sandbox)) {
+        // the sandbox is dead after it either way. Atomic for readers and daemon restarts; the
+        // rest of the record is taken as it is now (another door may have changed it).
+        let set = self.rt.set_init(sandbox, rec.init_pid, rec.init_start, true);
+        if let Err(e) = set.map_err(sandbox_err(sandbox)) {
             return Err(self.roll_back_restore(sandbox, &m, &mut rec, e));
         }
         stages.mark("record");
@@ -216,7 +218,7 @@ impl Checkpointer {
             Ok((pid, start)) => {
                 rec.init_pid = pid;
                 rec.init_start = start;
-                match self.rt.update(rec.clone()) {
+                match self.rt.set_init(sandbox, pid, start, false) {
                     Ok(()) => format!(
                         "restore to point {} failed after the sandbox's processes were stopped: {cause}. \
                          The sandbox runs again on its files as they were before the restore, with a \

@@ -277,8 +277,10 @@ async fn process_stream<B: Backend>(
     let pid = p.pid.ok_or_else(|| {
         ConnectError::new(Code::Internal, "the process has no pid in the sandbox")
     })?;
+    // A `Connect` to an ended process is told how it ended; a `Start` always streams its
+    // output from the start (a quick command may have ended before its start answered).
     let events = match p.state {
-        ProcState::Exited => {
+        ProcState::Exited if method != "Start" => {
             let (tx, rx) = mpsc::channel(1);
             let _ = tx.try_send(Ok(ProcessEvent::End(end_of(
                 p.exit_code.unwrap_or(-1),

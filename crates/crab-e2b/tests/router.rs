@@ -321,7 +321,11 @@ impl Backend for Fake {
     }
 }
 
-/// The one process the fake runs: supervisor pid 7, running.
+fn quick(r: &ProcStartRequest) -> bool {
+    r.cmd.last().is_some_and(|c| c.contains("quick"))
+}
+
+/// The one process the fake runs: supervisor pid 7, running (or already ended).
 fn proc_info(r: &ProcStartRequest) -> ProcInfo {
     ProcInfo {
         id: "0123456789abcdef".into(),
@@ -333,8 +337,9 @@ fn proc_info(r: &ProcStartRequest) -> ProcInfo {
         tag: r.tag.clone(),
         stdin: r.stdin,
         started_at: 0,
-        state: ProcState::Running,
-        exit_code: None,
+        // A command that ends before its start answered (`… quick`) is listed as exited.
+        state: if quick(r) { ProcState::Exited } else { ProcState::Running },
+        exit_code: quick(r).then_some(0),
         stdout_bytes: 0,
         stderr_bytes: 0,
         signalled: None,
@@ -458,6 +463,21 @@ async fn lifecycle_auth_and_envd_stream() {
     assert_eq!(frames[1].1["event"]["data"]["stdout"], "aGkK");
     assert_eq!(frames[2].1["event"]["end"]["exitCode"], 0);
     assert_eq!(frames[3], (2, serde_json::json!({})));
+    // A command that ended before its start answered still streams its output.
+    let msg = br#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo quick"]}}"#;
+    let mut framed = vec![0u8];
+    framed.extend((msg.len() as u32).to_be_bytes());
+    framed.extend(msg);
+    let req = Request::post("/process.Process/Start")
+        .header("content-type", "application/connect+json")
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .body(Body::from(framed))
+        .unwrap();
+    let (s, body) = call(&e2b, req).await;
+    assert_eq!(s, 200);
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("aGkK") && text.contains("exitCode"), "{text}");
     // The command was started through the host's process service as `user`, in the user's
     // home (the sandbox's own envs are the host's: its record adds them).
     let start = fake.starts.lock().unwrap()[0].clone();

@@ -762,6 +762,19 @@ pub struct ResumeRequest {
     pub extend_only: bool,
 }
 
+/// `POST /v1/sandboxes/{name}/replace`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ReplaceRequest {
+    /// `SB@POINT`: the point that replaces what the sandbox holds.
+    pub source: String,
+    /// The point is in the daemon's `--remote` store.
+    #[serde(default)]
+    pub remote: bool,
+    /// Its files and conversation only (a fresh init, not its processes).
+    #[serde(default)]
+    pub fs_only: bool,
+}
+
 /// `POST /v1/sandboxes/{name}/checkpoints/{id}/labels`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct LabelRequest {

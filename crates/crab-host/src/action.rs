@@ -331,6 +331,21 @@ pub enum Action {
     },
     /// Build sandboxes from a point in the remote store (this host needs nothing else).
     FromRemote(FromRemote),
+    /// Replace what sandbox `name` holds — files, processes, conversation — by a point of
+    /// another sandbox, or of the remote store, in place and under its lifecycle lock: it
+    /// keeps its name, record, limits and profile, and nothing of it is touched before every
+    /// check passed (a failure after its processes were stopped puts its files back, with a
+    /// fresh init). Inspect's snapshot restore.
+    Replace {
+        /// The sandbox replaced.
+        name: String,
+        /// `SB@POINT`: the point.
+        source: String,
+        /// The point is in the remote store (materialized here first).
+        remote: bool,
+        /// Its files and conversation only, a fresh init instead of its processes.
+        fs_only: bool,
+    },
     /// A file operation inside a sandbox (read, write, stat, list, mkdir, remove, rename, tar
     /// out, tar in), run there as `user` (root when `None`).
     Files {
@@ -401,6 +416,7 @@ impl Action {
             Action::RemotePrune { .. } => "remote_prune",
             Action::RemoteWait { .. } => "remote_wait",
             Action::FromRemote(_) => "from_remote",
+            Action::Replace { .. } => "replace",
             Action::Files { .. } => "files",
         }
     }

@@ -213,3 +213,92 @@ fn an_older_e2b_state_is_migrated() {
     assert_eq!(d.crab_ok(&["exec", id, "--", "sh", "-c", "echo $OLD"]), "1\n");
     assert!(d.crab_ok(&["exec", id, "--", "ps", "-eo", "args"]).contains("sleep 1000"));
 }
+
+/// Replacing a sandbox by another sandbox's point is one host action under its lock: a bad
+/// point is refused with the sandbox untouched; a good one brings that point's files and
+/// processes into it in place (its name, hostname and record stay), with a first point of its
+/// own equal to it; `fs_only` brings the files only.
+#[test]
+fn replace_by_another_sandboxs_point_in_place() {
+    require_root!();
+    let src = Sandbox::new("t-life-rsrc");
+    src.sh_ok("echo from-src > /tmp/f; nohup sleep 1001 >/dev/null 2>&1 &");
+    let t = json(&["--json", "checkpoint", &src.name, "--kind", "full"]);
+    let point = t["point"]["id"].as_str().unwrap().to_string();
+    let dst = Sandbox::new("t-life-rdst");
+    dst.sh_ok("echo mine > /tmp/g; echo old > /tmp/f; nohup sleep 1002 >/dev/null 2>&1 &");
+    let url = format!("/v1/sandboxes/{}/replace", dst.name);
+    // A point that does not exist: refused, nothing touched.
+    let bad = serde_json::json!({ "source": format!("{}@c999999", src.name) }).to_string();
+    let o = common::api("POST", &url, &bad);
+    assert_eq!(o["code"], "checkpoint_not_found", "{o}");
+    assert_eq!(dst.sh_ok("cat /tmp/g"), "mine\n");
+    assert!(dst.sh_ok("ps -eo args").contains("sleep 1002"), "the refused replace stopped it");
+    // The point: its files and processes, in place.
+    let body = serde_json::json!({ "source": format!("{}@{point}", src.name) }).to_string();
+    let r = common::api("POST", &url, &body);
+    assert_eq!(r["point"], point.as_str(), "{r}");
+    assert_eq!(state(&dst), "running");
+    assert_eq!(dst.sh_ok("cat /tmp/f"), "from-src\n");
+    assert_eq!(dst.sh("cat /tmp/g").2, 1, "the replaced sandbox's own file is still there");
+    let ps = dst.sh_ok("ps -eo args");
+    assert!(ps.contains("sleep 1001") && !ps.contains("sleep 1002"), "{ps}");
+    assert_eq!(dst.sh_ok("hostname").trim(), dst.name, "the processes kept the source's hostname");
+    let points = json(&["--json", "checkpoints", &dst.name]);
+    // Its first point of its own: the source's point (files and processes), in its store.
+    let newest = points.as_array().unwrap().last().unwrap().clone();
+    assert_eq!(newest["kind"], "full", "{points}");
+    dst.sh_ok("echo later > /tmp/f");
+    crab_ok(&["restore", &dst.name, newest["id"].as_str().unwrap()]);
+    assert_eq!(dst.sh_ok("cat /tmp/f"), "from-src\n");
+    // Files only.
+    let body = serde_json::json!({ "source": format!("{}@{point}", src.name), "fs_only": true })
+        .to_string();
+    common::api("POST", &url, &body);
+    assert_eq!(dst.sh_ok("cat /tmp/f"), "from-src\n");
+    assert!(!dst.sh_ok("ps -eo args").contains("sleep 1001"), "fs_only brought processes");
+}
+
+/// The same from a point in the remote store (what Inspect's durable snapshots restore): the
+/// point is fetched and checked against the sandbox it replaces before that is touched.
+#[test]
+fn replace_by_a_remote_point() {
+    require_root!();
+    let tmp = tempfile::tempdir_in("/var/tmp").unwrap();
+    let store_dir = tmp.path().join("store");
+    std::fs::create_dir_all(&store_dir).unwrap();
+    let remote = format!("file://{}", store_dir.display());
+    let d = OtherDaemon::start(
+        &PathBuf::from("/var/lib").join(unique("crab-life-rremote")),
+        &["--pool-size", "4G", "--remote", &remote],
+        &[],
+    );
+    let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
+    d.crab_ok(&["image", "import", "debian", img.to_str().unwrap()]);
+    let (src, dst) = (unique("t-rr-src"), unique("t-rr-dst"));
+    d.crab_ok(&["sandbox", "create", "debian", "--name", &src]);
+    d.crab_ok(&["exec", &src, "--", "sh", "-c", "echo durable > /tmp/f"]);
+    let point = d.json(&["checkpoint", &src, "--kind", "fs", "--durable"])["point"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    d.crab_ok(&["sandbox", "create", "debian", "--name", &dst]);
+    d.crab_ok(&["exec", &dst, "--", "sh", "-c", "echo mine > /tmp/f"]);
+    let call = |body: serde_json::Value| -> serde_json::Value {
+        let sock = d.state.join("crab.sock");
+        let o = std::process::Command::new("curl")
+            .args(["-s", "--unix-socket", sock.to_str().unwrap(), "-X", "POST"])
+            .args(["-H", "content-type: application/json", "--data-binary", &body.to_string()])
+            .arg(format!("http://crab/v1/sandboxes/{dst}/replace"))
+            .output()
+            .unwrap();
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let o = call(serde_json::json!({ "source": format!("{src}@c999999"), "remote": true }));
+    assert!(o["code"].is_string(), "an unknown remote point was accepted: {o}");
+    assert_eq!(d.crab_ok(&["exec", &dst, "--", "cat", "/tmp/f"]), "mine\n");
+    let r = call(serde_json::json!({ "source": format!("{src}@{point}"), "remote": true }));
+    assert_eq!(r["point"], point.as_str(), "{r}");
+    assert_eq!(d.crab_ok(&["exec", &dst, "--", "cat", "/tmp/f"]), "durable\n");
+    assert_eq!(d.crab_ok(&["exec", &dst, "--", "hostname"]).trim(), dst);
+}

@@ -224,24 +224,21 @@ class CrabSnapshotStrategy:
         target = self._name_of(env)
         d = self._d()
         if _field(ref, "durable", False):
-            body = {"source": sid, "names": [target], "count": 1, "fs_only": fs_only}
             pts = await d.request("GET", "/v1/remote/points", params={"sandbox": source})
             if not any(_field(r, "point") == point or _field(r, "id") == point for r in pts):
                 raise CheckpointNotFoundError(
                     f"{sid} is not in the remote store", "check the daemon's --remote is the one the sample used"
                 )
-            await AsyncSandbox(target, d).kill()
-            await d.request("POST", "/v1/remote/restore", body)
+            # One host action under the target's lock: nothing of it is touched before the
+            # point is fetched and checked.
+            await d.request("POST", f"/v1/sandboxes/{target}/replace", {"source": sid, "remote": True, "fs_only": fs_only})
         else:
             src = AsyncSandbox(source, d)
             if point not in [p.id for p in await src.points()]:
                 raise CheckpointNotFoundError(
                     f"{sid} is not on this daemon", "take durable snapshots (durable=True) to restore elsewhere"
                 )
-            await AsyncSandbox(target, d).kill()
-            await d.request(
-                "POST", f"/v1/sandboxes/{source}/fork", {"checkpoint": point, "count": 1, "names": [target], "fs_only": fs_only}
-            )
+            await d.request("POST", f"/v1/sandboxes/{target}/replace", {"source": sid, "fs_only": fs_only})
 
     async def adopt(self, prior: Any, ctx: Any) -> None:
         """Copy the prior attempt's refs into this attempt's storage area. The points they name

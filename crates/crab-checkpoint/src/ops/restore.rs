@@ -14,14 +14,53 @@ impl Checkpointer {
         point: Option<&str>,
         progress: &dyn Progress,
     ) -> Result<RestoreReport> {
+        self.restore_impl(sandbox, None, point, false, progress)
+    }
+
+    /// Replace what `sandbox` holds by point `point` of another store `src` (another
+    /// sandbox's points, or points materialized from a remote store), in place: the same
+    /// verification, preparation and roll-back as [`Checkpointer::restore`] — nothing is
+    /// touched before every check passed, and a failure after the processes were stopped puts
+    /// the sandbox's own files back — with the root personalized for `sandbox` (hostname,
+    /// machine-id), the processes given its hostname, and a first point of its own published
+    /// equal to `point` (its origin) once they run. `fs_only`: the point's files and a fresh
+    /// init, not its processes. The sandbox keeps its name, record, limits and profile.
+    pub fn restore_from(
+        &self,
+        sandbox: &str,
+        src: &Arc<Store>,
+        point: &str,
+        fs_only: bool,
+        progress: &dyn Progress,
+    ) -> Result<RestoreReport> {
+        self.restore_impl(sandbox, Some(src), Some(point), fs_only, progress)
+    }
+
+    fn restore_impl(
+        &self,
+        sandbox: &str,
+        src: Option<&Arc<Store>>,
+        point: Option<&str>,
+        fs_only: bool,
+        progress: &dyn Progress,
+    ) -> Result<RestoreReport> {
         let started = Instant::now();
         let mut stages = crab_common::stats::StageClock::starting(started);
         let lock = self.lock(sandbox);
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
-        let store = self.store(sandbox)?;
-        let _held = store.lock()?;
-        let m = store.resolve(point)?;
+        let own = self.store(sandbox)?;
+        let _held = own.lock()?;
+        let foreign = src.filter(|s| !Arc::ptr_eq(s, &own));
+        let _held_src = match foreign {
+            Some(s) => Some(s.lock()?),
+            None => None,
+        };
+        let store = foreign.unwrap_or(&own).clone();
+        let mut m = store.resolve(point)?;
+        if fs_only {
+            m.procs = None;
+        }
         stages.mark("lock");
         progress.stage("verify", None);
         progress.message(&format!("restore point {} (turn {}, {})", m.id, m.turn, m.kind.as_str()));
@@ -83,6 +122,29 @@ impl Checkpointer {
         };
         snap.map_err(|e| CheckpointError::io("snapshot", &staged, e))?;
         stages.mark("snapshot");
+        // Another store's point: the root becomes this sandbox's (its hostname and
+        // machine-id), and that root, before anything runs in it, is the sandbox's first point
+        // of its own (published once the processes run; dropped, with its staged snapshot,
+        // when anything fails).
+        let mut origin = None;
+        if foreign.is_some() {
+            let staged_origin =
+                personalize(&staged, sandbox).map_err(sandbox_err(sandbox)).and_then(|()| {
+                    let mut o = own.begin();
+                    o.snapshot_fs(&staged)?;
+                    Ok(o)
+                });
+            match staged_origin {
+                Ok(o) => origin = Some(o),
+                Err(e) => {
+                    if let Err(d) = self.fs.delete(&staged) {
+                        tracing::warn!(path = %staged.display(), error = %d, "cannot discard the staged root");
+                    }
+                    return Err(e);
+                }
+            }
+            stages.mark("origin");
+        }
         // Every precondition is checked while the sandbox still runs: the init goes into the
         // staged root (a write that needs space), and the pool must keep room for the swap,
         // the cgroup and CRIU's work. A failure here leaves the sandbox untouched.
@@ -140,12 +202,40 @@ impl Checkpointer {
         // The live sandbox is now point m: say so with a new newest point referencing m's
         // parts, so that the next checkpoint builds on m and a crash-restore of "the newest"
         // does not resurrect the abandoned future.
-        let mut marker = Draft::new(PointKind::Restore, m.turn);
-        marker.base = Some(m.id);
-        marker.conversation_offset = m.conversation_offset;
-        marker.no_procs = m.procs.is_none();
-        marker.sandbox_meta = m.sandbox_meta.clone();
-        let marker = store.begin().publish(marker)?;
+        let marker = match origin {
+            Some(mut o) => {
+                let mut draft = Draft::new(
+                    if m.procs.is_some() { PointKind::FULL } else { PointKind::FS },
+                    m.turn,
+                );
+                if let Some(p) = &m.procs {
+                    let dir = o.proc_dir()?;
+                    let src_dir = store.proc_dir(p.id);
+                    for f in &p.files {
+                        let (from, to) = (src_dir.join(&f.name), dir.join(&f.name));
+                        std::fs::hard_link(&from, &to)
+                            .map_err(|e| CheckpointError::io("link", &to, e))?;
+                    }
+                    draft.trusted_files = Some(p.files.clone());
+                    draft.root_pid = p.root_pid;
+                    draft.criu_version = p.criu_version.clone();
+                } else {
+                    draft.no_procs = true;
+                }
+                draft.conversation_offset = m.conversation_offset;
+                draft.origin = Some(Origin { sandbox: m.sandbox.clone(), point: m.id });
+                draft.sandbox_meta = serde_json::to_value(&rec).unwrap_or_default();
+                o.publish(draft)?
+            }
+            None => {
+                let mut marker = Draft::new(PointKind::Restore, m.turn);
+                marker.base = Some(m.id);
+                marker.conversation_offset = m.conversation_offset;
+                marker.no_procs = m.procs.is_none();
+                marker.sandbox_meta = m.sandbox_meta.clone();
+                store.begin().publish(marker)?
+            }
+        };
         stages.mark("marker");
         // The replaced root goes after the answer: deleting a subvolume is a btrfs
         // transaction the caller need not wait for. Under the sandbox's lock, so the next

@@ -248,6 +248,114 @@ impl Host {
     }
 }
 
+impl Host {
+    /// [`Action::Replace`].
+    pub(super) async fn replace(
+        self: &Arc<Self>,
+        name: String,
+        source: String,
+        remote: bool,
+        fs_only: bool,
+    ) -> Result<Outcome, HostError> {
+        let Some((sb, point)) = source.split_once('@') else {
+            return Err(HostError::invalid(
+                format!("replace source {source:?} names no point"),
+                "give SB@POINT",
+            ));
+        };
+        let (sb, point) = (sb.to_string(), point.to_string());
+        crab_common::names::validate("sandbox", &sb)?;
+        if sb == name && !remote {
+            return Err(HostError::invalid(
+                format!("sandbox {name} cannot be replaced by its own point"),
+                format!("restore it instead: `crab restore {name} {point}`"),
+            ));
+        }
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        let target = self.runtime().record(&name)?;
+        // The point's store and conversation, everything fetched and checked before the
+        // sandbox is touched.
+        let (store, conversation) = if remote {
+            let t = self.tier()?;
+            let rec = t.repo.load_point(&sb, Some(&point)).await.map_err(remote_error)?;
+            if !fs_only {
+                let criu = blocking(|| Ok(criu_version())).await?;
+                crab_remote::preflight(&rec, &crab_remote::HostFacts::local(), criu.as_deref())
+                    .map_err(remote_error)?;
+            }
+            // The point may ask for no more than the sandbox it replaces has.
+            let grant = crate::remote::Grant { net: target.net, limits: target.limits.clone() };
+            let store = self.checkpointer().remote_store(&sb)?;
+            let (repo, state, mat_store) = (t.repo.clone(), self.state().clone(), store.clone());
+            let handle = tokio::runtime::Handle::current();
+            let grant2 = grant.clone();
+            let mat = tokio::task::spawn_blocking(move || {
+                let disk_limit = grant2.limits.disk_bytes;
+                let check = move |m: &crab_checkpoint::Manifest| {
+                    crate::remote::admit_meta(&m.sandbox_meta, &grant2).map(drop).map_err(
+                        |refusal| crab_remote::RemoteError::Refused {
+                            point: format!("{}@{}", m.sandbox, m.id),
+                            refusal,
+                        },
+                    )
+                };
+                let admission = crab_remote::local::Admission { check: &check, disk_limit };
+                handle.block_on(crab_remote::local::materialize(
+                    &repo, &state, &mat_store, &rec, fs_only, &admission,
+                ))
+            })
+            .await
+            .map_err(|e| {
+                HostError::internal(format!("materializing a remote point panicked: {e}"))
+            })?
+            .map_err(remote_error)?;
+            (store, mat.conversation.map(|log| (log, mat.manifest.conversation_offset)))
+        } else {
+            (self.checkpointer().store(&sb)?, None)
+        };
+        let h = self.clone();
+        let (n, p) = (name.clone(), point.clone());
+        let (report, offset) = blocking(move || {
+            let offset = store.resolve(Some(&p))?.conversation_offset;
+            h.detach(&n);
+            let r = h.checkpointer().restore_from(&n, &store, &p, fs_only, &NoProgress);
+            h.attach(&n);
+            h.policy().clear(&n);
+            let r = r?;
+            h.set_life(&n, crab_common::life::Life::Running)?;
+            Ok((r, offset))
+        })
+        .await?;
+        // Its conversation: the point's, up to the point.
+        match (conversation, offset) {
+            (Some((log, Some(off))), _) => {
+                let path = self.state().sandbox_dir(&name).join("conversation.log");
+                self.coordinator.forget(&name);
+                match std::fs::write(&path, log) {
+                    Ok(()) => {
+                        if let Err(e) = self.coordinator.restored(&name, off, true).await {
+                            tracing::warn!(sandbox = %name, error = %e, "could not rewind the conversation log");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %name, path = %path.display(), error = %e, "could not write the conversation log")
+                    }
+                }
+            }
+            (None, Some(off)) if !remote => {
+                if let Err(e) = self.coordinator.forked(&sb, &name, off).await {
+                    tracing::warn!(sandbox = %name, from = %sb, error = %e, "could not copy the conversation log");
+                }
+            }
+            _ => {}
+        }
+        self.open_sandbox_proxy(&name).await;
+        tracing::info!(sandbox = %name, %source, remote, fs_only, "sandbox replaced");
+        Ok(Outcome::Restored(report))
+    }
+}
+
 /// Milliseconds from `a` to `b`.
 fn ms_between(a: std::time::Instant, b: std::time::Instant) -> f64 {
     b.saturating_duration_since(a).as_secs_f64() * 1e3

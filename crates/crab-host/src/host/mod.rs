@@ -581,6 +581,9 @@ impl Host {
                 Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
             }
             Action::FromRemote(req) => self.from_remote(req, Arc::new(NoProgress)).await,
+            Action::Replace { name, source, remote, fs_only } => {
+                self.replace(name, source, remote, fs_only).await
+            }
             Action::Files { name, user, op } => self.files(name, user, op).await,
             Action::WithProgress { action, progress } => {
                 self.with_progress(*action, progress.into()).await

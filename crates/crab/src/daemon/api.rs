@@ -50,6 +50,7 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/sandboxes/{name}/pause", post(lifecycle::pause))
         .route("/v1/sandboxes/{name}/resume", post(lifecycle::resume))
         .route("/v1/sandboxes/{name}/kill", post(lifecycle::kill))
+        .route("/v1/sandboxes/{name}/replace", post(lifecycle::replace))
         .route("/v1/sandboxes/{name}/status", get(lifecycle::status))
         .route("/v1/sandboxes/{name}/checkpoints/{id}/labels", post(lifecycle::label))
         .route("/v1/labels", get(lifecycle::labels))

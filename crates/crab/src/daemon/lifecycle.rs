@@ -1,6 +1,6 @@
 //! Lifecycle routes beyond create/stop/start/remove: pause, resume, kill (E2B's: retire when
-//! labelled points must outlive it, else remove), the cheap status of one sandbox, and the
-//! labels of restore points. Each parses, calls one host action and renders it.
+//! labelled points must outlive it, else remove), replace (by another sandbox's point or a
+//! remote one, in place), the cheap status of one sandbox, and the labels of restore points. Each parses, calls one host action and renders it.
 
 use std::sync::Arc;
 
@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::Response;
 
-use crab_common::api::{LabelRequest, ResumeRequest};
+use crab_common::api::{LabelRequest, ReplaceRequest, ResumeRequest};
 use crab_host::{Action, Host};
 
 use super::api::{err, parse, parse_or_default, render};
@@ -63,4 +63,18 @@ pub async fn labels(State(h): State<Arc<Host>>) -> Response {
 /// `DELETE /v1/labels/{label}`.
 pub async fn delete_label(State(h): State<Arc<Host>>, Path(label): Path<String>) -> Response {
     render(h.execute(Action::DeleteLabel { label }).await)
+}
+
+/// `POST /v1/sandboxes/{name}/replace`.
+pub async fn replace(
+    State(h): State<Arc<Host>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Response {
+    let req: ReplaceRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return err(e),
+    };
+    let a = Action::Replace { name, source: req.source, remote: req.remote, fs_only: req.fs_only };
+    render(h.execute(a).await)
 }

@@ -50,11 +50,20 @@ impl Checkpointer {
         let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut rec = self.rt.record(sandbox).map_err(sandbox_err(sandbox))?;
         let own = self.store(sandbox)?;
-        let _held = own.lock()?;
         let foreign = src.filter(|s| !Arc::ptr_eq(s, &own));
-        let _held_src = match foreign {
-            Some(s) => Some(s.lock()?),
-            None => None,
+        // Two stores' locks are taken in the order of their directories, so two replaces of
+        // each other's sandboxes at once cannot wait on each other.
+        let (_held, _held_src) = match foreign {
+            None => (own.lock()?, None),
+            Some(s) if s.dir() < own.dir() => {
+                let a = s.lock()?;
+                (own.lock()?, Some(a))
+            }
+            Some(s) => {
+                let b = own.lock()?;
+                let a = s.lock()?;
+                (b, Some(a))
+            }
         };
         let store = foreign.unwrap_or(&own).clone();
         let mut m = store.resolve(point)?;

@@ -298,24 +298,7 @@ impl Checkpointer {
     ) -> Result<Manifest> {
         let mut staging = branch.begin();
         staging.snapshot_fs(rootfs)?;
-        let mut draft =
-            Draft::new(if m.procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
-        if let Some(p) = &m.procs {
-            let dir = staging.proc_dir()?;
-            let src_dir = src_store.proc_dir(p.id);
-            for f in &p.files {
-                let (from, to) = (src_dir.join(&f.name), dir.join(&f.name));
-                std::fs::hard_link(&from, &to).map_err(|e| CheckpointError::io("link", &to, e))?;
-            }
-            draft.trusted_files = Some(p.files.clone());
-            draft.root_pid = p.root_pid;
-            draft.criu_version = p.criu_version.clone();
-        } else {
-            draft.no_procs = true;
-        }
-        draft.conversation_offset = m.conversation_offset;
-        draft.origin = Some(Origin { sandbox: m.sandbox.clone(), point: m.id });
-        draft.sandbox_meta = serde_json::to_value(meta).unwrap_or_default();
+        let draft = origin_draft(&mut staging, src_store, m, meta)?;
         staging.publish(draft)
     }
 
@@ -416,4 +399,35 @@ impl Checkpointer {
         clock.mark("record");
         Ok((pid, clock.into_stages()))
     }
+}
+
+/// The draft of a point equal to point `m` of `src_store`, in `staging` (whose filesystem
+/// snapshot the caller took): hard links to `m`'s image files (immutable once published),
+/// whose hashes are carried over, `m` as its origin, `meta` as its sandbox's record. A fork
+/// branch's first point and a replaced sandbox's are made so.
+pub(super) fn origin_draft(
+    staging: &mut crate::store::Staging<'_>,
+    src_store: &Store,
+    m: &Manifest,
+    meta: &SandboxRecord,
+) -> Result<Draft> {
+    let mut draft =
+        Draft::new(if m.procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
+    if let Some(p) = &m.procs {
+        let dir = staging.proc_dir()?;
+        let src_dir = src_store.proc_dir(p.id);
+        for f in &p.files {
+            let (from, to) = (src_dir.join(&f.name), dir.join(&f.name));
+            std::fs::hard_link(&from, &to).map_err(|e| CheckpointError::io("link", &to, e))?;
+        }
+        draft.trusted_files = Some(p.files.clone());
+        draft.root_pid = p.root_pid;
+        draft.criu_version = p.criu_version.clone();
+    } else {
+        draft.no_procs = true;
+    }
+    draft.conversation_offset = m.conversation_offset;
+    draft.origin = Some(Origin { sandbox: m.sandbox.clone(), point: m.id });
+    draft.sandbox_meta = serde_json::to_value(meta).unwrap_or_default();
+    Ok(draft)
 }

@@ -213,27 +213,7 @@ impl Checkpointer {
         // does not resurrect the abandoned future.
         let marker = match origin {
             Some(mut o) => {
-                let mut draft = Draft::new(
-                    if m.procs.is_some() { PointKind::FULL } else { PointKind::FS },
-                    m.turn,
-                );
-                if let Some(p) = &m.procs {
-                    let dir = o.proc_dir()?;
-                    let src_dir = store.proc_dir(p.id);
-                    for f in &p.files {
-                        let (from, to) = (src_dir.join(&f.name), dir.join(&f.name));
-                        std::fs::hard_link(&from, &to)
-                            .map_err(|e| CheckpointError::io("link", &to, e))?;
-                    }
-                    draft.trusted_files = Some(p.files.clone());
-                    draft.root_pid = p.root_pid;
-                    draft.criu_version = p.criu_version.clone();
-                } else {
-                    draft.no_procs = true;
-                }
-                draft.conversation_offset = m.conversation_offset;
-                draft.origin = Some(Origin { sandbox: m.sandbox.clone(), point: m.id });
-                draft.sandbox_meta = serde_json::to_value(&rec).unwrap_or_default();
+                let draft = super::fork::origin_draft(&mut o, &store, &m, &rec)?;
                 o.publish(draft)?
             }
             None => {

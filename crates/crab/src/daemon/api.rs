@@ -155,6 +155,16 @@ pub fn err(e: ApiError) -> Response {
 }
 
 /// Decode a JSON request body into `T`, with a 400 naming the problem.
+/// A `StdinWrite` body (`{"d": base64, "eof": ..}`) and its decoded bytes.
+pub fn parse_stdin(body: &Bytes) -> Result<(crab_common::api::StdinWrite, Vec<u8>), ApiError> {
+    use base64::Engine as _;
+    let req: crab_common::api::StdinWrite = parse(body)?;
+    let data = base64::engine::general_purpose::STANDARD.decode(&req.d).map_err(|e| {
+        ApiError::invalid(format!("d is not base64: {e}"), "send the bytes base64-encoded in \"d\"")
+    })?;
+    Ok((req, data))
+}
+
 pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid(

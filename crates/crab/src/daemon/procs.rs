@@ -8,13 +8,12 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
-use base64::Engine as _;
 
-use crab_common::api::{ProcSignalRequest, ProcStartRequest, StdinWrite};
+use crab_common::api::{ProcSignalRequest, ProcStartRequest};
 use crab_common::ApiError;
 use crab_host::{Action, Host};
 
-use super::api::{err, parse, parse_or_default, render};
+use super::api::{err, parse, parse_or_default, parse_stdin, render};
 
 /// `POST /v1/sandboxes/{name}/procs`.
 pub async fn start(State(h): State<Arc<Host>>, Path(name): Path<String>, body: Bytes) -> Response {
@@ -67,18 +66,9 @@ pub async fn stdin(
     Path((name, id)): Path<(String, String)>,
     body: Bytes,
 ) -> Response {
-    let req: StdinWrite = match parse(&body) {
-        Ok(r) => r,
+    let (req, data) = match parse_stdin(&body) {
+        Ok(x) => x,
         Err(e) => return err(e),
-    };
-    let data = match base64::engine::general_purpose::STANDARD.decode(&req.d) {
-        Ok(d) => d,
-        Err(e) => {
-            return err(ApiError::invalid(
-                format!("d is not base64: {e}"),
-                "send the bytes base64-encoded in \"d\"",
-            ))
-        }
     };
     if !data.is_empty() || !req.eof {
         let r = h.execute(Action::ProcStdin { name: name.clone(), id: id.clone(), data }).await;

@@ -7,13 +7,10 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
 
-use base64::Engine as _;
-use crab_common::api::{
-    ExecRequest, SandboxCreateRequest, SandboxUpdateRequest, StdinWrite, StopRequest,
-};
+use crab_common::api::{ExecRequest, SandboxCreateRequest, SandboxUpdateRequest, StopRequest};
 use crab_host::{Action, Host};
 
-use super::api::{err, parse, parse_or_default, render};
+use super::api::{err, parse, parse_or_default, parse_stdin, render};
 
 pub async fn list(State(h): State<Arc<Host>>) -> Response {
     render(h.execute(Action::ListSandboxes).await)
@@ -62,18 +59,9 @@ pub async fn exec_stdin(
     Path((name, session)): Path<(String, String)>,
     body: Bytes,
 ) -> Response {
-    let req: StdinWrite = match parse(&body) {
-        Ok(r) => r,
+    let (req, data) = match parse_stdin(&body) {
+        Ok(x) => x,
         Err(e) => return err(e),
-    };
-    let data = match base64::engine::general_purpose::STANDARD.decode(&req.d) {
-        Ok(d) => d,
-        Err(e) => {
-            return err(crab_common::ApiError::invalid(
-                format!("d is not base64: {e}"),
-                "send the bytes base64-encoded in \"d\"",
-            ))
-        }
     };
     render(h.execute(Action::ExecStdin { name, session, data, eof: req.eof }).await)
 }

@@ -328,7 +328,7 @@ impl Checkpointer {
         // A branch inherits its source's disk quota (its record carries `src.limits`).
         self.rt.limit_disk(&rootfs, &src.limits).map_err(sandbox_err(name))?;
         clock.mark("quota");
-        personalize(&rootfs, name).map_err(sandbox_err(name))?;
+        personalize(&rootfs, name, src.profile.userns).map_err(sandbox_err(name))?;
         let mut meta = src.clone();
         meta.name = name.to_owned();
         meta.hostname = name.to_owned();

@@ -46,21 +46,27 @@ impl Checkpointer {
         o
     }
 
-    /// The `external` entry a restore or fork of `sandbox` needs for its masked directories:
-    /// dumps declare them external (`profile::MASKED_MOUNT_KEY`), and they come back as
-    /// read-only binds of the daemon's empty tmpfs, mounted here if it is not. Unused by
-    /// images dumped before that, which still hold the tmpfs. None for `--privileged`.
+    /// The `external` entries a restore or fork of `sandbox` needs for its masked directories
+    /// and, user-namespaced, its device nodes: dumps declare the masked directories external
+    /// (`profile::MASKED_MOUNT_KEY`), and they come back as read-only binds of the daemon's
+    /// empty tmpfs, mounted here if it is not (unused by images dumped before that, which
+    /// still hold the tmpfs); the device nodes come back as binds of the host's
+    /// (`profile::DEVICE_MOUNT_PREFIX`). None for `--privileged`.
     pub(super) fn masked_external(
         &self,
         sandbox: &str,
         profile: &crab_sandbox::profile::SecurityProfile,
-    ) -> Result<Option<String>> {
+    ) -> Result<Vec<String>> {
         if profile.privileged {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         let src = self.rt.state().masked();
         crab_sandbox::profile::ensure_masked_source(&src).map_err(sandbox_err(sandbox))?;
-        Ok(Some(crab_sandbox::profile::masked_restore_external(&src)))
+        let mut out = vec![crab_sandbox::profile::masked_restore_external(&src)];
+        if profile.userns.is_some() {
+            out.extend(crab_sandbox::profile::device_restore_externals());
+        }
+        Ok(out)
     }
 
     /// The processes of a restore whose root is in place: CRIU's images of `m`, or a fresh

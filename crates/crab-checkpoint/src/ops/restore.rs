@@ -138,7 +138,7 @@ impl Checkpointer {
         let mut origin = None;
         if foreign.is_some() {
             let staged_origin =
-                personalize(&staged, sandbox).map_err(sandbox_err(sandbox)).and_then(|()| {
+                personalize(&staged, sandbox, rec.profile.userns).map_err(sandbox_err(sandbox)).and_then(|()| {
                     let mut o = own.begin();
                     o.snapshot_fs(&staged)?;
                     Ok(o)

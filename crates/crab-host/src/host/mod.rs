@@ -156,7 +156,7 @@ impl Host {
         if !has_sys_resource() {
             tracing::warn!(
                 cap_eff = format!("{:016x}", cap_eff().unwrap_or(0)),
-                "the daemon lacks CAP_SYS_RESOURCE: CRIU cannot dump sandboxes that run non-root processes (full/process checkpoints, pause and live forks of them answer host_capability_missing)"
+                "the daemon lacks CAP_SYS_RESOURCE: CRIU cannot dump --userns host sandboxes that run non-root processes (full/process checkpoints, pause and live forks of them answer host_capability_missing)"
             );
         }
         let inspector = tokio::task::spawn_blocking(Inspector::load)

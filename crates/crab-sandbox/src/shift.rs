@@ -44,8 +44,8 @@ fn prefix(image: &str, ids: IdRange) -> String {
 /// own root is `image_root`), made now if there is none for this build of the image.
 pub fn rootfs_for(state: &StateDir, image: &str, image_root: &Path, ids: IdRange) -> Result<PathBuf> {
     let rec = state.image_record(image);
-    let m = fs::metadata(&rec).map_err(SandboxError::io("stat", &rec))?;
-    let key = format!("{}.{:09}", m.mtime(), m.mtime_nsec());
+    let key = build_key(state, image)
+        .ok_or_else(|| SandboxError::io("stat", &rec)(std::io::ErrorKind::NotFound.into()))?;
     let dst = dir(state).join(format!("{}{key}", prefix(image, ids)));
     if btrfs::is_subvolume(&dst) {
         return Ok(dst);
@@ -74,6 +74,33 @@ pub fn rootfs_for(state: &StateDir, image: &str, image_root: &Path, ids: IdRange
         }
     }
     Ok(dst)
+}
+
+fn build_key(state: &StateDir, image: &str) -> Option<String> {
+    let m = fs::metadata(state.image_record(image)).ok()?;
+    Some(format!("{}.{:09}", m.mtime(), m.mtime_nsec()))
+}
+
+/// The shifted copy of `image` for `ids` of the image's current build, if it was made.
+pub fn existing(state: &StateDir, image: &str, ids: IdRange) -> Option<PathBuf> {
+    let dst = dir(state).join(format!("{}{}", prefix(image, ids), build_key(state, image)?));
+    btrfs::is_subvolume(&dst).then_some(dst)
+}
+
+/// The shifted copies of `image`'s current build: their ranges and roots.
+pub fn current_copies(state: &StateDir, image: &str) -> Vec<(IdRange, PathBuf)> {
+    let Some(key) = build_key(state, image) else { return Vec::new() };
+    let mut out = Vec::new();
+    for p in copies(state, image) {
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut parts = name.splitn(3, '@').skip(1);
+        let (Some(range), Some(k)) = (parts.next(), parts.next()) else { continue };
+        let ids: Vec<u32> = range.split(':').filter_map(|x| x.parse().ok()).collect();
+        if k == key && ids.len() == 3 && btrfs::is_subvolume(&p) {
+            out.push((IdRange { uid: ids[0], gid: ids[1], count: ids[2] }, p));
+        }
+    }
+    out
 }
 
 /// Every shifted copy of `image`.

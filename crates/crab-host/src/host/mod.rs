@@ -78,6 +78,9 @@ pub struct HostOptions {
     /// Remount cgroup2 with `favordynmods` if it lacks it (`crab daemon
     /// --no-cgroup-favordynmods` turns this off).
     pub cgroup_favordynmods: bool,
+    /// The user-namespace range of new sandboxes (`crab daemon --userns-base`; `None`:
+    /// `crab daemon --userns host`, the host's own).
+    pub userns: Option<crab_common::api::IdRange>,
     /// Ready-made root filesystems kept per recently used image (`crab daemon --warm-roots`).
     pub warm_roots: usize,
 }
@@ -152,6 +155,9 @@ impl Host {
                 format!("--default-memory/--default-pids/--default-disk: {}", e.message),
                 e.hint,
             )
+        })?;
+        runtime.set_userns(opts.userns).map_err(|e| {
+            HostError::internal(format!("cannot open the state directory to the user-namespace range: {e}"))
         })?;
         if !has_sys_resource() {
             tracing::warn!(

@@ -1126,7 +1126,10 @@ fn userns_refused(path: &Path, field: &str, seen: String, lower: u32, count: u32
     ImageError::Refused {
         pid: 0,
         tid: 0,
-        field: format!("{} {field}", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()),
+        field: format!(
+            "{} {field}",
+            path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()
+        ),
         value: format!("[{seen}]"),
         allowed: format!("exactly [0 {lower} {count}], this host's range for sandboxes"),
     }

@@ -194,8 +194,8 @@ async fn materialize_inner(
                     .and_then(|p| p.get("userns"))
                     .and_then(|v| serde_json::from_value(v.clone()).ok()),
             )
-                .map(|_| ())
-                .map_err(|e| RemoteError::Untrusted { point: what.clone(), reason: e.to_string() }),
+            .map(|_| ())
+            .map_err(|e| RemoteError::Untrusted { point: what.clone(), reason: e.to_string() }),
             _ => Ok(()),
         }
     };

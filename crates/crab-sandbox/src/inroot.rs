@@ -128,7 +128,9 @@ impl InRoot {
                                 Some(g.into()),
                                 nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
                             )
-                            .map_err(|e| SandboxError::io("chown", self.shown(&prefix))(errno_io(e)))?;
+                            .map_err(|e| {
+                                SandboxError::io("chown", self.shown(&prefix))(errno_io(e))
+                            })?;
                         }
                     }
                     Err(Errno::EEXIST) => {}

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    IdRange,
-    ExecRequest, HarnessSpec, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SecurityProfile,
+    ExecRequest, HarnessSpec, IdRange, Limits, NetMode, SandboxCreateRequest, SandboxInfo,
+    SecurityProfile,
 };
 use crab_common::life::{Deadline, Life, OnDeadline, Status};
 use crab_common::names;

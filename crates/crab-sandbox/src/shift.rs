@@ -42,7 +42,12 @@ fn prefix(image: &str, ids: IdRange) -> String {
 
 /// The root subvolume sandboxes of `ids` are made from: the shifted copy of `image` (whose
 /// own root is `image_root`), made now if there is none for this build of the image.
-pub fn rootfs_for(state: &StateDir, image: &str, image_root: &Path, ids: IdRange) -> Result<PathBuf> {
+pub fn rootfs_for(
+    state: &StateDir,
+    image: &str,
+    image_root: &Path,
+    ids: IdRange,
+) -> Result<PathBuf> {
     let rec = state.image_record(image);
     let key = build_key(state, image)
         .ok_or_else(|| SandboxError::io("stat", &rec)(std::io::ErrorKind::NotFound.into()))?;
@@ -69,7 +74,9 @@ pub fn rootfs_for(state: &StateDir, image: &str, image_root: &Path, ids: IdRange
     }
     // Older builds' copies for this range are never used again.
     for old in copies(state, image) {
-        if old != dst && old.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix(image, ids))) {
+        if old != dst
+            && old.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix(image, ids)))
+        {
             forget_copy(&old);
         }
     }

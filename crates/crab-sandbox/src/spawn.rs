@@ -249,7 +249,8 @@ fn start_in_userns(
     // SAFETY: clone(2) without CLONE_VM and with no new stack behaves like fork(2): the child
     // gets a copy of this single-threaded process (the starter runs before any runtime or
     // thread), so it may use any function afterwards.
-    let ret = unsafe { libc::syscall(libc::SYS_clone, clone_flags, 0usize, 0usize, 0usize, 0usize) };
+    let ret =
+        unsafe { libc::syscall(libc::SYS_clone, clone_flags, 0usize, 0usize, 0usize, 0usize) };
     if ret < 0 {
         return Err(format!(
             "clone(CLONE_NEWUSER|{flags:?}): {} (user namespaces disabled? check /proc/sys/user/max_user_namespaces, or create the sandbox with --userns host)",

@@ -29,6 +29,7 @@ const ALLOW_ALL: [u8; 8] = [0x06, 0, 0, 0, 0, 0, 0xff, 0x7f];
 
 /// The images of a sandbox of the test daemon (the default user-namespace range) against
 /// the default profile in that range.
+#[allow(clippy::result_large_err)] // the library's own error type, as returned
 fn check(dir: &Path) -> crab_checkpoint::Result<images::Checked> {
     let r = crab_common::api::IdRange::at(crab_common::api::IdRange::DEFAULT_BASE).unwrap();
     crab_checkpoint::foreign::check(dir, Some(r))
@@ -260,10 +261,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
                 let d = tmp.path().join(format!("{i}-mnt"));
                 copy_dir(&dir, &d);
                 (f.patch)(&d, tid);
-                assert_eq!(
-                    mount_refusal(check(&d)),
-                    ("/proc/sys".into(), "flags".into())
-                );
+                assert_eq!(mount_refusal(check(&d)), ("/proc/sys".into(), "flags".into()));
                 continue;
             }
             if f.field == "seccomp_mode" && tid != pid {
@@ -308,9 +306,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
         images::read_entries(&dir.join("inventory.img"), images::INVENTORY_MAGIC).unwrap();
     let host_net = inv[0].root_ids.as_ref().unwrap().net_ns_id.unwrap();
     let host_user = inv[0].root_ids.as_ref().unwrap().user_ns_id.unwrap();
-    for (tag, value, field) in
-        [(6, host_net, "ids.net_ns_id"), (10, host_user, "ids.user_ns_id")]
-    {
+    for (tag, value, field) in [(6, host_net, "ids.net_ns_id"), (10, host_user, "ids.user_ns_id")] {
         let d = tmp.path().join(format!("ns-{tag}"));
         copy_dir(&dir, &d);
         edit_image(&d.join("ids-1.img"), 2, &mut |m| {
@@ -344,10 +340,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
     let d = tmp.path().join("no-proc-sys");
     copy_dir(&dir, &d);
     edit_mounts(&d, &|m| if mountpoint_of(&m) == "/proc/sys" { vec![] } else { vec![m] });
-    assert_eq!(
-        mount_refusal(check(&d)),
-        ("/proc/sys".into(), "mountpoint".into())
-    );
+    assert_eq!(mount_refusal(check(&d)), ("/proc/sys".into(), "mountpoint".into()));
     let d = tmp.path().join("extra-proc");
     copy_dir(&dir, &d);
     edit_mounts(&d, &|m| {
@@ -359,10 +352,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
         set(&mut extra, 7, vec![Value::Bytes(b"/mnt".to_vec())]);
         vec![m, extra]
     });
-    assert_eq!(
-        mount_refusal(check(&d)),
-        ("/mnt".into(), "mountpoint".into())
-    );
+    assert_eq!(mount_refusal(check(&d)), ("/mnt".into(), "mountpoint".into()));
 
     // A `nat` sandbox's point (a replayed network namespace with a veth) passes too.
     let nat = common::Sandbox::with_args("t-rimg-nat", &["--network", "nat"]);

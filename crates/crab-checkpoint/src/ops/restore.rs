@@ -157,8 +157,9 @@ impl Checkpointer {
         // when anything fails).
         let mut origin = None;
         if foreign.is_some() {
-            let staged_origin =
-                personalize(&staged, sandbox, rec.profile.userns).map_err(sandbox_err(sandbox)).and_then(|()| {
+            let staged_origin = personalize(&staged, sandbox, rec.profile.userns)
+                .map_err(sandbox_err(sandbox))
+                .and_then(|()| {
                     let mut o = own.begin();
                     o.snapshot_fs(&staged)?;
                     Ok(o)

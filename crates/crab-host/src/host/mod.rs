@@ -157,7 +157,9 @@ impl Host {
             )
         })?;
         runtime.set_userns(opts.userns).map_err(|e| {
-            HostError::internal(format!("cannot open the state directory to the user-namespace range: {e}"))
+            HostError::internal(format!(
+                "cannot open the state directory to the user-namespace range: {e}"
+            ))
         })?;
         if !has_sys_resource() {
             tracing::warn!(

@@ -300,6 +300,18 @@ impl Runtime {
         }
     }
 
+    /// Make image `name`'s copy for new sandboxes now (its shift into the user-namespace
+    /// range, [`crate::shift`]), so the first create after a build or import does not pay
+    /// for it. A failure is only logged: that create makes the copy, or says why.
+    pub fn prepare_image(&self, name: &str, progress: &dyn crab_common::Progress) {
+        let Some(ids) = self.userns() else { return };
+        progress.message(&format!("shifting image {name} into the user-namespace range {ids}"));
+        let profile = SecurityProfile { privileged: false, userns: Some(ids) };
+        if let Err(e) = self.image_root_for(name, &profile) {
+            tracing::warn!(image = name, error = %e, "cannot shift the image into the user-namespace range");
+        }
+    }
+
     /// Keep `n` ready-made root filesystems per recently used image, so creates need no
     /// snapshot of their own (0, the default, turns it off).
     pub fn set_warm_roots(&self, n: usize) {

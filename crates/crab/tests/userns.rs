@@ -62,7 +62,9 @@ fn root_inside_is_an_unprivileged_host_uid() {
     assert_eq!(sb.sh_ok("id -u; id -g"), "0\n0\n");
     assert_eq!(host_uids(init_pid(&sb)), vec![BASE; 4]);
     assert_eq!(
-        sb.sh_ok("cat /proc/self/uid_map /proc/self/gid_map").split_whitespace().collect::<Vec<_>>(),
+        sb.sh_ok("cat /proc/self/uid_map /proc/self/gid_map")
+            .split_whitespace()
+            .collect::<Vec<_>>(),
         ["0", &BASE.to_string(), "65536", "0", &BASE.to_string(), "65536"]
     );
     // The image as built: root's files are root's, the E2B user's home is 1000's, set-id bits
@@ -115,14 +117,9 @@ fn non_root_processes_checkpoint_restore_fork_and_pause() {
     let hit = start_counter(&sb);
     assert_eq!(sb.sh_ok(hit), "1");
     assert_server_is_1000(&sb, "fresh");
-    let v: serde_json::Value = serde_json::from_str(&crab_ok(&[
-        "--json",
-        "checkpoint",
-        &sb.name,
-        "--kind",
-        "full",
-    ]))
-    .unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&crab_ok(&["--json", "checkpoint", &sb.name, "--kind", "full"]))
+            .unwrap();
     assert_eq!(v["point"]["kind"], "full", "{v}");
     let point = v["point"]["id"].as_str().unwrap().to_string();
     assert_eq!(sb.sh_ok(hit), "2");

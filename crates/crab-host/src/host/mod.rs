@@ -387,6 +387,7 @@ impl Host {
                         req.rebuild_stale,
                         progress.as_ref(),
                     )?;
+                    rt.prepare_image(&name, progress.as_ref());
                     Ok(Outcome::Image(i))
                 })
                 .await
@@ -397,7 +398,9 @@ impl Host {
                 blocking(move || {
                     rt.forget_image(&req.name);
                     let path = PathBuf::from(&req.path);
-                    Ok(Outcome::Image(image::import(&state, &req.name, &path, progress.as_ref())?))
+                    let i = image::import(&state, &req.name, &path, progress.as_ref())?;
+                    rt.prepare_image(&req.name, progress.as_ref());
+                    Ok(Outcome::Image(i))
                 })
                 .await
             }

@@ -257,10 +257,24 @@ pub fn restrict_mounts() -> Result<(), String> {
     Ok(())
 }
 
-/// Allow unprivileged ICMP echo sockets (`ping` without `NET_RAW`) in the calling process's
-/// network namespace. Best effort: a kernel without the sysctl just keeps ping root-only.
-pub fn allow_ping() {
-    let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
+/// The host gids a sandbox of profile `p` lets open ICMP echo sockets (`ping` without
+/// `NET_RAW`): every gid of its user namespace (shown inside as `0 65535`: CRIU then dumps and
+/// restores a range it can write there), or every gid for one in the host's; none for
+/// `--privileged` (it has `NET_RAW`).
+pub fn ping_range(p: &SecurityProfile) -> Option<(u32, u32)> {
+    match (p.privileged, p.userns) {
+        (true, _) => None,
+        (false, Some(r)) => Some((r.gid, r.gid + (r.count - 1))),
+        (false, None) => Some((0, 2147483647)),
+    }
+}
+
+/// Allow unprivileged ICMP echo sockets for host gids `range` in the calling thread's network
+/// namespace (written from the host's user namespace). Best effort: a kernel without the
+/// sysctl just keeps ping root-only.
+pub fn allow_ping(range: (u32, u32)) {
+    let _ =
+        std::fs::write("/proc/sys/net/ipv4/ping_group_range", format!("{} {}", range.0, range.1));
 }
 
 /// Drop every capability outside `keep` from the bounding set, including ones newer than the

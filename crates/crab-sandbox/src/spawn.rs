@@ -8,12 +8,15 @@
 //! [`HELPER_ABI`] tells whether two binaries were built from the same sources.
 //!
 //! * The **starter** joins the sandbox's cgroups, unshares pid, mount, uts, ipc and (unless the
-//!   network mode is `host`) net namespaces, and forks the sandbox's pid 1. That child makes the
+//!   network mode is `host`) net namespaces, and forks the sandbox's pid 1 — or, for a
+//!   user-namespaced sandbox, `clone`s it into a new user namespace with all of those at once,
+//!   writes its id maps and releases it as the namespace's root. That child makes the
 //!   mount tree private, bind-mounts the root subvolume, mounts `/proc`, a minimal `/dev`
-//!   (device nodes, devpts, `/dev/shm`), pivots into the root, sets the hostname, points stdio
+//!   (device nodes — the host's bound, in a user namespace —, devpts, `/dev/shm`), pivots into the root, sets the hostname, points stdio
 //!   at `/dev/null`, closes every other fd and execs `/.crab/init`. The starter reports the
 //!   init's host pid and exits, so the init is re-parented away from the daemon and outlives it.
-//! * The **exec helper** joins the cgroups and the init's namespaces, forks (so the command is
+//! * The **exec helper** joins the cgroups and the init's namespaces (its user namespace last,
+//!   becoming root there), forks (so the command is
 //!   inside the pid namespace), and the child execs the command with the daemon's pipes as
 //!   stdout/stderr and `/dev/null` (or a pipe, with `-i`) as stdin. The helper waits and exits
 //!   with the command's status (`128+signal` when killed by a signal).
@@ -202,8 +205,8 @@ pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
     if matches!(spec.net, NetMode::Private | NetMode::Nat) {
         set_loopback_up().map_err(err("bring up lo"))?;
     }
-    if spec.net != NetMode::Host && !spec.profile.privileged {
-        profile::allow_ping();
+    if let Some(r) = profile::ping_range(&spec.profile).filter(|_| spec.net != NetMode::Host) {
+        profile::allow_ping(r);
     }
     let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(err("pipe2"))?;
     // SAFETY: the helper process is single-threaded (it runs before any runtime or thread is
@@ -285,7 +288,7 @@ fn start_in_userns(
             std::fs::write(&p, &map).map_err(err(format!("write {p} ({})", map.trim())))?;
         }
         if matches!(spec.net, NetMode::Private | NetMode::Nat) {
-            set_up_private_netns(pid, !spec.profile.privileged)?;
+            set_up_private_netns(pid, profile::ping_range(&spec.profile))?;
         }
         File::from(go_wr).write_all(b"1").map_err(err("release the sandbox's init"))
     })();
@@ -338,16 +341,16 @@ pub fn in_namespace_of<T: Send>(
     })
 }
 
-/// Give the network namespace of `pid` what a fresh `private` sandbox's has: `lo` up and (with
-/// `allow_ping`) unprivileged ICMP sockets. For a restore that lets CRIU create the namespace
+/// Give the network namespace of `pid` what a fresh `private` sandbox's has: `lo` up and
+/// unprivileged ICMP sockets for the host gids `ping` (`profile::ping_range`). For a restore that lets CRIU create the namespace
 /// empty (`empty_ns`) instead of replaying the dumped links, addresses, routes, rules and
 /// iptables with eight `ip`/`iptables` runs: a sandbox without `CAP_NET_ADMIN` (the default
 /// profile) cannot have changed any of them.
-pub fn set_up_private_netns(pid: u32, allow_ping: bool) -> Result<(), String> {
+pub fn set_up_private_netns(pid: u32, ping: Option<(u32, u32)>) -> Result<(), String> {
     in_namespace_of(pid, "net", CloneFlags::CLONE_NEWNET, || {
         set_loopback_up().map_err(|e| format!("bring up lo in the netns of {pid}: {e}"))?;
-        if allow_ping {
-            profile::allow_ping();
+        if let Some(r) = ping {
+            profile::allow_ping(r);
         }
         Ok(())
     })
@@ -432,7 +435,7 @@ fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String
         if spec.profile.userns.is_some() {
             // No device node can be made, nor opened on a file system mounted, inside a user
             // namespace: the host's own node is bound over an empty file (a checkpoint carries
-            // it as an external mount, `profile::DEVICE_MOUNT_KEY`).
+            // it as an external mount, `profile::DEVICE_MOUNT_PREFIX`).
             File::options()
                 .write(true)
                 .create_new(true)

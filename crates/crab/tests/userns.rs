@@ -84,20 +84,23 @@ fn root_inside_is_an_unprivileged_host_uid() {
     assert!(prof.to_string().contains(&BASE.to_string()), "{prof}");
 }
 
-/// A counter server as uid 1000, started in `sb`; returns the command that reads it.
+/// A counter server: state only in memory.
+const COUNTER: &str = r#"
+import http.server as h, itertools
+c = itertools.count(1)
+class H(h.BaseHTTPRequestHandler):
+    def do_GET(s):
+        b = str(next(c)).encode(); s.send_response(200); s.end_headers(); s.wfile.write(b)
+    def log_message(s, *a): pass
+h.HTTPServer(('127.0.0.1', 8003), H).serve_forever()
+"#;
+
+/// The counter server as uid 1000, started in `sb`; returns the command that reads it.
 fn start_counter(sb: &Sandbox) -> &'static str {
-    sb.sh_ok(
-        "cat > /tmp/srv.py <<'EOF'\n\
-import http.server as h, itertools\n\
-c = itertools.count(1)\n\
-class H(h.BaseHTTPRequestHandler):\n\
-    def do_GET(s):\n\
-        b = str(next(c)).encode(); s.send_response(200); s.end_headers(); s.wfile.write(b)\n\
-    def log_message(s, *a): pass\n\
-h.HTTPServer(('127.0.0.1', 8003), H).serve_forever()\n\
-EOF\n\
-nohup setpriv --reuid=1000 --regid=1000 --init-groups python3 /tmp/srv.py >/dev/null 2>&1 &",
-    );
+    sb.sh_ok(&format!(
+        "cat > /tmp/srv.py <<'EOF'{COUNTER}EOF\n\
+         nohup setpriv --reuid=1000 --regid=1000 --init-groups python3 /tmp/srv.py >/dev/null 2>&1 &"
+    ));
     "for i in $(seq 50); do curl -sf localhost:8003 && exit 0; sleep 0.1; done; exit 1"
 }
 

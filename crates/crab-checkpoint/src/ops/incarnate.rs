@@ -99,7 +99,9 @@ impl Checkpointer {
                 );
                 opts.external.extend(self.masked_external(sandbox, &rec.profile)?);
                 let fresh_net = fresh_netns(rec.net, &rec.profile);
-                if rec.net == NetMode::Nat {
+                let nat_fresh =
+                    (fresh_net && rec.net == NetMode::Nat).then(|| (self.rt.nat(), sandbox));
+                if rec.net == NetMode::Nat && nat_fresh.is_none() {
                     // CRIU recreates eth0's veth pair with a new host end; wired below.
                     opts.external.push(
                         self.rt
@@ -123,7 +125,7 @@ impl Checkpointer {
                 }
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
-                    set_up_fresh_netns(&n, fresh_net)?;
+                    set_up_fresh_netns(&n, fresh_net, &rec.profile, nat_fresh)?;
                     // A branch restored to its origin point carries its source's UTS name.
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -138,7 +140,7 @@ impl Checkpointer {
                     let n = self.rt.sessions().finish_restore(sandbox, wiring, &pids);
                     tracing::debug!(sandbox, sessions = n, "exec sessions re-wired");
                 }
-                if rec.net == NetMode::Nat {
+                if rec.net == NetMode::Nat && nat_fresh.is_none() {
                     self.rt.nat().finish_restore(sandbox, pid).map_err(sandbox_err(sandbox))?;
                 }
                 (pid, true)

@@ -1087,6 +1087,17 @@ pub fn cgroup_paths(cg: &SandboxCgroup) -> CgroupPaths {
 /// `/etc/hostname`, `/etc/machine-id`, `/tmp` or `/.crab` a symlink cannot make the daemon write
 /// or chmod a host file.
 pub fn personalize(rootfs: &Path, name: &str, userns: Option<IdRange>) -> Result<()> {
+    if let Some(r) = userns {
+        // The root directory itself belongs to the namespace's root (a tree materialized from
+        // a remote store gets it from the subvolume the daemon made, the host's root's).
+        use std::os::unix::fs::MetadataExt;
+        let m = fs::symlink_metadata(rootfs).map_err(SandboxError::io("stat", rootfs))?;
+        let inside = |id: u32, base: u32| id >= base && id - base < r.count;
+        if !inside(m.uid(), r.uid) || !inside(m.gid(), r.gid) {
+            std::os::unix::fs::lchown(rootfs, Some(r.uid), Some(r.gid))
+                .map_err(SandboxError::io("chown", rootfs))?;
+        }
+    }
     let root = InRoot::open(rootfs)?.owned_by(userns.map(|r| (r.uid, r.gid)));
     install_init_in(&root)?;
     root.write(Path::new("etc/hostname"), format!("{name}\n").as_bytes(), 0o644)?;

@@ -469,11 +469,12 @@ impl Ctx {
             stdin_session: None,
         };
         let spec = self.rt.exec_spec(&self.name, &req).map_err(ApiError::from)?;
-        let json = serde_json::to_string(&spec)
-            .map_err(|e| ApiError::internal(format!("encoding the exec spec: {e}")))?;
-        let mut child = tokio::process::Command::new(self.rt.helper_exe())
+        let spec_fd = crate::specfd::spec_memfd(&spec).map_err(ApiError::from)?;
+        let mut cmd = tokio::process::Command::new(self.rt.helper_exe());
+        crate::specfd::pass(&mut cmd, &spec_fd);
+        let mut child = cmd
             .arg("__nsexec")
-            .arg(json)
+            .args([crate::specfd::SPEC_FD_ARG, "3"])
             .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -24,6 +24,7 @@ pub mod runtime;
 pub mod sealed;
 pub mod seccomp;
 pub mod spawn;
+pub mod specfd;
 pub mod warm;
 
 pub use error::{Result, SandboxError};

@@ -37,8 +37,9 @@ use crab_common::{ApiError, ErrorCode};
 
 use crate::runtime::Runtime;
 
-/// Largest file or archive written into a sandbox in one operation.
-pub const MAX_WRITE: u64 = 2 << 30;
+/// Largest file or archive written into a sandbox in one operation: a backstop; the front
+/// doors refuse a body over their configured limit (`crab daemon --max-upload`) first.
+pub const MAX_WRITE: u64 = 1 << 40;
 /// Largest reply of a describing operation (stat, list, mkdir, rename, write's entry).
 pub const MAX_REPLY: usize = 16 << 20;
 /// Bytes of a program's stderr kept for an error message.

@@ -163,7 +163,9 @@ class Files:
 
     def write(self, path: str, data: Data, user: Optional[str] = None, mode: Optional[int] = None) -> EntryInfo:
         """Write ``data`` (str, bytes or a binary file object) to ``path`` (parents made; an
-        existing file is overwritten); ``mode`` e.g. ``0o755``. Owned by ``user``."""
+        existing file is overwritten); ``mode`` e.g. ``0o755``. Owned by ``user``. A file object
+        streams as it is read, so any size up to the daemon's ``--max-upload`` (default 4 GiB)
+        goes through; a larger body raises :class:`TooLargeError` naming that flag."""
         p = _params(path, user, mode=None if mode is None else format(mode & 0o7777, "o"))
         return EntryInfo.from_json(_check(self._send("PUT", "", p, _body(data))))
 
@@ -249,9 +251,10 @@ class AsyncFiles:
     async def write(self, path: str, data: Data, user: Optional[str] = None, mode: Optional[int] = None) -> EntryInfo:
         """See :meth:`Files.write`."""
         p = _params(path, user, mode=None if mode is None else format(mode & 0o7777, "o"))
-        body = _body(data)
+        body: Any = _body(data)
         if not isinstance(body, bytes):
-            body = body.read()
+            # A file object streams as it is read (at most a chunk of it in memory).
+            body = c.aiter_body(c._file_chunks(body))
         return EntryInfo.from_json(_check(await self._send("PUT", "", p, body)))
 
     async def list(self, path: str, depth: int = 1, user: Optional[str] = None) -> List[EntryInfo]:

@@ -154,7 +154,7 @@ pub fn check_exec_args(cmd: &[String], env: &[String]) -> Result<()> {
     for (what, list) in [("argument", cmd), ("environment variable", env)] {
         if let Some((i, s)) = list.iter().enumerate().find(|(_, s)| s.len() + 1 > MAX_ARG_STRLEN) {
             let name = if what == "argument" {
-                format!("{what} {i}")
+                format!("{what} {i} of `{}`", cmd.first().map(String::as_str).unwrap_or_default())
             } else {
                 format!("{what} {}", s.split('=').next().unwrap_or_default())
             };

@@ -486,6 +486,64 @@ def check_capability():
     sb.kill()
 
 
+def daemon_hwm_kib():
+    """The Crab daemon's peak resident memory (VmHWM), KiB (CRAB_DAEMON_PID names it)."""
+    with open(f"/proc/{os.environ['CRAB_DAEMON_PID']}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def check_large_bodies():
+    """Issue 28: a 200 KiB environment and a 100 KiB command start (the kernel's 128 KiB per
+    argument is named when a command passes it); a 1 GiB upload through /files streams to the
+    sandbox (sha256 read back inside) with the daemon's memory bounded; a declared upload over
+    --max-upload is refused before a byte is written, naming the flag."""
+    import hashlib
+    import tempfile
+
+    sb = create()
+    env = {"BIG1": "a" * 100_000, "BIG2": "b" * 100_000}
+    r = sb.commands.run('printf %s "$BIG1$BIG2" | sha256sum', envs=env)
+    assert r.stdout.split()[0] == hashlib.sha256((env["BIG1"] + env["BIG2"]).encode()).hexdigest(), r
+    r = sb.commands.run("printf %s " + "c" * 100_000 + " | wc -c")
+    assert r.stdout.strip() == "100000", r
+    try:
+        sb.commands.run("printf %s " + "c" * 200_000 + " | wc -c")
+        raise AssertionError("a 200 KB argument ran")
+    except InvalidArgumentException as e:
+        assert "MAX_ARG_STRLEN" in str(e) and "stdin" in str(e), e
+    # 1 GiB, generated into a file as it is hashed (the SDK sends a file object as it reads it).
+    sha = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir="/var/tmp") as f:
+        for _ in range(1024):
+            b = os.urandom(1 << 20)
+            sha.update(b)
+            f.write(b)
+        f.flush()
+        f.seek(0)
+        before = daemon_hwm_kib()
+        sb.files.write("/home/user/big", f)
+        after = daemon_hwm_kib()
+    print(f"daemon VmHWM 1 GiB E2B upload: {before} KiB before, {after} KiB after", flush=True)
+    r = sb.commands.run("sha256sum /home/user/big; stat -c %s /home/user/big; rm /home/user/big")
+    assert r.stdout.split() == [sha.hexdigest(), "/home/user/big", str(1 << 30)], r.stdout
+    assert after - before < 256 * 1024, f"the daemon grew by {after - before} KiB for a 1 GiB upload"
+    # Declared larger than --max-upload (4 GiB by default): a sparse file, whose length the SDK
+    # declares for a real file object, refused before a byte is written.
+    with tempfile.NamedTemporaryFile(dir="/var/tmp") as f:
+        f.truncate(5 << 30)
+        try:
+            with open(f.name, "rb") as sparse:
+                sb.files.write("/home/user/never", sparse)
+            raise AssertionError("a 5 GiB upload was taken")
+        except SandboxException as e:
+            assert "413" in str(e) and "--max-upload" in str(e), e
+    assert not sb.files.exists("/home/user/never")
+    sb.kill()
+
+
 CHECKS = [
     ("create_run_files", check_create_run_files),
     ("background", check_background),
@@ -498,6 +556,7 @@ CHECKS = [
     ("stdin", check_stdin),
     ("timeout", check_timeout),
     ("capability", check_capability),
+    ("large_bodies", check_large_bodies),
 ]
 
 

@@ -883,12 +883,24 @@ mod tests {
                 "crab-proc".into(),
                 d.display().to_string(),
                 if stdin { "1" } else { "" }.into(),
-                "{}".into(),
                 "/".into(),
                 String::new(),
             ];
             v.extend(argv.iter().map(|s| s.to_string()));
-            let o = Command::new("/bin/sh").args(&v).output().unwrap();
+            // The meta JSON comes on the launcher's stdin.
+            let mut c = Command::new("/bin/sh")
+                .args(&v)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            {
+                use std::io::Write as _;
+                c.stdin.take().unwrap().write_all(b"{\"cmd\":[]}").unwrap();
+            }
+            let o = c.wait_with_output().unwrap();
+            assert_eq!(std::fs::read_to_string(d.join("meta.json")).unwrap(), "{\"cmd\":[]}");
             assert_eq!(o.status.code(), Some(0), "{o:?}");
             String::from_utf8(o.stdout).unwrap().trim().parse::<u32>().unwrap()
         };

@@ -525,6 +525,29 @@ def check_large_bodies():
         raise AssertionError("a 200 KB argument ran")
     except InvalidArgumentException as e:
         assert "MAX_ARG_STRLEN" in str(e) and "stdin" in str(e), e
+    # envd's Process/Start takes an argv (the SDK sends one `bash -l -c` string): a 1 MB
+    # command line in ten arguments, sent as a raw Connect stream.
+    import base64
+    import struct
+
+    args = [chr(ord("a") + i) * 100_000 for i in range(10)]
+    req = {"process": {"cmd": "/bin/sh", "args": ["-c", 'printf %s "$*" | sha256sum; echo $#', "sh", *args]}}
+    payload = json.dumps(req).encode()
+    h = {
+        "E2b-Sandbox-Id": sb.sandbox_id,
+        "X-Access-Token": sb._envd_access_token,
+        "Content-Type": "application/connect+json",
+        "Connect-Protocol-Version": "1",
+    }
+    r = httpx.post(f"{API}/process.Process/Start", headers=h, content=struct.pack(">BI", 0, len(payload)) + payload, timeout=60)
+    out, rest = b"", r.content
+    while len(rest) >= 5:
+        flags, n = struct.unpack(">BI", rest[:5])
+        msg, rest = json.loads(rest[5 : 5 + n]), rest[5 + n :]
+        assert "error" not in msg, msg
+        data = msg.get("event", {}).get("data", {})
+        out += base64.b64decode(data.get("stdout", ""))
+    assert out.decode().split() == [hashlib.sha256(" ".join(args).encode()).hexdigest(), "-", "10"], out[:300]
     # 1 GiB, generated into a file as it is hashed (the SDK sends a file object as it reads it).
     sha = hashlib.sha256()
     with tempfile.NamedTemporaryFile(dir="/var/tmp") as f:

@@ -265,7 +265,7 @@ fn daemon_with_debian(prefix: &str, args: &[&str]) -> OtherDaemon {
 #[test]
 fn an_undeclared_body_over_max_upload_fails_when_it_passes_the_limit() {
     require_root!();
-    let d = daemon_with_debian("crab-lim-max", &["--max-upload", "1M"]);
+    let d = daemon_with_debian("crab-lim-max", &["--max-upload", "1M", "--http-body-timeout", "2"]);
     d.crab_ok(&["sandbox", "create", "debian", "--name", "up"]);
     let sock = d.state.join("crab.sock");
     let sock = sock.to_str().unwrap();
@@ -291,6 +291,28 @@ fn an_undeclared_body_over_max_upload_fails_when_it_passes_the_limit() {
         "{}",
         String::from_utf8_lossy(&o.stdout)
     );
+    // A command that takes its stdin slowly (it reads nothing for 5 s, past the 2 s body
+    // deadline, while its pipe is full) does not make the client late: the body deadline
+    // counts only the time spent waiting for the client.
+    let exec = serde_json::json!({"cmd": ["sh", "-c", "sleep 5; wc -c"], "stdin_session": "slow"});
+    let reader = Command::new("curl")
+        .args(["-sSN", "--unix-socket", sock, "-X", "POST", "-H", "content-type: application/json"])
+        .args(["--data-binary", &exec.to_string()])
+        .arg("http://crab/v1/sandboxes/up/exec")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let feed = format!(
+        "head -c 1000000 /dev/zero | curl -sS --retry 20 --retry-all-errors --retry-delay 0 \
+         --unix-socket {sock} -X POST -H 'content-type: application/octet-stream' -T - \
+         'http://crab/v1/sandboxes/up/exec/slow/stdin?eof=true'"
+    );
+    let o = Command::new("bash").args(["-c", &feed]).output().unwrap();
+    let written = String::from_utf8_lossy(&o.stdout);
+    assert!(written.contains("\"written\":1000000"), "{written}");
+    let frames = String::from_utf8_lossy(&reader.wait_with_output().unwrap().stdout).into_owned();
+    // "1000000\n", base64.
+    assert!(frames.contains("MTAwMDAwMAo="), "{frames}");
 }
 
 /// A `crab` that runs with at most `nofile` descriptors (its connection caps follow).

@@ -107,9 +107,10 @@ pub(super) struct DaemonArgs {
     /// may sit idle between requests) before it is disconnected.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     http_header_timeout: u64,
-    /// Seconds a client of the API socket or the E2B port may take to send a request body, plus
-    /// one second per MiB the body declares (`Content-Length`), so a large upload has time and
-    /// a trickled one is cut off.
+    /// Seconds the API socket and the E2B port wait for a client's request body to come (time
+    /// spent waiting for its bytes; not time the daemon spends passing them on, e.g. to a slow
+    /// command's stdin), plus one second per MiB received: a large upload has time, a trickled
+    /// one is cut off.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86400))]
     http_body_timeout: u64,
 }

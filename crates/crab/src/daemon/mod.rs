@@ -70,7 +70,7 @@ pub struct HttpOptions {
     pub max_upload: u64,
     /// Longest a client may take to send a request head, or sit idle between requests.
     pub header_timeout: std::time::Duration,
-    /// Longest a client may take to send a request body (plus 1 s per declared MiB).
+    /// Longest the daemon waits for a request body's client (plus 1 s per MiB received).
     pub body_timeout: std::time::Duration,
 }
 

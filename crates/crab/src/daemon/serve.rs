@@ -2,8 +2,9 @@
 //! LLM proxy (`crab_coordinator::listener`): at most
 //! `max_connections` connections at once (sized by the daemon's file-descriptor budget; one
 //! past it gets a JSON 503 and is closed), a header-read timeout (also the idle limit of a
-//! kept-alive connection), a deadline on reading a request body (`--http-body-timeout`, plus a
-//! second per MiB the body declares, so a 1 GiB upload has time and a trickle does not), a
+//! kept-alive connection), a deadline on the time spent waiting for a request body's client
+//! (`--http-body-timeout`, plus a second per MiB received, so a 1 GiB upload into a slow
+//! command has time and a trickle does not: `PacedBody`), a
 //! size cap on bodies read whole (JSON; streamed bodies — files, tars, stdin — are bounded by
 //! `--max-upload` in their routes), and every error the HTTP layer makes itself (413, 408, a
 //! body that failed to arrive) answered as the JSON `ApiError`. On shutdown it stops accepting
@@ -22,14 +23,15 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crab_common::{ApiError, ErrorCode};
-use crab_coordinator::limits::{refusal_bytes, ConnGate, DeadlineBody};
+use crab_coordinator::limits::{refusal_bytes, ConnGate, PacedBody};
 use crab_coordinator::listener;
 
 /// Largest API request body read whole (a JSON request: an exec's `stdin_b64` of up to ~48 MiB
 /// travels base64-encoded in it; larger stdin streams, as files do).
 pub const API_MAX_BODY: usize = 64 << 20;
-/// A request body must arrive at this rate or better past the base deadline: the deadline of a
-/// body that declares its length grows by one second per this many bytes.
+/// Past the base body deadline, a client must keep its body coming at this rate: each this many
+/// bytes received buys one more second of waiting for it (`PacedBody`; time the route spends
+/// not reading — a slow command's stdin — does not count).
 pub const MIN_BODY_RATE: u64 = 1 << 20;
 
 /// Bounds of the API server.
@@ -131,21 +133,9 @@ fn refuser<L: listener::Accept>(
 fn bounded(app: Router, limits: &ApiLimits) -> Router {
     let body_timeout = limits.body_read_timeout;
     app.layer(axum::middleware::map_request(move |req: Request| async move {
-        let deadline = body_deadline(body_timeout, req.headers());
-        req.map(|b| Body::new(DeadlineBody::new(b, Some(deadline))))
+        req.map(|b| Body::new(PacedBody::new(b, body_timeout, MIN_BODY_RATE)))
     }))
     .layer(DefaultBodyLimit::max(limits.max_body_bytes))
-}
-
-/// How long a request's body may take: `base`, plus a second per [`MIN_BODY_RATE`] bytes its
-/// `Content-Length` declares (a body without one has `base`).
-pub fn body_deadline(base: Duration, headers: &axum::http::HeaderMap) -> Duration {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    base.saturating_add(Duration::from_secs(declared / MIN_BODY_RATE))
 }
 
 async fn stopped(mut rx: watch::Receiver<bool>) {

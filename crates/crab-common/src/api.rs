@@ -172,6 +172,11 @@ pub struct SandboxCreateRequest {
     /// host as root).
     #[serde(default)]
     pub privileged: bool,
+    /// `host`: run in the host's user namespace, uid 0 inside being the host's root (today's
+    /// mode before user namespaces; unsafe, needed only by workloads that must share ids with
+    /// the host). Absent or `private`: a user namespace of the daemon's range.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub userns: Option<String>,
     /// What its turn boundaries checkpoint: `auto` (the inspector's verdict; the default),
     /// `full`, `fs` or `none` ([`crate::CheckpointPolicy`]). A string here so that a bad value
     /// is refused naming the field and the accepted values.
@@ -210,6 +215,7 @@ impl SandboxCreateRequest {
             nat_range: None,
             limits: Limits::default(),
             privileged: false,
+            userns: None,
             checkpoint_policy: None,
             harness: HarnessSpec::default(),
             labels: BTreeMap::new(),
@@ -267,6 +273,73 @@ pub struct SecurityProfile {
     /// `true`: no restrictions beyond the namespaces (`sandbox create --privileged`, unsafe).
     #[serde(default)]
     pub privileged: bool,
+    /// The user namespace its processes run in: ids `0..count` inside are `uid..uid+count` /
+    /// `gid..gid+count` on the host. Absent: the host's user namespace (`--userns host`, and
+    /// every sandbox created before user namespaces), where uid 0 inside is the host's root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub userns: Option<IdRange>,
+}
+
+/// The host ids a user-namespaced sandbox's ids `0..count` map to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdRange {
+    /// Host uid of uid 0 inside.
+    pub uid: u32,
+    /// Host gid of gid 0 inside.
+    pub gid: u32,
+    /// How many ids are mapped (65536: every id a Linux distribution uses).
+    pub count: u32,
+}
+
+impl IdRange {
+    /// Ids every sandbox maps (`0..65536`).
+    pub const COUNT: u32 = 65536;
+    /// The daemon's default host range: far above the ids `useradd` hands out (≤ 60000) and
+    /// the `/etc/subuid` ranges it allocates from 100000 in steps of 65536 for the first
+    /// ten thousand users.
+    pub const DEFAULT_BASE: u32 = 1_000_000_000;
+
+    /// The range of `count` ids from `base` (uid and gid alike).
+    pub fn at(base: u32) -> Result<Self, String> {
+        if base == 0 || base.checked_add(Self::COUNT).is_none() {
+            return Err(format!(
+                "a user-namespace base of {base} cannot hold {} ids above 0 on the host; pick a base between 1 and {}",
+                Self::COUNT,
+                u32::MAX - Self::COUNT
+            ));
+        }
+        Ok(IdRange { uid: base, gid: base, count: Self::COUNT })
+    }
+
+    /// The host uid of `inside`, when it is mapped.
+    pub fn host_uid(&self, inside: u32) -> Option<u32> {
+        (inside < self.count).then(|| self.uid + inside)
+    }
+
+    /// The host gid of `inside`, when it is mapped.
+    pub fn host_gid(&self, inside: u32) -> Option<u32> {
+        (inside < self.count).then(|| self.gid + inside)
+    }
+
+    /// The `uid_map` line (`0 <uid> <count>`).
+    pub fn uid_map(&self) -> String {
+        format!("0 {} {}\n", self.uid, self.count)
+    }
+
+    /// The `gid_map` line (`0 <gid> <count>`).
+    pub fn gid_map(&self) -> String {
+        format!("0 {} {}\n", self.gid, self.count)
+    }
+}
+
+impl std::fmt::Display for IdRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "0-{} → uid {}-{}", self.count - 1, self.uid, self.uid + (self.count - 1))?;
+        if self.gid != self.uid {
+            write!(f, " gid {}-{}", self.gid, self.gid + (self.count - 1))?;
+        }
+        Ok(())
+    }
 }
 
 /// Run state of a sandbox.
@@ -408,6 +481,9 @@ pub struct ProfileReport {
     pub cgroup_namespace: bool,
     /// Allowed devices (`c major:minor name`).
     pub devices: Vec<String>,
+    /// Its user namespace (`0-65535 → uid …`), or `host` (uid 0 inside is the host's root).
+    #[serde(default)]
+    pub user_namespace: String,
 }
 
 /// `POST /v1/sandboxes/{name}/exec`: streams [`ExecFrame`]s.

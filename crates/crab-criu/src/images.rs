@@ -42,6 +42,10 @@ pub const FSTYPE_PROC: u32 = 1;
 pub const FSTYPE_TMPFS: u32 = 5;
 /// `fstype.DEVPTS`.
 pub const FSTYPE_DEVPTS: u32 = 6;
+/// `fstype.DEVTMPFS` (a host device node bound into a user-namespaced sandbox's `/dev`).
+pub const FSTYPE_DEVTMPFS: u32 = 3;
+/// `USERNS_MAGIC` (`userns-<id>.img`: a user namespace's id maps).
+pub const USERNS_MAGIC: u32 = 0x5547_4906;
 /// `MS_RDONLY`.
 pub const MS_RDONLY: u32 = 1;
 /// `SECCOMP_MAGIC`.
@@ -262,6 +266,32 @@ pub struct MntEntry {
     pub ext_key: Option<String>,
 }
 
+/// `uid_gid_extent` (`images/userns.proto`): ids `first..first+count` inside are
+/// `lower_first..` in the parent namespace.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UidGidExtent {
+    /// First id inside.
+    #[prost(uint32, required, tag = "1")]
+    pub first: u32,
+    /// First id outside.
+    #[prost(uint32, required, tag = "2")]
+    pub lower_first: u32,
+    /// How many.
+    #[prost(uint32, required, tag = "3")]
+    pub count: u32,
+}
+
+/// `userns_entry`: a user namespace's `uid_map` and `gid_map`, which a restore writes.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct UsernsEntry {
+    /// `uid_map` lines.
+    #[prost(message, repeated, tag = "1")]
+    pub uid_map: Vec<UidGidExtent>,
+    /// `gid_map` lines.
+    #[prost(message, repeated, tag = "2")]
+    pub gid_map: Vec<UidGidExtent>,
+}
+
 /// `inventory_entry`: only what the check reads.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct InventoryEntry {
@@ -320,8 +350,11 @@ pub struct MountRule {
     pub readonly: bool,
     /// It must be there (a masked or read-only path this kernel has).
     pub required: bool,
-    /// It may be the external mount of [`MountPolicy::ext_key`].
+    /// It may be the external mount of [`MountPolicy::ext_key`] (or of its own `ext_key`).
     pub external: bool,
+    /// The external-mount key it may have instead of the policy's (a device node bound
+    /// from the host).
+    pub ext_key: Option<String>,
 }
 
 /// Ids a restored task may have: pluggable for a coming user-namespace range (sandboxes run
@@ -356,6 +389,21 @@ impl IdRange {
 pub struct NsPolicy {
     /// The tree must have its own network namespace (every mode but `host`).
     pub own_net: bool,
+    /// `Some`: the tree must have its own user namespace mapping exactly these ids (a
+    /// restore writes the images' maps: any other would hand the sandbox other host ids, the
+    /// host's root among them); `None`: it must have none.
+    pub userns: Option<UsernsMap>,
+}
+
+/// One user namespace's maps: ids `0..count` inside are `uid..` / `gid..` on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UsernsMap {
+    /// Host uid of uid 0 inside.
+    pub uid: u32,
+    /// Host gid of gid 0 inside.
+    pub gid: u32,
+    /// How many ids.
+    pub count: u32,
 }
 
 /// Why images were refused or could not be read.
@@ -669,6 +717,9 @@ pub fn check_dir(dir: &Path, policy: &Policy) -> Result<Checked, ImageError> {
             (None, Some(ids)) => {
                 check_root_ns(&ids, &root_ids, policy.namespaces)
                     .map_err(|(f, v, a)| refuse(pid, f, v, a))?;
+                if let (Some(want), Some(id)) = (policy.namespaces.userns, ids.user_ns_id) {
+                    check_userns(dir, id, want)?;
+                }
                 tree_ids = Some(ids);
             }
             (Some(root), Some(ids)) => {
@@ -790,14 +841,23 @@ fn check_mounts(dir: &Path, root: &TaskKobjIdsEntry, p: &MountPolicy) -> Result<
                 "a mountpoint of the profile",
             ));
         };
+        let key = rule.ext_key.as_deref().unwrap_or(p.ext_key.as_str());
         if (m.ext_mount == Some(true) || m.ext_key.is_some())
-            && !(rule.external && m.ext_key.as_deref() == Some(p.ext_key.as_str()))
+            && !(rule.external && m.ext_key.as_deref() == Some(key))
         {
             return Err(mount_err(
                 mp,
                 "ext_key",
                 format!("{:?}", m.ext_key),
-                format!("{:?} on a masked directory only", p.ext_key),
+                format!("{key:?} on {mp} only (a masked directory or a device node)"),
+            ));
+        }
+        if rule.ext_key.is_some() && m.ext_key.as_deref() != Some(key) {
+            return Err(mount_err(
+                mp,
+                "ext_key",
+                format!("{:?}", m.ext_key),
+                format!("{key:?} (the host's device node)"),
             ));
         }
         let (want_type, ro) = (rule.fstype, rule.readonly);
@@ -1023,10 +1083,18 @@ fn check_root_ns(
             "the host's (host networking)",
         ));
     }
-    // No user namespace of its own. A time namespace of its own is fine: CRIU gives a restored
-    // init one (its clocks continue), so every point taken after a restore has one; that
-    // every task shares the root's is checked with the other namespaces (`ns_diff`).
-    if ids.user_ns_id != criu.user_ns_id {
+    // A user namespace of its own exactly when the profile makes one (its maps are checked
+    // by `check_userns`). A time namespace of its own is fine: CRIU gives a restored init one
+    // (its clocks continue), so every point taken after a restore has one; that every task
+    // shares the root's is checked with the other namespaces (`ns_diff`).
+    if p.userns.is_some() && !own(ids.user_ns_id, criu.user_ns_id) {
+        return Err((
+            "ids.user_ns_id",
+            shown(ids.user_ns_id, criu.user_ns_id),
+            "a user namespace of the sandbox's own",
+        ));
+    }
+    if p.userns.is_none() && ids.user_ns_id != criu.user_ns_id {
         return Err((
             "ids.user_ns_id",
             shown(ids.user_ns_id, criu.user_ns_id),
@@ -1034,6 +1102,37 @@ fn check_root_ns(
         ));
     }
     Ok(())
+}
+
+/// The maps of user namespace `id` (`userns-<id>.img`) must be exactly `want`'s.
+fn check_userns(dir: &Path, id: u32, want: UsernsMap) -> Result<(), ImageError> {
+    let path = dir.join(format!("userns-{id}.img"));
+    let e: UsernsEntry = one(&path, USERNS_MAGIC)?;
+    for (field, map, lower) in
+        [("uid_map", &e.uid_map, want.uid), ("gid_map", &e.gid_map, want.gid)]
+    {
+        let ok = map.len() == 1
+            && map[0] == UidGidExtent { first: 0, lower_first: lower, count: want.count };
+        if !ok {
+            let seen: Vec<String> =
+                map.iter().map(|x| format!("{} {} {}", x.first, x.lower_first, x.count)).collect();
+            return Err(userns_refused(&path, field, seen.join(", "), lower, want.count));
+        }
+    }
+    Ok(())
+}
+
+fn userns_refused(path: &Path, field: &str, seen: String, lower: u32, count: u32) -> ImageError {
+    ImageError::Refused {
+        pid: 0,
+        tid: 0,
+        field: format!(
+            "{} {field}",
+            path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()
+        ),
+        value: format!("[{seen}]"),
+        allowed: format!("exactly [0 {lower} {count}], this host's range for sandboxes"),
+    }
 }
 
 #[cfg(test)]
@@ -1047,7 +1146,7 @@ mod tests {
             no_new_privs: true,
             secbits: 0,
             seccomp: vec![vec![6, 0, 0, 0, 0, 0, 0xff, 0x7f]],
-            namespaces: NsPolicy { own_net: true },
+            namespaces: NsPolicy { own_net: true, userns: None },
             mounts: None,
         }
     }

@@ -98,6 +98,9 @@ pub struct Grant {
     pub net: NetMode,
     /// Limits (disk, memory, pids, cpu).
     pub limits: Limits,
+    /// This host's user-namespace range (`crab daemon --userns-base`): the only one a point
+    /// may run in besides the host's own.
+    pub userns: Option<crab_common::api::IdRange>,
 }
 
 /// How much a network mode opens: `none` < `private` < `nat` < `host`.
@@ -160,8 +163,35 @@ pub fn admit_meta(meta: &serde_json::Value, grant: &Grant) -> Result<SandboxReco
             ))
         }
     }
+    // User namespace: none (a point of a `--userns host` sandbox, or of one from before user
+    // namespaces: today's default profile) or exactly this host's range, whose ids the point's
+    // files and process images carry (checked again in the images, `foreign::check`).
+    let userns = match get(&["profile", "userns"]) {
+        None => None,
+        Some(v) => {
+            let asked: crab_common::api::IdRange =
+                serde_json::from_value(v.clone()).map_err(|_| {
+                    refusal(
+                        "sandbox_meta.profile.userns",
+                        format!("sandbox_meta.profile.userns is {v}, not an id range"),
+                        "export the point again from its host",
+                    )
+                })?;
+            if Some(asked) != grant.userns {
+                return Err(refusal(
+                    "sandbox_meta.profile.userns",
+                    format!(
+                        "the point's files and processes belong to the user-namespace range {asked} (sandbox_meta.profile.userns); this host runs sandboxes in {}",
+                        grant.userns.map_or("the host's user namespace".to_string(), |r| r.to_string())
+                    ),
+                    format!("restore it on a host whose daemon runs with --userns-base {}", asked.uid),
+                ));
+            }
+            Some(asked)
+        }
+    };
     if let Some(p) = obj.get("profile").and_then(Value::as_object) {
-        if let Some(k) = p.keys().find(|k| k.as_str() != "privileged") {
+        if let Some(k) = p.keys().find(|k| !matches!(k.as_str(), "privileged" | "userns")) {
             return Err(refusal(
                 "sandbox_meta.profile",
                 format!(
@@ -268,7 +298,7 @@ pub fn admit_meta(meta: &serde_json::Value, grant: &Grant) -> Result<SandboxReco
         net: grant.net,
         hostname: String::new(),
         limits: grant.limits.clone(),
-        profile: SecurityProfile::default(),
+        profile: SecurityProfile { privileged: false, userns },
         cgroup: None,
         nat: None,
         held: None,
@@ -358,8 +388,13 @@ async fn hash_images(repo: &Repo, state: &crab_common::paths::StateDir) {
     for de in rd.flatten() {
         let name = de.file_name().to_string_lossy().into_owned();
         let Some(image) = name.strip_suffix(".json") else { continue };
-        if let Err(e) = crab_remote::local::local_image_tree(repo, state, image).await {
-            tracing::warn!(image, error = %e, "cannot hash a local image");
+        let copies = crab_sandbox::shift::current_copies(state, image).into_iter();
+        for userns in std::iter::once(None).chain(copies.map(|(r, _)| Some(r))) {
+            if let Err(e) =
+                crab_remote::local::local_image_tree_for(repo, state, image, userns).await
+            {
+                tracing::warn!(image, error = %e, "cannot hash a local image");
+            }
         }
     }
 }
@@ -630,7 +665,7 @@ mod tests {
     use super::*;
 
     fn grant() -> Grant {
-        Grant { net: NetMode::Private, limits: Limits::default() }
+        Grant { net: NetMode::Private, limits: Limits::default(), userns: None }
     }
 
     /// What the exporter writes: the source sandbox's whole record.
@@ -656,6 +691,7 @@ mod tests {
         let g = Grant {
             net: NetMode::None,
             limits: Limits { memory_bytes: Some(1 << 30), ..Default::default() },
+            userns: None,
         };
         let mut meta = exported();
         meta["net"] = "none".into();
@@ -694,6 +730,7 @@ mod tests {
                 cpu_millis: Some(500),
                 disk_bytes: Some(1 << 30),
             },
+            userns: None,
         };
         for (key, v) in [
             ("memory_bytes", 2u64 << 30),

@@ -29,12 +29,20 @@ pub fn export_source(state: &StateDir, store: &Store, m: &Manifest) -> Result<Ex
             return Err(RemoteError::Io { op: "read conversation log", path: log, source: e })
         }
     };
+    // The image the point's tree is diffed against: the image itself, or for a
+    // user-namespaced sandbox its copy shifted into the sandbox's range (`crab_sandbox::shift`),
+    // whose owners are the point's.
+    let userns: Option<crab_common::api::IdRange> = m
+        .sandbox_meta
+        .get("profile")
+        .and_then(|p| p.get("userns"))
+        .and_then(|v| serde_json::from_value(v.clone()).ok());
     let image = m
         .sandbox_meta
         .get("image")
         .and_then(|v| v.as_str())
         .filter(|n| crab_common::names::validate("image", n).is_ok())
-        .map(|n| (n.to_string(), state.image_rootfs(n)))
+        .and_then(|n| image_dir(state, n, userns).map(|d| (n.to_string(), d)))
         .filter(|(_, dir)| dir.is_dir());
     Ok(ExportSource {
         sandbox: store.sandbox().to_string(),
@@ -177,9 +185,17 @@ async fn materialize_inner(
     // becomes local (and again when one already here is used): `crab_checkpoint::foreign`.
     let vet = |m: &Manifest| -> Result<()> {
         match (&m.procs, fs_only) {
-            (Some(p), false) => crab_checkpoint::foreign::check(&store.proc_dir(p.id))
-                .map(|_| ())
-                .map_err(|e| RemoteError::Untrusted { point: what.clone(), reason: e.to_string() }),
+            // The user namespace the admission let the point have (`admission.check`: none,
+            // or this host's range).
+            (Some(p), false) => crab_checkpoint::foreign::check(
+                &store.proc_dir(p.id),
+                m.sandbox_meta
+                    .get("profile")
+                    .and_then(|p| p.get("userns"))
+                    .and_then(|v| serde_json::from_value(v.clone()).ok()),
+            )
+            .map(|_| ())
+            .map_err(|e| RemoteError::Untrusted { point: what.clone(), reason: e.to_string() }),
             _ => Ok(()),
         }
     };
@@ -407,15 +423,41 @@ struct ImageTreeStamp {
     tree: Id,
 }
 
+/// The root of local image `name` (`userns`: its copy shifted into that range, when made).
+fn image_dir(
+    state: &StateDir,
+    name: &str,
+    userns: Option<crab_common::api::IdRange>,
+) -> Option<PathBuf> {
+    match userns {
+        None => Some(state.image_rootfs(name)),
+        Some(ids) => crab_sandbox::shift::existing(state, name, ids),
+    }
+}
+
 /// The tree id local image `name` has in `repo` (None when there is no such image here),
 /// hashed from its files once and kept in `<cache>/images/NAME.json`, keyed by the
 /// repository, the image's record and its root's ctime (images are read-only subvolumes; a
 /// rebuild writes a new record).
 pub async fn local_image_tree(repo: &Repo, state: &StateDir, name: &str) -> Result<Option<Id>> {
+    local_image_tree_for(repo, state, name, None).await
+}
+
+/// [`local_image_tree`] of the image's copy shifted into `userns` (`<cache>/images/NAME@UID:GID:COUNT.json`).
+pub async fn local_image_tree_for(
+    repo: &Repo,
+    state: &StateDir,
+    name: &str,
+    userns: Option<crab_common::api::IdRange>,
+) -> Result<Option<Id>> {
     if crab_common::names::validate("image", name).is_err() {
         return Ok(None);
     }
-    let dir = state.image_rootfs(name);
+    let Some(dir) = image_dir(state, name, userns) else { return Ok(None) };
+    let cache_name = match userns {
+        None => name.to_string(),
+        Some(r) => format!("{name}@{}:{}:{}", r.uid, r.gid, r.count),
+    };
     let (Ok(meta), Ok(record)) = (std::fs::metadata(&dir), std::fs::read(state.image_record(name)))
     else {
         return Ok(None);
@@ -426,7 +468,7 @@ pub async fn local_image_tree(repo: &Repo, state: &StateDir, name: &str) -> Resu
         ctime_ns: meta.ctime().saturating_mul(1_000_000_000).saturating_add(meta.ctime_nsec()),
         tree: Id([0; 32]),
     };
-    let path = repo.cache_dir().join("images").join(format!("{name}.json"));
+    let path = repo.cache_dir().join("images").join(format!("{cache_name}.json"));
     if let Some(old) = std::fs::read(&path)
         .ok()
         .and_then(|b| serde_json::from_slice::<ImageTreeStamp>(&b).ok())
@@ -458,16 +500,23 @@ async fn matching_image(
     name: &str,
     want: &Id,
 ) -> Option<(PathBuf, Id)> {
-    match local_image_tree(repo, state, name).await {
-        Ok(Some(t)) if t == *want => Some((state.image_rootfs(name), t)),
-        Ok(Some(t)) => {
-            tracing::info!(image = name, local = %t, point = %want, "the local image differs from the point's; downloading the whole tree");
-            None
-        }
-        Ok(None) => None,
-        Err(e) => {
-            tracing::warn!(image = name, error = %e, "cannot hash the local image; downloading the whole tree");
-            None
+    // The image itself, then each of its shifted copies (a user-namespaced point's tree is
+    // one of those).
+    let ranges = std::iter::once(None)
+        .chain(crab_sandbox::shift::current_copies(state, name).into_iter().map(|(r, _)| Some(r)));
+    let mut seen = Vec::new();
+    for userns in ranges {
+        match local_image_tree_for(repo, state, name, userns).await {
+            Ok(Some(t)) if t == *want => return image_dir(state, name, userns).map(|d| (d, t)),
+            Ok(Some(t)) => seen.push(t.to_string()),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(image = name, error = %e, "cannot hash a local image");
+            }
         }
     }
+    if !seen.is_empty() {
+        tracing::info!(image = name, local = ?seen, point = %want, "the local image differs from the point's; downloading the whole tree");
+    }
+    None
 }

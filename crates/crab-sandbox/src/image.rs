@@ -104,6 +104,7 @@ pub fn remove(state: &StateDir, name: &str) -> Result<()> {
     // Record first: without it the image is invisible, whatever happens next.
     let rec = state.image_record(name);
     fs::remove_file(&rec).or_else(ignore_missing).map_err(SandboxError::io("remove", &rec))?;
+    crate::shift::forget(state, name);
     btrfs::remove_tree(&state.image_rootfs(name))
         .map_err(SandboxError::io("delete subvolume", state.image_rootfs(name)))?;
     Ok(())

@@ -26,6 +26,9 @@ use crate::error::{Result, SandboxError};
 pub struct InRoot {
     root: PathBuf,
     fd: OwnedFd,
+    /// Host uid and gid of what it creates (a user-namespaced sandbox's root: the range's
+    /// base); `None`: the daemon's own (host root).
+    owner: Option<(u32, u32)>,
 }
 
 fn resolve_flags() -> ResolveFlag {
@@ -63,7 +66,19 @@ impl InRoot {
             .map_err(|e| SandboxError::io("open root", root)(errno_io(e)))?;
         // SAFETY: `open` just returned this descriptor; nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(InRoot { root: root.to_path_buf(), fd })
+        Ok(InRoot { root: root.to_path_buf(), fd, owner: None })
+    }
+
+    /// Create every file and directory as host `uid`:`gid` from now on (`None`: as the daemon).
+    pub fn owned_by(mut self, owner: Option<(u32, u32)>) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    fn chown_fd(&self, fd: i32, shown: &Path) -> Result<()> {
+        let Some((u, g)) = self.owner else { return Ok(()) };
+        nix::unistd::fchown(fd, Some(u.into()), Some(g.into()))
+            .map_err(|e| SandboxError::io("chown", shown)(errno_io(e)))
     }
 
     /// The host path of `rel`, for messages only (never opened).
@@ -104,7 +119,21 @@ impl InRoot {
                     *c,
                     Mode::from_bits_truncate(0o755),
                 ) {
-                    Ok(()) | Err(Errno::EEXIST) => {}
+                    Ok(()) => {
+                        if let Some((u, g)) = self.owner {
+                            nix::unistd::fchownat(
+                                Some(parent.as_raw_fd()),
+                                *c,
+                                Some(u.into()),
+                                Some(g.into()),
+                                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                            )
+                            .map_err(|e| {
+                                SandboxError::io("chown", self.shown(&prefix))(errno_io(e))
+                            })?;
+                        }
+                    }
+                    Err(Errno::EEXIST) => {}
                     Err(e) => {
                         return Err(SandboxError::io("mkdir", self.shown(&prefix))(errno_io(e)))
                     }
@@ -160,6 +189,7 @@ impl InRoot {
         };
         // SAFETY: `openat` just returned this descriptor; nothing else owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        self.chown_fd(fd.as_raw_fd(), &self.shown(rel))?;
         nix::sys::stat::fchmod(fd.as_raw_fd(), Mode::from_bits_truncate(mode))
             .map_err(|e| SandboxError::io("chmod", self.shown(rel))(errno_io(e)))
     }
@@ -192,9 +222,19 @@ impl InRoot {
             name,
             Mode::from_bits_truncate(mode),
         ) {
-            Ok(()) | Err(Errno::EEXIST) => Ok(()),
-            Err(e) => Err(SandboxError::io("mkdir", &shown)(errno_io(e))),
+            Ok(()) => {}
+            Err(Errno::EEXIST) => return Ok(()),
+            Err(e) => return Err(SandboxError::io("mkdir", &shown)(errno_io(e))),
         }
+        let Some((u, g)) = self.owner else { return Ok(()) };
+        nix::unistd::fchownat(
+            Some(self.fd.as_raw_fd()),
+            name,
+            Some(u.into()),
+            Some(g.into()),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| SandboxError::io("chown", &shown)(errno_io(e)))
     }
 
     /// Write `bytes` to file `rel` with `mode`, replacing whatever entry (file or symlink) has
@@ -220,6 +260,7 @@ impl InRoot {
         let written = f
             .write_all(bytes)
             .map_err(SandboxError::io("write", &shown_tmp))
+            .and_then(|()| self.chown_fd(f.as_raw_fd(), &shown_tmp))
             .and_then(|()| {
                 // The umask may have narrowed the mode at creation.
                 nix::sys::stat::fchmod(f.as_raw_fd(), Mode::from_bits_truncate(mode))

@@ -78,6 +78,55 @@ pub fn masked_restore_external(source: &std::path::Path) -> String {
     format!("mnt[{MASKED_MOUNT_KEY}]:{}", source.display())
 }
 
+/// The CRIU external-mount key of the host device node bound at `/dev/<name>` in a
+/// user-namespaced sandbox (no device node can be made inside one, so the starter binds the
+/// host's, `crate::spawn`), and at the masked files bound from `/dev/null`: a dump declares
+/// each such mount external under `crab-dev-<name>` ([`device_dump_externals`]), and a restore
+/// binds the host's node again ([`device_restore_externals`]).
+pub const DEVICE_MOUNT_PREFIX: &str = "crab-dev-";
+
+/// The `external` entries of a dump of user-namespaced sandbox whose init is `init_pid`: one
+/// per mount of its mount table (`/proc/<init_pid>/mountinfo`, read bounded) whose source is
+/// a host device node of [`ALLOWED_DEVICES`] (`/dev/null`, and the masked files bound from it).
+pub fn device_dump_externals(init_pid: u32) -> Vec<String> {
+    use std::io::Read;
+    let path = format!("/proc/{init_pid}/mountinfo");
+    let mut text = String::new();
+    let read = std::fs::File::open(&path)
+        .and_then(|f| f.take(1 << 20).read_to_string(&mut text).map(drop));
+    if let Err(e) = read {
+        tracing::warn!(path, error = %e, "cannot read the sandbox's mount table");
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // id parent major:minor root mountpoint ...
+        let f: Vec<&str> = line.split(' ').collect();
+        let (Some(root), Some(at)) = (f.get(3), f.get(4)) else { continue };
+        let Some(dev) = root.strip_prefix('/') else { continue };
+        if !ALLOWED_DEVICES.iter().any(|d| d.0 == dev && d.0 != "ptmx") {
+            continue;
+        }
+        let devtmpfs = line.split(" - ").nth(1).is_some_and(|t| t.starts_with("devtmpfs "));
+        let at_device = at.strip_prefix("/dev/").is_some_and(|n| n == dev);
+        let masked = MASKED_PATHS.contains(at) && !MASKED_DIRS.contains(at);
+        if devtmpfs && (at_device || masked) {
+            out.push(format!("mnt[{at}]:{DEVICE_MOUNT_PREFIX}{dev}"));
+        }
+    }
+    out
+}
+
+/// The `external` entries of a restore of a user-namespaced sandbox: every allowed device's
+/// key bound to the host's node (`mnt[crab-dev-null]:/dev/null`, …).
+pub fn device_restore_externals() -> Vec<String> {
+    ALLOWED_DEVICES
+        .iter()
+        .filter(|d| d.0 != "ptmx")
+        .map(|d| format!("mnt[{DEVICE_MOUNT_PREFIX}{}]:/dev/{}", d.0, d.0))
+        .collect()
+}
+
 /// Make `dir` an empty read-only tmpfs (`mode=555`, `nosuid,nodev,noexec`) unless it already
 /// is a mount point. Its superblock is read-only, so nothing — not the daemon, not a sandbox
 /// holding a bind of it — can add an entry; sandboxes may share it.
@@ -131,6 +180,7 @@ pub fn report(p: &SecurityProfile) -> ProfileReport {
             readonly_paths: Vec::new(),
             cgroup_namespace: false,
             devices: vec!["all".into()],
+            user_namespace: userns_report(p),
         };
     }
     let mut devices: Vec<String> =
@@ -149,6 +199,14 @@ pub fn report(p: &SecurityProfile) -> ProfileReport {
         readonly_paths: READONLY_PATHS.iter().map(|s| s.to_string()).collect(),
         cgroup_namespace: true,
         devices,
+        user_namespace: userns_report(p),
+    }
+}
+
+fn userns_report(p: &SecurityProfile) -> String {
+    match p.userns {
+        Some(r) => r.to_string(),
+        None => "host (uid 0 inside is the host's root)".into(),
     }
 }
 
@@ -199,10 +257,24 @@ pub fn restrict_mounts() -> Result<(), String> {
     Ok(())
 }
 
-/// Allow unprivileged ICMP echo sockets (`ping` without `NET_RAW`) in the calling process's
-/// network namespace. Best effort: a kernel without the sysctl just keeps ping root-only.
-pub fn allow_ping() {
-    let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
+/// The host gids a sandbox of profile `p` lets open ICMP echo sockets (`ping` without
+/// `NET_RAW`): every gid of its user namespace (shown inside as `0 65535`: CRIU then dumps and
+/// restores a range it can write there), or every gid for one in the host's; none for
+/// `--privileged` (it has `NET_RAW`).
+pub fn ping_range(p: &SecurityProfile) -> Option<(u32, u32)> {
+    match (p.privileged, p.userns) {
+        (true, _) => None,
+        (false, Some(r)) => Some((r.gid, r.gid + (r.count - 1))),
+        (false, None) => Some((0, 2147483647)),
+    }
+}
+
+/// Allow unprivileged ICMP echo sockets for host gids `range` in the calling thread's network
+/// namespace (written from the host's user namespace). Best effort: a kernel without the
+/// sysctl just keeps ping root-only.
+pub fn allow_ping(range: (u32, u32)) {
+    let _ =
+        std::fs::write("/proc/sys/net/ipv4/ping_group_range", format!("{} {}", range.0, range.1));
 }
 
 /// Drop every capability outside `keep` from the bounding set, including ones newer than the

@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    ExecRequest, HarnessSpec, Limits, NetMode, SandboxCreateRequest, SandboxInfo, SecurityProfile,
+    ExecRequest, HarnessSpec, IdRange, Limits, NetMode, SandboxCreateRequest, SandboxInfo,
+    SecurityProfile,
 };
 use crab_common::life::{Deadline, Life, OnDeadline, Status};
 use crab_common::names;
@@ -141,6 +142,9 @@ pub struct Runtime {
     sessions: crate::exec::Sessions,
     /// Serializes [`Runtime::edit`]s (read, change, write of one record never interleave).
     edit_lock: Mutex<()>,
+    /// The user-namespace range of new sandboxes (`crab daemon --userns-base`); `None`: the
+    /// host's (`crab daemon --userns host`).
+    userns: Mutex<Option<IdRange>>,
 }
 
 use crab_common::clock::now_s as now;
@@ -249,7 +253,9 @@ impl Runtime {
             creating: Mutex::new(Vec::new()),
             sessions: crate::exec::Sessions::default(),
             edit_lock: Mutex::new(()),
+            userns: Mutex::new(None),
         };
+        rt.set_userns(Some(IdRange::at(IdRange::DEFAULT_BASE).map_err(SandboxError::Invalid)?))?;
         rt.load()?;
         rt.adopt_nat();
         Ok(rt)
@@ -259,6 +265,51 @@ impl Runtime {
     /// [`Hierarchy::favordynmods`] — and say whether it is on, and why (not).
     pub fn tune_cgroup_migrations(&self, enable: bool) -> (bool, String) {
         self.hier.favordynmods(enable)
+    }
+
+    /// Run new sandboxes in a user namespace mapping `0..65536` to `ids` (`None`: in the
+    /// host's, uid 0 inside being the host's root). The state directory stays closed to
+    /// others but lets the range's root group through (mode `0710`, group `ids.gid`; Docker's
+    /// userns-remap does the same): a sandbox's init, and CRIU restoring one, reach the
+    /// sandbox's root subvolume by its host path as that group.
+    pub fn set_userns(&self, ids: Option<IdRange>) -> Result<()> {
+        if let Some(ids) = ids {
+            let root = self.cfg.state.root();
+            std::os::unix::fs::chown(root, None, Some(ids.gid))
+                .map_err(SandboxError::io("chown", root))?;
+            fs::set_permissions(root, std::os::unix::fs::PermissionsExt::from_mode(0o710))
+                .map_err(SandboxError::io("chmod", root))?;
+        }
+        *crab_common::sync::lock(&self.userns) = ids;
+        Ok(())
+    }
+
+    /// The user-namespace range of new sandboxes.
+    pub fn userns(&self) -> Option<IdRange> {
+        *crab_common::sync::lock(&self.userns)
+    }
+
+    /// The root subvolume sandboxes of `image` under `profile` are snapshots of: the image
+    /// itself, or its copy shifted into the profile's user-namespace range ([`crate::shift`]),
+    /// made now when there is none yet.
+    pub fn image_root_for(&self, image: &str, profile: &SecurityProfile) -> Result<PathBuf> {
+        let root = image::rootfs_of(&self.cfg.state, image)?;
+        match profile.userns {
+            Some(ids) => crate::shift::rootfs_for(&self.cfg.state, image, &root, ids),
+            None => Ok(root),
+        }
+    }
+
+    /// Make image `name`'s copy for new sandboxes now (its shift into the user-namespace
+    /// range, [`crate::shift`]), so the first create after a build or import does not pay
+    /// for it. A failure is only logged: that create makes the copy, or says why.
+    pub fn prepare_image(&self, name: &str, progress: &dyn crab_common::Progress) {
+        let Some(ids) = self.userns() else { return };
+        progress.message(&format!("shifting image {name} into the user-namespace range {ids}"));
+        let profile = SecurityProfile { privileged: false, userns: Some(ids) };
+        if let Err(e) = self.image_root_for(name, &profile) {
+            tracing::warn!(image = name, error = %e, "cannot shift the image into the user-namespace range");
+        }
     }
 
     /// Keep `n` ready-made root filesystems per recently used image, so creates need no
@@ -586,9 +637,20 @@ impl Runtime {
         if let Some(r) = &req.nat_range {
             crate::net::parse_range(r)?;
         }
-        let image_root = image::rootfs_of(&self.cfg.state, &req.image)?;
+        let userns = match req.userns.as_deref() {
+            Some("host") => None,
+            // --privileged keeps every host power, the host's ids with them.
+            None | Some("private") if req.privileged => None,
+            None | Some("private") => self.userns(),
+            Some(other) => {
+                return Err(SandboxError::Invalid(format!(
+                    "unknown user-namespace mode {other:?}; use `private` (the default: root inside is an unprivileged host uid) or `host`"
+                )))
+            }
+        };
+        let profile = SecurityProfile { privileged: req.privileged, userns };
+        let image_root = self.image_root_for(&req.image, &profile)?;
         self.reserve(&name)?;
-        let profile = SecurityProfile { privileged: req.privileged };
         let result = match req.net {
             NetMode::Nat => self.nat.allocate(&name, req.nat_range.as_deref()).map(drop),
             _ => Ok(()),
@@ -674,7 +736,7 @@ impl Runtime {
             btrfs::snapshot(image_root, &rootfs, false)?;
         }
         self.limit_disk(&rootfs, limits)?;
-        personalize(&rootfs, name)?;
+        personalize(&rootfs, name, profile.userns)?;
         let (init_pid, init_start) = self.start_init(name, net, limits, profile)?;
         rec.init_pid = init_pid;
         rec.init_start = init_start;
@@ -1027,8 +1089,8 @@ pub fn cgroup_paths(cg: &SandboxCgroup) -> CgroupPaths {
 /// Every write resolves inside `rootfs` ([`InRoot`]): a sandbox or image that made
 /// `/etc/hostname`, `/etc/machine-id`, `/tmp` or `/.crab` a symlink cannot make the daemon write
 /// or chmod a host file.
-pub fn personalize(rootfs: &Path, name: &str) -> Result<()> {
-    let root = InRoot::open(rootfs)?;
+pub fn personalize(rootfs: &Path, name: &str, userns: Option<IdRange>) -> Result<()> {
+    let root = InRoot::open(rootfs)?.owned_by(userns.map(|r| (r.uid, r.gid)));
     install_init_in(&root)?;
     root.write(Path::new("etc/hostname"), format!("{name}\n").as_bytes(), 0o644)?;
     let id = format!("{:08x}{:08x}{:08x}{:08x}\n", rand_u32(), rand_u32(), rand_u32(), rand_u32());

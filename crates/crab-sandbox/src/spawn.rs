@@ -8,12 +8,15 @@
 //! [`HELPER_ABI`] tells whether two binaries were built from the same sources.
 //!
 //! * The **starter** joins the sandbox's cgroups, unshares pid, mount, uts, ipc and (unless the
-//!   network mode is `host`) net namespaces, and forks the sandbox's pid 1. That child makes the
+//!   network mode is `host`) net namespaces, and forks the sandbox's pid 1 — or, for a
+//!   user-namespaced sandbox, `clone`s it into a new user namespace with all of those at once,
+//!   writes its id maps and releases it as the namespace's root. That child makes the
 //!   mount tree private, bind-mounts the root subvolume, mounts `/proc`, a minimal `/dev`
-//!   (device nodes, devpts, `/dev/shm`), pivots into the root, sets the hostname, points stdio
+//!   (device nodes — the host's bound, in a user namespace —, devpts, `/dev/shm`), pivots into the root, sets the hostname, points stdio
 //!   at `/dev/null`, closes every other fd and execs `/.crab/init`. The starter reports the
 //!   init's host pid and exits, so the init is re-parented away from the daemon and outlives it.
-//! * The **exec helper** joins the cgroups and the init's namespaces, forks (so the command is
+//! * The **exec helper** joins the cgroups and the init's namespaces (its user namespace last,
+//!   becoming root there), forks (so the command is
 //!   inside the pid namespace), and the child execs the command with the daemon's pipes as
 //!   stdout/stderr and `/dev/null` (or a pipe, with `-i`) as stdin. The helper waits and exits
 //!   with the command's status (`128+signal` when killed by a signal).
@@ -195,12 +198,15 @@ pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
         // After joining the cgroups: the sandbox's own group becomes its cgroup root.
         flags |= CloneFlags::CLONE_NEWCGROUP;
     }
+    if let Some(ids) = spec.profile.userns {
+        return start_in_userns(spec, flags, ids);
+    }
     nix::sched::unshare(flags).map_err(err("unshare namespaces"))?;
     if matches!(spec.net, NetMode::Private | NetMode::Nat) {
         set_loopback_up().map_err(err("bring up lo"))?;
     }
-    if spec.net != NetMode::Host && !spec.profile.privileged {
-        profile::allow_ping();
+    if let Some(r) = profile::ping_range(&spec.profile).filter(|_| spec.net != NetMode::Host) {
+        profile::allow_ping(r);
     }
     let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(err("pipe2"))?;
     // SAFETY: the helper process is single-threaded (it runs before any runtime or thread is
@@ -227,6 +233,91 @@ pub fn start_sandbox(spec: &StartSpec) -> Result<u32, String> {
     }
 }
 
+/// The starter's way for a user-namespaced sandbox: one `clone` makes the init in a new user
+/// namespace together with every other namespace of `flags` (so they all belong to it: its
+/// root may mount `/proc`, set the hostname, bring `lo` up). The child waits while this
+/// process — the host's root — writes its `uid_map`/`gid_map` (`0 <base> 65536`; a process
+/// cannot map ids other than its own in a namespace it is already in), sets up its network
+/// namespace from outside (`lo` up and the ping range, as a restore does), then lets it go on
+/// as uid/gid 0 of the namespace.
+fn start_in_userns(
+    spec: &StartSpec,
+    flags: CloneFlags,
+    ids: crab_common::api::IdRange,
+) -> Result<u32, String> {
+    let (go_rd, go_wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(err("pipe2"))?;
+    let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(err("pipe2"))?;
+    let all = flags | CloneFlags::CLONE_NEWUSER;
+    let clone_flags = all.bits() as libc::c_ulong | libc::SIGCHLD as libc::c_ulong;
+    // SAFETY: clone(2) without CLONE_VM and with no new stack behaves like fork(2): the child
+    // gets a copy of this single-threaded process (the starter runs before any runtime or
+    // thread), so it may use any function afterwards.
+    let ret =
+        unsafe { libc::syscall(libc::SYS_clone, clone_flags, 0usize, 0usize, 0usize, 0usize) };
+    if ret < 0 {
+        return Err(format!(
+            "clone(CLONE_NEWUSER|{flags:?}): {} (user namespaces disabled? check /proc/sys/user/max_user_namespaces, or create the sandbox with --userns host)",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if ret == 0 {
+        drop(go_wr);
+        drop(rd);
+        let e = (|| {
+            let mut go = [0u8; 1];
+            match File::from(go_rd).read(&mut go) {
+                Ok(1) => {}
+                _ => return "the starter gave up before the id maps were written".to_string(),
+            }
+            if let Err(e) = become_namespace_root() {
+                return e;
+            }
+            init_child(spec)
+        })();
+        let mut w = File::from(wr);
+        let _ = w.write_all(e.as_bytes());
+        std::process::exit(1);
+    }
+    drop(go_rd);
+    drop(wr);
+    let child = nix::unistd::Pid::from_raw(ret as i32);
+    let pid = child.as_raw() as u32;
+    let prepared = (|| {
+        for (file, map) in [("uid_map", ids.uid_map()), ("gid_map", ids.gid_map())] {
+            let p = format!("/proc/{pid}/{file}");
+            std::fs::write(&p, &map).map_err(err(format!("write {p} ({})", map.trim())))?;
+        }
+        if matches!(spec.net, NetMode::Private | NetMode::Nat) {
+            set_up_private_netns(pid, profile::ping_range(&spec.profile))?;
+        }
+        File::from(go_wr).write_all(b"1").map_err(err("release the sandbox's init"))
+    })();
+    if let Err(e) = prepared {
+        let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
+        let _ = waitpid(child, None);
+        return Err(e);
+    }
+    let mut msg = String::new();
+    File::from(rd).read_to_string(&mut msg).map_err(err("read starter pipe"))?;
+    if !msg.is_empty() {
+        let _ = waitpid(child, None);
+        return Err(msg);
+    }
+    Ok(pid)
+}
+
+/// Become uid and gid 0 of the user namespace just entered (created or joined), with no
+/// supplementary groups: until then this process's host ids are unmapped there.
+fn become_namespace_root() -> Result<(), String> {
+    nix::unistd::setgroups(&[]).map_err(err("setgroups([]) in the user namespace"))?;
+    let root_g = nix::unistd::Gid::from_raw(0);
+    nix::unistd::setresgid(root_g, root_g, root_g)
+        .map_err(err("setresgid(0) in the user namespace"))?;
+    let root_u = nix::unistd::Uid::from_raw(0);
+    nix::unistd::setresuid(root_u, root_u, root_u)
+        .map_err(err("setresuid(0) in the user namespace"))
+}
+
 /// Run `f` on a thread of its own that first enters `pid`'s namespace of kind `ns` (`net`,
 /// `uts`, ...: kinds `setns` allows a thread of a multi-threaded process to enter, and which
 /// affect only that thread), then ends. For the daemon's work inside a restored sandbox's
@@ -250,16 +341,16 @@ pub fn in_namespace_of<T: Send>(
     })
 }
 
-/// Give the network namespace of `pid` what a fresh `private` sandbox's has: `lo` up and (with
-/// `allow_ping`) unprivileged ICMP sockets. For a restore that lets CRIU create the namespace
+/// Give the network namespace of `pid` what a fresh `private` sandbox's has: `lo` up and
+/// unprivileged ICMP sockets for the host gids `ping` (`profile::ping_range`). For a restore that lets CRIU create the namespace
 /// empty (`empty_ns`) instead of replaying the dumped links, addresses, routes, rules and
 /// iptables with eight `ip`/`iptables` runs: a sandbox without `CAP_NET_ADMIN` (the default
 /// profile) cannot have changed any of them.
-pub fn set_up_private_netns(pid: u32, allow_ping: bool) -> Result<(), String> {
+pub fn set_up_private_netns(pid: u32, ping: Option<(u32, u32)>) -> Result<(), String> {
     in_namespace_of(pid, "net", CloneFlags::CLONE_NEWNET, || {
         set_loopback_up().map_err(|e| format!("bring up lo in the netns of {pid}: {e}"))?;
-        if allow_ping {
-            profile::allow_ping();
+        if let Some(r) = ping {
+            profile::allow_ping(r);
         }
         Ok(())
     })
@@ -341,6 +432,20 @@ fn init_child_inner(spec: &StartSpec) -> Result<std::convert::Infallible, String
     // ptmx comes from the devpts instance mounted below (a symlink to pts/ptmx).
     for &(name, major, minor) in profile::ALLOWED_DEVICES.iter().filter(|d| d.0 != "ptmx") {
         let p = dev.join(name);
+        if spec.profile.userns.is_some() {
+            // No device node can be made, nor opened on a file system mounted, inside a user
+            // namespace: the host's own node is bound over an empty file (a checkpoint carries
+            // it as an external mount, `profile::DEVICE_MOUNT_PREFIX`).
+            File::options()
+                .write(true)
+                .create_new(true)
+                .open(&p)
+                .map_err(err(format!("create {}", p.display())))?;
+            let host = Path::new("/dev").join(name);
+            mount(Some(&host), &p, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+                .map_err(err(format!("bind {} on {}", host.display(), p.display())))?;
+            continue;
+        }
         mknod(
             &p,
             SFlag::S_IFCHR,
@@ -465,9 +570,21 @@ pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
     // boot clocks continuous), and a command outside it would make the next process dump
     // span two time namespaces, which CRIU cannot restore. Joined only when it differs from
     // ours (kernels without time namespaces have no such file).
-    if let Some(t) = time_ns_to_join(spec.init_pid)? {
+    if let Some(t) = ns_to_join(spec.init_pid, "time")? {
         files.push((t, CloneFlags::from_bits_retain(libc::CLONE_NEWTIME)));
     }
+    // The user namespace last, and only when the init is in one (a user-namespaced sandbox,
+    // or a restore of one): as the host's root this process may join every other namespace
+    // whoever owns it — a restore's cgroup namespace is made by `criu swrk`, outside the
+    // sandbox's user namespace, where a process already in that namespace would hold no
+    // capability — and once in it, it becomes its root (`become_namespace_root`).
+    let joins_user = match ns_to_join(spec.init_pid, "user")? {
+        Some(u) => {
+            files.push((u, CloneFlags::CLONE_NEWUSER));
+            true
+        }
+        None => false,
+    };
     // Join the cgroup only after setns, so the helper's own namespace switching is not counted
     // as the sandbox's activity by the inspector.
     let cgroups = spec.cgroup.open_procs()?;
@@ -475,6 +592,9 @@ pub fn exec_in_sandbox(spec: &ExecSpec) -> Result<i32, String> {
         nix::sched::setns(f, *flag).map_err(err(format!("setns {flag:?}")))?;
     }
     drop(files);
+    if joins_user {
+        become_namespace_root()?;
+    }
     cgroups.enter()?;
     let argv: Vec<CString> = spec
         .cmd
@@ -519,17 +639,18 @@ fn not_dumpable() -> Result<(), String> {
     Ok(())
 }
 
-/// The time namespace of `init_pid` when it is not this process's own.
-fn time_ns_to_join(init_pid: u32) -> Result<Option<File>, String> {
+/// The namespace of kind `kind` (`time`, `user`) of `init_pid` when it is not this process's
+/// own.
+fn ns_to_join(init_pid: u32, kind: &str) -> Result<Option<File>, String> {
     use std::os::unix::fs::MetadataExt;
-    let theirs = format!("/proc/{init_pid}/ns/time");
+    let theirs = format!("/proc/{init_pid}/ns/{kind}");
     let t = match File::open(&theirs) {
         Ok(f) => f,
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
         Err(e) => return Err(format!("open {theirs}: {e}")),
     };
-    let ours = std::fs::metadata("/proc/self/ns/time")
-        .map_err(|e| format!("stat /proc/self/ns/time: {e}"))?;
+    let ours = std::fs::metadata(format!("/proc/self/ns/{kind}"))
+        .map_err(|e| format!("stat /proc/self/ns/{kind}: {e}"))?;
     let tm = t.metadata().map_err(|e| format!("stat {theirs}: {e}"))?;
     Ok(((tm.dev(), tm.ino()) != (ours.dev(), ours.ino())).then_some(t))
 }

@@ -27,6 +27,14 @@ use crab_testkit::require_root;
 /// `BPF_RET | BPF_K` returning `SECCOMP_RET_ALLOW`: a filter that allows everything.
 const ALLOW_ALL: [u8; 8] = [0x06, 0, 0, 0, 0, 0, 0xff, 0x7f];
 
+/// The images of a sandbox of the test daemon (the default user-namespace range) against
+/// the default profile in that range.
+#[allow(clippy::result_large_err)] // the library's own error type, as returned
+fn check(dir: &Path) -> crab_checkpoint::Result<images::Checked> {
+    let r = crab_common::api::IdRange::at(crab_common::api::IdRange::DEFAULT_BASE).unwrap();
+    crab_checkpoint::foreign::check(dir, Some(r))
+}
+
 /// Patches an image directory for the task `tid` (its `core-<tid>.img`).
 type Patch = Box<dyn Fn(&Path, u32)>;
 
@@ -217,7 +225,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
     let dir = images_of(&common::state_dir(), &sb.name, &point);
 
     // The real images pass; time the check (it runs before every restore from a remote).
-    let checked = crab_checkpoint::foreign::check(&dir).unwrap();
+    let checked = check(&dir).unwrap();
     let tasks =
         images::read_entries::<PstreeEntry>(&dir.join("pstree.img"), images::PSTREE_MAGIC).unwrap();
     assert_eq!(checked.tasks, tasks.len());
@@ -226,7 +234,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
     let n = 50;
     let t0 = std::time::Instant::now();
     for _ in 0..n {
-        crab_checkpoint::foreign::check(&dir).unwrap();
+        check(&dir).unwrap();
     }
     let per = t0.elapsed().as_secs_f64() * 1e3 / f64::from(n);
     let bytes: u64 =
@@ -253,10 +261,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
                 let d = tmp.path().join(format!("{i}-mnt"));
                 copy_dir(&dir, &d);
                 (f.patch)(&d, tid);
-                assert_eq!(
-                    mount_refusal(crab_checkpoint::foreign::check(&d)),
-                    ("/proc/sys".into(), "flags".into())
-                );
+                assert_eq!(mount_refusal(check(&d)), ("/proc/sys".into(), "flags".into()));
                 continue;
             }
             if f.field == "seccomp_mode" && tid != pid {
@@ -265,7 +270,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
             let d = tmp.path().join(format!("{i}-{tid}"));
             copy_dir(&dir, &d);
             (f.patch)(&d, tid);
-            let (rp, rt, field, value) = refusal(crab_checkpoint::foreign::check(&d));
+            let (rp, rt, field, value) = refusal(check(&d));
             assert_eq!(field, f.field, "{}: wrong field ({value})", f.name);
             if f.field != "seccomp.filter" {
                 assert_eq!((rp, rt), (pid, tid), "{}: wrong task", f.name);
@@ -291,7 +296,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
             }
         })
     });
-    let (pid, tid, field, _) = refusal(crab_checkpoint::foreign::check(&d));
+    let (pid, tid, field, _) = refusal(check(&d));
     assert_eq!((pid, field.as_str()), (ppid, "seccomp_mode"));
     assert_ne!(tid, ppid);
 
@@ -300,24 +305,42 @@ fn real_images_pass_and_each_forged_field_is_refused() {
     let inv: Vec<images::InventoryEntry> =
         images::read_entries(&dir.join("inventory.img"), images::INVENTORY_MAGIC).unwrap();
     let host_net = inv[0].root_ids.as_ref().unwrap().net_ns_id.unwrap();
-    for (tag, value, field) in [(6, host_net, "ids.net_ns_id"), (10, 4242, "ids.user_ns_id")] {
+    let host_user = inv[0].root_ids.as_ref().unwrap().user_ns_id.unwrap();
+    for (tag, value, field) in [(6, host_net, "ids.net_ns_id"), (10, host_user, "ids.user_ns_id")] {
         let d = tmp.path().join(format!("ns-{tag}"));
         copy_dir(&dir, &d);
         edit_image(&d.join("ids-1.img"), 2, &mut |m| {
             edit_at(m, &[], &mut |f| set(f, tag, vec![Value::Varint(u64::from(value))]))
         });
-        let (pid, _, got, _) = refusal(crab_checkpoint::foreign::check(&d));
+        let (pid, _, got, _) = refusal(check(&d));
         assert_eq!((pid, got.as_str()), (1, field));
     }
+    // The user namespace's maps: a restore writes them, so a map onto the host's root (or
+    // any id outside this host's range) would make the sandbox's root the host's.
+    let userns_img = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("userns-"))
+        .expect("a user-namespaced sandbox's point has a userns image");
+    for (tag, what) in [(1u32, "uid_map"), (2, "gid_map")] {
+        let d = tmp.path().join(format!("userns-{what}"));
+        copy_dir(&dir, &d);
+        edit_image(&d.join(userns_img.file_name().unwrap()), 2, &mut |m| {
+            edit_at(m, &[tag], &mut |ext| set(ext, 2, vec![Value::Varint(0)]))
+        });
+        let (_, _, got, value) = refusal(check(&d));
+        assert!(got.ends_with(what), "{got}");
+        assert!(value.contains("0 0 65536"), "{value}");
+    }
+    // A point of the host's user namespace is held to that mode: refused in a range.
+    assert!(crab_checkpoint::foreign::check(&dir, None).is_err());
+
     // The mount table: /proc/sys left out (the proc mount below it is read-write), or a
     // second procfs mounted elsewhere, is refused.
     let d = tmp.path().join("no-proc-sys");
     copy_dir(&dir, &d);
     edit_mounts(&d, &|m| if mountpoint_of(&m) == "/proc/sys" { vec![] } else { vec![m] });
-    assert_eq!(
-        mount_refusal(crab_checkpoint::foreign::check(&d)),
-        ("/proc/sys".into(), "mountpoint".into())
-    );
+    assert_eq!(mount_refusal(check(&d)), ("/proc/sys".into(), "mountpoint".into()));
     let d = tmp.path().join("extra-proc");
     copy_dir(&dir, &d);
     edit_mounts(&d, &|m| {
@@ -329,10 +352,7 @@ fn real_images_pass_and_each_forged_field_is_refused() {
         set(&mut extra, 7, vec![Value::Bytes(b"/mnt".to_vec())]);
         vec![m, extra]
     });
-    assert_eq!(
-        mount_refusal(crab_checkpoint::foreign::check(&d)),
-        ("/mnt".into(), "mountpoint".into())
-    );
+    assert_eq!(mount_refusal(check(&d)), ("/mnt".into(), "mountpoint".into()));
 
     // A `nat` sandbox's point (a replayed network namespace with a veth) passes too.
     let nat = common::Sandbox::with_args("t-rimg-nat", &["--network", "nat"]);
@@ -345,12 +365,12 @@ fn real_images_pass_and_each_forged_field_is_refused() {
     ]))
     .unwrap();
     let nat_dir = images_of(&common::state_dir(), &nat.name, v["point"]["id"].as_str().unwrap());
-    crab_checkpoint::foreign::check(&nat_dir).unwrap();
+    check(&nat_dir).unwrap();
 
     // The untouched copy still passes (the copies are faithful).
     let d = tmp.path().join("same");
     copy_dir(&dir, &d);
-    crab_checkpoint::foreign::check(&d).unwrap();
+    check(&d).unwrap();
 }
 
 /// Re-export local point `point` of `sb` on daemon `d` to `remote` as a new point numbered

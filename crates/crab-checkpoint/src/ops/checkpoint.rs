@@ -91,6 +91,11 @@ impl Checkpointer {
                     // archived with tar (see `profile::MASKED_MOUNT_KEY`).
                     opts.external.extend(crab_sandbox::profile::masked_dump_externals());
                 }
+                if rec.profile.userns.is_some() {
+                    // The host's device nodes bound into its /dev (and over masked files).
+                    opts.external
+                        .extend(crab_sandbox::profile::device_dump_externals(rec.init_pid));
+                }
                 let full = req.kind == CheckpointKind::Full;
                 let fs_path = if full { Some(staging.fs_path()) } else { None };
                 let mut snap_us = None;

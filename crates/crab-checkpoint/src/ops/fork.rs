@@ -328,7 +328,7 @@ impl Checkpointer {
         // A branch inherits its source's disk quota (its record carries `src.limits`).
         self.rt.limit_disk(&rootfs, &src.limits).map_err(sandbox_err(name))?;
         clock.mark("quota");
-        personalize(&rootfs, name).map_err(sandbox_err(name))?;
+        personalize(&rootfs, name, src.profile.userns).map_err(sandbox_err(name))?;
         let mut meta = src.clone();
         meta.name = name.to_owned();
         meta.hostname = name.to_owned();
@@ -361,13 +361,15 @@ impl Checkpointer {
                 );
                 opts.external.extend(self.masked_external(name, &src.profile)?);
                 let fresh_net = fresh_netns(src.net, &src.profile);
-                if src.net == NetMode::Nat {
+                let nat_fresh =
+                    (fresh_net && src.net == NetMode::Nat).then(|| (self.rt.nat(), name));
+                if src.net == NetMode::Nat && nat_fresh.is_none() {
                     opts.external.push(
                         self.rt.nat().prepare_restore(name, None).map_err(sandbox_err(name))?,
                     );
                 }
                 let r = criu.restore_with(&opts, |n| {
-                    set_up_fresh_netns(&n, fresh_net)?;
+                    set_up_fresh_netns(&n, fresh_net, &src.profile, nat_fresh)?;
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
                             set_hostname_of(pid, name)?;
@@ -376,7 +378,7 @@ impl Checkpointer {
                     Ok(())
                 })?;
                 let pid = u32::try_from(r.pid).unwrap_or(0);
-                if src.net == NetMode::Nat {
+                if src.net == NetMode::Nat && nat_fresh.is_none() {
                     self.rt.nat().finish_restore(name, pid).map_err(sandbox_err(name))?;
                 }
                 pid

@@ -46,21 +46,27 @@ impl Checkpointer {
         o
     }
 
-    /// The `external` entry a restore or fork of `sandbox` needs for its masked directories:
-    /// dumps declare them external (`profile::MASKED_MOUNT_KEY`), and they come back as
-    /// read-only binds of the daemon's empty tmpfs, mounted here if it is not. Unused by
-    /// images dumped before that, which still hold the tmpfs. None for `--privileged`.
+    /// The `external` entries a restore or fork of `sandbox` needs for its masked directories
+    /// and, user-namespaced, its device nodes: dumps declare the masked directories external
+    /// (`profile::MASKED_MOUNT_KEY`), and they come back as read-only binds of the daemon's
+    /// empty tmpfs, mounted here if it is not (unused by images dumped before that, which
+    /// still hold the tmpfs); the device nodes come back as binds of the host's
+    /// (`profile::DEVICE_MOUNT_PREFIX`). None for `--privileged`.
     pub(super) fn masked_external(
         &self,
         sandbox: &str,
         profile: &crab_sandbox::profile::SecurityProfile,
-    ) -> Result<Option<String>> {
+    ) -> Result<Vec<String>> {
         if profile.privileged {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         let src = self.rt.state().masked();
         crab_sandbox::profile::ensure_masked_source(&src).map_err(sandbox_err(sandbox))?;
-        Ok(Some(crab_sandbox::profile::masked_restore_external(&src)))
+        let mut out = vec![crab_sandbox::profile::masked_restore_external(&src)];
+        if profile.userns.is_some() {
+            out.extend(crab_sandbox::profile::device_restore_externals());
+        }
+        Ok(out)
     }
 
     /// The processes of a restore whose root is in place: CRIU's images of `m`, or a fresh
@@ -93,7 +99,9 @@ impl Checkpointer {
                 );
                 opts.external.extend(self.masked_external(sandbox, &rec.profile)?);
                 let fresh_net = fresh_netns(rec.net, &rec.profile);
-                if rec.net == NetMode::Nat {
+                let nat_fresh =
+                    (fresh_net && rec.net == NetMode::Nat).then(|| (self.rt.nat(), sandbox));
+                if rec.net == NetMode::Nat && nat_fresh.is_none() {
                     // CRIU recreates eth0's veth pair with a new host end; wired below.
                     opts.external.push(
                         self.rt
@@ -117,7 +125,7 @@ impl Checkpointer {
                 }
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
-                    set_up_fresh_netns(&n, fresh_net)?;
+                    set_up_fresh_netns(&n, fresh_net, &rec.profile, nat_fresh)?;
                     // A branch restored to its origin point carries its source's UTS name.
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -132,7 +140,7 @@ impl Checkpointer {
                     let n = self.rt.sessions().finish_restore(sandbox, wiring, &pids);
                     tracing::debug!(sandbox, sessions = n, "exec sessions re-wired");
                 }
-                if rec.net == NetMode::Nat {
+                if rec.net == NetMode::Nat && nat_fresh.is_none() {
                     self.rt.nat().finish_restore(sandbox, pid).map_err(sandbox_err(sandbox))?;
                 }
                 (pid, true)

@@ -258,16 +258,32 @@ fn cg_err(sandbox: &str) -> impl FnOnce(crab_sandbox::cgroup::CgroupError) -> Ch
 /// sandboxes under the default profile. Without `CAP_NET_ADMIN` their namespace can only be
 /// what the starter made (`lo` up, the ping sysctl), and replaying it costs CRIU eight runs of
 /// `ip`/`iptables` (≈ 100 ms of a 300 ms restore under load, measured from CRIU's log). `nat`
-/// sandboxes (a veth) and `--privileged` ones (which may have configured anything) are replayed.
+/// sandboxes (a veth) and `--privileged` ones (which may have configured anything) are replayed
+/// — except a user-namespaced `nat` sandbox's: CRIU cannot make its veth pair from inside the
+/// namespace (its usernsd gets `EOPNOTSUPP` from netlink), so the hook attaches a new pair
+/// with the lease's address and routes, as a fresh start does, before any socket is restored.
 fn fresh_netns(net: NetMode, profile: &crab_sandbox::profile::SecurityProfile) -> bool {
-    net == NetMode::Private && !profile.privileged
+    !profile.privileged
+        && (net == NetMode::Private || (net == NetMode::Nat && profile.userns.is_some()))
 }
 
-/// The `setup-namespaces` part of a restore hook: set up the empty network namespace CRIU made.
-fn set_up_fresh_netns(n: &crab_criu::Notify, fresh: bool) -> std::result::Result<(), String> {
+/// The `setup-namespaces` part of a restore hook: set up the empty network namespace CRIU made
+/// (`fresh`) for a sandbox of `profile`.
+///
+/// `nat`: the network and the sandbox whose `nat` veth pair to attach there.
+fn set_up_fresh_netns(
+    n: &crab_criu::Notify,
+    fresh: bool,
+    profile: &crab_sandbox::profile::SecurityProfile,
+    nat: Option<(&crab_sandbox::net::Nat, &str)>,
+) -> std::result::Result<(), String> {
     if fresh && n.phase == phase::SETUP_NAMESPACES {
         let pid = n.pid.ok_or("setup-namespaces without the root task's pid")?;
-        crab_sandbox::spawn::set_up_private_netns(pid as u32, true)?;
+        let ping = crab_sandbox::profile::ping_range(profile);
+        crab_sandbox::spawn::set_up_private_netns(pid as u32, ping)?;
+        if let Some((nat, name)) = nat {
+            nat.attach(name, pid as u32).map_err(|e| format!("attach the nat network: {e}"))?;
+        }
     }
     Ok(())
 }

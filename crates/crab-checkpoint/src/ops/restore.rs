@@ -70,6 +70,26 @@ impl Checkpointer {
         if fs_only {
             m.procs = None;
         }
+        // Another store's point carries its sandbox's ids (its files' owners, its processes'
+        // user namespace): it can replace only a sandbox of the same user-namespace mode.
+        if foreign.is_some() {
+            let theirs: Option<crab_common::api::IdRange> = m
+                .sandbox_meta
+                .get("profile")
+                .and_then(|p| p.get("userns"))
+                .and_then(|v| serde_json::from_value(v.clone()).ok());
+            if theirs != rec.profile.userns {
+                let shown = |r: Option<crab_common::api::IdRange>| {
+                    r.map_or("the host's user namespace".to_string(), |r| r.to_string())
+                };
+                return Err(CheckpointError::Invalid(format!(
+                    "restore point {} runs in {} and sandbox {sandbox} in {}: a point can replace only a sandbox of its own user-namespace mode (fork the point instead, which makes a sandbox of its mode)",
+                    m.id,
+                    shown(theirs),
+                    shown(rec.profile.userns)
+                )));
+            }
+        }
         stages.mark("lock");
         progress.stage("verify", None);
         progress.message(&format!("restore point {} (turn {}, {})", m.id, m.turn, m.kind.as_str()));
@@ -137,8 +157,9 @@ impl Checkpointer {
         // when anything fails).
         let mut origin = None;
         if foreign.is_some() {
-            let staged_origin =
-                personalize(&staged, sandbox).map_err(sandbox_err(sandbox)).and_then(|()| {
+            let staged_origin = personalize(&staged, sandbox, rec.profile.userns)
+                .map_err(sandbox_err(sandbox))
+                .and_then(|()| {
                     let mut o = own.begin();
                     o.snapshot_fs(&staged)?;
                     Ok(o)

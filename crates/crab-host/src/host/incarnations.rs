@@ -149,7 +149,11 @@ impl Host {
             &self.runtime.default_limits(),
         );
         crab_sandbox::runtime::validate_limits(&limits)?;
-        let grant = crate::remote::Grant { net: req.net.unwrap_or_default(), limits };
+        let grant = crate::remote::Grant {
+            net: req.net.unwrap_or_default(),
+            limits,
+            userns: self.runtime.userns(),
+        };
         // Remote points live in a store of their own, never in a local sandbox's.
         let store = self.checkpointer.remote_store(&sb)?;
         let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
@@ -285,7 +289,11 @@ impl Host {
                     .map_err(remote_error)?;
             }
             // The point may ask for no more than the sandbox it replaces has.
-            let grant = crate::remote::Grant { net: target.net, limits: target.limits.clone() };
+            let grant = crate::remote::Grant {
+                net: target.net,
+                limits: target.limits.clone(),
+                userns: target.profile.userns,
+            };
             let store = self.checkpointer().remote_store(&sb)?;
             let (repo, state, mat_store) = (t.repo.clone(), self.state().clone(), store.clone());
             let handle = tokio::runtime::Handle::current();

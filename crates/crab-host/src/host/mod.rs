@@ -78,6 +78,9 @@ pub struct HostOptions {
     /// Remount cgroup2 with `favordynmods` if it lacks it (`crab daemon
     /// --no-cgroup-favordynmods` turns this off).
     pub cgroup_favordynmods: bool,
+    /// The user-namespace range of new sandboxes (`crab daemon --userns-base`; `None`:
+    /// `crab daemon --userns host`, the host's own).
+    pub userns: Option<crab_common::api::IdRange>,
     /// Ready-made root filesystems kept per recently used image (`crab daemon --warm-roots`).
     pub warm_roots: usize,
 }
@@ -153,10 +156,15 @@ impl Host {
                 e.hint,
             )
         })?;
+        runtime.set_userns(opts.userns).map_err(|e| {
+            HostError::internal(format!(
+                "cannot open the state directory to the user-namespace range: {e}"
+            ))
+        })?;
         if !has_sys_resource() {
             tracing::warn!(
                 cap_eff = format!("{:016x}", cap_eff().unwrap_or(0)),
-                "the daemon lacks CAP_SYS_RESOURCE: CRIU cannot dump sandboxes that run non-root processes (full/process checkpoints, pause and live forks of them answer host_capability_missing)"
+                "the daemon lacks CAP_SYS_RESOURCE: CRIU cannot dump --userns host sandboxes that run non-root processes (full/process checkpoints, pause and live forks of them answer host_capability_missing)"
             );
         }
         let inspector = tokio::task::spawn_blocking(Inspector::load)
@@ -379,6 +387,7 @@ impl Host {
                         req.rebuild_stale,
                         progress.as_ref(),
                     )?;
+                    rt.prepare_image(&name, progress.as_ref());
                     Ok(Outcome::Image(i))
                 })
                 .await
@@ -389,7 +398,9 @@ impl Host {
                 blocking(move || {
                     rt.forget_image(&req.name);
                     let path = PathBuf::from(&req.path);
-                    Ok(Outcome::Image(image::import(&state, &req.name, &path, progress.as_ref())?))
+                    let i = image::import(&state, &req.name, &path, progress.as_ref())?;
+                    rt.prepare_image(&req.name, progress.as_ref());
+                    Ok(Outcome::Image(i))
                 })
                 .await
             }

@@ -71,6 +71,11 @@ pub(super) fn dump_preflight(rt: &Runtime, name: &str) -> Result<(), HostError> 
     if has_sys_resource() {
         return Ok(());
     }
+    // In a user namespace of the daemon's making, the daemon (its owner) holds every
+    // capability, CAP_SYS_RESOURCE included, whatever its own set lacks.
+    if rt.record(name).is_ok_and(|r| r.profile.userns.is_some()) {
+        return Ok(());
+    }
     let pids = rt.cgroup(name).pids().unwrap_or_default();
     let Some((pid, uid, gid, comm)) = first_non_root(&pids) else { return Ok(()) };
     Err(HostError(ApiError::new(
@@ -79,7 +84,7 @@ pub(super) fn dump_preflight(rt: &Runtime, name: &str) -> Result<(), HostError> 
             "cannot dump the processes of sandbox {name:?}: process {pid} ({comm}) runs as uid {uid} gid {gid}, and this crab daemon lacks CAP_SYS_RESOURCE (CapEff {:016x}), which CRIU needs to read a non-root process's rlimits",
             cap_eff().unwrap_or(0)
         ),
-        "run the daemon where its capability set includes CAP_SYS_RESOURCE (a host or container that does not drop it), or run that process as root, or take a filesystem checkpoint (--kind fs; E2B: mode=\"filesystem\"); the sandbox was left running, untouched",
+        "this sandbox runs in the host's user namespace (--userns host or --privileged, or created before user namespaces): recreate it with the default --userns private, or run the daemon where its capability set includes CAP_SYS_RESOURCE (a host or container that does not drop it), or run that process as root, or take a filesystem checkpoint (--kind fs; E2B: mode=\"filesystem\"); the sandbox was left running, untouched",
     )))
 }
 

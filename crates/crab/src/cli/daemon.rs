@@ -113,6 +113,26 @@ pub(super) struct DaemonArgs {
     /// one is cut off.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86400))]
     http_body_timeout: u64,
+    /// Host uid and gid of root inside user-namespaced sandboxes (the default kind): ids
+    /// 0-65535 inside are this and the 65535 above it on the host, for every sandbox (one
+    /// range, like Docker's userns-remap; images are shifted into it once). `host` makes new
+    /// sandboxes run in the host's user namespace, as `sandbox create --userns host` does for
+    /// one (UNSAFE: uid 0 inside is the host's root). Points keep the range they were taken in:
+    /// a remote point restores only on a host with the same range.
+    #[arg(long, env = "CRAB_USERNS_BASE", value_name = "UID|host", default_value = "1000000000", value_parser = parse_userns)]
+    userns_base: Userns,
+}
+
+/// `--userns-base`: a range, or none (`host`).
+#[derive(Debug, Clone, Copy)]
+struct Userns(Option<crab_common::api::IdRange>);
+
+fn parse_userns(s: &str) -> Result<Userns, String> {
+    if s == "host" {
+        return Ok(Userns(None));
+    }
+    let base: u32 = s.parse().map_err(|_| format!("{s:?} is neither a uid nor `host`"))?;
+    crab_common::api::IdRange::at(base).map(|r| Userns(Some(r)))
 }
 
 /// Runs the daemon in the foreground until it is told to stop.
@@ -176,6 +196,7 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
             header_timeout: std::time::Duration::from_secs(a.http_header_timeout),
             body_timeout: std::time::Duration::from_secs(a.http_body_timeout),
         },
+        userns: a.userns_base.0,
     };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or

@@ -64,6 +64,13 @@ pub(super) enum SandboxCmd {
         /// take over the host. For trusted workloads and benchmarks only.
         #[arg(long)]
         privileged: bool,
+        /// User namespace: `private` (the default: uid 0 inside is an unprivileged host uid of
+        /// the daemon's range, `crab daemon --userns-base`) or `host` (UNSAFE: uid 0 inside is
+        /// the host's root, as before Crab had user namespaces; for workloads that must share
+        /// ids with host files; its non-root processes cannot be checkpointed with their
+        /// processes on hosts whose root lacks CAP_SYS_RESOURCE). --privileged implies host.
+        #[arg(long, value_name = "MODE", value_parser = ["private", "host"])]
+        userns: Option<String>,
         /// What each turn boundary (an LLM request through the proxy, `crab turn`)
         /// checkpoints: auto (the inspector's verdict), full (files and processes every
         /// turn), fs (a filesystem snapshot every turn) or none (no checkpoint; the response
@@ -199,6 +206,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             cpus,
             disk,
             privileged,
+            userns,
             checkpoint_policy,
             harness_cmd,
             harness_path,
@@ -241,6 +249,7 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                     disk_bytes: disk,
                 },
                 privileged,
+                userns,
                 checkpoint_policy: Some(checkpoint_policy),
                 harness: crab_common::api::HarnessSpec { cmd: harness_cmd, paths: harness_path },
                 labels: label.into_iter().collect(),

@@ -56,6 +56,8 @@ pub struct DaemonOptions {
     pub default_limits: crab_common::api::Limits,
     /// Remount cgroup2 with `favordynmods` at start (off with `--no-cgroup-favordynmods`).
     pub cgroup_favordynmods: bool,
+    /// The user-namespace range of new sandboxes (`None`: the host's).
+    pub userns: Option<crab_common::api::IdRange>,
     /// `--warm-roots`: ready-made root filesystems per recently used image.
     pub warm_roots: usize,
     /// Bounds of the API socket's and the E2B port's requests.
@@ -112,6 +114,7 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         nat_range: Some(opts.nat_range.clone()),
         default_limits: opts.default_limits.clone(),
         cgroup_favordynmods: opts.cgroup_favordynmods,
+        userns: opts.userns,
         warm_roots: opts.warm_roots,
     })
     .await

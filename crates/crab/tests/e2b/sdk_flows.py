@@ -127,8 +127,9 @@ def check_background():
 def check_snapshots_and_fork():
     sb = create()
     sb.files.write("/home/user/state.txt", "before-snapshot")
-    # A server with in-memory state, started before the full snapshot. As root: CRIU cannot dump
-    # another uid's process on a host whose capability set lacks CAP_SYS_RESOURCE (docs/e2b.md).
+    # A server with in-memory state, started before the full snapshot, as the default user
+    # (uid 1000 in the sandbox's user namespace, which the daemon owns: CRIU dumps it with or
+    # without CAP_SYS_RESOURCE on the host).
     sb.commands.run(
         "nohup python3 -c \"import http.server as h, itertools\n"
         "c = itertools.count(1)\n"
@@ -137,7 +138,6 @@ def check_snapshots_and_fork():
         "        b = str(next(c)).encode(); s.send_response(200); s.end_headers(); s.wfile.write(b)\n"
         "    def log_message(s, *a): pass\n"
         "h.HTTPServer(('127.0.0.1', 8001), H).serve_forever()\" >/dev/null 2>&1 &",
-        user="root",
     )
     hit = "for i in $(seq 50); do curl -sf localhost:8001 && exit 0; sleep 0.1; done; exit 1"
     assert sb.commands.run(hit).stdout == "1"
@@ -452,49 +452,47 @@ async def check_async():
     assert await sb.kill()
 
 
-# The serving daemon's effective capabilities (hex CapEff, from the test); bit 24 is
-# CAP_SYS_RESOURCE, without which CRIU cannot dump a non-root process.
-CAP_EFF = int(os.environ.get("CRAB_DAEMON_CAPEFF", "0") or "0", 16)
-HAS_SYS_RESOURCE = bool(CAP_EFF & (1 << 24))
-
-
-def check_capability():
+def check_default_user():
+    """Issue 28: the unmodified SDK as E2B's users call it. A background server of the default
+    user (uid 1000) holding its state only in memory survives create_snapshot() + a sandbox
+    from it, pause() + connect(), and a fork — on a host whose root lacks CAP_SYS_RESOURCE
+    too: the sandbox's user namespace is the daemon's, where it holds every capability."""
     sb = create()
-    sb.files.write("/home/user/cap.txt", "kept")
-    sb.commands.run("nohup setpriv --reuid 1000 sleep 1000 >/dev/null 2>&1 &", user="root")
-    up = "for i in $(seq 50); do pgrep -u 1000 -x sleep >/dev/null && echo up && exit 0; sleep 0.1; done"
-    assert sb.commands.run(up).stdout == "up\n"
-    if not HAS_SYS_RESOURCE:
-        # A memory snapshot, a pause and a fork each refuse with the cause and the fix (501,
-        # never a bare criu_failed, never pause()'s silent False), and leave the sandbox as it was.
-        for what, call in [
-            ("create_snapshot", sb.create_snapshot),
-            ("pause", sb.pause),
-            ("fork", lambda: sb.fork(count=1)),
-        ]:
-            try:
-                call()
-                raise AssertionError(f"{what} of a sandbox with a uid-1000 process succeeded")
-            except SandboxException as e:
-                msg = str(e)
-                assert msg.startswith("501") and "CAP_SYS_RESOURCE" in msg and "uid 1000" in msg, msg
-                assert 'mode="filesystem"' in msg, msg
-        assert sb.get_info().state.value == "running"
-        assert sb.commands.run(up).stdout == "up\n", "the refused dump disturbed the process"
-        # What does work: a filesystem snapshot.
-        fs = sb.create_snapshot(mode="filesystem")
-        cold = create(fs.snapshot_id)
-        assert cold.files.read("/home/user/cap.txt") == "kept"
-        cold.kill()
-        assert Sandbox.delete_snapshot(fs.snapshot_id)
-    else:
-        # With the capability, the uid-1000 process dumps like any other.
-        snap = sb.create_snapshot()
-        child = create(snap.snapshot_id)
-        assert child.commands.run(up).stdout == "up\n"
-        child.kill()
-        assert Sandbox.delete_snapshot(snap.snapshot_id)
-    sb.kill()
+    sb.files.write(
+        "/home/user/server.py",
+        "import http.server as h, itertools\n"
+        "c = itertools.count(1)\n"
+        "class H(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(s):\n"
+        "        b = str(next(c)).encode(); s.send_response(200); s.end_headers(); s.wfile.write(b)\n"
+        "    def log_message(s, *a): pass\n"
+        "h.HTTPServer(('127.0.0.1', 8002), H).serve_forever()\n",
+    )
+    sb.commands.run("python3 /home/user/server.py", background=True)
+    hit = "for i in $(seq 50); do curl -sf localhost:8002 && exit 0; sleep 0.1; done; exit 1"
+    assert sb.commands.run(hit).stdout == "1"
+    owner = sb.commands.run("ps -o user=,uid= -C python3", user="root").stdout.split()
+    assert owner == ["user", "1000"], owner
+    assert sb.commands.run("id -u").stdout.strip() == "1000"
+    # A snapshot with its memory, and a sandbox from it.
+    snap = sb.create_snapshot()
+    assert sb.commands.run(hit).stdout == "2"
+    child = create(snap.snapshot_id)
+    assert child.commands.run(hit).stdout == "2", "the snapshot lost the server's memory"
+    child.kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id)
+    # Pause, then connect.
+    assert sb.pause()
+    assert sb.get_info().state.value == "paused"
+    again = Sandbox.connect(sb.sandbox_id)
+    assert again.commands.run(hit).stdout == "3", "the pause lost the server's memory"
+    # A fork.
+    kids = again.fork(count=1)
+    made.extend(k.sandbox_id for k in kids)
+    assert kids[0].commands.run(hit).stdout == "4", "the fork lost the server's memory"
+    assert again.commands.run(hit).stdout == "4"
+    for k in [*kids, again]:
+        k.kill()
 
 
 def daemon_hwm_kib():
@@ -589,7 +587,7 @@ CHECKS = [
     ("dead_sandbox", check_dead_sandbox),
     ("stdin", check_stdin),
     ("timeout", check_timeout),
-    ("capability", check_capability),
+    ("default_user", check_default_user),
     ("large_bodies", check_large_bodies),
 ]
 

@@ -198,6 +198,22 @@ impl Client {
         self.stream_with(Method::GET, &path, None, on_frame).await
     }
 
+    /// Write `data` to the stdin of exec session `session` of sandbox `name` as a raw body
+    /// (then close it with `eof`); answers once the bytes are in the command's pipe.
+    pub async fn exec_stdin(
+        &self,
+        name: &str,
+        session: &str,
+        data: Vec<u8>,
+        eof: bool,
+    ) -> Result<crab_common::api::StdinWritten, ApiError> {
+        let path = format!("/v1/sandboxes/{name}/exec/{session}/stdin?eof={eof}");
+        let resp = self.send_typed(Method::POST, &path, "application/octet-stream", data).await?;
+        let bytes = body_bytes(resp).await?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::internal(format!("undecodable answer from the daemon: {e}")))
+    }
+
     /// Write `data` to its stdin (then close it with `eof`).
     pub async fn proc_stdin(
         &self,

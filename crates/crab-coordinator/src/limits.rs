@@ -239,6 +239,108 @@ impl<B> DeadlineBody<B> {
     }
 }
 
+/// A request body whose client must keep it coming: the time spent *waiting for the client*
+/// (polled, nothing there) may not pass `base` plus one second per `rate` bytes received so
+/// far. Time the consumer spends not reading (a command that takes its stdin slowly, a disk)
+/// does not count, so a large upload into a slow sandbox is never cut off, while a client that
+/// trickles a body is, at about `base`. The daemon's API socket and E2B port read every body
+/// through one (`--http-body-timeout`).
+pub struct PacedBody<B> {
+    inner: B,
+    base: Duration,
+    rate: u64,
+    received: u64,
+    waited: Duration,
+    pending_since: Option<Instant>,
+    sleep: Pin<Box<Sleep>>,
+}
+
+impl<B> std::fmt::Debug for PacedBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PacedBody")
+            .field("base", &self.base)
+            .field("received", &self.received)
+            .field("waited", &self.waited)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> PacedBody<B> {
+    /// `inner`, its client allowed `base` of waiting plus one second per `rate` bytes it sent.
+    pub fn new(inner: B, base: Duration, rate: u64) -> PacedBody<B> {
+        PacedBody {
+            inner,
+            base,
+            rate: rate.max(1),
+            received: 0,
+            waited: Duration::ZERO,
+            pending_since: None,
+            sleep: Box::pin(tokio::time::sleep(base)),
+        }
+    }
+
+    /// The waiting allowed so far.
+    fn allowance(&self) -> Duration {
+        self.base.saturating_add(Duration::from_secs(self.received / self.rate))
+    }
+}
+
+impl<B> Body for PacedBody<B>
+where
+    B: Body + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = B::Data;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(f) => {
+                if let Some(since) = this.pending_since.take() {
+                    this.waited += since.elapsed();
+                }
+                if let Some(Ok(frame)) = &f {
+                    if let Some(d) = frame.data_ref() {
+                        use bytes::Buf as _;
+                        this.received += d.remaining() as u64;
+                    }
+                }
+                Poll::Ready(f.map(|r| r.map_err(Into::into)))
+            }
+            Poll::Pending => {
+                let now = Instant::now();
+                let since = *this.pending_since.get_or_insert(now);
+                let waited = this.waited + now.duration_since(since);
+                let allowed = this.allowance();
+                if waited >= allowed {
+                    return Poll::Ready(Some(Err(format!(
+                        "the request body did not arrive within {:?} (plus 1 s per {} bytes received; {} bytes came)",
+                        this.base, this.rate, this.received
+                    )
+                    .into())));
+                }
+                this.sleep.as_mut().reset(now + (allowed - waited));
+                if this.sleep.as_mut().poll(cx).is_ready() {
+                    cx.waker().wake_by_ref();
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 impl<B> Body for DeadlineBody<B>
 where
     B: Body + Unpin,
@@ -427,6 +529,40 @@ mod tests {
         assert!(matches!(r, Err(BodyReadError::Timeout(_))), "{r:?}");
         let d = DeadlineBody::new(Never, Some(Duration::from_millis(50)));
         assert!(d.collect().await.is_err());
+    }
+
+    /// `n` frames of 1 KiB, each there at once.
+    struct Ready(usize);
+    impl Body for Ready {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            if self.0 == 0 {
+                return Poll::Ready(None);
+            }
+            self.0 -= 1;
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![0u8; 1024])))))
+        }
+    }
+
+    /// A client that sends nothing is cut off at the base allowance; a consumer that reads
+    /// slowly (a slow command's stdin) is never the client's fault.
+    #[tokio::test]
+    async fn paced_bodies_count_only_the_wait_for_the_client() {
+        let r = PacedBody::new(Never, Duration::from_millis(50), 1 << 20).collect().await;
+        let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("did not arrive within"), "{e}");
+        let mut b = PacedBody::new(Ready(5), Duration::from_millis(20), 1 << 20);
+        let mut frames = 0;
+        while let Some(f) = b.frame().await {
+            f.unwrap();
+            frames += 1;
+            tokio::time::sleep(Duration::from_millis(40)).await; // the consumer is slow
+        }
+        assert_eq!(frames, 5);
     }
 
     /// A body that arrives in `n` frames of `chunk` bytes, one every 10 ms, and says its

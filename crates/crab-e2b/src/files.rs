@@ -4,7 +4,9 @@
 //! [`Backend`](crate::Backend) `file_*` method (the sandbox file service, run inside the sandbox
 //! as the call's user), its answer rendered as envd's `EntryInfo`s or bytes, its `ApiError`
 //! mapped to the Connect code the SDK expects. No file is moved here, and no path is resolved
-//! here.
+//! here. An upload streams to the sandbox as it arrives (never held whole), bounded by
+//! [`Config::max_upload`](crate::Config) (`crab daemon --max-upload`): a declared length over
+//! it is refused before a byte is written, an undeclared one when it passes it.
 //!
 //! It is a child module of `server` (declared there) so that it shares the server's envd
 //! sandbox lookup and access-token check without widening their visibility.
@@ -22,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::{call_user, envd_rest_error, envd_sandbox, unsupported, RestError, Shared, MAX_UPLOAD};
+use super::{call_user, envd_rest_error, envd_sandbox, unsupported, RestError, Shared};
 use crate::backend::Backend;
 use crate::connect::{self, CallKind, Code, ConnectError};
 use crate::envd::{self, EntryInfo, FileType};
@@ -188,10 +190,10 @@ pub(super) async fn upload<B: Backend>(
     }
 }
 
-fn too_big() -> RestError {
+fn too_big(limit: u64) -> RestError {
     RestError::new(
         413,
-        format!("upload exceeds the {MAX_UPLOAD}-byte limit of Crab's E2B front door; split it or copy it with a command"),
+        format!("upload exceeds the {limit}-byte limit of Crab's E2B front door (raise it with `crab daemon --max-upload SIZE`), or split it"),
     )
 }
 
@@ -199,8 +201,8 @@ fn too_big() -> RestError {
 enum Source<'a, 'b> {
     /// A multipart field, read as it is written.
     Field(&'a mut axum::extract::multipart::Field<'b>),
-    /// A whole body read already.
-    Whole(Bytes),
+    /// A raw (octet-stream) body, read as it arrives, at most `limit` bytes.
+    Stream(axum::body::BodyDataStream, u64),
 }
 
 /// Write one file through the file service, feeding it as the upload's bytes arrive.
@@ -213,10 +215,30 @@ async fn write_one<B: Backend>(
 ) -> Result<serde_json::Value, RestError> {
     let (tx, rx) = mpsc::channel(8);
     let write = e2b.backend.file_write(sb.to_string(), user.to_string(), path, rx);
+    let limit = e2b.cfg.max_upload;
     let feed = async move {
         match src {
-            Source::Whole(b) => {
-                let _ = tx.send(Ok(b.to_vec())).await;
+            Source::Stream(mut s, limit) => {
+                let mut total = 0u64;
+                while let Some(c) = s.next().await {
+                    let b = match c {
+                        Ok(b) => b,
+                        Err(e) => {
+                            let m = format!("the upload did not arrive whole: {e}");
+                            let _ = tx.send(Err(ApiError::invalid(m.clone(), ""))).await;
+                            return Err(RestError::new(400, m));
+                        }
+                    };
+                    total += b.len() as u64;
+                    if total > limit {
+                        // Ends the write as failed: the program is killed before its stdin closes.
+                        let _ = tx.send(Err(ApiError::invalid("upload too large", ""))).await;
+                        return Err(too_big(limit));
+                    }
+                    if tx.send(Ok(b.to_vec())).await.is_err() {
+                        return Ok(()); // the write ended (failed): its answer says why
+                    }
+                }
                 Ok(())
             }
             Source::Field(f) => loop {
@@ -228,7 +250,7 @@ async fn write_one<B: Backend>(
                     }
                     Ok(None) => return Ok(()),
                     Err(e) => {
-                        let e = malformed(e);
+                        let e = malformed(e, limit);
                         let _ = tx.send(Err(ApiError::invalid(e.1.clone(), ""))).await;
                         return Err(e);
                     }
@@ -245,9 +267,9 @@ async fn write_one<B: Backend>(
     Ok(serde_json::json!({"name": entry.name, "type": "file", "path": entry.path}))
 }
 
-fn malformed(e: axum::extract::multipart::MultipartError) -> RestError {
+fn malformed(e: axum::extract::multipart::MultipartError, limit: u64) -> RestError {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        too_big()
+        too_big(limit)
     } else {
         RestError::new(400, format!("malformed multipart body: {e}"))
     }
@@ -269,12 +291,21 @@ async fn upload_files<B: Backend>(
             "compressed uploads are not supported; upload without gzip",
         ));
     }
+    let limit = e2b.cfg.max_upload;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        // Refused before a byte is written.
+        return Err(too_big(limit));
+    }
     let mut out = Vec::new();
     if ct.starts_with("multipart/form-data") {
         let mut mp = Multipart::from_request(req, &())
             .await
             .map_err(|e| RestError::new(400, format!("malformed multipart body: {e}")))?;
-        while let Some(mut field) = mp.next_field().await.map_err(malformed)? {
+        while let Some(mut field) = mp.next_field().await.map_err(|e| malformed(e, limit))? {
             let path =
                 field.file_name().map(str::to_string).or_else(|| q.path.clone()).ok_or_else(
                     || RestError::new(400, "a file part has no file name and the request no path"),
@@ -286,13 +317,9 @@ async fn upload_files<B: Backend>(
             .path
             .clone()
             .ok_or_else(|| RestError::new(400, "path is required for an octet-stream upload"))?;
-        // Whole first (bounded by the route's body limit), so an oversized one writes nothing.
-        let data = match Bytes::from_request(req, &()).await {
-            Ok(b) => b,
-            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(too_big()),
-            Err(e) => return Err(RestError::new(400, format!("reading the upload: {e}"))),
-        };
-        out.push(write_one(&e2b, &sb, &user, path, Source::Whole(data)).await?);
+        // Streamed as it arrives; one over the limit (an undeclared length) fails the write.
+        let body = req.into_body().into_data_stream();
+        out.push(write_one(&e2b, &sb, &user, path, Source::Stream(body, limit)).await?);
     }
     if out.is_empty() {
         return Err(RestError::new(400, "no file in the upload"));

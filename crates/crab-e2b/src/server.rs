@@ -33,8 +33,10 @@ mod files;
 pub const ENVD_VERSION: &str = "0.5.7";
 /// Default sandbox timeout, seconds (E2B's).
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
-/// Largest upload through `POST /files`.
-pub const MAX_UPLOAD: usize = 100 << 20;
+/// Largest request body of an envd RPC (`process.Process`, `filesystem.Filesystem`: JSON).
+pub const MAX_RPC_BODY: usize = 100 << 20;
+/// Default of [`Config::max_upload`] (`crab daemon --max-upload`).
+pub const DEFAULT_MAX_UPLOAD: u64 = 4 << 30;
 /// Largest sandbox timeout (E2B's Pro limit, 24 h).
 pub const MAX_TIMEOUT_S: u64 = 86_400;
 /// How the front door is configured.
@@ -46,6 +48,9 @@ pub struct Config {
     pub default_image: String,
     /// Where the front door's state persists (and the secret its access tokens derive from).
     pub store: Store,
+    /// Largest upload through `POST /files` (streamed to the sandbox, never held whole; a
+    /// larger one gets a 413 naming `crab daemon --max-upload`).
+    pub max_upload: u64,
 }
 
 /// The front door: its configuration and the host actions. It keeps no state of a sandbox.
@@ -111,6 +116,11 @@ impl<B: Backend> E2b<B> {
         Arc::new(E2b { backend, cfg })
     }
 
+    /// [`Config::max_upload`] as a body limit.
+    fn upload_limit(&self) -> usize {
+        usize::try_from(self.cfg.max_upload).unwrap_or(usize::MAX)
+    }
+
     /// The router (serve it with `axum::serve`).
     pub fn router(self: &Shared<B>) -> Router {
         let api = Router::new()
@@ -130,8 +140,13 @@ impl<B: Backend> E2b<B> {
         let envd = Router::new()
             .route("/process.Process/{method}", post(crate::process::process::<B>))
             .route("/filesystem.Filesystem/{method}", post(files::filesystem::<B>))
-            .route("/files", get(files::download::<B>).post(files::upload::<B>))
-            .layer(DefaultBodyLimit::max(MAX_UPLOAD));
+            .route(
+                "/files",
+                get(files::download::<B>)
+                    .post(files::upload::<B>)
+                    .layer(DefaultBodyLimit::max(self.upload_limit())),
+            )
+            .layer(DefaultBodyLimit::max(MAX_RPC_BODY));
         Router::new()
             .route("/health", get(health::<B>))
             .merge(api)

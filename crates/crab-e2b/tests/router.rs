@@ -371,7 +371,12 @@ fn front() -> (Arc<E2b<Fake>>, Arc<Fake>) {
     (
         E2b::new(
             fake.clone(),
-            Config { keys, default_image: "debian".into(), store: crab_e2b::Store::memory() },
+            Config {
+                keys,
+                default_image: "debian".into(),
+                store: crab_e2b::Store::memory(),
+                max_upload: crab_e2b::server::DEFAULT_MAX_UPLOAD,
+            },
         ),
         fake,
     )
@@ -542,7 +547,15 @@ async fn state_survives_a_restart() {
     let fake = Arc::new(Fake::default());
     let open = |fake: &Arc<Fake>| {
         let store = crab_e2b::Store::open(&dir).unwrap();
-        E2b::new(fake.clone(), Config { keys: keys.clone(), default_image: "debian".into(), store })
+        E2b::new(
+            fake.clone(),
+            Config {
+                keys: keys.clone(),
+                default_image: "debian".into(),
+                store,
+                max_upload: crab_e2b::server::DEFAULT_MAX_UPLOAD,
+            },
+        )
     };
     let post = |uri: &str, body: &str| {
         Request::post(uri)

@@ -340,11 +340,14 @@ async fn run_inner(
         ),
         None => None,
     };
-    let json = serde_json::to_string(&spec).map_err(|e| SandboxError::Other(e.to_string()))?;
+    crate::specfd::check_exec_args(&spec.cmd, &spec.env)?;
+    let spec_fd = crate::specfd::spec_memfd(&spec)?;
     let start = Instant::now();
-    let mut child = tokio::process::Command::new(rt.helper_exe())
+    let mut cmd = tokio::process::Command::new(rt.helper_exe());
+    crate::specfd::pass(&mut cmd, &spec_fd);
+    let mut child = cmd
         .arg("__nsexec")
-        .arg(json)
+        .args([crate::specfd::SPEC_FD_ARG, "3"])
         .stdin(if stdin_data.is_some() || session.is_some() {
             Stdio::piped()
         } else {
@@ -355,6 +358,7 @@ async fn run_inner(
         .kill_on_drop(true)
         .spawn()
         .map_err(SandboxError::io("run helper", rt.helper_source()))?;
+    drop(spec_fd);
     let out = child.stdout.take().ok_or_else(|| SandboxError::Other("no stdout pipe".into()))?;
     let err = child.stderr.take().ok_or_else(|| SandboxError::Other("no stderr pipe".into()))?;
     let mut inodes: Vec<u64> = [pipe_inode(&out), pipe_inode(&err)].into_iter().flatten().collect();

@@ -37,8 +37,9 @@ use crab_common::{ApiError, ErrorCode};
 
 use crate::runtime::Runtime;
 
-/// Largest file or archive written into a sandbox in one operation.
-pub const MAX_WRITE: u64 = 2 << 30;
+/// Largest file or archive written into a sandbox in one operation: a backstop; the front
+/// doors refuse a body over their configured limit (`crab daemon --max-upload`) first.
+pub const MAX_WRITE: u64 = 1 << 40;
 /// Largest reply of a describing operation (stat, list, mkdir, rename, write's entry).
 pub const MAX_REPLY: usize = 16 << 20;
 /// Bytes of a program's stderr kept for an error message.
@@ -469,11 +470,12 @@ impl Ctx {
             stdin_session: None,
         };
         let spec = self.rt.exec_spec(&self.name, &req).map_err(ApiError::from)?;
-        let json = serde_json::to_string(&spec)
-            .map_err(|e| ApiError::internal(format!("encoding the exec spec: {e}")))?;
-        let mut child = tokio::process::Command::new(self.rt.helper_exe())
+        let spec_fd = crate::specfd::spec_memfd(&spec).map_err(ApiError::from)?;
+        let mut cmd = tokio::process::Command::new(self.rt.helper_exe());
+        crate::specfd::pass(&mut cmd, &spec_fd);
+        let mut child = cmd
             .arg("__nsexec")
-            .arg(json)
+            .args([crate::specfd::SPEC_FD_ARG, "3"])
             .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

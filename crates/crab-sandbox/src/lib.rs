@@ -25,6 +25,7 @@ pub mod sealed;
 pub mod seccomp;
 pub mod shift;
 pub mod spawn;
+pub mod specfd;
 pub mod warm;
 
 pub use error::{Result, SandboxError};

@@ -43,8 +43,9 @@ pub const MAX_PROCS: usize = 64;
 /// Entries of [`PROCS_DIR`] read at most (the sandbox may fill it with anything).
 const SCAN_MAX: usize = 4 * MAX_PROCS;
 /// Bytes of `meta.json` at most: written (argv, env and the rest of a start request) and read.
-/// It travels as one argument of the launcher, and Linux takes at most 128 KiB per argument.
-const META_MAX: u64 = 64 * 1024;
+/// It reaches the launcher on its stdin (not as an argument, which Linux bounds to 128 KiB):
+/// room for a command line and environment near `ARG_MAX` (2 MiB), JSON-escaped.
+const META_MAX: u64 = 5 << 19;
 /// Bytes of `pid`, `exit` read at most.
 const SMALL_MAX: u64 = 32;
 /// Bytes of a process's `/proc/<pid>/cmdline` read to recognize a supervisor.
@@ -105,16 +106,16 @@ wait $c; s=$?
 [ -n "$in" ] && read k <"$d/inpid" 2>/dev/null && [ -n "$k" ] && kill "$k" 2>/dev/null
 echo $s >"$d/exit.new" && mv -f "$d/exit.new" "$d/exit""#;
 
-/// The launcher (`$1` directory, `$2` stdin flag, `$3` meta JSON, `$4` cwd, `$5` the ids of
-/// ended processes to remove, then the argv): makes the directory, starts the supervisor
+/// The launcher (`$1` directory, `$2` stdin flag, `$3` cwd, `$4` the ids of ended processes
+/// to remove, then the argv; the meta JSON on its stdin): makes the directory, starts the supervisor
 /// detached (`setsid`, reparented to the sandbox's init) and prints its pid once the command
 /// started. 127: a tool is missing; 120: the working directory does not exist.
-const LAUNCH: &str = r#"d=$1; in=$2; meta=$3; cwd=$4; gc=$5; shift 5
+const LAUNCH: &str = r#"d=$1; in=$2; cwd=$3; gc=$4; shift 4
 for t in setsid mkfifo sleep; do command -v $t >/dev/null 2>&1 || { echo "$t is not installed in this sandbox (background processes need util-linux and coreutils)" >&2; exit 127; }; done
 for g in $gc; do rm -rf -- "${d%/*}/$g"; done
 mkdir -p -m 700 "${d%/*}" 2>/dev/null
 mkdir -m 700 -- "$d" || { echo "cannot create $d in the sandbox" >&2; exit 125; }
-{ printf '%s' "$meta" >"$d/meta.json" && : >"$d/out" && : >"$d/err"; } || { echo "cannot write in $d (is the sandbox's disk full?)" >&2; rm -rf -- "$d"; exit 125; }
+{ cat >"$d/meta.json" && : >"$d/out" && : >"$d/err"; } || { echo "cannot write in $d (is the sandbox's disk full?)" >&2; rm -rf -- "$d"; exit 125; }
 cd -- "$cwd" 2>/dev/null || { echo "the working directory $cwd does not exist in the sandbox (or is not a directory)" >&2; rm -rf -- "$d"; exit 120; }
 p=$( (setsid sh -c "$SUP" crab-proc "$d" "$in" "$@" 4>&1 >/dev/null 2>&1 </dev/null &) )
 [ -n "$p" ] && { echo "$p"; exit 0; }
@@ -502,6 +503,8 @@ pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Res
             )));
         }
     }
+    // Named by the caller's own argument numbers (the launcher adds its own before them).
+    crate::specfd::check_exec_args(&req.cmd, &req.env)?;
     let id = format!("{:08x}{:08x}", rand_u32(), rand_u32());
     let meta = Meta {
         cmd: req.cmd.clone(),
@@ -541,7 +544,6 @@ pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Res
         "crab-proc".into(),
         dir,
         if req.stdin { "1" } else { "" }.into(),
-        meta_json,
         cwd,
         gc.join(" "),
     ];
@@ -551,6 +553,7 @@ pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Res
         env: req.env.clone(),
         workdir: Some("/".into()),
         timeout_s: Some(PROGRAM_TIMEOUT_S),
+        stdin_b64: Some(base64::engine::general_purpose::STANDARD.encode(meta_json)),
         ..Default::default()
     };
     let ran = run_program(&rt, &name, exec).await?;
@@ -880,12 +883,24 @@ mod tests {
                 "crab-proc".into(),
                 d.display().to_string(),
                 if stdin { "1" } else { "" }.into(),
-                "{}".into(),
                 "/".into(),
                 String::new(),
             ];
             v.extend(argv.iter().map(|s| s.to_string()));
-            let o = Command::new("/bin/sh").args(&v).output().unwrap();
+            // The meta JSON comes on the launcher's stdin.
+            let mut c = Command::new("/bin/sh")
+                .args(&v)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            {
+                use std::io::Write as _;
+                c.stdin.take().unwrap().write_all(b"{\"cmd\":[]}").unwrap();
+            }
+            let o = c.wait_with_output().unwrap();
+            assert_eq!(std::fs::read_to_string(d.join("meta.json")).unwrap(), "{\"cmd\":[]}");
             assert_eq!(o.status.code(), Some(0), "{o:?}");
             String::from_utf8(o.stdout).unwrap().trim().parse::<u32>().unwrap()
         };

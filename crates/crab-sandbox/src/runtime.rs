@@ -812,13 +812,16 @@ impl Runtime {
             profile,
             seccomp: compiled_filters(&profile)?,
         };
-        let json = serde_json::to_string(&spec).map_err(|e| SandboxError::Other(e.to_string()))?;
-        let out = Command::new(self.helper_exe())
+        let spec_fd = crate::specfd::spec_memfd(&spec)?;
+        let mut cmd = Command::new(self.helper_exe());
+        crate::specfd::pass_std(&mut cmd, &spec_fd);
+        let out = cmd
             .arg("__start-sandbox")
-            .arg(json)
+            .args([crate::specfd::SPEC_FD_ARG, "3"])
             .stdin(Stdio::null())
             .output()
             .map_err(SandboxError::io("run helper", &self.cfg.helper_exe))?;
+        drop(spec_fd);
         let stdout = String::from_utf8_lossy(&out.stdout);
         if !out.status.success() {
             return Err(SandboxError::Other(format!(

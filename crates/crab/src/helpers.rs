@@ -1,5 +1,7 @@
-//! The hidden namespace helpers (`__start-sandbox SPEC`, `__nsexec SPEC`), shared by the `crab`
-//! binary and the small `crab-nsexec` binary the daemon prefers for them.
+//! The hidden namespace helpers (`__start-sandbox --spec-fd 3`, `__nsexec --spec-fd 3`; or the
+//! spec's JSON as the argument), shared by the `crab` binary and the small `crab-nsexec` binary
+//! the daemon prefers for them. The daemon passes the spec on descriptor 3, a sealed memfd
+//! (`crab_sandbox::specfd`), so no spec meets the kernel's argument limits.
 //!
 //! They are dispatched before any thread or async runtime exists, because they unshare
 //! namespaces and fork (see `crab_sandbox::spawn`). Their output is a protocol with the daemon:
@@ -22,9 +24,10 @@ pub fn dispatch(args: &[String]) -> Option<ExitCode> {
     }
 }
 
+/// The helper's spec: on a descriptor (`--spec-fd 3`, as the daemon passes it) or the JSON
+/// argument itself (`crab_sandbox::specfd`).
 fn spec<T: serde::de::DeserializeOwned>(args: &[String]) -> Result<T, String> {
-    let json = args.get(2).ok_or("missing spec argument")?;
-    serde_json::from_str(json).map_err(|e| format!("bad spec: {e}"))
+    crab_sandbox::specfd::read_spec(args.get(2..).unwrap_or_default())
 }
 
 /// `__start-sandbox SPEC`: prints the init's host pid.

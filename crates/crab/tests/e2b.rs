@@ -105,12 +105,18 @@ fn run_flows(only: &str) {
         Err(e) => return cannot_run(&e),
     };
     let caps = daemon_cap_eff(&common::state_dir());
+    let pid = std::fs::read_to_string(common::state_dir().join("daemon.pid")).unwrap_or_default();
     let stdout = run_sdk(
         &python,
         &url,
         "sdk_flows.py",
         &[],
-        &[("CRAB_E2B_ONLY", only), ("CRAB_DAEMON_CAPEFF", &caps), ("CRAB_BIN", common::bin())],
+        &[
+            ("CRAB_E2B_ONLY", only),
+            ("CRAB_DAEMON_CAPEFF", &caps),
+            ("CRAB_BIN", common::bin()),
+            ("CRAB_DAEMON_PID", pid.trim()),
+        ],
     );
     for name in only.split(',') {
         assert!(stdout.contains(&format!("ok {name}")), "check {name} did not pass:\n{stdout}");
@@ -120,6 +126,14 @@ fn run_flows(only: &str) {
 #[test]
 fn sdk_create_run_files_kill() {
     run_flows("create_run_files,background,async,stdin");
+}
+
+/// Issue 28's limits through the unmodified SDK: a 200 KiB environment, a 100 KiB command, a
+/// 200 KB argument refused naming the kernel's limit, a 1 GiB upload streamed (sha256 read
+/// back in the sandbox, the daemon's VmHWM bounded), a 5 GiB one refused naming the flag.
+#[test]
+fn sdk_large_bodies() {
+    run_flows("large_bodies");
 }
 
 #[test]

@@ -8,13 +8,13 @@ import asyncio
 import json
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, Union
 
 import httpx
 
 from . import _common as c
 from .errors import CapabilityError, NotFoundError
-from .files import AsyncFiles, FileType, tar_of_dir, untar_into
+from .files import Data, AsyncFiles, FileType, tar_of_dir, untar_into
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,12 +56,17 @@ class AsyncDaemon:
             raise c.unavailable(self.socket, e) from e
         return c.check_response(r.status_code, r.content)
 
-    async def frames(self, path: str, body: Any) -> AsyncIterator[Dict[str, Any]]:
-        """A streamed (NDJSON) call: yields each frame; closing early kills a running command."""
+    async def frames(
+        self, path: str, body: Any, on_open: Optional[Callable[[], None]] = None
+    ) -> AsyncIterator[Dict[str, Any]]:
+        """A streamed (NDJSON) call: yields each frame; closing early kills a running command.
+        ``on_open`` runs once the daemon accepted the call, before the first frame."""
         try:
             async with self._http.stream("POST", path, json=body) as r:
                 if r.status_code >= 300:
                     c.check_response(r.status_code, await r.aread())
+                if on_open is not None:
+                    on_open()
                 async for line in r.aiter_lines():
                     if line.strip():
                         yield json.loads(line)
@@ -202,10 +207,51 @@ class AsyncSandbox:
         env: c.Env = None,
         timeout: Optional[float] = None,
         *,
-        stdin: Union[None, bytes, str] = None,
+        stdin: c.Stdin = None,
     ) -> AsyncIterator[ExecEvent]:
-        async for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, stdin)):
-            yield c.event_of(frame)
+        """See :meth:`Sandbox.exec_stream` (``stdin`` may also be an async iterable of bytes)."""
+        inline, streamed = c.plan_stdin(stdin)
+        if streamed is None:
+            async for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, inline)):
+                yield c.event_of(frame)
+            return
+        session = c.session_name()
+        failed: List[Exception] = []
+        route = f"{self._base}/exec/{c.seg(session)}/stdin"
+
+        async def feed() -> None:
+            http = self.daemon._http
+            try:
+                r = await http.post(
+                    route,
+                    params={"eof": "true"},
+                    content=c.aiter_body(streamed),
+                    headers={"content-type": "application/octet-stream"},
+                )
+                e = c.stdin_failure(r.status_code, r.content)
+            except httpx.TransportError as te:
+                e = c.unavailable(self.daemon.socket, te)
+            if e is not None:
+                failed.append(e)
+                try:
+                    await http.post(route, json={"d": "", "eof": True})
+                except httpx.TransportError:
+                    pass
+
+        tasks: List["asyncio.Task[None]"] = []
+        body = c.exec_body(cmd, cwd, env, timeout, None, session=session)
+        try:
+            async for frame in self.daemon.frames(
+                f"{self._base}/exec", body, on_open=lambda: tasks.append(asyncio.ensure_future(feed()))
+            ):
+                ev = c.event_of(frame)
+                if ev.kind == "exit" and failed:
+                    raise failed[0]
+                yield ev
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
 
     async def exec(
         self,
@@ -214,7 +260,7 @@ class AsyncSandbox:
         env: c.Env = None,
         timeout: Optional[float] = None,
         *,
-        stdin: Union[None, bytes, str] = None,
+        stdin: c.Stdin = None,
     ) -> ExecResult:
         col = c.Collector()
         async for ev in self.exec_stream(cmd, cwd, env, timeout, stdin=stdin):
@@ -227,8 +273,9 @@ class AsyncSandbox:
         ``get_info``, ``make_dir``, ``remove``, ``rename`` (and ``tar_out``/``tar_in``)."""
         return AsyncFiles(self)
 
-    async def write_file(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> None:
-        """Write ``data`` to ``path`` in the sandbox (parents created; ``mode`` e.g. ``0o755``)."""
+    async def write_file(self, path: str, data: "Data", mode: Optional[int] = None) -> None:
+        """Write ``data`` (bytes, str or a binary file object, streamed) to ``path`` in the
+        sandbox (parents created; ``mode`` e.g. ``0o755``)."""
         await self.files.write(path, data, mode=mode)
 
     async def read_file(self, path: str) -> bytes:
@@ -241,7 +288,8 @@ class AsyncSandbox:
         if src.is_dir():
             await self.files.tar_in(remote, tar_of_dir(src))
         else:
-            await self.files.write(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
+            with src.open("rb") as f:
+                await self.files.write(remote, f, mode=src.stat().st_mode & 0o7777)
 
     async def download(self, remote: str, local: c.PathLike) -> None:
         """Copy a file or directory tree from the sandbox to ``local`` (a tree through a tar

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import secrets
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import IO, Any, AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
 import httpx
@@ -149,12 +149,68 @@ def argv(cmd: Cmd) -> List[str]:
     return out
 
 
+#: What an exec's ``stdin=`` may be: bytes or text, a binary file object, or an iterable of
+#: bytes chunks (streamed as they come).
+Stdin = Union[None, bytes, bytearray, str, IO[bytes], Iterable[bytes]]
+
+#: Stdin up to this size travels inside the exec request (base64); larger, a file object or an
+#: iterable streams through an exec session's stdin (``POST .../exec/{session}/stdin`` with a raw
+#: body), so any size up to the daemon's ``--max-upload`` goes through without being held whole
+#: by the daemon.
+INLINE_STDIN = 1 << 20
+#: Chunk size of a streamed stdin read from a file object.
+STDIN_CHUNK = 1 << 20
+
+
+def plan_stdin(stdin: Stdin) -> Tuple[Optional[bytes], Any]:
+    """``(inline, streamed)``: stdin sent inside the exec request, or a body (bytes, file object
+    or iterable of bytes) to stream through a session; at most one is not ``None``."""
+    if stdin is None:
+        return None, None
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    if isinstance(stdin, (bytes, bytearray, memoryview)):
+        data = bytes(stdin)
+        return (data, None) if len(data) <= INLINE_STDIN else (None, data)
+    if hasattr(stdin, "read"):
+        return None, _file_chunks(stdin)
+    return None, stdin
+
+
+def _file_chunks(f: Any) -> Iterator[bytes]:
+    while True:
+        b = f.read(STDIN_CHUNK)
+        if not b:
+            return
+        yield b
+
+
+async def aiter_body(body: Any) -> AsyncIterator[bytes]:
+    """A streamed stdin body (bytes or a sync/async iterable of bytes) as an async iterator, for
+    the asyncio client."""
+    if isinstance(body, bytes):
+        for i in range(0, len(body), STDIN_CHUNK):
+            yield body[i : i + STDIN_CHUNK]
+    elif hasattr(body, "__aiter__"):
+        async for b in body:
+            yield bytes(b)
+    else:
+        for b in body:
+            yield bytes(b)
+
+
+def session_name() -> str:
+    """A fresh exec-session name for a streamed stdin."""
+    return f"sdk-{secrets.token_hex(8)}"
+
+
 def exec_body(
     cmd: Cmd,
     cwd: Optional[str] = None,
     env: Env = None,
     timeout: Optional[float] = None,
-    stdin: Union[None, bytes, str] = None,
+    stdin: Optional[bytes] = None,
+    session: Optional[str] = None,
 ) -> Dict[str, Any]:
     if isinstance(stdin, str):
         stdin = stdin.encode()
@@ -164,7 +220,22 @@ def exec_body(
         "workdir": cwd,
         "timeout_s": timeout,
         "stdin_b64": None if stdin is None else base64.b64encode(stdin).decode("ascii"),
+        "stdin_session": session,
     }
+
+
+def stdin_failure(status: int, content: bytes) -> Optional[Exception]:
+    """The error of a streamed stdin's answer, or ``None``: success, or the command stopped
+    reading (its stdin is closed — as a pipe's writer, the rest goes nowhere)."""
+    if status < 300:
+        return None
+    try:
+        check_response(status, content)
+    except Exception as e:  # noqa: BLE001 — the daemon's typed error, returned to raise later
+        if "its stdin is closed" in str(e) or "no open exec session" in str(e):
+            return None
+        return e
+    return None
 
 
 def event_of(frame: Mapping[str, Any]) -> ExecEvent:

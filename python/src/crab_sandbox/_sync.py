@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypeVar, Union
 
 import httpx
 
 from . import _common as c
 from .errors import CapabilityError, NotFoundError
-from .files import Files, FileType, tar_of_dir, untar_into
+from .files import Data, Files, FileType, tar_of_dir, untar_into
 from .models import Capabilities, ExecEvent, ExecResult, Point, RestoreReport, SandboxInfo, Turn
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,13 +63,16 @@ class Daemon:
             raise c.unavailable(self.socket, e) from e
         return c.check_response(r.status_code, r.content)
 
-    def frames(self, path: str, body: Any) -> Iterator[Dict[str, Any]]:
+    def frames(self, path: str, body: Any, on_open: Optional[Callable[[], None]] = None) -> Iterator[Dict[str, Any]]:
         """A streamed (NDJSON) call: yields each frame. Closing the iterator early closes the
-        connection, which makes the daemon kill a running command."""
+        connection, which makes the daemon kill a running command. ``on_open`` runs once the
+        daemon accepted the call (its answer's head arrived), before the first frame."""
         try:
             with self._http.stream("POST", path, json=body) as r:
                 if r.status_code >= 300:
                     c.check_response(r.status_code, r.read())
+                if on_open is not None:
+                    on_open()
                 for line in r.iter_lines():
                     if line.strip():
                         yield json.loads(line)
@@ -254,12 +257,52 @@ class Sandbox:
         env: c.Env = None,
         timeout: Optional[float] = None,
         *,
-        stdin: Union[None, bytes, str] = None,
+        stdin: c.Stdin = None,
     ) -> Iterator[ExecEvent]:
         """Run a command, yielding its output as it arrives and, last, an ``exit`` event.
-        Stopping early (``break``, closing the generator) kills the command."""
-        for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, stdin)):
-            yield c.event_of(frame)
+        Stopping early (``break``, closing the generator) kills the command. ``stdin``: bytes
+        or text, a binary file object or an iterable of bytes; above 1 MiB (or not bytes) it
+        streams to the command as it is read, any size up to the daemon's ``--max-upload``."""
+        inline, streamed = c.plan_stdin(stdin)
+        if streamed is None:
+            for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, inline)):
+                yield c.event_of(frame)
+            return
+        session = c.session_name()
+        failed: List[Exception] = []
+
+        def feed() -> None:
+            http = self.daemon._http
+            route = f"{self._base}/exec/{c.seg(session)}/stdin"
+            try:
+                r = http.post(
+                    route,
+                    params={"eof": "true"},
+                    content=streamed,
+                    headers={"content-type": "application/octet-stream"},
+                )
+                e = c.stdin_failure(r.status_code, r.content)
+            except httpx.TransportError as te:
+                e = c.unavailable(self.daemon.socket, te)
+            if e is not None:
+                failed.append(e)
+                # Close the command's stdin, so it ends and the failure is raised.
+                try:
+                    http.post(route, json={"d": "", "eof": True})
+                except httpx.TransportError:
+                    pass
+
+        feeder = threading.Thread(target=feed, name=f"crab-stdin-{session}", daemon=True)
+        body = c.exec_body(cmd, cwd, env, timeout, None, session=session)
+        try:
+            for frame in self.daemon.frames(f"{self._base}/exec", body, on_open=feeder.start):
+                ev = c.event_of(frame)
+                if ev.kind == "exit" and failed:
+                    raise failed[0]
+                yield ev
+        finally:
+            if feeder.is_alive():
+                feeder.join(timeout=5)
 
     def exec(
         self,
@@ -268,7 +311,7 @@ class Sandbox:
         env: c.Env = None,
         timeout: Optional[float] = None,
         *,
-        stdin: Union[None, bytes, str] = None,
+        stdin: c.Stdin = None,
     ) -> ExecResult:
         """Run a command to its end. A string runs through ``sh -c``; a list is the argv.
         A non-zero exit is *not* an error (see ``ExecResult.exit_code``); a timeout raises
@@ -286,8 +329,9 @@ class Sandbox:
         ``get_info``, ``make_dir``, ``remove``, ``rename`` (and ``tar_out``/``tar_in``)."""
         return Files(self)
 
-    def write_file(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> None:
-        """Write ``data`` to ``path`` in the sandbox (parents created; ``mode`` e.g. ``0o755``)."""
+    def write_file(self, path: str, data: "Data", mode: Optional[int] = None) -> None:
+        """Write ``data`` (bytes, str or a binary file object, streamed) to ``path`` in the
+        sandbox (parents created; ``mode`` e.g. ``0o755``)."""
         self.files.write(path, data, mode=mode)
 
     def read_file(self, path: str) -> bytes:
@@ -300,7 +344,8 @@ class Sandbox:
         if src.is_dir():
             self.files.tar_in(remote, tar_of_dir(src))
         else:
-            self.files.write(remote, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
+            with src.open("rb") as f:
+                self.files.write(remote, f, mode=src.stat().st_mode & 0o7777)
 
     def download(self, remote: str, local: c.PathLike) -> None:
         """Copy a file or directory tree from the sandbox to ``local`` (a tree through a tar

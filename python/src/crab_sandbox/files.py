@@ -15,7 +15,7 @@ import io
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, AsyncIterator, Dict, Iterator, List, Optional, Union
+from typing import IO, TYPE_CHECKING, Any, AsyncIterator, Dict, Iterable, Iterator, List, Optional, Union
 
 import httpx
 
@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["AsyncFiles", "EntryInfo", "FileType", "Files"]
 
-Data = Union[str, bytes, bytearray, IO[bytes]]
+#: What a file write takes: text, bytes, a binary file object or an iterable of bytes chunks
+#: (the last two stream as they are read).
+Data = Union[str, bytes, bytearray, IO[bytes], Iterable[bytes]]
 
 
 class FileType(str, Enum):
@@ -162,8 +164,11 @@ class Files:
             raise c.unavailable(d.socket, e) from e
 
     def write(self, path: str, data: Data, user: Optional[str] = None, mode: Optional[int] = None) -> EntryInfo:
-        """Write ``data`` (str, bytes or a binary file object) to ``path`` (parents made; an
-        existing file is overwritten); ``mode`` e.g. ``0o755``. Owned by ``user``."""
+        """Write ``data`` (str, bytes, a binary file object or an iterable of bytes) to ``path``
+        (parents made; an existing file is overwritten); ``mode`` e.g. ``0o755``. Owned by
+        ``user``. A file object or an iterable streams as it is read, so any size up to the
+        daemon's ``--max-upload`` (default 4 GiB) goes through; a larger body raises
+        :class:`TooLargeError` naming that flag."""
         p = _params(path, user, mode=None if mode is None else format(mode & 0o7777, "o"))
         return EntryInfo.from_json(_check(self._send("PUT", "", p, _body(data))))
 
@@ -249,9 +254,12 @@ class AsyncFiles:
     async def write(self, path: str, data: Data, user: Optional[str] = None, mode: Optional[int] = None) -> EntryInfo:
         """See :meth:`Files.write`."""
         p = _params(path, user, mode=None if mode is None else format(mode & 0o7777, "o"))
-        body = _body(data)
-        if not isinstance(body, bytes):
-            body = body.read()
+        body: Any = _body(data)
+        if hasattr(body, "read"):
+            # A file object streams as it is read (at most a chunk of it in memory).
+            body = c.aiter_body(c._file_chunks(body))
+        elif not isinstance(body, bytes):
+            body = c.aiter_body(body)
         return EntryInfo.from_json(_check(await self._send("PUT", "", p, body)))
 
     async def list(self, path: str, depth: int = 1, user: Optional[str] = None) -> List[EntryInfo]:

@@ -98,6 +98,21 @@ pub(super) struct DaemonArgs {
     /// snapshot, a btrfs transaction commit, on the caller's time. 0 turns it off.
     #[arg(long, env = "CRAB_WARM_ROOTS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=64))]
     warm_roots: u64,
+    /// Largest body streamed into a sandbox in one request — a file written (`PUT .../files`,
+    /// E2B's `POST /files`), a tar extracted, an exec's streamed stdin; a larger one is refused
+    /// with a 413 naming this flag. The daemon holds none of it in memory.
+    #[arg(long, env = "CRAB_MAX_UPLOAD", value_parser = parse_size, default_value = "4G")]
+    max_upload: u64,
+    /// Seconds a client of the API socket or the E2B port may take to send a request head (and
+    /// may sit idle between requests) before it is disconnected.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    http_header_timeout: u64,
+    /// Seconds the API socket and the E2B port wait for a client's request body to come (time
+    /// spent waiting for its bytes; not time the daemon spends passing them on, e.g. to a slow
+    /// command's stdin), plus one second per MiB received: a large upload has time, a trickled
+    /// one is cut off.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    http_body_timeout: u64,
     /// Host uid and gid of root inside user-namespaced sandboxes (the default kind): ids
     /// 0-65535 inside are this and the 65535 above it on the host, for every sandbox (one
     /// range, like Docker's userns-remap; images are shifted into it once). `host` makes new
@@ -176,6 +191,11 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         },
         cgroup_favordynmods: !a.no_cgroup_favordynmods,
         warm_roots: a.warm_roots as usize,
+        http: daemon::HttpOptions {
+            max_upload: a.max_upload,
+            header_timeout: std::time::Duration::from_secs(a.http_header_timeout),
+            body_timeout: std::time::Duration::from_secs(a.http_body_timeout),
+        },
         userns: a.userns_base.0,
     };
     match daemon::run(opts).await {

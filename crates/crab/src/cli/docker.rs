@@ -19,7 +19,7 @@ use crab_common::api::{
 };
 use crab_common::ApiError;
 
-use super::exec::{exec_streaming, stdin_b64};
+use super::exec::exec_with_stdin;
 use super::{parse_size, print_json};
 use crate::output::{age, print_error, table};
 
@@ -247,16 +247,15 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
                 ));
             }
             let _ = a.tty;
-            let stdin = if a.interactive { Some(stdin_b64()?) } else { None };
             let req = ExecRequest {
                 cmd: a.cmd,
                 env: env_pairs(a.env),
                 workdir: a.workdir,
                 timeout_s: None,
-                stdin_b64: stdin,
+                stdin_b64: None,
                 stdin_session: None,
             };
-            Ok(exec_streaming(client, &a.name, req, json).await)
+            Ok(exec_with_stdin(client, &a.name, req, a.interactive, json).await)
         }
         DockerCmd::Logs { follow, name } => {
             let p = client.proc_get(&name, &format!("tag:{MAIN_TAG}")).await.map_err(|e| {
@@ -450,17 +449,16 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let stdin = if a.interactive { Some(stdin_b64()?) } else { None };
     let cmd = if a.cmd.is_empty() { vec!["sh".to_string()] } else { a.cmd };
     let req = ExecRequest {
         cmd,
         env,
         workdir: a.workdir,
         timeout_s: None,
-        stdin_b64: stdin,
+        stdin_b64: None,
         stdin_session: None,
     };
-    let code = exec_streaming(client, &name, req, json).await;
+    let code = exec_with_stdin(client, &name, req, a.interactive, json).await;
     if a.rm {
         let _: serde_json::Value = client
             .call::<(), _>(Method::DELETE, &format!("/v1/sandboxes/{name}?force=true"), None)

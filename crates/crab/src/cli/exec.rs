@@ -75,38 +75,50 @@ pub(super) async fn run(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
     }
     // With -i, stdin streams to the command as it arrives (an exec session), not read whole
     // first: `crab exec -i SB -- cat` answers line by line, and any size goes through.
-    let session = a.interactive.then(|| {
-        let mut b = [0u8; 6];
-        let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
-        let tag: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        format!("cli-{}-{tag}", std::process::id())
-    });
     let req = ExecRequest {
         cmd: a.cmd,
         env: a.env,
         workdir: a.workdir,
         timeout_s: a.timeout,
         stdin_b64: None,
-        stdin_session: session.clone(),
+        stdin_session: None,
     };
-    let pump = session.map(|s| tokio::spawn(pump_stdin(client.clone(), a.sandbox.clone(), s)));
-    let code = exec_streaming(client, &a.sandbox, req, json).await;
+    exec_with_stdin(client, &a.sandbox, req, a.interactive, json).await
+}
+
+/// Run `req` in `sandbox`, our stdin streamed to it through an exec session when `interactive`
+/// (as it arrives, any size: `crab exec -i`, `crab docker exec -i`).
+pub(super) async fn exec_with_stdin(
+    client: &Client,
+    sandbox: &str,
+    mut req: ExecRequest,
+    interactive: bool,
+    json: bool,
+) -> ExitCode {
+    let session = interactive.then(|| {
+        let mut b = [0u8; 6];
+        let _ = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b));
+        let tag: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        format!("cli-{}-{tag}", std::process::id())
+    });
+    req.stdin_session = session.clone();
+    let pump = session.map(|s| tokio::spawn(pump_stdin(client.clone(), sandbox.to_string(), s)));
+    let code = exec_streaming(client, sandbox, req, json).await;
     if let Some(p) = pump {
         p.abort();
     }
     code
 }
 
-/// Copy our stdin to exec session `session` of `sandbox` as it arrives, then close it.
+/// Copy our stdin to exec session `session` of `sandbox` as it arrives (raw bodies, each what
+/// one read gave, up to 1 MiB), then close it.
 async fn pump_stdin(client: Client, sandbox: String, session: String) {
-    let b64 = base64::engine::general_purpose::STANDARD;
-    let path = format!("/v1/sandboxes/{sandbox}/exec/{session}/stdin");
     // A thread of its own reads stdin: a blocking read (a terminal, an idle pipe) must not keep
     // the runtime from shutting down when the command is done.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(4);
     std::thread::spawn(move || {
         let mut stdin = std::io::stdin().lock();
-        let mut buf = vec![0u8; 256 * 1024];
+        let mut buf = vec![0u8; 1 << 20];
         loop {
             let n = stdin.read(&mut buf).unwrap_or(0);
             if tx.blocking_send(buf[..n].to_vec()).is_err() || n == 0 {
@@ -117,14 +129,11 @@ async fn pump_stdin(client: Client, sandbox: String, session: String) {
     loop {
         let chunk = rx.recv().await.unwrap_or_default();
         let n = chunk.len();
-        let body = crab_common::api::StdinWrite { d: b64.encode(&chunk), eof: n == 0 };
         // The session is registered when the exec request reaches the daemon; this may be
         // sent first.
         let mut tries = 0;
         loop {
-            let r: Result<serde_json::Value, ApiError> =
-                client.call(hyper::Method::POST, &path, Some(&body)).await;
-            match r {
+            match client.exec_stdin(&sandbox, &session, chunk.clone(), n == 0).await {
                 Ok(_) => break,
                 Err(e) if tries < 100 && e.message.contains("no open exec session") => {
                     tries += 1;
@@ -138,15 +147,6 @@ async fn pump_stdin(client: Client, sandbox: String, session: String) {
             return;
         }
     }
-}
-
-/// Read all of standard input as base64 (for `-i`).
-pub(super) fn stdin_b64() -> Result<String, ApiError> {
-    let mut buf = Vec::new();
-    std::io::stdin()
-        .read_to_end(&mut buf)
-        .map_err(|e| ApiError::invalid(format!("reading stdin: {e}"), ""))?;
-    Ok(base64::engine::general_purpose::STANDARD.encode(buf))
 }
 
 /// Run one exec request, copying its output to ours as it arrives; the exit code is the

@@ -23,8 +23,39 @@ use crab_host::{Action, Host, HostError, Outcome};
 
 use super::{checkpoints, files, images, inspect, lifecycle, procs, remote, sandboxes};
 
-/// The daemon's routes.
-pub fn router(d: Arc<Host>) -> Router {
+/// `crab daemon --max-upload`: the largest body a route streams into a sandbox (a file, a tar,
+/// an exec's stdin), handed to the handlers as an extension.
+#[derive(Debug, Clone, Copy)]
+pub struct UploadLimit(pub u64);
+
+impl UploadLimit {
+    /// The 413 of a body past the limit, naming it and the flag that raises it.
+    pub fn too_large(&self) -> ApiError {
+        ApiError::new(
+            crab_common::ErrorCode::TooLarge,
+            format!(
+                "the request body is larger than the daemon's upload limit of {} bytes",
+                self.0
+            ),
+            "raise it with `crab daemon --max-upload SIZE` (e.g. 8G), or send the data in parts",
+        )
+    }
+
+    /// Refuse at once a body whose `Content-Length` passes the limit.
+    pub fn check_declared(&self, headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+        let declared = headers
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        match declared {
+            Some(n) if n > self.0 => Err(self.too_large()),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The daemon's routes; `max_upload` bounds the bodies they stream into sandboxes.
+pub fn router(d: Arc<Host>, max_upload: u64) -> Router {
     Router::new()
         .route("/v1/version", get(version))
         .route("/v1/images", get(images::list))
@@ -81,6 +112,7 @@ pub fn router(d: Arc<Host>) -> Router {
         .route("/v1/remote/wait", get(remote::wait))
         .route("/v1/remote/restore", post(remote::restore))
         .fallback(not_found)
+        .layer(axum::Extension(UploadLimit(max_upload)))
         .with_state(d)
 }
 

@@ -1,13 +1,14 @@
 //! File routes, `/v1/sandboxes/{name}/files…` (docs/api.md): each parses its query (and body
 //! stream) into a `crab_sandbox::files::FileOp`, calls `Host::execute(Action::Files)`, and
 //! renders — JSON for entries, the raw bytes for a read or a tar out. Request bodies (a write's
-//! file, a tar in's archive) are streamed into the operation as they arrive; the file service
-//! bounds their size.
+//! file, a tar in's archive) are streamed into the operation as they arrive, never held whole,
+//! and bounded by `crab daemon --max-upload` ([`UploadLimit`]): a declared length past it is
+//! refused before anything runs, an undeclared one fails the operation when it passes it.
 
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Extension, Path, Query, Request, State};
 use axum::http::header;
 use axum::response::Response;
 use tokio::sync::mpsc;
@@ -19,7 +20,7 @@ use crab_common::ApiError;
 use crab_host::{Action, Host, Outcome};
 use crab_sandbox::files::{Chunks, FileAnswer, FileOp};
 
-use super::api::{err, render};
+use super::api::{err, render, UploadLimit};
 
 fn path_of(q: &FilesQuery) -> Result<String, ApiError> {
     q.path.clone().ok_or_else(|| {
@@ -27,12 +28,13 @@ fn path_of(q: &FilesQuery) -> Result<String, ApiError> {
     })
 }
 
-/// A request body as chunks for the file service (a body that fails to arrive ends them with
-/// its error).
-fn chunks(body: Body) -> Chunks {
+/// A request body as chunks for the file service (a body that fails to arrive, or passes
+/// `limit`, ends them with its error).
+fn chunks(body: Body, limit: UploadLimit) -> Chunks {
     let (tx, rx) = mpsc::channel(8);
     tokio::spawn(async move {
         let mut s = body.into_data_stream();
+        let mut total = 0u64;
         while let Some(c) = s.next().await {
             let item = c.map(|b| b.to_vec()).map_err(|e| {
                 ApiError::new(
@@ -41,6 +43,8 @@ fn chunks(body: Body) -> Chunks {
                     "send the whole body at once",
                 )
             });
+            total += item.as_ref().map_or(0, |b| b.len() as u64);
+            let item = if total > limit.0 { Err(limit.too_large()) } else { item };
             let failed = item.is_err();
             if tx.send(item).await.is_err() || failed {
                 return;
@@ -91,9 +95,11 @@ pub async fn write(
     State(h): State<Arc<Host>>,
     Path(name): Path<String>,
     Query(q): Query<FilesQuery>,
+    Extension(limit): Extension<UploadLimit>,
     req: Request,
 ) -> Response {
     let op = (|| {
+        limit.check_declared(req.headers())?;
         let mode = match &q.mode {
             Some(m) => {
                 Some(u32::from_str_radix(m, 8).ok().filter(|m| *m <= 0o7777).ok_or_else(|| {
@@ -105,7 +111,7 @@ pub async fn write(
             }
             None => None,
         };
-        Ok(FileOp::Write { path: path_of(&q)?, mode, data: chunks(req.into_body()) })
+        Ok(FileOp::Write { path: path_of(&q)?, mode, data: chunks(req.into_body(), limit) })
     })();
     run(h, name, &q, op, "").await
 }
@@ -186,13 +192,15 @@ pub async fn tar_in(
     State(h): State<Arc<Host>>,
     Path(name): Path<String>,
     Query(q): Query<FilesQuery>,
+    Extension(limit): Extension<UploadLimit>,
     req: Request,
 ) -> Response {
     let op = (|| {
+        limit.check_declared(req.headers())?;
         Ok(FileOp::TarIn {
             dir: path_of(&q)?,
             same_owner: q.same_owner.unwrap_or(false),
-            data: chunks(req.into_body()),
+            data: chunks(req.into_body(), limit),
         })
     })();
     run(h, name, &q, op, "").await

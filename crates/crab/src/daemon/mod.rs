@@ -60,6 +60,20 @@ pub struct DaemonOptions {
     pub userns: Option<crab_common::api::IdRange>,
     /// `--warm-roots`: ready-made root filesystems per recently used image.
     pub warm_roots: usize,
+    /// Bounds of the API socket's and the E2B port's requests.
+    pub http: HttpOptions,
+}
+
+/// `--max-upload`, `--http-header-timeout`, `--http-body-timeout`: what the API socket and the
+/// E2B port let a request take.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpOptions {
+    /// Largest body streamed into a sandbox (file, tar, stdin).
+    pub max_upload: u64,
+    /// Longest a client may take to send a request head, or sit idle between requests.
+    pub header_timeout: std::time::Duration,
+    /// Longest the daemon waits for a request body's client (plus 1 s per MiB received).
+    pub body_timeout: std::time::Duration,
 }
 
 /// Where and for whom the E2B-compatible API is served.
@@ -150,22 +164,24 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
             });
             let front = crab_e2b::E2b::new(
                 std::sync::Arc::new(e2b::HostBackend(host.clone())),
-                crab_e2b::Config { keys: o.keys.clone(), default_image: "debian".into(), store },
+                crab_e2b::Config {
+                    keys: o.keys.clone(),
+                    default_image: "debian".into(),
+                    store,
+                    max_upload: opts.http.max_upload,
+                },
             );
             let router = front.router();
             tracing::info!(listen = %o.listen, "E2B-compatible API ready");
             // The API socket's bounds, with a connection cap of its own from the budget; the
-            // E2B router keeps its own (larger) upload limit.
-            let limits = serve::ApiLimits {
-                max_body_bytes: crab_e2b::server::MAX_UPLOAD,
-                ..serve::ApiLimits::new(fds.e2b_connections)
-            };
+            // E2B router bounds its uploads itself (`--max-upload`), streaming them.
+            let limits = serve::ApiLimits::new(fds.e2b_connections, &opts.http);
             Some(tokio::spawn(serve::serve_e2b(l, router, limits, stop_rx.clone())))
         }
         None => None,
     };
-    let app = api::router(host.clone());
-    let limits = serve::ApiLimits::new(fds.api_connections);
+    let app = api::router(host.clone(), opts.http.max_upload);
+    let limits = serve::ApiLimits::new(fds.api_connections, &opts.http);
     let server = tokio::spawn(serve::serve(listener, app, limits, stop_rx));
     shutdown_signal().await;
     tracing::info!("shutting down");

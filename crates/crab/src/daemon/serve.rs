@@ -2,10 +2,13 @@
 //! LLM proxy (`crab_coordinator::listener`): at most
 //! `max_connections` connections at once (sized by the daemon's file-descriptor budget; one
 //! past it gets a JSON 503 and is closed), a header-read timeout (also the idle limit of a
-//! kept-alive connection), a deadline on reading a request body, a body-size cap, and every
-//! error the HTTP layer makes itself (413, 408, a body that failed to arrive) answered as the
-//! JSON `ApiError`. On shutdown it stops accepting and asks each connection to finish its
-//! request in flight.
+//! kept-alive connection), a deadline on the time spent waiting for a request body's client
+//! (`--http-body-timeout`, plus a second per MiB received, so a 1 GiB upload into a slow
+//! command has time and a trickle does not: `PacedBody`), a
+//! size cap on bodies read whole (JSON; streamed bodies — files, tars, stdin — are bounded by
+//! `--max-upload` in their routes), and every error the HTTP layer makes itself (413, 408, a
+//! body that failed to arrive) answered as the JSON `ApiError`. On shutdown it stops accepting
+//! and asks each connection to finish its request in flight.
 
 use std::time::Duration;
 
@@ -20,11 +23,16 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crab_common::{ApiError, ErrorCode};
-use crab_coordinator::limits::{refusal_bytes, ConnGate, DeadlineBody};
+use crab_coordinator::limits::{refusal_bytes, ConnGate, PacedBody};
 use crab_coordinator::listener;
 
-/// Largest API request body: an `exec -i` stdin of up to ~48 MiB travels base64-encoded in it.
+/// Largest API request body read whole (a JSON request: an exec's `stdin_b64` of up to ~48 MiB
+/// travels base64-encoded in it; larger stdin streams, as files do).
 pub const API_MAX_BODY: usize = 64 << 20;
+/// Past the base body deadline, a client must keep its body coming at this rate: each this many
+/// bytes received buys one more second of waiting for it (`PacedBody`; time the route spends
+/// not reading — a slow command's stdin — does not count).
+pub const MIN_BODY_RATE: u64 = 1 << 20;
 
 /// Bounds of the API server.
 #[derive(Debug, Clone, Copy)]
@@ -40,12 +48,12 @@ pub struct ApiLimits {
 }
 
 impl ApiLimits {
-    /// The defaults for `max_connections` connections.
-    pub fn new(max_connections: usize) -> ApiLimits {
+    /// `max_connections` connections with the daemon's timeouts.
+    pub fn new(max_connections: usize, http: &super::HttpOptions) -> ApiLimits {
         ApiLimits {
             max_connections,
-            header_read_timeout: Duration::from_secs(30),
-            body_read_timeout: Duration::from_secs(120),
+            header_read_timeout: http.header_timeout,
+            body_read_timeout: http.body_timeout,
             max_body_bytes: API_MAX_BODY,
         }
     }
@@ -125,7 +133,7 @@ fn refuser<L: listener::Accept>(
 fn bounded(app: Router, limits: &ApiLimits) -> Router {
     let body_timeout = limits.body_read_timeout;
     app.layer(axum::middleware::map_request(move |req: Request| async move {
-        req.map(|b| Body::new(DeadlineBody::new(b, Some(body_timeout))))
+        req.map(|b| Body::new(PacedBody::new(b, body_timeout, MIN_BODY_RATE)))
     }))
     .layer(DefaultBodyLimit::max(limits.max_body_bytes))
 }
@@ -151,9 +159,10 @@ async fn json_errors(resp: Response) -> Response {
         Err(e) => e.to_string(),
     };
     let (code, hint) = match status {
-        StatusCode::PAYLOAD_TOO_LARGE => {
-            (ErrorCode::TooLarge, format!("API request bodies are limited to {API_MAX_BODY} bytes"))
-        }
+        StatusCode::PAYLOAD_TOO_LARGE => (
+            ErrorCode::TooLarge,
+            format!("JSON request bodies are limited to {API_MAX_BODY} bytes; stream large stdin (an exec's stdin_session and an application/octet-stream body to .../exec/SESSION/stdin) and files (PUT .../files) instead"),
+        ),
         StatusCode::REQUEST_TIMEOUT => (ErrorCode::RequestTimeout, String::new()),
         _ if text.contains("did not arrive within") => {
             (ErrorCode::RequestTimeout, "send the whole request body at once".to_string())

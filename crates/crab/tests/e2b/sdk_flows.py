@@ -403,16 +403,27 @@ def check_errors():
     h2 = {"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": "application/proto"}
     r = httpx.post(f"{API}/filesystem.Filesystem/Stat", headers=h2, content=b"\x0a\x01/")
     assert r.status_code == 400 and "JSON codec" in r.json()["message"], r.text
-    # Oversized upload: 413, nothing written.
-    big = b"x" * (100 * 1024 * 1024 + 1)
-    r = httpx.post(
-        f"{API}/files",
-        params={"path": "/tmp/big"},
-        headers={"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": "application/octet-stream"},
-        content=big,
-        timeout=120,
-    )
-    assert r.status_code == 413 and "limit" in r.json()["message"], (r.status_code, r.text[:200])
+    # Oversized upload (declared past --max-upload, 4 GiB by default): 413 from the head alone,
+    # naming the flag, nothing written.
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(API)
+    with socket.create_connection((u.hostname, u.port or 80), timeout=30) as s:
+        s.sendall(
+            (
+                "POST /files?path=/tmp/big HTTP/1.1\r\nHost: crab\r\n"
+                f"E2b-Sandbox-Id: {sid}\r\nX-Access-Token: {token}\r\n"
+                f"Content-Type: application/octet-stream\r\nContent-Length: {5 << 30}\r\n\r\n"
+            ).encode()
+        )
+        answer = b""
+        while b"}" not in answer:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and b"--max-upload" in answer, answer[:300]
     assert not sb.files.exists("/tmp/big")
     # Unsupported calls answer unimplemented with a reason.
     try:
@@ -484,6 +495,87 @@ def check_default_user():
         k.kill()
 
 
+def daemon_hwm_kib():
+    """The Crab daemon's peak resident memory (VmHWM), KiB (CRAB_DAEMON_PID names it)."""
+    with open(f"/proc/{os.environ['CRAB_DAEMON_PID']}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def check_large_bodies():
+    """Issue 28: a 200 KiB environment and a 100 KiB command start (the kernel's 128 KiB per
+    argument is named when a command passes it); a 1 GiB upload through /files streams to the
+    sandbox (sha256 read back inside) with the daemon's memory bounded; a declared upload over
+    --max-upload is refused before a byte is written, naming the flag."""
+    import hashlib
+    import tempfile
+
+    sb = create()
+    env = {"BIG1": "a" * 100_000, "BIG2": "b" * 100_000}
+    r = sb.commands.run('printf %s "$BIG1$BIG2" | sha256sum', envs=env)
+    assert r.stdout.split()[0] == hashlib.sha256((env["BIG1"] + env["BIG2"]).encode()).hexdigest(), r
+    r = sb.commands.run("printf %s " + "c" * 100_000 + " | wc -c")
+    assert r.stdout.strip() == "100000", r
+    try:
+        sb.commands.run("printf %s " + "c" * 200_000 + " | wc -c")
+        raise AssertionError("a 200 KB argument ran")
+    except InvalidArgumentException as e:
+        assert "MAX_ARG_STRLEN" in str(e) and "stdin" in str(e), e
+    # envd's Process/Start takes an argv (the SDK sends one `bash -l -c` string): a 1 MB
+    # command line in ten arguments, sent as a raw Connect stream.
+    import base64
+    import struct
+
+    args = [chr(ord("a") + i) * 100_000 for i in range(10)]
+    req = {"process": {"cmd": "/bin/sh", "args": ["-c", 'printf %s "$*" | sha256sum; echo $#', "sh", *args]}}
+    payload = json.dumps(req).encode()
+    h = {
+        "E2b-Sandbox-Id": sb.sandbox_id,
+        "X-Access-Token": sb._envd_access_token,
+        "Content-Type": "application/connect+json",
+        "Connect-Protocol-Version": "1",
+    }
+    r = httpx.post(f"{API}/process.Process/Start", headers=h, content=struct.pack(">BI", 0, len(payload)) + payload, timeout=60)
+    out, rest = b"", r.content
+    while len(rest) >= 5:
+        flags, n = struct.unpack(">BI", rest[:5])
+        msg, rest = json.loads(rest[5 : 5 + n]), rest[5 + n :]
+        assert "error" not in msg, msg
+        data = msg.get("event", {}).get("data", {})
+        out += base64.b64decode(data.get("stdout", ""))
+    assert out.decode().split() == [hashlib.sha256(" ".join(args).encode()).hexdigest(), "-", "10"], out[:300]
+    # 1 GiB, generated into a file as it is hashed (the SDK sends a file object as it reads it).
+    sha = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir="/var/tmp") as f:
+        for _ in range(1024):
+            b = os.urandom(1 << 20)
+            sha.update(b)
+            f.write(b)
+        f.flush()
+        f.seek(0)
+        before = daemon_hwm_kib()
+        sb.files.write("/home/user/big", f)
+        after = daemon_hwm_kib()
+    print(f"daemon VmHWM 1 GiB E2B upload: {before} KiB before, {after} KiB after", flush=True)
+    r = sb.commands.run("sha256sum /home/user/big; stat -c %s /home/user/big; rm /home/user/big")
+    assert r.stdout.split() == [sha.hexdigest(), "/home/user/big", str(1 << 30)], r.stdout
+    assert after - before < 256 * 1024, f"the daemon grew by {after - before} KiB for a 1 GiB upload"
+    # Declared larger than --max-upload (4 GiB by default): a sparse file, whose length the SDK
+    # declares for a real file object, refused before a byte is written.
+    with tempfile.NamedTemporaryFile(dir="/var/tmp") as f:
+        f.truncate(5 << 30)
+        try:
+            with open(f.name, "rb") as sparse:
+                sb.files.write("/home/user/never", sparse)
+            raise AssertionError("a 5 GiB upload was taken")
+        except SandboxException as e:
+            assert "413" in str(e) and "--max-upload" in str(e), e
+    assert not sb.files.exists("/home/user/never")
+    sb.kill()
+
+
 CHECKS = [
     ("create_run_files", check_create_run_files),
     ("background", check_background),
@@ -496,6 +588,7 @@ CHECKS = [
     ("stdin", check_stdin),
     ("timeout", check_timeout),
     ("default_user", check_default_user),
+    ("large_bodies", check_large_bodies),
 ]
 
 

@@ -36,6 +36,21 @@ def test_create_connect_info_kill(daemon: Daemon) -> None:
         Sandbox.connect(name, daemon=daemon)
 
 
+def test_user_namespace_modes(daemon: Daemon) -> None:
+    # Default: root inside is an unprivileged uid of the daemon's range outside (issue 28).
+    with Sandbox.create("debian", daemon=daemon) as sb:
+        first, host, count = sb.exec("cat /proc/self/uid_map").stdout.split()
+        assert (first, count) == ("0", "65536") and int(host) > 0
+        assert sb.exec("id -u").stdout == "0\n"
+        assert host in sb.info().raw["profile"]["user_namespace"]
+    # userns="host": the host's ids (uid 0 is the host's root).
+    with Sandbox.create("debian", userns="host", daemon=daemon) as sb:
+        assert sb.exec("cat /proc/self/uid_map").stdout.split() == ["0", "0", "4294967295"]
+    with pytest.raises(cs.InvalidRequestError) as e:
+        Sandbox.create("debian", userns="shared", daemon=daemon)
+    assert "private" in str(e.value) and "host" in str(e.value)
+
+
 def test_exec(sandbox: Sandbox) -> None:
     r = sandbox.exec("echo out; echo err >&2; exit 7")
     assert (r.exit_code, r.stdout, r.stderr) == (7, "out\n", "err\n")

@@ -151,12 +151,15 @@ class AsyncSandbox:
         on_timeout: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         envs: Optional[Mapping[str, str]] = None,
+        userns: Optional[str] = None,
         socket: Optional[c.PathLike] = None,
         daemon: Optional[AsyncDaemon] = None,
     ) -> S:
         """See :meth:`crab_sandbox.Sandbox.create`."""
         d = _pick(socket, daemon)
-        body = c.create_body(image, name, memory, cpus, network, pids, privileged, timeout, on_timeout, labels, envs)
+        body = c.create_body(
+            image, name, memory, cpus, network, pids, privileged, timeout, on_timeout, labels, envs, userns
+        )
         info = await d.request("POST", "/v1/sandboxes", body)
         return cls(str(info["name"]), d)
 

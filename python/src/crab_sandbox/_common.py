@@ -101,6 +101,7 @@ def create_body(
     on_timeout: Optional[str] = None,
     labels: Optional[Mapping[str, str]] = None,
     envs: Optional[Mapping[str, str]] = None,
+    userns: Optional[str] = None,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {
         "image": image,
@@ -118,6 +119,8 @@ def create_body(
         body["labels"] = dict(labels)
     if envs:
         body["env"] = dict(envs)
+    if userns is not None:
+        body["userns"] = userns
     return body
 
 

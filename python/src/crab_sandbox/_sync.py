@@ -170,6 +170,7 @@ class Sandbox:
         on_timeout: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         envs: Optional[Mapping[str, str]] = None,
+        userns: Optional[str] = None,
         socket: Optional[c.PathLike] = None,
         daemon: Optional[Daemon] = None,
     ) -> S:
@@ -188,9 +189,13 @@ class Sandbox:
             on_timeout: ``"kill"`` (the default) or ``"pause"``.
             labels: labels kept in its record (E2B's metadata).
             envs: environment every command in it gets.
+            userns: ``"private"`` (the default: root inside is an unprivileged host uid) or
+                ``"host"`` (UNSAFE: uid 0 inside is the host's root; ``crab sandbox create --userns``).
         """
         d = _pick(socket, daemon)
-        body = c.create_body(image, name, memory, cpus, network, pids, privileged, timeout, on_timeout, labels, envs)
+        body = c.create_body(
+            image, name, memory, cpus, network, pids, privileged, timeout, on_timeout, labels, envs, userns
+        )
         info = d.request("POST", "/v1/sandboxes", body)
         return cls(str(info["name"]), d)
 

@@ -162,6 +162,11 @@ pub(super) struct RunArgs {
     /// UNSAFE: no security profile (see `crab sandbox create --privileged`).
     #[arg(long)]
     privileged: bool,
+    /// User namespace, as Docker's `--userns`: `host` (UNSAFE: uid 0 inside is the host's
+    /// root) or `private` (the default: Crab's user namespace; see `crab sandbox create
+    /// --userns`).
+    #[arg(long, value_name = "MODE", value_parser = ["private", "host"])]
+    userns: Option<String>,
     /// Accepted for compatibility (the sandbox's pid 1 is always Crab's reaper).
     #[arg(long)]
     init: bool,
@@ -411,6 +416,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
             ..Default::default()
         },
         privileged: a.privileged,
+        userns: a.userns,
         ..SandboxCreateRequest::new(a.image)
     };
     let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;

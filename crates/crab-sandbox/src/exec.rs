@@ -344,10 +344,9 @@ async fn run_inner(
     let spec_fd = crate::specfd::spec_memfd(&spec)?;
     let start = Instant::now();
     let mut cmd = tokio::process::Command::new(rt.helper_exe());
-    crate::specfd::pass(&mut cmd, &spec_fd);
     let mut child = cmd
         .arg("__nsexec")
-        .args([crate::specfd::SPEC_FD_ARG, "3"])
+        .args(crate::specfd::inheritable(&spec_fd)?)
         .stdin(if stdin_data.is_some() || session.is_some() {
             Stdio::piped()
         } else {

@@ -472,10 +472,9 @@ impl Ctx {
         let spec = self.rt.exec_spec(&self.name, &req).map_err(ApiError::from)?;
         let spec_fd = crate::specfd::spec_memfd(&spec).map_err(ApiError::from)?;
         let mut cmd = tokio::process::Command::new(self.rt.helper_exe());
-        crate::specfd::pass(&mut cmd, &spec_fd);
         let mut child = cmd
             .arg("__nsexec")
-            .args([crate::specfd::SPEC_FD_ARG, "3"])
+            .args(crate::specfd::inheritable(&spec_fd).map_err(ApiError::from)?)
             .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

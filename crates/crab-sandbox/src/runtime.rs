@@ -813,15 +813,18 @@ impl Runtime {
             seccomp: compiled_filters(&profile)?,
         };
         let spec_fd = crate::specfd::spec_memfd(&spec)?;
-        let mut cmd = Command::new(self.helper_exe());
-        crate::specfd::pass_std(&mut cmd, &spec_fd);
-        let out = cmd
+        let child = Command::new(self.helper_exe())
             .arg("__start-sandbox")
-            .args([crate::specfd::SPEC_FD_ARG, "3"])
+            .args(crate::specfd::inheritable(&spec_fd)?)
             .stdin(Stdio::null())
-            .output()
-            .map_err(SandboxError::io("run helper", &self.cfg.helper_exe))?;
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(SandboxError::io("run helper", &self.cfg.helper_exe));
         drop(spec_fd);
+        let out = child?
+            .wait_with_output()
+            .map_err(SandboxError::io("wait for helper", &self.cfg.helper_exe))?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         if !out.status.success() {
             return Err(SandboxError::Other(format!(

@@ -1,6 +1,6 @@
-//! The hidden namespace helpers (`__start-sandbox --spec-fd 3`, `__nsexec --spec-fd 3`; or the
+//! The hidden namespace helpers (`__start-sandbox --spec-fd N`, `__nsexec --spec-fd N`; or the
 //! spec's JSON as the argument), shared by the `crab` binary and the small `crab-nsexec` binary
-//! the daemon prefers for them. The daemon passes the spec on descriptor 3, a sealed memfd
+//! the daemon prefers for them. The daemon passes the spec on an inherited descriptor, a sealed memfd
 //! (`crab_sandbox::specfd`), so no spec meets the kernel's argument limits.
 //!
 //! They are dispatched before any thread or async runtime exists, because they unshare
@@ -24,7 +24,7 @@ pub fn dispatch(args: &[String]) -> Option<ExitCode> {
     }
 }
 
-/// The helper's spec: on a descriptor (`--spec-fd 3`, as the daemon passes it) or the JSON
+/// The helper's spec: on a descriptor (`--spec-fd N`, as the daemon passes it) or the JSON
 /// argument itself (`crab_sandbox::specfd`).
 fn spec<T: serde::de::DeserializeOwned>(args: &[String]) -> Result<T, String> {
     crab_sandbox::specfd::read_spec(args.get(2..).unwrap_or_default())

@@ -598,12 +598,23 @@ impl RemoteTier {
                 Err(e) => Err(e),
             };
             match res {
-                Ok(rep) => self.set(
-                    &sb,
-                    &point,
-                    PointState::Durable { uploaded_bytes: rep.uploaded_bytes },
-                    None,
-                ),
+                Ok(rep) => {
+                    tracing::info!(
+                        sandbox = sb,
+                        point,
+                        uploaded_bytes = rep.uploaded_bytes,
+                        read_bytes = rep.read_bytes,
+                        walked_entries = rep.walked_entries,
+                        ms = rep.elapsed_ms,
+                        "point exported"
+                    );
+                    self.set(
+                        &sb,
+                        &point,
+                        PointState::Durable { uploaded_bytes: rep.uploaded_bytes },
+                        None,
+                    )
+                }
                 Err(e) => {
                     let attempts = attempts + 1;
                     let backoff = Duration::from_secs((1u64 << attempts.min(6)).min(60));

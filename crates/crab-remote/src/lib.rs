@@ -9,6 +9,7 @@
 //! [`Repo::load_point`], [`Repo::import_point`] ([`Repo::export_point_with`] pauses through a [`Pause`] for more urgent work), [`Repo::check`], [`Repo::prune`], and
 //! [`preflight`] before restoring processes elsewhere.
 
+pub mod cache;
 pub mod crypto;
 pub mod error;
 pub mod format;

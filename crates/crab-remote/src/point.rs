@@ -109,6 +109,13 @@ impl Repo {
         let guard = self.lock(false).await?;
         let res = self.export_locked(src, pause).await;
         self.unlock(guard).await;
+        if res.is_ok() {
+            // What this export learned outlives the daemon (`crate::cache`); failing to keep
+            // it costs the next daemon's first export a reread, nothing more.
+            if let Err(e) = self.save_export_cache() {
+                tracing::warn!(error = %e, "cannot save the export cache");
+            }
+        }
         res
     }
 
@@ -237,6 +244,7 @@ impl Repo {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, (tree, own.logical_bytes));
+        self.cache_dirty.store(true, std::sync::atomic::Ordering::Release);
         Ok(tree)
     }
 

@@ -92,6 +92,9 @@ pub struct Repo {
     /// Root trees of immutable parts exported before (see `Repo::export_part`), by path and
     /// root ctime, with their logical size.
     pub(crate) part_cache: Mutex<HashMap<(PathBuf, i64), (Id, u64)>>,
+    /// Whether the two caches above gained entries since they were last saved
+    /// (`crate::cache`: they outlive the daemon in `<cache>/export-cache.json`).
+    pub(crate) cache_dirty: std::sync::atomic::AtomicBool,
     /// Blobs [`Repo::prefetch`] just downloaded, decoded and verified, held for the read that
     /// asked for them so it neither reads them back from the cache nor decodes them twice.
     hot: Mutex<HotBlobs>,
@@ -178,6 +181,7 @@ impl Repo {
             index: Mutex::new(IndexState::default()),
             file_cache: Mutex::new(HashMap::new()),
             part_cache: Mutex::new(HashMap::new()),
+            cache_dirty: std::sync::atomic::AtomicBool::new(false),
             hot: Mutex::new(HotBlobs::default()),
         };
         let config = match repo.read_config().await? {
@@ -231,6 +235,7 @@ impl Repo {
             }
         }
         repo.config = config;
+        repo.load_export_cache();
         Ok(repo)
     }
 

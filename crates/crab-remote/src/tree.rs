@@ -34,11 +34,11 @@ use crate::repo::{Packer, Repo};
 /// Cache key of a file's content.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FileKey {
-    rel: PathBuf,
-    ino: u64,
-    size: u64,
-    mtime_ns: i64,
-    ctime_ns: i64,
+    pub(crate) rel: PathBuf,
+    pub(crate) ino: u64,
+    pub(crate) size: u64,
+    pub(crate) mtime_ns: i64,
+    pub(crate) ctime_ns: i64,
 }
 
 /// What an export read and stored.
@@ -384,6 +384,7 @@ impl Repo {
             tracing::debug!(path = %abs.display(), "file changed while it was exported");
         } else {
             self.file_cache.lock().unwrap_or_else(|p| p.into_inner()).insert(key, content.clone());
+            self.cache_dirty.store(true, std::sync::atomic::Ordering::Release);
         }
         Ok(content)
     }

@@ -175,6 +175,43 @@ async fn unchanged_tree_uploads_only_a_manifest() {
     assert!(first.uploaded_bytes > 100 * third.uploaded_bytes);
 }
 
+/// Issue 32: what an export learned survives the daemon. A new `Repo` on the same cache
+/// directory (a restarted daemon) neither rereads unchanged files nor walks known immutable
+/// parts; a cache file that does not check out is ignored (the export reads everything, and
+/// is right).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reopened_repo_remembers_what_it_exported() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let first = fx.repo("cache").await.export_point(&fx.source("c000001", &root)).await.expect("ok");
+    assert!(first.read_bytes > 3 * 1024 * 1024, "{}", first.read_bytes);
+    let saved = std::fs::read(fx.path("cache").join(crab_remote::cache::FILE)).expect("ok");
+    let (files, _) = crab_remote::cache::count(&saved).expect("ok");
+    assert!(files >= 5, "{files} file entries saved");
+    // A restarted daemon: a new Repo on the same cache directory.
+    let again = fx.repo("cache").await.export_point(&fx.source("c000002", &root)).await.expect("ok");
+    assert_eq!(again.read_bytes, 0, "no unchanged file is read again after a reopen");
+    assert_eq!(again.record.fs, first.record.fs);
+    // Immutable parts: not even walked.
+    let mut a = fx.source("c000003", &root);
+    a.immutable_parts = true;
+    let walked = fx.repo("cache").await.export_point(&a).await.expect("ok");
+    assert!(walked.walked_entries > 0);
+    let mut b = fx.source("c000004", &root);
+    b.immutable_parts = true;
+    let skipped = fx.repo("cache").await.export_point(&b).await.expect("ok");
+    assert_eq!((skipped.walked_entries, skipped.read_bytes), (0, 0));
+    assert_eq!(skipped.record.fs, walked.record.fs);
+    // A damaged cache file is ignored: everything is read again, and the tree is the same.
+    let path = fx.path("cache").join(crab_remote::cache::FILE);
+    let mut bytes = std::fs::read(&path).expect("ok");
+    bytes[10] ^= 0x20;
+    std::fs::write(&path, &bytes).expect("ok");
+    let cold = fx.repo("cache").await.export_point(&fx.source("c000005", &root)).await.expect("ok");
+    assert_eq!(cold.read_bytes, first.read_bytes);
+    assert_eq!(cold.record.fs, first.record.fs);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn immutable_parts_exported_before_are_not_walked_again() {
     let fx = Fixture::new();

@@ -649,10 +649,14 @@ fn reused_key_starts_clean_and_records_at_once() {
     drop(old);
     let mut reused = false;
     let mut keys = Vec::new();
-    // Detached keys are taken first; other tests' detaches may come in between, so keep
-    // attaching (holding every sandbox) until the old key comes back.
-    for n in 0..24 {
-        if reused && n >= 3 {
+    // Detached keys are taken first; but another test of this binary may take the old key
+    // right after the drop and hold it for the length of its own test, so keep attaching
+    // (holding every sandbox, so the pool cannot hand the same other key back) until the old
+    // key comes back — bounded by time and by a share of the inspector's 256 keys, not by a
+    // count that a slow concurrent test outlasts (it did, twice, in full `make test` runs).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    for n in 0..160 {
+        if (reused && n >= 3) || (!reused && std::time::Instant::now() > deadline) {
             break;
         }
         let s = Sandbox::new(i, &format!("reuse-new{n}"));

@@ -193,9 +193,8 @@ pub fn count(bytes: &[u8]) -> std::result::Result<(usize, usize), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+    use super::*;
 
     #[test]
     fn decode_refuses_what_does_not_check_out() {

@@ -183,13 +183,15 @@ async fn unchanged_tree_uploads_only_a_manifest() {
 async fn a_reopened_repo_remembers_what_it_exported() {
     let fx = Fixture::new();
     let root = setup(&fx);
-    let first = fx.repo("cache").await.export_point(&fx.source("c000001", &root)).await.expect("ok");
+    let first =
+        fx.repo("cache").await.export_point(&fx.source("c000001", &root)).await.expect("ok");
     assert!(first.read_bytes > 3 * 1024 * 1024, "{}", first.read_bytes);
     let saved = std::fs::read(fx.path("cache").join(crab_remote::cache::FILE)).expect("ok");
     let (files, _) = crab_remote::cache::count(&saved).expect("ok");
     assert!(files >= 5, "{files} file entries saved");
     // A restarted daemon: a new Repo on the same cache directory.
-    let again = fx.repo("cache").await.export_point(&fx.source("c000002", &root)).await.expect("ok");
+    let again =
+        fx.repo("cache").await.export_point(&fx.source("c000002", &root)).await.expect("ok");
     assert_eq!(again.read_bytes, 0, "no unchanged file is read again after a reopen");
     assert_eq!(again.record.fs, first.record.fs);
     // Immutable parts: not even walked.

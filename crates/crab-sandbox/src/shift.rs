@@ -14,8 +14,9 @@
 //! id outside the range. `chown` clears set-id bits and file capabilities; both are put back
 //! (a sandbox's `no_new_privs` makes neither grant anything, but `ls -l` and package managers
 //! see the image as built). A shifted copy is named after the image and the identity of its
-//! build (its record's modification time), so a rebuilt or re-imported image is shifted
-//! afresh and the old copy deleted; removing an image removes its copies.
+//! build (its record's modification time) and of the shift's own version, so a rebuilt or
+//! re-imported image is shifted afresh and the old copy deleted; removing an image removes its
+//! copies.
 
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -83,9 +84,14 @@ pub fn rootfs_for(
     Ok(dst)
 }
 
+/// Version of what [`shift_tree`] does, part of every copy's name: a copy an older version made
+/// (2: hard links shifted once; 1 shifted them once per name, making them `nobody`'s) is made
+/// again.
+const SHIFT_VERSION: u32 = 2;
+
 fn build_key(state: &StateDir, image: &str) -> Option<String> {
     let m = fs::metadata(state.image_record(image)).ok()?;
-    Some(format!("{}.{:09}", m.mtime(), m.mtime_nsec()))
+    Some(format!("v{SHIFT_VERSION}.{}.{:09}", m.mtime(), m.mtime_nsec()))
 }
 
 /// The shifted copy of `image` for `ids` of the image's current build, if it was made.
@@ -142,16 +148,22 @@ fn shifted(base: u32, count: u32, id: u32) -> u32 {
 
 /// `lchown` every entry under `root` (itself included) into `ids`, keeping set-id bits and
 /// file capabilities. Symlinks are never followed; mount points are not crossed (a fresh
-/// snapshot has none).
+/// snapshot has none). An inode with several names (a hard link: `perl` and `perl5.36.0`,
+/// `gzip` and `gunzip`) is shifted once — shifted again, its already shifted owner would be
+/// past the range and become `nobody`, who could then write it.
 pub fn shift_tree(root: &Path, ids: IdRange) -> Result<()> {
     let dev = fs::symlink_metadata(root).map_err(SandboxError::io("stat", root))?.dev();
     let mut stack = vec![root.to_path_buf()];
+    let mut linked = std::collections::HashSet::new();
     while let Some(p) = stack.pop() {
         let m = fs::symlink_metadata(&p).map_err(SandboxError::io("stat", &p))?;
         if m.is_dir() && m.dev() == dev {
             for e in fs::read_dir(&p).map_err(SandboxError::io("list", &p))? {
                 stack.push(e.map_err(SandboxError::io("list", &p))?.path());
             }
+        }
+        if !m.is_dir() && m.nlink() > 1 && !linked.insert(m.ino()) {
+            continue;
         }
         shift_one(&p, &m, ids)?;
     }
@@ -179,7 +191,36 @@ fn shift_one(p: &Path, m: &fs::Metadata, ids: IdRange) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
     use super::*;
+
+    /// Needs root (chown to other ids); skipped otherwise, as the crate's other unit tests
+    /// that touch ownership are (the integration tests run it for real, through a create).
+    #[test]
+    fn hard_links_are_shifted_once_and_set_id_bits_kept() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(
+                std::env::var_os("CRAB_REQUIRE_PRIVILEGED").is_none(),
+                "needs root (CRAB_REQUIRE_PRIVILEGED)"
+            );
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let a = d.path().join("a");
+        fs::write(&a, "x").unwrap();
+        fs::hard_link(&a, d.path().join("b")).unwrap();
+        fs::set_permissions(&a, fs::Permissions::from_mode(0o4755)).unwrap();
+        std::os::unix::fs::lchown(&a, Some(0), Some(0)).unwrap();
+        fs::set_permissions(&a, fs::Permissions::from_mode(0o4755)).unwrap();
+        let ids = IdRange { uid: 100_000, gid: 200_000, count: 65536 };
+        shift_tree(d.path(), ids).unwrap();
+        for n in ["a", "b"] {
+            let m = fs::symlink_metadata(d.path().join(n)).unwrap();
+            assert_eq!((m.uid(), m.gid()), (100_000, 200_000), "{n}");
+            assert_eq!(m.permissions().mode() & 0o7777, 0o4755, "{n}");
+        }
+    }
 
     #[test]
     fn unmapped_ids_become_the_namespace_nobody() {

@@ -72,6 +72,12 @@ fn root_inside_is_an_unprivileged_host_uid() {
     assert_eq!(sb.sh_ok("stat -c '%u %g' /usr/bin/ls /etc/passwd"), "0 0\n0 0\n");
     assert_eq!(sb.sh_ok("stat -c '%u %g' /home/user"), "1000 1000\n");
     assert_eq!(sb.sh_ok("stat -c %a /usr/bin/su"), "4755\n");
+    // Hard links (one inode, two names) are root's too, not shifted twice into `nobody`.
+    assert_eq!(
+        sb.sh_ok("stat -c '%h %u %g' /usr/bin/perl /usr/bin/gunzip"),
+        "2 0 0\n2 0 0\n",
+        "hard-linked files"
+    );
     // What the sandbox writes is the range's on the host.
     sb.sh_ok("echo x > /root/made-inside && chown 1000:1000 /root/made-inside");
     let root = common::state_dir().join("pool/sandboxes").join(&sb.name).join("rootfs");

@@ -46,6 +46,10 @@ const SCAN_MAX: usize = 4 * MAX_PROCS;
 /// It reaches the launcher on its stdin (not as an argument, which Linux bounds to 128 KiB):
 /// room for a command line and environment near `ARG_MAX` (2 MiB), JSON-escaped.
 const META_MAX: u64 = 5 << 19;
+/// Bytes of `meta.json` one listing reads over all its processes: [`MAX_PROCS`] forged files
+/// of [`META_MAX`] would be 160 MiB held at once. Past it a process is listed without what its
+/// `meta.json` says (a sandbox that forges them hides only its own command lines).
+const LIST_META_BUDGET: u64 = 16 << 20;
 /// Bytes of `pid`, `exit` read at most.
 const SMALL_MAX: u64 = 32;
 /// Bytes of a process's `/proc/<pid>/cmdline` read to recognize a supervisor.
@@ -240,10 +244,12 @@ fn file_len(root: &InRoot, rel: &Path) -> u64 {
     root.open_regular(rel).and_then(|f| f.metadata().ok()).map(|m| m.len()).unwrap_or(0)
 }
 
-/// Read one process's files (`None`: no such process directory). Nothing here is trusted.
-fn read_proc(root: &InRoot, sups: &Sups, id: &str) -> Option<ProcInfo> {
+/// Read one process's files (`None`: no such process directory), at most `budget` bytes of its
+/// `meta.json` (taken from it). Nothing here is trusted.
+fn read_proc(root: &InRoot, sups: &Sups, id: &str, budget: &mut u64) -> Option<ProcInfo> {
     let d = dir_rel(id);
-    let meta_bytes = root.read_bounded(&d.join("meta.json"), META_MAX);
+    let meta_bytes = root.read_bounded(&d.join("meta.json"), META_MAX.min(*budget));
+    *budget = budget.saturating_sub(meta_bytes.as_ref().map_or(0, |b| b.len() as u64));
     let pid: Option<u32> = parse_small(root, &d.join("pid"));
     if meta_bytes.is_none() && pid.is_none() {
         return None;
@@ -291,8 +297,9 @@ fn ids(root: &InRoot) -> Vec<String> {
 
 fn list_in(rt: &Runtime, name: &str, root: &InRoot) -> Vec<ProcInfo> {
     let sups = supervisors(rt, name);
+    let mut budget = LIST_META_BUDGET;
     let mut v: Vec<ProcInfo> =
-        ids(root).iter().filter_map(|id| read_proc(root, &sups, id)).collect();
+        ids(root).iter().filter_map(|id| read_proc(root, &sups, id, &mut budget)).collect();
     v.sort_by(|a, b| a.started_at.cmp(&b.started_at).then_with(|| a.id.cmp(&b.id)));
     v
 }
@@ -307,7 +314,7 @@ pub fn list(rt: &Runtime, name: &str) -> Result<Vec<ProcInfo>> {
 pub fn info(rt: &Runtime, name: &str, id: &str) -> Result<ProcInfo> {
     check_id(name, id)?;
     let root = root_of(rt, name)?;
-    read_proc(&root, &supervisors(rt, name), id)
+    read_proc(&root, &supervisors(rt, name), id, &mut META_MAX.clone())
         .ok_or_else(|| SandboxError::NoProcess { sandbox: name.into(), id: id.into() })
 }
 

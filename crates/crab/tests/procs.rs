@@ -292,6 +292,25 @@ fn forged_supervisor_files_do_not_hurt_the_daemon() {
     let real = v.iter().find(|p| p["id"] == id.as_str()).unwrap();
     assert_eq!(real["state"], "running", "{v:?}");
     assert!(v.len() <= 1 + 3, "{v:?}");
+    // Ten well-formed metas of 2 MB each: one listing reads at most 16 MiB of them (64 of 2.5
+    // MiB would be 160 MiB at once); the ones past that are listed without a command line.
+    sb.sh_ok(
+        "set -e; cd /run/crab-procs; rm -rf junk*; for i in 0 1 2 3 4 5 6 7 8 9; do \
+         d=cccccccccccccc0$i; mkdir $d; { printf '{\"cmd\":[\"'; \
+         head -c 2000000 /dev/zero | tr '\\000' y; \
+         printf '\"],\"started_at\":1}'; } > $d/meta.json; echo 7 > $d/exit; done",
+    );
+    let v = ps(&sb.name);
+    let forged: Vec<&serde_json::Value> =
+        v.iter().filter(|p| p["id"].as_str().is_some_and(|i| i.starts_with("cccc"))).collect();
+    assert_eq!(forged.len(), 10, "every forged process is listed");
+    let cmd_len = |p: &serde_json::Value| {
+        p["cmd"].as_array().map_or(0, |a| a.iter().map(|s| s.as_str().map_or(0, str::len)).sum())
+    };
+    let listed: usize = v.iter().map(cmd_len).sum();
+    assert!(listed <= 16 << 20, "{listed} bytes of command lines in one listing");
+    assert!(forged.iter().filter(|p| cmd_len(p) == 2_000_000).count() >= 7, "within the budget");
+    assert!(forged.iter().any(|p| cmd_len(p) == 0), "past the budget: no command line");
     let f1 = v.iter().find(|p| p["id"] == "aaaaaaaaaaaaaaa1").unwrap();
     assert_eq!(f1["state"], "lost", "{f1}");
     // The table view escapes what the sandbox wrote.

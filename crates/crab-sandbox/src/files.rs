@@ -66,8 +66,8 @@ pub enum FileOp {
         /// The file.
         path: String,
     },
-    /// Write a file from a stream (parents made; an existing file is overwritten in place);
-    /// answers its entry.
+    /// Write a file from a stream (parents made; an existing file is replaced once the whole
+    /// stream is in, never left shorter); answers its entry.
     Write {
         /// The file.
         path: String,
@@ -175,11 +175,21 @@ fn program(op: &FileOp, paths: &[String]) -> Result<(String, Vec<String>), ApiEr
             r#"[ -e "$1" ] || exit 44; [ -d "$1" ] && exit 47; [ -r "$1" ] || exit 43; printf 'crab-files:ok\n'; exec cat -- "$1""#.into(),
             vec![p(0)],
         ),
+        // Into a new hidden file beside the target (`$3`, mode 0600 while it fills), renamed
+        // over it once whole: a write cut off — the program killed mid-stream — leaves the old
+        // file (or none) as it was, never a shorter one. The new file takes the old one's mode
+        // (and, as root, owner) unless a mode is given; a new one gets the umask's. A symlink
+        // is written through (the file it names is replaced). Where the user may write the
+        // file but not its directory, it is written in place, as before.
         FileOp::Write { mode, .. } => (
             format!(
-                r#"mkdir -p -- "$(dirname -- "$1")" 2>/dev/null || exit 43; [ -d "$1" ] && exit 47; cat > "$1" 2>/dev/null || exit 43; if [ -n "$2" ]; then chmod -- "$2" "$1" || exit 43; fi; exec find "$1" -maxdepth 0 -printf '{FIND_FMT}'"#
+                r#"mkdir -p -- "$(dirname -- "$1")" 2>/dev/null || exit 43; [ -d "$1" ] && exit 47; f=$1; if [ -L "$f" ]; then f=$(readlink -f -- "$f") || exit 43; [ -d "$f" ] && exit 47; fi; t=$(dirname -- "$f")/$3; if (umask 077; : > "$t") 2>/dev/null; then cat > "$t" 2>/dev/null || {{ rm -f -- "$t"; exit 43; }}; if [ -n "$2" ]; then chmod -- "$2" "$t" || {{ rm -f -- "$t"; exit 43; }}; elif [ -e "$f" ]; then chmod --reference="$f" -- "$t" 2>/dev/null; chown --reference="$f" -- "$t" 2>/dev/null; else chmod -- "$(printf %o $((0666 & ~$(umask))))" "$t"; fi; mv -f -- "$t" "$f" 2>/dev/null || {{ rm -f -- "$t"; exit 43; }}; else cat > "$f" 2>/dev/null || exit 43; if [ -n "$2" ]; then chmod -- "$2" "$f" || exit 43; fi; fi; exec find "$1" -maxdepth 0 -printf '{FIND_FMT}'"#
             ),
-            vec![p(0), mode.map(|m| format!("{:o}", m & 0o7777)).unwrap_or_default()],
+            vec![
+                p(0),
+                mode.map(|m| format!("{:o}", m & 0o7777)).unwrap_or_default(),
+                upload_name(),
+            ],
         ),
         FileOp::Stat { .. } => {
             (format!(r#"{EXISTS}exec find "$1" -maxdepth 0 -printf '{FIND_FMT}'"#), vec![p(0)])
@@ -233,6 +243,17 @@ fn program(op: &FileOp, paths: &[String]) -> Result<(String, Vec<String>), ApiEr
     })
 }
 
+/// The hidden name a write fills before it is renamed over its target.
+fn upload_name() -> String {
+    use crate::runtime::rand_u32;
+    format!(".crab-upload-{:08x}{:08x}", rand_u32(), rand_u32())
+}
+
+/// Removes what a killed write left: the hidden file beside the target (`$2`, as the write
+/// program named it).
+const UPLOAD_CLEANUP: &str =
+    r#"f=$1; [ -L "$f" ] && f=$(readlink -f -- "$f"); rm -f -- "$(dirname -- "$f")/$2""#;
+
 /// (parent, last component) of an absolute path other than `/`.
 fn split(p: &str) -> (String, String) {
     match p.rsplit_once('/') {
@@ -284,6 +305,7 @@ pub async fn run(
         FileOp::Rename { from, to } => vec![resolve_path(from, &user)?, resolve_path(to, &user)?],
     };
     let (script, args) = program(&op, &paths)?;
+    let upload = matches!(op, FileOp::Write { .. }).then(|| args.get(2).cloned()).flatten();
     let argv = as_user(&user, script, args);
     let ctx = Ctx { rt, name: name.to_string(), user, what: op.name(), path: paths[0].clone() };
     match op {
@@ -291,7 +313,24 @@ pub async fn run(
             Ok(FileAnswer::Stream(ctx.stream(argv).await?))
         }
         FileOp::Write { data, .. } => {
-            let r = ctx.collect(argv, Some(data), LONG).await?;
+            let r = match ctx.collect(argv, Some(data), LONG).await {
+                Ok(r) => r,
+                Err(e) => {
+                    // Killed mid-stream: the target is as it was; remove the half-filled file
+                    // beside it (best effort — a hidden `.crab-upload-*` is all that can stay).
+                    if let Some(t) = upload {
+                        let argv = as_user(
+                            &ctx.user,
+                            UPLOAD_CLEANUP.to_string(),
+                            vec![paths[0].clone(), t],
+                        );
+                        if let Err(c) = ctx.collect(argv, None, SHORT).await {
+                            tracing::debug!(sandbox = ctx.name, error = %c.message, "upload cleanup failed");
+                        }
+                    }
+                    return Err(e);
+                }
+            };
             Ok(FileAnswer::Entry(Box::new(ctx.one(&r, &paths[0])?)))
         }
         FileOp::TarIn { data, .. } => {
@@ -917,6 +956,20 @@ mod tests {
         assert_eq!(c, 0);
         let e = parse_entries(&out).unwrap();
         assert_eq!((e[0].size, e[0].mode, e[0].kind), (5, 0o600, FileKind::File));
+        // Over an existing file: replaced whole, its mode kept, nothing left beside it.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let (c, _) =
+            run(FileOp::Write { path: String::new(), mode: None, data: mpsc::channel(1).1 }, &[&f], b"hello!");
+        assert_eq!(c, 0);
+        let m = std::fs::metadata(&f).unwrap();
+        assert_eq!((m.len(), m.permissions().mode() & 0o7777), (6, 0o640));
+        let names: Vec<String> = std::fs::read_dir(format!("{d}/a/b"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["f.txt"], "no hidden upload file left");
+        std::fs::write(&f, b"hello").unwrap();
         let (c, out) = run(FileOp::Read { path: String::new() }, &[&f], b"");
         assert_eq!((c, out.as_slice()), (0, &b"crab-files:ok\nhello"[..]));
         let missing = format!("{d}/nope");

@@ -269,6 +269,7 @@ fn an_undeclared_body_over_max_upload_fails_when_it_passes_the_limit() {
     d.crab_ok(&["sandbox", "create", "debian", "--name", "up"]);
     let sock = d.state.join("crab.sock");
     let sock = sock.to_str().unwrap();
+    d.crab_ok(&["exec", "up", "--", "sh", "-c", "printf original > /root/f; chmod 640 /root/f"]);
     // 2 MiB chunked into a file write.
     let o = Command::new("bash")
         .args(["-c", &format!("head -c 2M /dev/zero | curl -sS --unix-socket {sock} -X PUT -T - 'http://crab/v1/sandboxes/up/files?path=/root/f'")])
@@ -281,6 +282,10 @@ fn an_undeclared_body_over_max_upload_fails_when_it_passes_the_limit() {
             && answer.contains("1048576"),
         "{answer}"
     );
+    // The write was cut off: the file is as it was (never a shorter new one), and the hidden
+    // file the write was filling is gone.
+    let left = d.crab_ok(&["exec", "up", "--", "sh", "-c", "cat /root/f; stat -c ' %a' /root/f; ls -A /root | grep -c crab-upload || true"]);
+    assert_eq!(left, "original 640\n0\n", "after a cut-off write");
     // Under the limit it goes through.
     let o = Command::new("bash")
         .args(["-c", &format!("head -c 1000000 /dev/zero | curl -sS --unix-socket {sock} -X PUT -T - 'http://crab/v1/sandboxes/up/files?path=/root/g'")])

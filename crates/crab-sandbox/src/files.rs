@@ -959,8 +959,11 @@ mod tests {
         // Over an existing file: replaced whole, its mode kept, nothing left beside it.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o640)).unwrap();
-        let (c, _) =
-            run(FileOp::Write { path: String::new(), mode: None, data: mpsc::channel(1).1 }, &[&f], b"hello!");
+        let (c, _) = run(
+            FileOp::Write { path: String::new(), mode: None, data: mpsc::channel(1).1 },
+            &[&f],
+            b"hello!",
+        );
         assert_eq!(c, 0);
         let m = std::fs::metadata(&f).unwrap();
         assert_eq!((m.len(), m.permissions().mode() & 0o7777), (6, 0o640));

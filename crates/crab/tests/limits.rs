@@ -284,7 +284,14 @@ fn an_undeclared_body_over_max_upload_fails_when_it_passes_the_limit() {
     );
     // The write was cut off: the file is as it was (never a shorter new one), and the hidden
     // file the write was filling is gone.
-    let left = d.crab_ok(&["exec", "up", "--", "sh", "-c", "cat /root/f; stat -c ' %a' /root/f; ls -A /root | grep -c crab-upload || true"]);
+    let left = d.crab_ok(&[
+        "exec",
+        "up",
+        "--",
+        "sh",
+        "-c",
+        "cat /root/f; stat -c ' %a' /root/f; ls -A /root | grep -c crab-upload || true",
+    ]);
     assert_eq!(left, "original 640\n0\n", "after a cut-off write");
     // Under the limit it goes through.
     let o = Command::new("bash")

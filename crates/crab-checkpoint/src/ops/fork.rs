@@ -360,16 +360,9 @@ impl Checkpointer {
                     src.net,
                 );
                 opts.external.extend(self.masked_external(name, &src.profile)?);
-                let fresh_net = fresh_netns(src.net, &src.profile);
-                let nat_fresh =
-                    (fresh_net && src.net == NetMode::Nat).then(|| (self.rt.nat(), name));
-                if src.net == NetMode::Nat && nat_fresh.is_none() {
-                    opts.external.push(
-                        self.rt.nat().prepare_restore(name, None).map_err(sandbox_err(name))?,
-                    );
-                }
+                let net = self.restore_net(name, src.net, &src.profile, &mut opts)?;
                 let r = criu.restore_with(&opts, |n| {
-                    set_up_fresh_netns(&n, fresh_net, &src.profile, nat_fresh)?;
+                    net.hook(&n)?;
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
                             set_hostname_of(pid, name)?;
@@ -378,9 +371,7 @@ impl Checkpointer {
                     Ok(())
                 })?;
                 let pid = u32::try_from(r.pid).unwrap_or(0);
-                if src.net == NetMode::Nat && nat_fresh.is_none() {
-                    self.rt.nat().finish_restore(name, pid).map_err(sandbox_err(name))?;
-                }
+                net.finish(pid)?;
                 pid
             }
             _ => {

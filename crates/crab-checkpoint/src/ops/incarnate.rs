@@ -69,6 +69,28 @@ impl Checkpointer {
         Ok(out)
     }
 
+    /// The network part of a restore of sandbox `name` (network `net`, profile `profile`) into
+    /// `opts`: a replayed `nat` network gets the `external` naming the veth's new host end;
+    /// the answer sets up a namespace CRIU makes empty (its hook) and wires the replayed veth
+    /// once the processes run ([`RestoreNet::finish`]). For in-place restores and fork branches
+    /// alike.
+    pub(super) fn restore_net<'a>(
+        &'a self,
+        name: &'a str,
+        net: NetMode,
+        profile: &'a crab_sandbox::profile::SecurityProfile,
+        opts: &mut RestoreOpts,
+    ) -> Result<RestoreNet<'a>> {
+        let fresh = fresh_netns(net, profile);
+        let nat = net == NetMode::Nat;
+        if nat && !fresh {
+            // CRIU recreates eth0's veth pair with a new host end; wired by `finish`.
+            opts.external
+                .push(self.rt.nat().prepare_restore(name, None).map_err(sandbox_err(name))?);
+        }
+        Ok(RestoreNet { rt: &self.rt, name, profile, fresh, nat })
+    }
+
     /// The processes of a restore whose root is in place: CRIU's images of `m`, or a fresh
     /// init when `m` has none. Returns the init's pid and whether processes were restored.
     pub(super) fn restore_procs(
@@ -98,18 +120,7 @@ impl Checkpointer {
                     rec.net,
                 );
                 opts.external.extend(self.masked_external(sandbox, &rec.profile)?);
-                let fresh_net = fresh_netns(rec.net, &rec.profile);
-                let nat_fresh =
-                    (fresh_net && rec.net == NetMode::Nat).then(|| (self.rt.nat(), sandbox));
-                if rec.net == NetMode::Nat && nat_fresh.is_none() {
-                    // CRIU recreates eth0's veth pair with a new host end; wired below.
-                    opts.external.push(
-                        self.rt
-                            .nat()
-                            .prepare_restore(sandbox, None)
-                            .map_err(sandbox_err(sandbox))?,
-                    );
-                }
+                let net = self.restore_net(sandbox, rec.net, &rec.profile, &mut opts)?;
                 // Exec sessions' pipes to the daemon come back as new pipes it holds (the
                 // client re-attaches): without them a restored shell would read end-of-file
                 // and its children write into pipes nobody reads.
@@ -125,7 +136,7 @@ impl Checkpointer {
                 }
                 let hostname = rec.hostname.clone();
                 let r = criu.restore_with(&opts, |n| {
-                    set_up_fresh_netns(&n, fresh_net, &rec.profile, nat_fresh)?;
+                    net.hook(&n)?;
                     // A branch restored to its origin point carries its source's UTS name.
                     if n.phase == phase::POST_RESTORE {
                         if let Some(pid) = n.pid {
@@ -140,9 +151,7 @@ impl Checkpointer {
                     let n = self.rt.sessions().finish_restore(sandbox, wiring, &pids);
                     tracing::debug!(sandbox, sessions = n, "exec sessions re-wired");
                 }
-                if rec.net == NetMode::Nat && nat_fresh.is_none() {
-                    self.rt.nat().finish_restore(sandbox, pid).map_err(sandbox_err(sandbox))?;
-                }
+                net.finish(pid)?;
                 (pid, true)
             }
             _ => {
@@ -160,5 +169,44 @@ impl Checkpointer {
             });
         }
         Ok((pid, restored))
+    }
+}
+
+/// What a restore does about its sandbox's network ([`Checkpointer::restore_net`]).
+pub(super) struct RestoreNet<'a> {
+    rt: &'a Runtime,
+    name: &'a str,
+    profile: &'a crab_sandbox::profile::SecurityProfile,
+    /// CRIU makes the namespace empty (`fresh_netns`) and the hook sets it up.
+    fresh: bool,
+    /// A `nat` sandbox: its veth is attached by the hook (`fresh`) or wired by `finish`.
+    nat: bool,
+}
+
+impl RestoreNet<'_> {
+    /// The `setup-namespaces` part of a restore hook: set up the empty network namespace CRIU
+    /// made (`lo` up, the ping range, and a user-namespaced `nat` sandbox's veth pair with the
+    /// lease's address and routes, before any socket is restored).
+    pub(super) fn hook(&self, n: &crab_criu::Notify) -> std::result::Result<(), String> {
+        if self.fresh && n.phase == phase::SETUP_NAMESPACES {
+            let pid = n.pid.ok_or("setup-namespaces without the root task's pid")?;
+            let ping = crab_sandbox::profile::ping_range(self.profile);
+            crab_sandbox::spawn::set_up_private_netns(pid as u32, ping)?;
+            if self.nat {
+                self.rt
+                    .nat()
+                    .attach(self.name, pid as u32)
+                    .map_err(|e| format!("attach the nat network: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After the processes run (root task `pid`): wire a replayed `nat` veth.
+    pub(super) fn finish(&self, pid: u32) -> Result<()> {
+        if self.nat && !self.fresh {
+            self.rt.nat().finish_restore(self.name, pid).map_err(sandbox_err(self.name))?;
+        }
+        Ok(())
     }
 }

@@ -251,8 +251,6 @@ fn cg_err(sandbox: &str) -> impl FnOnce(crab_sandbox::cgroup::CgroupError) -> Ch
     move |e| CheckpointError::Sandbox { sandbox: sandbox.to_owned(), message: e.to_string() }
 }
 
-/// Set the hostname of the UTS namespace of `pid`, from a short-lived thread (setns affects
-/// only the calling thread).
 /// Whether a restore lets CRIU create the sandbox's network namespace empty and sets it up
 /// itself (`lo` up, unprivileged ping) instead of replaying the dumped one: for `private`
 /// sandboxes under the default profile. Without `CAP_NET_ADMIN` their namespace can only be
@@ -267,27 +265,8 @@ fn fresh_netns(net: NetMode, profile: &crab_sandbox::profile::SecurityProfile) -
         && (net == NetMode::Private || (net == NetMode::Nat && profile.userns.is_some()))
 }
 
-/// The `setup-namespaces` part of a restore hook: set up the empty network namespace CRIU made
-/// (`fresh`) for a sandbox of `profile`.
-///
-/// `nat`: the network and the sandbox whose `nat` veth pair to attach there.
-fn set_up_fresh_netns(
-    n: &crab_criu::Notify,
-    fresh: bool,
-    profile: &crab_sandbox::profile::SecurityProfile,
-    nat: Option<(&crab_sandbox::net::Nat, &str)>,
-) -> std::result::Result<(), String> {
-    if fresh && n.phase == phase::SETUP_NAMESPACES {
-        let pid = n.pid.ok_or("setup-namespaces without the root task's pid")?;
-        let ping = crab_sandbox::profile::ping_range(profile);
-        crab_sandbox::spawn::set_up_private_netns(pid as u32, ping)?;
-        if let Some((nat, name)) = nat {
-            nat.attach(name, pid as u32).map_err(|e| format!("attach the nat network: {e}"))?;
-        }
-    }
-    Ok(())
-}
-
+/// Set the hostname of the UTS namespace of `pid`, from a short-lived thread (setns affects
+/// only the calling thread).
 fn set_hostname_of(pid: i32, name: &str) -> std::result::Result<(), String> {
     crab_sandbox::spawn::in_namespace_of(
         pid as u32,

@@ -77,6 +77,69 @@ pub struct ImageInfo {
     pub created_at: u64,
     /// Apparent size of its files in bytes.
     pub size_bytes: u64,
+    /// The registry reference it was pulled from (`registry/repo:tag`), for OCI images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    /// Its manifest's digest (`sha256:…`), for OCI images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// Bytes of its layers that other images share (stored once).
+    #[serde(default)]
+    pub shared_bytes: u64,
+    /// What its sandboxes run with unless told otherwise (the OCI config's `Env`,
+    /// `WorkingDir`, `User`, `Entrypoint`, `Cmd`, `Labels`, `ExposedPorts`).
+    #[serde(default, skip_serializing_if = "ImageDefaults::is_empty")]
+    pub config: ImageDefaults,
+}
+
+/// What an image's config says its containers run with; a sandbox copies it from its image
+/// when made (so it outlives the image) and `exec` uses it where a call gives nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageDefaults {
+    /// Environment, `KEY=VALUE`, in the config's order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    /// Working directory (absolute).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// Account commands run as: `name`, `uid`, `name:group` or `uid:gid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Entrypoint argv.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub entrypoint: Vec<String>,
+    /// Default arguments (the command when there is no entrypoint).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cmd: Vec<String>,
+    /// Labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Exposed ports (`8080/tcp`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exposed_ports: Vec<String>,
+    /// Shell for the shell form of `RUN`/`CMD`/`ENTRYPOINT` (Docker's `SHELL`; default
+    /// `/bin/sh -c`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shell: Vec<String>,
+}
+
+impl ImageDefaults {
+    /// Whether nothing is set (images built by debootstrap or imported from a root tree).
+    pub fn is_empty(&self) -> bool {
+        *self == ImageDefaults::default()
+    }
+
+    /// The argv `docker run IMAGE [ARGS]` runs: the entrypoint followed by `args`, or by
+    /// the config's `Cmd` when `args` is empty.
+    pub fn run_argv(&self, args: &[String]) -> Vec<String> {
+        let mut argv = self.entrypoint.clone();
+        if args.is_empty() {
+            argv.extend(self.cmd.iter().cloned());
+        } else {
+            argv.extend(args.iter().cloned());
+        }
+        argv
+    }
 }
 
 /// `POST /v1/images/build` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).

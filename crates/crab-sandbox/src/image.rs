@@ -13,11 +13,12 @@ use std::process::{Command, Stdio};
 
 use serde::{Deserialize, Serialize};
 
-use crab_common::api::ImageInfo;
+use crab_common::api::{ImageDefaults, ImageInfo};
 use crab_common::paths::StateDir;
 use crab_common::{names, Progress};
 
 use crate::error::{Result, SandboxError};
+use crate::layers::{self, LayerBlob, LayerLimits};
 use crate::{archive, btrfs, pool, runtime};
 
 /// Packages every `debian` image has on top of minbase.
@@ -38,7 +39,10 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "sqlite3",
 ];
 
-/// The persisted record of an image.
+/// The persisted record of an image (`images/<name>.json`). Format 1: name, source, time,
+/// size. Format 2 adds, for OCI images, the registry reference, manifest digest, config
+/// defaults and the chain ids of its layers (bottom first); a format-1 record reads as an image
+/// without them.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ImageRecord {
     format: u32,
@@ -46,6 +50,33 @@ struct ImageRecord {
     source: String,
     created_at: u64,
     size_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reference: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    digest: Option<String>,
+    #[serde(default, skip_serializing_if = "ImageDefaults::is_empty")]
+    config: ImageDefaults,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    layers: Vec<String>,
+}
+
+/// The newest image record format this build writes.
+const IMAGE_RECORD_FORMAT: u32 = 2;
+
+impl ImageRecord {
+    fn new(name: &str, source: String) -> Self {
+        ImageRecord {
+            format: IMAGE_RECORD_FORMAT,
+            name: name.to_string(),
+            source,
+            created_at: now(),
+            size_bytes: 0,
+            reference: None,
+            digest: None,
+            config: ImageDefaults::default(),
+            layers: Vec::new(),
+        }
+    }
 }
 
 impl From<ImageRecord> for ImageInfo {
@@ -55,13 +86,44 @@ impl From<ImageRecord> for ImageInfo {
             source: r.source,
             created_at: r.created_at,
             size_bytes: r.size_bytes,
+            reference: r.reference,
+            digest: r.digest,
+            shared_bytes: 0,
+            config: r.config,
         }
     }
 }
 
 fn read_record(state: &StateDir, name: &str) -> Option<ImageRecord> {
     let b = fs::read(state.image_record(name)).ok()?;
-    serde_json::from_slice(&b).ok()
+    let r: ImageRecord = serde_json::from_slice(&b).ok()?;
+    (r.format <= IMAGE_RECORD_FORMAT).then_some(r)
+}
+
+/// Every image record.
+fn records(state: &StateDir) -> Result<Vec<ImageRecord>> {
+    let dir = state.images();
+    let mut out = Vec::new();
+    let rd = match fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(SandboxError::io("list", &dir)(e)),
+    };
+    for e in rd.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        if let Some(name) = file.strip_suffix(".json") {
+            if let Some(r) = read_record(state, name) {
+                out.push(r);
+            }
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// The defaults image `name`'s config gives its sandboxes (empty for images without one).
+pub fn defaults_of(state: &StateDir, name: &str) -> ImageDefaults {
+    read_record(state, name).map(|r| r.config).unwrap_or_default()
 }
 
 /// The root subvolume of image `name`, if the image exists.
@@ -73,26 +135,38 @@ pub fn rootfs_of(state: &StateDir, name: &str) -> Result<PathBuf> {
     Ok(root)
 }
 
-/// All images.
+/// All images, with the bytes of their layers other images share.
 pub fn list(state: &StateDir) -> Result<Vec<ImageInfo>> {
-    let dir = state.images();
-    let mut out = Vec::new();
-    for e in fs::read_dir(&dir).map_err(SandboxError::io("list", &dir))?.flatten() {
-        let file = e.file_name().to_string_lossy().into_owned();
-        if let Some(name) = file.strip_suffix(".json") {
-            if let Some(r) = read_record(state, name) {
-                out.push(r.into());
-            }
+    let recs = records(state)?;
+    let mut uses: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+    for r in &recs {
+        for l in &r.layers {
+            *uses.entry(l.as_str()).or_default() += 1;
         }
     }
-    out.sort_by(|a: &ImageInfo, b| a.name.cmp(&b.name));
-    Ok(out)
+    let shared = |r: &ImageRecord| -> u64 {
+        r.layers
+            .iter()
+            .filter(|l| uses.get(l.as_str()).copied().unwrap_or(0) > 1)
+            .filter_map(|l| layers::record(state, l))
+            .map(|l| l.diff_bytes)
+            .sum()
+    };
+    let shared: Vec<u64> = recs.iter().map(shared).collect();
+    Ok(recs
+        .into_iter()
+        .zip(shared)
+        .map(|(r, s)| ImageInfo { shared_bytes: s, ..r.into() })
+        .collect())
 }
 
 /// Describe image `name`.
 pub fn get(state: &StateDir, name: &str) -> Result<ImageInfo> {
     rootfs_of(state, name)?;
-    read_record(state, name).map(Into::into).ok_or_else(|| SandboxError::NoImage(name.to_string()))
+    list(state)?
+        .into_iter()
+        .find(|i| i.name == name)
+        .ok_or_else(|| SandboxError::NoImage(name.to_string()))
 }
 
 /// Remove image `name` (sandboxes made from it are independent snapshots and stay).
@@ -101,12 +175,18 @@ pub fn remove(state: &StateDir, name: &str) -> Result<()> {
     if read_record(state, name).is_none() && !state.image_rootfs(name).exists() {
         return Err(SandboxError::NoImage(name.to_string()));
     }
+    let chains = read_record(state, name).map(|r| r.layers).unwrap_or_default();
     // Record first: without it the image is invisible, whatever happens next.
     let rec = state.image_record(name);
     fs::remove_file(&rec).or_else(ignore_missing).map_err(SandboxError::io("remove", &rec))?;
     crate::shift::forget(state, name);
     btrfs::remove_tree(&state.image_rootfs(name))
         .map_err(SandboxError::io("delete subvolume", state.image_rootfs(name)))?;
+    if !chains.is_empty() {
+        let keep: std::collections::HashSet<String> =
+            records(state)?.into_iter().flat_map(|r| r.layers).collect();
+        layers::release(state, &chains, &keep);
+    }
     Ok(())
 }
 
@@ -133,6 +213,13 @@ impl Staging {
         Ok(Staging { path, committed: false })
     }
 
+    /// A writable snapshot of `src` (an image's top layer) to finish as image `name`.
+    fn snapshot_of(state: &StateDir, name: &str, src: &Path) -> Result<Self> {
+        let path = state.tmp().join(format!("image-{name}-{:08x}", runtime::rand_u32()));
+        btrfs::snapshot(src, &path, false)?;
+        Ok(Staging { path, committed: false })
+    }
+
     /// Finish: install the init, make it read-only, move it into place, write the record.
     /// With `replace`, an existing image of that name is moved aside first and deleted only
     /// once the new one and its record are in place; any failure puts the old one back.
@@ -140,7 +227,7 @@ impl Staging {
         mut self,
         state: &StateDir,
         name: &str,
-        source: String,
+        mut rec: ImageRecord,
         replace: bool,
     ) -> Result<ImageInfo> {
         runtime::install_init(&self.path)?;
@@ -181,13 +268,8 @@ impl Staging {
             restore_old(&aside);
             return Err(e.into());
         }
-        let rec = ImageRecord {
-            format: 1,
-            name: name.to_string(),
-            source,
-            created_at: now(),
-            size_bytes,
-        };
+        rec.size_bytes = size_bytes;
+        rec.created_at = now();
         let bytes =
             serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
         if let Err(e) = runtime::write_atomic(&state.image_record(name), &bytes) {
@@ -369,7 +451,7 @@ pub fn build_debian(
             }
         }
     }
-    staging.commit(state, name, recipe, replace)
+    staging.commit(state, name, ImageRecord::new(name, recipe), replace)
 }
 
 /// The Debian archive debootstrap fetches from: `CRAB_DEBIAN_MIRROR` when set, else the host's
@@ -545,14 +627,67 @@ pub fn import(
                 detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
             });
         }
-        staging.commit(state, name, format!("import {}", path.display()), false)
+        staging.commit(
+            state,
+            name,
+            ImageRecord::new(name, format!("import {}", path.display())),
+            false,
+        )
     } else {
         let entries = archive::check_tar(path)?;
         let staging = Staging::new(state, name)?;
         progress.stage("unpack", Some(entries));
         archive::unpack_tar(path, &staging.path, progress)?;
-        staging.commit(state, name, format!("import {}", path.display()), false)
+        staging.commit(
+            state,
+            name,
+            ImageRecord::new(name, format!("import {}", path.display())),
+            false,
+        )
     }
+}
+
+/// An OCI image to install: its layers (bottom first, blobs verified) and config.
+#[derive(Debug, Clone)]
+pub struct OciImage {
+    /// What `image ls` shows as its source (`pull REF`, `import PATH`).
+    pub source: String,
+    /// Registry reference, when pulled.
+    pub reference: Option<String>,
+    /// Manifest digest.
+    pub digest: Option<String>,
+    /// The config's defaults.
+    pub config: ImageDefaults,
+    /// Layer blobs, bottom first.
+    pub layers: Vec<LayerBlob>,
+}
+
+/// Install an OCI image as image `name`: each layer applied once (shared with every image
+/// that has it), the image a snapshot of its top layer with Crab's init. With `replace`, an
+/// image of that name is swapped out once the new one is complete.
+pub fn install(
+    state: &StateDir,
+    name: &str,
+    img: &OciImage,
+    replace: bool,
+    limits: LayerLimits,
+    progress: &dyn Progress,
+) -> Result<ImageInfo> {
+    if replace {
+        names::validate("image", name).map_err(|e| SandboxError::Invalid(e.message))?;
+    } else {
+        check_new_name(state, name)?;
+    }
+    let (chains, top) = layers::apply_all(state, &img.layers, limits, progress)?;
+    progress.stage("image", None);
+    let staging = Staging::snapshot_of(state, name, &top)?;
+    let mut rec = ImageRecord::new(name, img.source.clone());
+    rec.reference = img.reference.clone();
+    rec.digest = img.digest.clone();
+    rec.config = img.config.clone();
+    rec.layers = chains;
+    let info = staging.commit(state, name, rec, replace)?;
+    get(state, &info.name)
 }
 
 #[cfg(test)]

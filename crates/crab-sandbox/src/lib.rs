@@ -15,6 +15,7 @@ pub mod exec;
 pub mod files;
 pub mod image;
 pub mod inroot;
+pub mod layers;
 pub mod net;
 pub mod pool;
 pub mod procs;

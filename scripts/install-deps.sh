@@ -32,6 +32,9 @@ PACKAGES=(
     make gcc libc6-dev
     # tools used by scripts and tests
     procps psmisc curl ca-certificates python3 python3-venv xz-utils zstd sqlite3
+    # OCI images (issue 29): a loopback registry for tests (Debian's CNCF distribution
+    # server), htpasswd for its basic-auth variant, and other tools that make and read images
+    docker-registry apache2-utils skopeo umoci buildah
 )
 
 if [[ "${1:-}" == "--list" ]]; then

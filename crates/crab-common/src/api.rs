@@ -164,8 +164,12 @@ pub struct ImageImportRequest {
     /// Image name.
     pub name: String,
     /// A root filesystem directory or a tar archive (optionally gzip/xz/zstd compressed), as a
-    /// path on the daemon's host.
+    /// path on the daemon's host; or an OCI image layout or `docker save` archive (directory
+    /// or tar).
     pub path: String,
+    /// For an OCI layout holding an index: the platform to pick (`linux/amd64` by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
 }
 
 /// Network mode of a sandbox.
@@ -557,8 +561,12 @@ pub struct ExecRequest {
     /// Extra environment, `KEY=VALUE`.
     #[serde(default)]
     pub env: Vec<String>,
-    /// Working directory inside the sandbox (default `/root`... or `/` when absent).
+    /// Working directory inside the sandbox (default: the image's `WorkingDir`, else `/`).
     pub workdir: Option<String>,
+    /// The account to run as (`name`, `uid`, `name:group`, `uid:gid`; default: the image's
+    /// `User`, else root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
     /// Seconds after which the command and whatever holds its output are killed.
     pub timeout_s: Option<f64>,
     /// Standard input, base64; absent means `/dev/null`.

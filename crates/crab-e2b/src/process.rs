@@ -256,7 +256,8 @@ async fn process_stream<B: Backend>(
                     .filter(|c| !c.is_empty())
                     .unwrap_or_else(|| user::home_of(&user)),
             ),
-            user: (user != "root").then_some(user),
+            // Always named (root too): without one, a process runs as the image's `User`.
+            user: Some(user),
             tag: req.tag.clone(),
             stdin: req.stdin == Some(true),
         };

@@ -18,6 +18,7 @@ mod error;
 mod files;
 pub mod glue;
 mod host;
+pub mod images;
 mod lifecycle;
 mod policy;
 mod procs;

@@ -311,6 +311,9 @@ pub fn admit_meta(meta: &serde_json::Value, grant: &Grant) -> Result<SandboxReco
         env: Default::default(),
         template: None,
         point_labels: Default::default(),
+        // Filled from this host's image of that name by the caller (a point's metadata is not
+        // trusted to say which account its commands run as).
+        image_config: Default::default(),
     })
 }
 

@@ -504,6 +504,8 @@ impl Ctx {
             cmd: argv,
             env: vec![format!("HOME={}", crab_common::files::home_of(&self.user))],
             workdir: Some("/".into()),
+            // As root: the script itself switches to the account (`as_user`).
+            user: Some("root".into()),
             timeout_s: None,
             stdin_b64: stdin.then(String::new),
             stdin_session: None,

@@ -6,6 +6,7 @@
 //! and adoption ([`runtime`]), running commands inside a sandbox ([`exec`]), its background processes ([`procs`]), the file service ([`files`]), the `nat` network mode ([`net`]), and the security
 //! profile every sandboxed process runs under ([`profile`], [`seccomp`]).
 
+pub mod account;
 pub mod archive;
 pub mod btrfs;
 pub mod cgroup;

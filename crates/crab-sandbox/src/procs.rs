@@ -478,7 +478,17 @@ fn start_lock(name: &str) -> Arc<tokio::sync::Mutex<()>> {
 }
 
 /// Start `req` as a background process of sandbox `name`; answers it as listed.
-pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Result<ProcInfo> {
+pub async fn start(rt: Arc<Runtime>, name: String, mut req: ProcStartRequest) -> Result<ProcInfo> {
+    // Without an account of its own, the image's `User` (its name or uid part: the supervisor
+    // switches through `setpriv` with the account's own groups).
+    if req.user.is_none() {
+        let r = rt.record(&name)?;
+        req.user =
+            r.image_config.user.as_deref().and_then(|u| u.split(':').next()).map(str::to_string);
+        if req.cwd.is_none() {
+            req.cwd = r.image_config.workdir.clone();
+        }
+    }
     validate(&req)?;
     // One start at a time per sandbox: the cap and the tag are checked, then taken.
     let lock = start_lock(&name);
@@ -559,6 +569,7 @@ pub async fn start(rt: Arc<Runtime>, name: String, req: ProcStartRequest) -> Res
         cmd,
         env: req.env.clone(),
         workdir: Some("/".into()),
+        user: Some("root".into()),
         timeout_s: Some(PROGRAM_TIMEOUT_S),
         stdin_b64: Some(base64::engine::general_purpose::STANDARD.encode(meta_json)),
         ..Default::default()
@@ -599,6 +610,7 @@ async fn program_on(
     let req = ExecRequest {
         cmd: sh(script, &args),
         workdir: Some("/".into()),
+        user: Some("root".into()),
         timeout_s: Some(PROGRAM_TIMEOUT_S),
         stdin_b64: Some(
             base64::engine::general_purpose::STANDARD.encode(stdin.unwrap_or_default()),

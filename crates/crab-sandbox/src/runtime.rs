@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crab_common::api::{
-    ExecRequest, HarnessSpec, IdRange, Limits, NetMode, SandboxCreateRequest, SandboxInfo,
-    SecurityProfile,
+    ExecRequest, HarnessSpec, IdRange, ImageDefaults, Limits, NetMode, SandboxCreateRequest,
+    SandboxInfo, SecurityProfile,
 };
 use crab_common::life::{Deadline, Life, OnDeadline, Status};
 use crab_common::names;
@@ -42,7 +42,7 @@ pub static INIT_BINARY: &[u8] = include_bytes!(env!("CRAB_INIT_BIN"));
 /// the `auto` policy; 3 added `harness`, absent in older records: none; 4 added the host-owned
 /// lifecycle — `life`, `deadline`, `labels`, `env`, `template`, `point_labels` — and retired
 /// `held`: an older record's `held` loads as `life: retired`).
-pub const RECORD_FORMAT: u32 = 4;
+pub const RECORD_FORMAT: u32 = 5;
 
 /// The persisted record of a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +107,10 @@ pub struct SandboxRecord {
     /// names one point host-wide; labelled points outlive a kill (the sandbox is retired).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub point_labels: BTreeMap<String, Vec<String>>,
+    /// Its image's config defaults (user, working directory, environment, entrypoint),
+    /// copied at creation so they outlive the image (format 5; absent: none).
+    #[serde(default, skip_serializing_if = "ImageDefaults::is_empty")]
+    pub image_config: ImageDefaults,
 }
 
 /// Options of the runtime.
@@ -727,6 +731,7 @@ impl Runtime {
             env: BTreeMap::new(),
             template: None,
             point_labels: BTreeMap::new(),
+            image_config: crate::image::defaults_of(&self.cfg.state, image),
         };
         // The directory appears with a (not yet running) record, so another process opening
         // this state directory sees a dead sandbox rather than a leftover to discard.
@@ -924,14 +929,22 @@ impl Runtime {
                 )));
             }
         }
+        let ic = &rec.image_config;
+        // The account: the call's, else the image's, else root.
+        let user = req.user.clone().or_else(|| ic.user.clone()).filter(|u| !u.is_empty());
+        let as_root = user.as_deref().is_none_or(|u| u == "root" || u == "0" || u == "0:0");
         let mut env: Vec<String> = vec![
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
             format!("HOSTNAME={}", rec.hostname),
-            "HOME=/root".into(),
         ];
-        // The sandbox's own environment, then the command's (which wins).
+        // Another account's HOME comes from its passwd entry (the helper adds it).
+        if as_root {
+            env.push("HOME=/root".into());
+        }
+        // The image's environment, the sandbox's own, then the command's (each wins over the
+        // one before).
         let own = rec.env.iter().map(|(k, v)| format!("{k}={v}"));
-        for kv in own.chain(req.env.iter().cloned()) {
+        for kv in ic.env.iter().cloned().chain(own).chain(req.env.iter().cloned()) {
             let Some((k, _)) = kv.split_once('=') else {
                 return Err(SandboxError::Invalid(format!(
                     "environment entry {kv:?} is not KEY=VALUE"
@@ -945,7 +958,12 @@ impl Runtime {
             cgroup: cgroup_paths(&self.cgroup(name)),
             cmd: req.cmd.clone(),
             env,
-            workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
+            workdir: req
+                .workdir
+                .clone()
+                .or_else(|| ic.workdir.clone())
+                .unwrap_or_else(|| "/".into()),
+            user: if as_root { None } else { user },
             stdin: req.stdin_b64.is_some() || req.stdin_session.is_some(),
             profile: rec.profile,
             seccomp: compiled_filters(&rec.profile)?,

@@ -162,6 +162,10 @@ pub struct ExecSpec {
     pub env: Vec<String>,
     /// Working directory inside.
     pub workdir: String,
+    /// The account to run as (`name`, `uid`, `name:group`, `uid:gid`), looked up in the
+    /// sandbox's own `/etc/passwd` and `/etc/group`; absent: root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
     /// Whether stdin is inherited from the helper (a pipe); otherwise `/dev/null`.
     pub stdin: bool,
     /// Security profile the command runs under.
@@ -671,11 +675,35 @@ fn exec_child(spec: &ExecSpec, argv: &[CString], envp: &[CString]) -> i32 {
             return fail(e, 126);
         }
     }
-    if let Err(e) = nix::unistd::chdir(spec.workdir.as_str()) {
-        return fail(format!("cannot enter working directory {}: {e}", spec.workdir), 126);
-    }
+    // The account is looked up before the process is restricted (its files are the
+    // sandbox's: read bounded, never trusted beyond picking ids inside its namespace).
+    let account = match spec.user.as_deref().map(crate::account::resolve) {
+        Some(Ok(a)) => Some(a),
+        Some(Err(e)) => return fail(e, 126),
+        None => None,
+    };
     if let Err(e) = profile::restrict_process(&spec.profile, spec.seccomp.as_ref()) {
         return fail(e, 126);
+    }
+    let mut with_home;
+    let envp = match &account {
+        Some(a) => {
+            if let Err(e) = a.switch() {
+                return fail(e, 126);
+            }
+            with_home = envp.to_vec();
+            if !spec.env.iter().any(|e| e.starts_with("HOME=")) {
+                if let Ok(h) = CString::new(format!("HOME={}", a.home)) {
+                    with_home.push(h);
+                }
+            }
+            with_home.as_slice()
+        }
+        None => envp,
+    };
+    // After the switch: the account must be able to enter it.
+    if let Err(e) = nix::unistd::chdir(spec.workdir.as_str()) {
+        return fail(format!("cannot enter working directory {}: {e}", spec.workdir), 126);
     }
     close_fds_above_2();
     // execvpe searches the *caller's* PATH; make it the command's.

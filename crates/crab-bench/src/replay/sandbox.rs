@@ -116,6 +116,7 @@ pub fn exec_request(cmd: Vec<String>, workdir: Option<&str>, stdin: Option<&[u8]
             "GIT_PAGER=cat".into(),
         ],
         workdir: workdir.map(str::to_string),
+        user: None,
         timeout_s: None,
         stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
         stdin_session: None,

@@ -246,6 +246,7 @@ impl Checkpointer {
             env: src.env.clone(),
             template: src.template.clone(),
             point_labels: Default::default(),
+            image_config: src.image_config.clone(),
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);

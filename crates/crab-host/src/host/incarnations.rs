@@ -180,13 +180,14 @@ impl Host {
         .await
         .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
         .map_err(remote_error)?;
-        let template =
+        let mut template =
             crate::remote::admit_meta(&mat.manifest.sandbox_meta, &grant).map_err(|refusal| {
                 remote_error(crab_remote::RemoteError::Refused {
                     point: format!("{}@{}", rec.sandbox, rec.point),
                     refusal,
                 })
             })?;
+        template.image_config = crab_sandbox::image::defaults_of(self.state(), &template.image);
         clock.restart();
         for (stage, ms) in &mat.stages {
             clock.add(format!("materialize_{stage}"), *ms);

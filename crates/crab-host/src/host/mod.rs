@@ -396,10 +396,15 @@ impl Host {
                 let state = self.state().clone();
                 let rt = self.runtime.clone();
                 blocking(move || {
-                    rt.forget_image(&req.name);
                     let path = PathBuf::from(&req.path);
-                    let i = image::import(&state, &req.name, &path, progress.as_ref())?;
-                    rt.prepare_image(&req.name, progress.as_ref());
+                    let i = crate::images::import(
+                        &state,
+                        &rt,
+                        &req.name,
+                        &path,
+                        req.platform.as_deref(),
+                        progress.as_ref(),
+                    )?;
                     Ok(Outcome::Image(i))
                 })
                 .await

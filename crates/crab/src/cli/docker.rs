@@ -170,6 +170,12 @@ pub(super) struct RunArgs {
     /// Accepted for compatibility (the sandbox's pid 1 is always Crab's reaper).
     #[arg(long)]
     init: bool,
+    /// The account the command runs as (default: the image's `User`, else root).
+    #[arg(short = 'u', long = "user")]
+    user: Option<String>,
+    /// Override the image's entrypoint (`""` clears it).
+    #[arg(long)]
+    entrypoint: Option<String>,
     /// Bind mounts are not supported: copy files in with `crab docker cp` instead.
     #[arg(short = 'v', long = "volume")]
     volume: Vec<String>,
@@ -245,17 +251,12 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
     match c {
         DockerCmd::Run(a) => run_container(client, a, json).await,
         DockerCmd::Exec(a) => {
-            if let Some(u) = a.user.as_deref().filter(|u| !matches!(*u, "root" | "0" | "0:0")) {
-                return Err(ApiError::invalid(
-                    format!("--user {u:?} is not supported"),
-                    "commands run as root in a sandbox; use `su USER -c CMD` inside",
-                ));
-            }
             let _ = a.tty;
             let req = ExecRequest {
                 cmd: a.cmd,
                 env: env_pairs(a.env),
                 workdir: a.workdir,
+                user: a.user,
                 timeout_s: None,
                 stdin_b64: None,
                 stdin_session: None,
@@ -406,6 +407,18 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
         ));
     }
     let _ = (a.tty, a.init);
+    // The image's entrypoint and command, as `docker run` composes them.
+    let images: Vec<crab_common::api::ImageInfo> =
+        client.call::<(), _>(Method::GET, "/v1/images", None).await?;
+    let mut config =
+        images.into_iter().find(|i| i.name == a.image).map(|i| i.config).unwrap_or_default();
+    if let Some(e) = &a.entrypoint {
+        config.entrypoint = if e.is_empty() { Vec::new() } else { vec![e.clone()] };
+        if a.cmd.is_empty() {
+            config.cmd.clear(); // docker: --entrypoint resets the image's CMD
+        }
+    }
+    let argv = config.run_argv(&a.cmd);
     let req = SandboxCreateRequest {
         name: a.name,
         net: net_mode(&a.network)?,
@@ -425,6 +438,7 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
     if let Some(w) = &a.workdir {
         let mk = ExecRequest {
             cmd: vec!["mkdir".into(), "-p".into(), "--".into(), w.clone()],
+            user: Some("root".into()),
             ..Default::default()
         };
         let code = exec_quiet(client, &name, mk).await?;
@@ -436,13 +450,14 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
         }
     }
     if a.detach {
-        if !a.cmd.is_empty() {
+        if !argv.is_empty() {
             // The container's main process: a background process of the sandbox tagged
             // `MAIN_TAG` (its output kept for `docker logs`, its exit status kept too).
             let req = ProcStartRequest {
-                cmd: a.cmd,
+                cmd: argv,
                 env,
                 cwd: a.workdir,
+                user: a.user,
                 tag: Some(MAIN_TAG.into()),
                 ..Default::default()
             };
@@ -455,11 +470,12 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let cmd = if a.cmd.is_empty() { vec!["sh".to_string()] } else { a.cmd };
+    let cmd = if argv.is_empty() { vec!["sh".to_string()] } else { argv };
     let req = ExecRequest {
         cmd,
         env,
         workdir: a.workdir,
+        user: a.user,
         timeout_s: None,
         stdin_b64: None,
         stdin_session: None,

@@ -32,8 +32,9 @@ pub(super) struct ExecArgs {
     /// prints its id for `crab logs`, `crab ps`, `crab signal`.
     #[arg(short = 'd', long = "detach")]
     detach: bool,
-    /// With `-d`: the account to run as (default root).
-    #[arg(short = 'u', long = "user", requires = "detach")]
+    /// The account to run as: `name`, `uid`, `name:group` or `uid:gid` (default: the image's
+    /// `User`, else root).
+    #[arg(short = 'u', long = "user")]
     user: Option<String>,
     /// With `-d`: a tag to find the process by.
     #[arg(long, requires = "detach")]
@@ -79,6 +80,7 @@ pub(super) async fn run(client: &Client, a: ExecArgs, json: bool) -> ExitCode {
         cmd: a.cmd,
         env: a.env,
         workdir: a.workdir,
+        user: a.user,
         timeout_s: a.timeout,
         stdin_b64: None,
         stdin_session: None,

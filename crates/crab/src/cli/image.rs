@@ -27,12 +27,16 @@ pub(super) enum ImageCmd {
         #[arg(long)]
         rebuild_stale: bool,
     },
-    /// Import a root filesystem from a directory or a tar archive.
+    /// Import an image: an OCI image layout or a `docker save` archive (directory or tar,
+    /// its config and layers kept), or a root filesystem (directory or tar).
     Import {
         /// Image name.
         name: String,
         /// Directory or .tar / .tar.gz.
         path: String,
+        /// For a layout holding an index: the platform to pick (OS/ARCH[/VARIANT]).
+        #[arg(long)]
+        platform: Option<String>,
     },
     /// List images.
     Ls,
@@ -43,11 +47,26 @@ pub(super) enum ImageCmd {
     },
 }
 
+const IMAGE_HEADER: &[&str] = &["NAME", "REFERENCE", "DIGEST", "SIZE", "SHARED", "AGE", "SOURCE"];
+
 fn image_rows(images: &[ImageInfo]) -> Vec<Vec<String>> {
     images
         .iter()
         .map(|i| {
-            vec![i.name.clone(), human_bytes(i.size_bytes), age(i.created_at), i.source.clone()]
+            let digest = i
+                .digest
+                .as_deref()
+                .map(|d| d.strip_prefix("sha256:").unwrap_or(d).chars().take(12).collect())
+                .unwrap_or_else(|| "-".into());
+            vec![
+                i.name.clone(),
+                i.reference.clone().unwrap_or_else(|| "-".into()),
+                digest,
+                human_bytes(i.size_bytes),
+                human_bytes(i.shared_bytes),
+                age(i.created_at),
+                i.source.clone(),
+            ]
         })
         .collect()
 }
@@ -59,7 +78,7 @@ pub(super) async fn run(client: &Client, c: ImageCmd, json: bool) -> Result<Exit
         if json {
             print_json(&info);
         } else {
-            table(&["NAME", "SIZE", "AGE", "SOURCE"], &image_rows(std::slice::from_ref(&info)));
+            table(IMAGE_HEADER, &image_rows(std::slice::from_ref(&info)));
         }
         Ok(ExitCode::SUCCESS)
     };
@@ -68,14 +87,14 @@ pub(super) async fn run(client: &Client, c: ImageCmd, json: bool) -> Result<Exit
             let req = ImageBuildRequest { distro, name, include, rebuild_stale };
             show_one(long_op(client, "/v1/images/build", &req, json).await?)
         }
-        ImageCmd::Import { name, path } => {
+        ImageCmd::Import { name, path, platform } => {
             let abs = std::fs::canonicalize(&path).map_err(|e| {
                 ApiError::invalid(
                     format!("cannot read {path}: {e}"),
                     "give an existing directory or tar archive",
                 )
             })?;
-            let req = ImageImportRequest { name, path: abs.display().to_string() };
+            let req = ImageImportRequest { name, path: abs.display().to_string(), platform };
             show_one(long_op(client, "/v1/images/import", &req, json).await?)
         }
         ImageCmd::Ls => {
@@ -83,7 +102,7 @@ pub(super) async fn run(client: &Client, c: ImageCmd, json: bool) -> Result<Exit
             if json {
                 print_json(&v);
             } else {
-                table(&["NAME", "SIZE", "AGE", "SOURCE"], &image_rows(&v));
+                table(IMAGE_HEADER, &image_rows(&v));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -678,17 +678,36 @@ pub fn install(
     } else {
         check_new_name(state, name)?;
     }
-    let (chains, top) = layers::apply_all(state, &img.layers, limits, progress)?;
-    progress.stage("image", None);
-    let staging = Staging::snapshot_of(state, name, &top)?;
-    let mut rec = ImageRecord::new(name, img.source.clone());
-    rec.reference = img.reference.clone();
-    rec.digest = img.digest.clone();
-    rec.config = img.config.clone();
-    rec.layers = chains;
-    let info = staging.commit(state, name, rec, replace)?;
-    get(state, &info.name)
+    // One install at a time: a failed one releases the layers it made that no image uses,
+    // which must not be layers another install is about to use.
+    let _one = INSTALLS.lock().unwrap_or_else(|p| p.into_inner());
+    let diff_ids: Vec<String> = img.layers.iter().map(|l| l.diff_id.clone()).collect();
+    let chains = layers::chain_ids(&diff_ids);
+    let result = (|| {
+        let (chains, top) = layers::apply_all(state, &img.layers, limits, progress)?;
+        progress.stage("image", None);
+        let staging = Staging::snapshot_of(state, name, &top)?;
+        let mut rec = ImageRecord::new(name, img.source.clone());
+        rec.reference = img.reference.clone();
+        rec.digest = img.digest.clone();
+        rec.config = img.config.clone();
+        rec.layers = chains;
+        staging.commit(state, name, rec, replace)
+    })();
+    match result {
+        Ok(info) => get(state, &info.name),
+        Err(e) => {
+            // Nothing of a failed install stays: its new layers go unless an image uses them.
+            let keep: std::collections::HashSet<String> =
+                records(state)?.into_iter().flat_map(|r| r.layers).collect();
+            layers::release(state, &chains, &keep);
+            Err(e)
+        }
+    }
 }
+
+/// Serializes [`install`]s (see there).
+static INSTALLS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[cfg(test)]
 mod tests {

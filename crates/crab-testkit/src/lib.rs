@@ -9,6 +9,8 @@
 //! * [`criu_images`]: a protobuf wire-level editor for forging fields of real CRIU images.
 //! * [`daemon`]: runs the real `crab` binary against the real daemon of `CRAB_STATE_DIR`
 //!   (started if none answers) and sandboxes that remove themselves when a test ends.
+//! * [`oci`]: OCI image fixtures made without Crab (a tiny root filesystem, a layout writer
+//!   with hand-built, also hostile, layer tars).
 //! * [`privilege`]: the one probe for root-only tests: they fail loudly when
 //!   `CRAB_REQUIRE_PRIVILEGED=1` (CI, `make test`) and they cannot run, instead of passing as
 //!   "skipped".
@@ -17,5 +19,6 @@ pub mod criu_images;
 pub mod daemon;
 #[cfg(feature = "engine")]
 pub mod engine;
+pub mod oci;
 pub mod privilege;
 pub mod upstream;

@@ -156,6 +156,71 @@ pub struct ImageBuildRequest {
     /// instead of refusing it.
     #[serde(default)]
     pub rebuild_stale: bool,
+    /// Build from this Dockerfile (a path on the daemon's host) instead of the `distro`
+    /// recipe; `distro` is then ignored and `name` is required. Answers an
+    /// [`ImageBuildReport`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dockerfile: Option<String>,
+    /// The build context directory (a path on the daemon's host) COPY and ADD read from;
+    /// default: the Dockerfile's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<String>,
+    /// `--build-arg` values for the Dockerfile's `ARG`s.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub build_args: BTreeMap<String, String>,
+    /// Run every step again (and replace the cached steps) instead of reusing cached ones.
+    #[serde(default)]
+    pub no_cache: bool,
+}
+
+impl ImageBuildRequest {
+    /// The `debian` recipe's request for image `name` (default: `debian`).
+    pub fn debian(name: Option<String>) -> Self {
+        ImageBuildRequest {
+            distro: "debian".into(),
+            name,
+            include: Vec::new(),
+            rebuild_stale: false,
+            dockerfile: None,
+            context: None,
+            build_args: BTreeMap::new(),
+            no_cache: false,
+        }
+    }
+}
+
+/// One instruction of a Dockerfile build, as the build went.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildStep {
+    /// 1-based index among the Dockerfile's instructions.
+    pub index: usize,
+    /// Its line in the Dockerfile.
+    pub line: usize,
+    /// The instruction (shortened).
+    pub instruction: String,
+    /// For a step that makes a tree (RUN, COPY, ADD, WORKDIR): whether its snapshot came from
+    /// the cache; absent for the steps that only set configuration (ENV, USER, CMD, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached: Option<bool>,
+}
+
+/// What a Dockerfile build answers: the image (its fields flattened) and its steps.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ImageBuildReport {
+    /// The image.
+    #[serde(flatten)]
+    pub image: ImageInfo,
+    /// Every instruction, in order.
+    pub steps: Vec<BuildStep>,
+}
+
+/// `POST /v1/images/commit` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ImageCommitRequest {
+    /// `SANDBOX` (its current files) or `SANDBOX@POINT` (a restore point's files).
+    pub source: String,
+    /// The new image's name.
+    pub name: String,
 }
 
 /// `POST /v1/images/import` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).

@@ -35,6 +35,13 @@ pub enum Action {
         /// Where progress goes.
         progress: Box<dyn Progress>,
     },
+    /// Make an image of a sandbox's files (now, or at a restore point), reporting progress.
+    CommitImage {
+        /// Source (`SB` or `SB@POINT`) and name.
+        req: crab_common::api::ImageCommitRequest,
+        /// Where progress goes.
+        progress: Box<dyn Progress>,
+    },
     /// Import a root filesystem, reporting progress.
     ImportImage {
         /// Name and source path.
@@ -372,6 +379,7 @@ impl Action {
             Action::ListImages => "list_images",
             Action::BuildImage { .. } => "build_image",
             Action::ImportImage { .. } => "import_image",
+            Action::CommitImage { .. } => "commit_image",
             Action::RemoveImage { .. } => "remove_image",
             Action::ListSandboxes => "list_sandboxes",
             Action::GetSandbox { .. } => "get_sandbox",
@@ -519,6 +527,8 @@ pub enum Outcome {
     Images(Vec<ImageInfo>),
     /// One image.
     Image(ImageInfo),
+    /// An image built from a Dockerfile, with its steps.
+    Built(Box<crab_common::api::ImageBuildReport>),
     /// Sandboxes.
     Sandboxes(Vec<SandboxInfo>),
     /// One sandbox.

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 mod action;
+mod build;
 mod error;
 mod files;
 pub mod glue;

@@ -96,6 +96,16 @@ pub enum SandboxError {
     /// A command timed out.
     #[error("{0}")]
     Timeout(String),
+    /// A Dockerfile step failed (its command exited non-zero, or its input was refused).
+    #[error("{step} (Dockerfile line {line}) failed: {detail}")]
+    BuildStep {
+        /// `step 3/9 RUN make` (the instruction, shortened).
+        step: String,
+        /// Its line in the Dockerfile.
+        line: usize,
+        /// The exit code and the last output lines, or why it was refused.
+        detail: String,
+    },
     /// Anything else.
     #[error("{0}")]
     Other(String),
@@ -157,6 +167,11 @@ impl From<SandboxError> for ApiError {
                 "remove sandboxes, images or checkpoints, or use a larger --pool-size",
             ),
             SandboxError::Timeout(_) => ApiError::new(ErrorCode::Timeout, msg, ""),
+            SandboxError::BuildStep { .. } => ApiError::new(
+                ErrorCode::InvalidRequest,
+                msg,
+                "fix that step of the Dockerfile; the steps before it are cached for the next build",
+            ),
             SandboxError::Btrfs(_)
             | SandboxError::Cgroup(_)
             | SandboxError::Io { .. }

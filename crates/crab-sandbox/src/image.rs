@@ -187,6 +187,8 @@ pub fn remove(state: &StateDir, name: &str) -> Result<()> {
             records(state)?.into_iter().flat_map(|r| r.layers).collect();
         layers::release(state, &chains, &keep);
     }
+    // Build steps no image uses any more (skipped while a build runs; its end collects them).
+    crate::build::collect_unused(state);
     Ok(())
 }
 
@@ -708,6 +710,50 @@ pub fn install(
 
 /// Serializes [`install`]s (see there).
 static INSTALLS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Make image `name` from the tree `src` (a subvolume, e.g. a build's last step or a
+/// sandbox's restore point; `None`: an empty root) with `config` as its defaults: a snapshot
+/// of it, finished by `finish` (an id shift back to image ids), with Crab's init, read-only,
+/// its record written last. `steps` are the build steps it was made of (kept while it exists).
+/// With `replace`, an image of that name is swapped out once the new one is complete.
+#[allow(clippy::too_many_arguments)] // one image's whole description
+pub fn from_tree(
+    state: &StateDir,
+    name: &str,
+    src: Option<&Path>,
+    source: String,
+    config: ImageDefaults,
+    steps: Vec<String>,
+    replace: bool,
+    finish: &dyn Fn(&Path) -> Result<()>,
+) -> Result<ImageInfo> {
+    if replace {
+        names::validate("image", name).map_err(|e| SandboxError::Invalid(e.message))?;
+    } else {
+        check_new_name(state, name)?;
+    }
+    let staging = match src {
+        Some(p) => Staging::snapshot_of(state, name, p)?,
+        None => Staging::new(state, name)?,
+    };
+    finish(&staging.path)?;
+    let mut rec = ImageRecord::new(name, source);
+    rec.config = config;
+    rec.layers = steps;
+    let info = staging.commit(state, name, rec, replace)?;
+    get(state, &info.name)
+}
+
+/// The build steps (or OCI chain ids) image `name` was made of, and its defaults and source;
+/// `None` when there is no such image.
+pub fn made_of(state: &StateDir, name: &str) -> Option<(Vec<String>, ImageDefaults, String)> {
+    read_record(state, name).map(|r| (r.layers, r.config, r.source))
+}
+
+/// Every image's layers and build steps (what the garbage collection of steps keeps).
+pub fn all_layers(state: &StateDir) -> Result<std::collections::HashSet<String>> {
+    Ok(records(state)?.into_iter().flat_map(|r| r.layers).collect())
+}
 
 #[cfg(test)]
 mod tests {

@@ -11,7 +11,7 @@
 //! name, which replaces a symlink there instead of following it.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
@@ -240,6 +240,69 @@ impl InRoot {
     /// Write `bytes` to file `rel` with `mode`, replacing whatever entry (file or symlink) has
     /// that name; the parent directory is resolved inside the root (and created).
     pub fn write(&self, rel: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+        self.write_from(rel, &mut &bytes[..], mode)
+    }
+
+    /// Make symlink `rel` pointing at `target` (kept as given, never resolved here), replacing
+    /// whatever entry has that name; the parent directory is resolved inside the root.
+    pub fn symlink(&self, rel: &Path, target: &Path) -> Result<()> {
+        let comps = parts(rel)?;
+        let Some((name, dirs)) = comps.split_last() else {
+            return Err(SandboxError::Invalid("cannot replace the root itself".into()));
+        };
+        let dir_rel: PathBuf = dirs.iter().collect();
+        let dir = self.dir(&dir_rel, true, false)?;
+        let tmp = format!(".{}.crab-{:08x}", name.to_string_lossy(), crate::runtime::rand_u32());
+        nix::unistd::symlinkat(target, Some(dir.as_raw_fd()), tmp.as_str()).map_err(|e| {
+            SandboxError::io("symlink", self.shown(&dir_rel.join(&tmp)))(errno_io(e))
+        })?;
+        let done = (|| {
+            if let Some((u, g)) = self.owner {
+                nix::unistd::fchownat(
+                    Some(dir.as_raw_fd()),
+                    tmp.as_str(),
+                    Some(u.into()),
+                    Some(g.into()),
+                    nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                )
+                .map_err(|e| SandboxError::io("chown", self.shown(rel))(errno_io(e)))?;
+            }
+            nix::fcntl::renameat(Some(dir.as_raw_fd()), tmp.as_str(), Some(dir.as_raw_fd()), *name)
+                .map_err(|e| SandboxError::io("rename", self.shown(rel))(errno_io(e)))
+        })();
+        if done.is_err() {
+            let _ = nix::unistd::unlinkat(
+                Some(dir.as_raw_fd()),
+                tmp.as_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
+        }
+        done
+    }
+
+    /// Remove file or symlink `rel` (its parent resolved inside the root); a missing one is
+    /// fine.
+    pub fn remove_file(&self, rel: &Path) -> Result<()> {
+        let comps = parts(rel)?;
+        let Some((name, dirs)) = comps.split_last() else {
+            return Err(SandboxError::Invalid("cannot remove the root itself".into()));
+        };
+        let dir = match self.dir(&dirs.iter().collect::<PathBuf>(), false, false) {
+            Ok(d) => d,
+            Err(_) => return Ok(()),
+        };
+        match nix::unistd::unlinkat(
+            Some(dir.as_raw_fd()),
+            *name,
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        ) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(SandboxError::io("unlink", self.shown(rel))(errno_io(e))),
+        }
+    }
+
+    /// [`InRoot::write`] from a reader (a file of any size).
+    pub fn write_from(&self, rel: &Path, src: &mut dyn Read, mode: u32) -> Result<()> {
         let comps = parts(rel)?;
         let Some((name, dirs)) = comps.split_last() else {
             return Err(SandboxError::Invalid("cannot write the root itself".into()));
@@ -257,8 +320,8 @@ impl InRoot {
         .map_err(|e| SandboxError::io("create", &shown_tmp)(errno_io(e)))?;
         // SAFETY: `openat` just returned this descriptor; nothing else owns it.
         let mut f = unsafe { File::from_raw_fd(fd) };
-        let written = f
-            .write_all(bytes)
+        let written = std::io::copy(src, &mut f)
+            .map(drop)
             .map_err(SandboxError::io("write", &shown_tmp))
             .and_then(|()| self.chown_fd(f.as_raw_fd(), &shown_tmp))
             .and_then(|()| {

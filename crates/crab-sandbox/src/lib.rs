@@ -9,6 +9,7 @@
 pub mod account;
 pub mod archive;
 pub mod btrfs;
+pub mod build;
 pub mod cgroup;
 pub mod devices;
 pub mod error;

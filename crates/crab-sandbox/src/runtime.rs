@@ -608,6 +608,17 @@ impl Runtime {
 
     /// Create and start a sandbox.
     pub fn create(&self, req: &SandboxCreateRequest) -> Result<SandboxInfo> {
+        self.create_at(req, None)
+    }
+
+    /// Create and start a sandbox whose root is a snapshot of `root` (a read-only subvolume
+    /// already in the id space of the sandbox's profile: the image builder's step trees)
+    /// instead of its image's; `req.image` is only recorded.
+    pub fn create_on(&self, req: &SandboxCreateRequest, root: &Path) -> Result<SandboxInfo> {
+        self.create_at(req, Some(root))
+    }
+
+    fn create_at(&self, req: &SandboxCreateRequest, root: Option<&Path>) -> Result<SandboxInfo> {
         let name = match &req.name {
             Some(n) => {
                 names::validate("sandbox", n).map_err(|e| SandboxError::Invalid(e.message))?;
@@ -653,7 +664,10 @@ impl Runtime {
             }
         };
         let profile = SecurityProfile { privileged: req.privileged, userns };
-        let image_root = self.image_root_for(&req.image, &profile)?;
+        let image_root = match root {
+            Some(r) => r.to_path_buf(),
+            None => self.image_root_for(&req.image, &profile)?,
+        };
         self.reserve(&name)?;
         let result = match req.net {
             NetMode::Nat => self.nat.allocate(&name, req.nat_range.as_deref()).map(drop),
@@ -669,6 +683,7 @@ impl Runtime {
                 profile,
                 policy,
                 &req.harness,
+                root.is_none(),
             )
         })
         .and_then(|mut rec| {
@@ -707,6 +722,7 @@ impl Runtime {
         profile: SecurityProfile,
         checkpoint_policy: CheckpointPolicy,
         harness: &HarnessSpec,
+        warm: bool,
     ) -> Result<SandboxRecord> {
         let mut rec = SandboxRecord {
             format: RECORD_FORMAT,
@@ -737,7 +753,7 @@ impl Runtime {
         // this state directory sees a dead sandbox rather than a leftover to discard.
         claim_dir(&self.cfg.state, &rec)?;
         let rootfs = self.cfg.state.sandbox_rootfs(name);
-        if !self.warm.take(image, image_root, &rootfs) {
+        if !(warm && self.warm.take(image, image_root, &rootfs)) {
             btrfs::snapshot(image_root, &rootfs, false)?;
         }
         self.limit_disk(&rootfs, limits)?;

@@ -152,6 +152,32 @@ fn shifted(base: u32, count: u32, id: u32) -> u32 {
 /// `gzip` and `gunzip`) is shifted once — shifted again, its already shifted owner would be
 /// past the range and become `nobody`, who could then write it.
 pub fn shift_tree(root: &Path, ids: IdRange) -> Result<()> {
+    map_tree(root, |uid, gid| (shifted(ids.uid, ids.count, uid), shifted(ids.gid, ids.count, gid)))
+}
+
+/// The reverse of [`shift_tree`]: every entry under `root` owned by the range's ids gets the
+/// in-image id again (what a sandbox of the range made becomes the image's), the host's root
+/// stays root (directories the daemon made), any other id becomes `nobody` (65534). For trees
+/// sandboxes wrote that become images again (`crab image build`'s steps, `image commit`).
+pub fn unshift_tree(root: &Path, ids: IdRange) -> Result<()> {
+    map_tree(root, |uid, gid| {
+        (unshifted(ids.uid, ids.count, uid), unshifted(ids.gid, ids.count, gid))
+    })
+}
+
+/// The in-image id of host id `id` of a range.
+fn unshifted(base: u32, count: u32, id: u32) -> u32 {
+    const NOBODY: u32 = 65534;
+    if id >= base && id - base < count {
+        id - base
+    } else if id == 0 {
+        0
+    } else {
+        NOBODY
+    }
+}
+
+fn map_tree(root: &Path, f: impl Fn(u32, u32) -> (u32, u32)) -> Result<()> {
     let dev = fs::symlink_metadata(root).map_err(SandboxError::io("stat", root))?.dev();
     let mut stack = vec![root.to_path_buf()];
     let mut linked = std::collections::HashSet::new();
@@ -165,16 +191,17 @@ pub fn shift_tree(root: &Path, ids: IdRange) -> Result<()> {
         if !m.is_dir() && m.nlink() > 1 && !linked.insert(m.ino()) {
             continue;
         }
-        shift_one(&p, &m, ids)?;
+        let (uid, gid) = f(m.uid(), m.gid());
+        if (uid, gid) != (m.uid(), m.gid()) {
+            shift_one(&p, &m, uid, gid)?;
+        }
     }
     Ok(())
 }
 
-fn shift_one(p: &Path, m: &fs::Metadata, ids: IdRange) -> Result<()> {
+fn shift_one(p: &Path, m: &fs::Metadata, uid: u32, gid: u32) -> Result<()> {
     const CAPS: &str = "security.capability";
     let caps = if m.is_file() { xattr::get(p, CAPS).ok().flatten() } else { None };
-    let uid = shifted(ids.uid, ids.count, m.uid());
-    let gid = shifted(ids.gid, ids.count, m.gid());
     std::os::unix::fs::lchown(p, Some(uid), Some(gid)).map_err(SandboxError::io("chown", p))?;
     if m.is_file() || m.is_dir() {
         let mode = m.permissions().mode();
@@ -229,5 +256,8 @@ mod tests {
         assert_eq!(shifted(1000, 65536, 65535), 66535);
         assert_eq!(shifted(1000, 65536, 65536), 1000 + 65534);
         assert_eq!(shifted(1000, 65536, u32::MAX), 1000 + 65534);
+        assert_eq!(unshifted(1000, 65536, 2000), 1000);
+        assert_eq!(unshifted(1000, 65536, 0), 0);
+        assert_eq!(unshifted(1000, 65536, 500), 65534);
     }
 }

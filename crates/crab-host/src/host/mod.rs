@@ -366,6 +366,10 @@ impl Host {
                 let state = self.state().clone();
                 blocking(move || Ok(Outcome::Images(image::list(&state)?))).await
             }
+            Action::BuildImage { req, progress } if req.dockerfile.is_some() => {
+                self.build_dockerfile(req, progress).await
+            }
+            Action::CommitImage { req, progress } => self.commit_image(req, progress).await,
             Action::BuildImage { req, progress } => {
                 if req.distro != "debian" {
                     return Err(HostError::invalid(

@@ -1,4 +1,5 @@
-//! Image routes: list, build (debootstrap, streamed progress), import, remove.
+//! Image routes: list, build (debootstrap or a Dockerfile, streamed progress), import, commit
+//! (an image of a sandbox's files), remove.
 
 use std::sync::Arc;
 
@@ -6,7 +7,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::Response;
 
-use crab_common::api::{ImageBuildRequest, ImageImportRequest};
+use crab_common::api::{ImageBuildRequest, ImageCommitRequest, ImageImportRequest};
 use crab_host::{Action, Host};
 
 use super::api::{err, long_operation, parse, render};
@@ -29,6 +30,14 @@ pub async fn import(State(h): State<Arc<Host>>, body: Bytes) -> Response {
         Err(e) => return err(e),
     };
     long_operation(h, move |progress| Action::ImportImage { req, progress })
+}
+
+pub async fn commit(State(h): State<Arc<Host>>, body: Bytes) -> Response {
+    let req: ImageCommitRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return err(e),
+    };
+    long_operation(h, move |progress| Action::CommitImage { req, progress })
 }
 
 pub async fn remove(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {

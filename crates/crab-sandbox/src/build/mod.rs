@@ -998,9 +998,7 @@ impl Builder<'_> {
             let dest_is_dir =
                 dest_dir_form || dest.as_os_str().is_empty() || is_dir_in(&tree, &dest);
             for it in &items {
-                let target = if it.rel.as_os_str().is_empty() {
-                    dest.clone()
-                } else if it.to_dir && !dest_is_dir {
+                let target = if it.rel.as_os_str().is_empty() || (it.to_dir && !dest_is_dir) {
                     dest.clone()
                 } else {
                     dest.join(&it.rel)
@@ -1066,11 +1064,7 @@ fn normalize(p: &Path) -> Option<PathBuf> {
     for c in p.components() {
         match c {
             Component::Normal(n) => out.push(n),
-            Component::ParentDir => {
-                if !out.pop() {
-                    return None;
-                }
-            }
+            Component::ParentDir if !out.pop() => return None,
             _ => {}
         }
     }

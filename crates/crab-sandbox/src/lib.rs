@@ -1,7 +1,7 @@
 //! The native sandbox runtime.
 //!
 //! This crate owns everything a sandbox is made of on the host: the btrfs storage pool
-//! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`], shifted into the user-namespace range by [`shift`]), host-side writes inside a root that never leave it ([`inroot`]), cgroups ([`cgroup`]), the
+//! ([`pool`], [`btrfs`], [`quota`]), images ([`image`], [`archive`], Dockerfile builds and their step store [`build`], shifted into the user-namespace range by [`shift`]), host-side writes inside a root that never leave it ([`inroot`]), cgroups ([`cgroup`]), the
 //! single-threaded namespace helpers ([`spawn`]), the registry of sandboxes with create, remove
 //! and adoption ([`runtime`]), running commands inside a sandbox ([`exec`]), its background processes ([`procs`]), the file service ([`files`]), the `nat` network mode ([`net`]), and the security
 //! profile every sandboxed process runs under ([`profile`], [`seccomp`]).

@@ -223,6 +223,17 @@ fn every_instruction_builds_then_comes_from_the_cache() {
     let branches: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
     let fork = Sandbox { name: branches[0]["sandbox"].as_str().unwrap().to_string() };
     assert_eq!(fork.sh_ok("cat /root/state /opt/app/src/a.txt"), "one\nhello\n");
+    // An image committed from it keeps the built image's configuration.
+    let committed = Image(unique("t-build-commit"));
+    let info: serde_json::Value = serde_json::from_str(&crab_ok(&[
+        "--json",
+        "image",
+        "commit",
+        &format!("{}@{id}", sb.name),
+        &committed.0,
+    ]))
+    .unwrap();
+    assert_eq!(&info["config"], c);
 }
 
 #[test]

@@ -64,6 +64,8 @@ static BUILDING: Mutex<()> = Mutex::new(());
 
 /// Bytes of one output line shown before it is cut.
 const MAX_LINE: usize = 4096;
+/// Bytes of one RUN's output streamed to the progress; past it only the tail is kept.
+const MAX_STREAMED: usize = 4 << 20;
 /// Output lines a failed RUN's error repeats.
 const TAIL_LINES: usize = 15;
 /// Entries of a build context (or a stage tree COPY --from reads).
@@ -1137,11 +1139,13 @@ struct Lines<'a> {
     progress: &'a dyn Progress,
     buf: Vec<u8>,
     tail: VecDeque<String>,
+    /// Bytes streamed so far.
+    streamed: usize,
 }
 
 impl<'a> Lines<'a> {
     fn new(progress: &'a dyn Progress) -> Self {
-        Lines { progress, buf: Vec::new(), tail: VecDeque::new() }
+        Lines { progress, buf: Vec::new(), tail: VecDeque::new(), streamed: 0 }
     }
 
     fn push(&mut self, b: &[u8]) {
@@ -1158,7 +1162,16 @@ impl<'a> Lines<'a> {
     fn emit(&mut self) {
         let line = String::from_utf8_lossy(&self.buf).trim_end_matches('\r').to_string();
         self.buf.clear();
-        self.progress.message(&line);
+        if self.streamed < MAX_STREAMED {
+            self.streamed += line.len() + 1;
+            self.progress.message(&line);
+            if self.streamed >= MAX_STREAMED {
+                self.progress.message(&format!(
+                    "[output clipped: the step printed more than {} MiB; only its last lines are kept]",
+                    MAX_STREAMED >> 20
+                ));
+            }
+        }
         if self.tail.len() == TAIL_LINES {
             self.tail.pop_front();
         }

@@ -64,7 +64,8 @@ impl Host {
     }
 
     /// Make image `req.name` of sandbox `SB`'s current files or of its point `SB@POINT`'s,
-    /// with the defaults of the sandbox's image; the sandbox is not touched.
+    /// with the defaults of the sandbox's image (its record's copy of them, which outlives the
+    /// image); the sandbox is not touched.
     pub(crate) async fn commit_image(
         self: &Arc<Self>,
         req: ImageCommitRequest,
@@ -114,7 +115,7 @@ impl Host {
                 &req.name,
                 Some(&src),
                 source,
-                image::defaults_of(&state, &rec.image),
+                rec.image_config.clone(),
                 Vec::new(),
                 false,
                 &finish,

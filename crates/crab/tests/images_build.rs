@@ -209,20 +209,21 @@ fn every_instruction_builds_then_comes_from_the_cache() {
     assert_eq!(sb.sh_ok("readlink /opt/app/escape"), format!("{target}\n"), "the link itself");
     assert_ne!(sb.sh("cat /opt/app/escape").2, 0, "the host file behind the link came along");
     assert_eq!(sb.sh_ok("cat /tmp/run-as /tmp/shell"), "user\nin-bash\n");
-    assert_eq!(sb.sh_ok("/opt/app/bin/tool x"), "tool x\n");
+    // exec honours the built configuration: USER, WORKDIR, ENV (PATH).
+    assert_eq!(sb.sh_ok("id -un; pwd; tool x"), "user\n/opt/app\ntool x\n");
     // Checkpointed, restored and forked like any other sandbox.
-    sb.sh_ok("echo one > /root/state");
+    sb.sh_ok("echo one > /tmp/state");
     let p: serde_json::Value =
         serde_json::from_str(&crab_ok(&["--json", "checkpoint", &sb.name, "--kind", "fs"]))
             .unwrap();
     let id = p["point"]["id"].as_str().unwrap().to_string();
-    sb.sh_ok("echo two > /root/state && rm /opt/artifact");
+    sb.sh_ok("echo two > /tmp/state && rm /opt/app/src/a.txt");
     crab_ok(&["restore", &sb.name, &id]);
-    assert_eq!(sb.sh_ok("cat /root/state /opt/artifact"), "one\nbuilt-by-stage-one\n");
+    assert_eq!(sb.sh_ok("cat /tmp/state /opt/app/src/a.txt"), "one\nhello\n");
     let out = crab_ok(&["--json", "fork", &sb.name, &id, "--count", "1"]);
     let branches: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
     let fork = Sandbox { name: branches[0]["sandbox"].as_str().unwrap().to_string() };
-    assert_eq!(fork.sh_ok("cat /root/state /opt/app/src/a.txt"), "one\nhello\n");
+    assert_eq!(fork.sh_ok("cat /tmp/state /opt/artifact"), "one\nbuilt-by-stage-one\n");
     // An image committed from it keeps the built image's configuration.
     let committed = Image(unique("t-build-commit"));
     let info: serde_json::Value = serde_json::from_str(&crab_ok(&[

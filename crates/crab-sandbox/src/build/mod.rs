@@ -7,9 +7,9 @@
 //! `<pool>/layers/build-<key>` (next to the OCI layers of [`crate::layers`]), a snapshot of its
 //! parent's with the step applied, its record `build-<key>.json` written last. A RUN runs in
 //! a real sandbox made from the parent tree ([`Runtime::create_on`]): the normal isolation
-//! profile and user namespace, `nat` networking, as the stage's USER in its WORKDIR with its
-//! ENV and ARGs; its output goes to the [`Progress`] line by line; the sandbox's files become
-//! the step and the sandbox is removed. COPY and ADD write into a snapshot on the host side
+//! profile and user namespace, `nat` networking, as the stage's USER (the exec path's account
+//! switch) in its WORKDIR with its ENV and ARGs; its output goes to the [`Progress`] line by
+//! line; the sandbox's files become the step and the sandbox is removed. COPY and ADD write into a snapshot on the host side
 //! through [`InRoot`] (every path resolved inside the tree, nothing written through a symlink out
 //! of it) and read the context the same way (a symlink in the context is copied as a link,
 //! never followed out of it); `.dockerignore` is honoured with the `ignore` crate's gitignore

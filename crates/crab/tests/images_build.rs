@@ -9,6 +9,9 @@
 //! * `refusals_and_failures_leave_nothing`: an unsupported instruction, a FROM of a registry
 //!   reference, a context source out of the context, and a failing RUN (named with its line,
 //!   exit code and last output) leave no image and no build sandbox.
+//! * `a_build_on_a_layered_image_shares_its_layers_and_keeps_its_config`: FROM an OCI image
+//!   made without Crab (imported from a layout): its RUN runs as the base's USER in its WORKDIR
+//!   with its ENV, the built image counts the base's layer as shared and outlives the base.
 //! * `commit_takes_a_points_files`: an image of a sandbox at a restore point has that point's
 //!   files (not later ones) and the sandbox's image's defaults; the sandbox is untouched.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -19,6 +22,14 @@ use crab_testkit::daemon as common;
 use crab_testkit::require_root;
 
 use common::{crab, crab_ok, ensure_daemon, unique, Sandbox};
+
+/// Held by each test that builds: builds run one at a time on the daemon anyway, and a test
+/// that checks no build sandbox is left must not see another test's running one.
+static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_build_test() -> std::sync::MutexGuard<'static, ()> {
+    BUILDING.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// A build context directory, removed on drop.
 struct Ctx(PathBuf);
@@ -137,6 +148,7 @@ CMD ["--help"]
 #[test]
 fn every_instruction_builds_then_comes_from_the_cache() {
     require_root!();
+    let _one = one_build_test();
     ensure_daemon();
     let ctx = Ctx::new("all");
     ctx.write("Dockerfile", DOCKERFILE);
@@ -240,6 +252,7 @@ fn every_instruction_builds_then_comes_from_the_cache() {
 #[test]
 fn refusals_and_failures_leave_nothing() {
     require_root!();
+    let _one = one_build_test();
     ensure_daemon();
     let ctx = Ctx::new("bad");
     let img = Image(unique("t-build-bad"));
@@ -302,4 +315,50 @@ fn commit_takes_a_points_files() {
     let o = crab(&["image", "commit", &format!("{}@c999999", sb.name), &bad]);
     assert!(!o.status.success());
     assert!(!image_names().contains(&bad));
+}
+
+#[test]
+fn a_build_on_a_layered_image_shares_its_layers_and_keeps_its_config() {
+    use crab_testkit::oci::{tar_of_dir, tiny_root, Layout};
+    require_root!();
+    let _one = one_build_test();
+    ensure_daemon();
+    // A one-layer OCI image made without Crab: a tiny root, a non-root USER, its own ENV.
+    let dir = Ctx::new("oci-base");
+    let root = dir.0.join("root");
+    tiny_root(&root);
+    let layout = Layout::new(&dir.0.join("layout"));
+    let layer = layout.layer(&tar_of_dir(&root), true);
+    let config = serde_json::json!({
+        "Env": ["PATH=/usr/bin:/bin", "BASE_VAR=from-base"],
+        "User": "app",
+        "WorkingDir": "/home/app",
+    });
+    let m = layout.image(&[layer], config, "amd64");
+    layout.index(&[m]);
+    let base = Image(unique("t-build-base"));
+    crab_ok(&["image", "import", &base.0, layout.dir.to_str().unwrap()]);
+    let ctx = Ctx::new("on-oci");
+    ctx.write(
+        "Dockerfile",
+        &format!(
+            "FROM {}\nRUN echo \"$BASE_VAR $(id -u) $(pwd)\" > out\nUSER root\nRUN cat /home/app/out > /root/out\n",
+            base.0
+        ),
+    );
+    let img = Image(unique("t-build-on-oci"));
+    let (_, done) = build(&ctx, &img.0, &[]);
+    assert_eq!(done["t"], "done", "{done}");
+    let c = &done["result"]["config"];
+    assert_eq!(c["user"], "root");
+    assert_eq!(c["workdir"], "/home/app");
+    assert!(c["env"].as_array().unwrap().iter().any(|e| e == "BASE_VAR=from-base"), "{c}");
+    let listed: Vec<serde_json::Value> =
+        serde_json::from_str(&crab_ok(&["--json", "image", "ls"])).unwrap();
+    let rec = listed.iter().find(|i| i["name"] == img.0.as_str()).unwrap();
+    assert!(rec["shared_bytes"].as_u64().unwrap() > 0, "the base's layer is shared: {rec}");
+    // The RUN ran as the base's USER in its WORKDIR with its ENV; the image outlives its base.
+    drop(base);
+    let sb = sandbox_of(&img.0, "t-build-oci-sb");
+    assert_eq!(sb.sh_ok("cat /root/out"), "from-base 1000 /home/app\n");
 }

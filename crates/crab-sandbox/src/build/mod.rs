@@ -628,7 +628,9 @@ impl Builder<'_> {
                 config: info.config.clone(),
                 args: BTreeMap::new(),
                 cmd_set: false,
-                steps: Vec::new(),
+                // The base's own layers (OCI chain ids, or its build's steps): the image shares
+                // their data, and `image ls` counts it as shared.
+                steps: image::made_of(state, &name).map(|m| m.0).unwrap_or_default(),
                 base: name.clone(),
             }
         };

@@ -190,6 +190,8 @@ impl Host {
             }));
         }
         runtime.set_warm_roots(opts.warm_roots);
+        // Build sandboxes and work trees a daemon stopped mid-build left.
+        crab_sandbox::build::recover(&runtime);
         let (available, reason) = runtime.tune_cgroup_migrations(opts.cgroup_favordynmods);
         if available {
             tracing::info!(%reason, "cgroup migrations: favordynmods");

@@ -59,6 +59,10 @@ use crate::{btrfs, image, runtime, shift, Runtime};
 
 use dockerfile::Instruction;
 
+/// The label every build sandbox carries (its value: the image being built), by which
+/// [`recover`] finds the ones a daemon stopped mid-build left.
+pub const BUILD_LABEL: &str = "crab.build";
+
 /// Builds run one at a time (and the collection of unused steps waits for none).
 static BUILDING: Mutex<()> = Mutex::new(());
 
@@ -162,6 +166,32 @@ fn collect_locked(state: &StateDir) {
             }
         }
     }
+}
+
+/// At daemon start: remove what builds the last daemon stopped mid-way left (build sandboxes,
+/// work trees under `tmp/`) and the steps no image lists. Errors are logged.
+pub fn recover(rt: &Runtime) {
+    let _one = BUILDING.lock().unwrap_or_else(|p| p.into_inner());
+    for r in rt.records() {
+        if r.labels.contains_key(BUILD_LABEL) {
+            tracing::info!(sandbox = %r.name, "removing a build sandbox an interrupted build left");
+            if let Err(e) = rt.remove(&r.name, true) {
+                tracing::warn!(sandbox = %r.name, error = %e, "cannot remove a leftover build sandbox");
+            }
+        }
+    }
+    let tmp = rt.state().tmp();
+    if let Ok(rd) = fs::read_dir(&tmp) {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().starts_with("build-step-") {
+                let _ = btrfs::set_readonly(&e.path(), false);
+                if let Err(err) = btrfs::remove_tree(&e.path()) {
+                    tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a leftover build work tree");
+                }
+            }
+        }
+    }
+    collect_locked(rt.state());
 }
 
 /// A writable subvolume under the pool's `tmp/`, deleted on drop unless taken.
@@ -789,6 +819,7 @@ impl Builder<'_> {
         create.name = Some(name.clone());
         create.net = NetMode::Nat;
         create.checkpoint_policy = Some("none".into());
+        create.labels.insert(BUILD_LABEL.into(), self.spec.name.clone());
         self.rt.create_on(&create, parent)?;
         let sb = BuildSandbox { rt: self.rt, name: name.clone() };
         let (tx, mut rx) = tokio::sync::mpsc::channel(64);

@@ -2,7 +2,8 @@
 //! `crab image commit SB[@POINT] NAME`, with the real daemon, real build sandboxes and btrfs:
 //!
 //! * `every_instruction_builds_then_comes_from_the_cache`: a two-stage Dockerfile with every
-//!   supported instruction (heredocs, `--chown`, `COPY --from`, `.dockerignore`, a context
+//!   supported instruction (heredocs, `--chown`, `COPY --from`, `ADD` of a local tar.gz,
+//!   `.dockerignore`, a context
 //!   symlink pointing out of the context) built twice — the second build's every filesystem
 //!   step is a cache hit — its configuration in the image record, its files in a sandbox of
 //!   it, which is checkpointed, restored and forked like any other.
@@ -128,6 +129,7 @@ COPY --chown=user:user src/ ./src/
 COPY --from=builder /out/artifact /opt/artifact
 COPY escape ./escape
 ADD notes.txt ./
+ADD bundle.tar.gz /opt/bundle/
 COPY <<EOF /etc/motd-build
 greeting=$GREETING
 EOF
@@ -158,6 +160,17 @@ fn every_instruction_builds_then_comes_from_the_cache() {
     ctx.write("debug.log", "excluded\n");
     ctx.write("src/skip.tmp", "excluded\n");
     ctx.write(".dockerignore", "*.log\n**/*.tmp\n");
+    // A local archive ADD unpacks: a file, a symlink and a hard link.
+    ctx.write("bundle/inner/f", "in the tarball\n");
+    std::os::unix::fs::symlink("inner/f", ctx.0.join("bundle/ln")).unwrap();
+    std::fs::hard_link(ctx.0.join("bundle/inner/f"), ctx.0.join("bundle/hl")).unwrap();
+    let tar = std::process::Command::new("tar")
+        .args(["czf", "bundle.tar.gz", "-C", "bundle", "."])
+        .current_dir(&ctx.0)
+        .status()
+        .unwrap();
+    assert!(tar.success());
+    std::fs::remove_dir_all(ctx.0.join("bundle")).unwrap();
     // A context symlink to a host file outside the context: copied as a link, never followed.
     let secret = Ctx::new("secret");
     secret.write("host-secret", "host secret\n");
@@ -176,7 +189,7 @@ fn every_instruction_builds_then_comes_from_the_cache() {
     let r = &done["result"];
     let fs_steps: Vec<&serde_json::Value> =
         r["steps"].as_array().unwrap().iter().filter(|s| s.get("cached").is_some()).collect();
-    assert_eq!(fs_steps.len(), 11, "{}", r["steps"]);
+    assert_eq!(fs_steps.len(), 12, "{}", r["steps"]);
     assert!(fs_steps.iter().all(|s| s["cached"] == false), "first build: {}", r["steps"]);
     // Its configuration.
     let c = &r["config"];
@@ -203,7 +216,7 @@ fn every_instruction_builds_then_comes_from_the_cache() {
     assert_eq!(again["t"], "done", "second build failed: {again}");
     let steps = again["result"]["steps"].as_array().unwrap();
     let fs2: Vec<&serde_json::Value> = steps.iter().filter(|s| s.get("cached").is_some()).collect();
-    assert_eq!(fs2.len(), 11);
+    assert_eq!(fs2.len(), 12);
     assert!(fs2.iter().all(|s| s["cached"] == true), "second build: {steps:?}");
     assert!(build_sandboxes().is_empty(), "build sandboxes left: {:?}", build_sandboxes());
 
@@ -216,6 +229,10 @@ fn every_instruction_builds_then_comes_from_the_cache() {
         "user:user\nuser:user\n"
     );
     assert_eq!(sb.sh_ok("cat /opt/app/notes.txt /etc/motd-build"), "notes\ngreeting=hey\n");
+    assert_eq!(
+        sb.sh_ok("cat /opt/bundle/inner/f /opt/bundle/hl; readlink /opt/bundle/ln"),
+        "in the tarball\nin the tarball\ninner/f\n"
+    );
     assert_ne!(sb.sh("test -e /opt/app/debug.log").2, 0, ".dockerignore: *.log was copied");
     assert_ne!(sb.sh("test -e /opt/app/src/skip.tmp").2, 0, ".dockerignore: **/*.tmp was copied");
     assert_eq!(sb.sh_ok("readlink /opt/app/escape"), format!("{target}\n"), "the link itself");
@@ -273,6 +290,15 @@ fn refusals_and_failures_leave_nothing() {
     refused("FROM docker.io/library/python:3.12\n", &["line 1", "crab image pull"]);
     refused("FROM debian\nCOPY ../outside /x\n", &["line 2", "climbs out of the context"]);
     refused("FROM debian\nADD https://example.com/x /x\n", &["line 2", "URLs are not fetched"]);
+    // A local archive whose entry climbs out of the destination.
+    let evil = crab_testkit::oci::tar_of(&[crab_testkit::oci::Entry::File(
+        "../../../../etc/crab-evil".into(),
+        b"x".to_vec(),
+        0o644,
+        0,
+    )]);
+    std::fs::write(ctx.0.join("evil.tar"), evil).unwrap();
+    refused("FROM debian\nADD evil.tar /opt/x/\n", &["line 2", "climbs out of the destination"]);
     let nonce = unique("n");
     refused(
         &format!(

@@ -961,9 +961,10 @@ impl Builder<'_> {
             };
             let root = src_root.clone().unwrap_or_else(|| self.spec.context.clone());
             for e in entries {
-                if add && e.kind == EntryKind::File && is_archive(&e.rel) {
+                let archive = add && e.kind == EntryKind::File && is_archive(&e.rel);
+                if archive && !can_unpack(&e.rel) {
                     return Err(step_err(what, ins, format!(
-                        "ADD {}: this builder does not unpack archives; COPY it and unpack it in a RUN step (tar -x)",
+                        "ADD {}: only .tar, .tar.gz/.tgz and .tar.zst archives are unpacked; COPY it and unpack it in a RUN step (tar -x)",
                         e.rel.display()
                     )));
                 }
@@ -994,6 +995,9 @@ impl Builder<'_> {
                     kind: match e.kind {
                         EntryKind::Dir => ItemKind::Dir,
                         EntryKind::Symlink(t) => ItemKind::Symlink(t),
+                        EntryKind::File if archive => {
+                            ItemKind::Archive(root.clone(), e.rel.clone())
+                        }
                         EntryKind::File => ItemKind::File(root.clone(), e.rel.clone()),
                     },
                 });
@@ -1048,6 +1052,25 @@ impl Builder<'_> {
                     }
                     ItemKind::Symlink(t) => tree.symlink(&target, t)?,
                     ItemKind::Inline(bytes) => tree.write(&target, bytes, mode)?,
+                    ItemKind::Archive(root, rel) => {
+                        let f = InRoot::open(root)?.open_regular(rel).ok_or_else(|| {
+                            step_err(
+                                what,
+                                ins,
+                                format!(
+                                    "{} is not a regular file any more",
+                                    root.join(rel).display()
+                                ),
+                            )
+                        })?;
+                        let _ = nix::fcntl::fcntl(
+                            std::os::fd::AsRawFd::as_raw_fd(&f),
+                            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+                        );
+                        unpack_into(&tree, &dest, f).map_err(|e| {
+                            step_err(what, ins, format!("ADD {}: {e}", rel.display()))
+                        })?
+                    }
                     ItemKind::File(root, rel) => {
                         let mut f = InRoot::open(root)?.open_regular(rel).ok_or_else(|| {
                             step_err(
@@ -1079,6 +1102,83 @@ impl Builder<'_> {
 /// Whether `rel` is a directory of `tree` (resolved inside it).
 fn is_dir_in(tree: &InRoot, rel: &Path) -> bool {
     tree.dir(rel, false, false).is_ok()
+}
+
+/// Whether ADD unpacks archive `p` (the decompressors this crate has).
+fn can_unpack(p: &Path) -> bool {
+    let n = p.to_string_lossy().to_lowercase();
+    [".tar", ".tar.gz", ".tgz", ".tar.zst"].iter().any(|s| n.ends_with(s))
+}
+
+/// Unpack a tar (plain, gzip or zstd, told by its first bytes) under directory `dest` of
+/// `tree`: every entry resolved inside the tree ([`InRoot`]), `..` climbing out of `dest`
+/// refused, hard links copied from their target already unpacked, device nodes and FIFOs
+/// skipped, at most [`MAX_ENTRIES`] entries.
+fn unpack_into(tree: &InRoot, dest: &Path, f: fs::File) -> Result<()> {
+    let mut r = std::io::BufReader::new(f);
+    let magic = {
+        use std::io::BufRead;
+        r.fill_buf().map_err(SandboxError::io("read", dest))?.get(..4).map(<[u8]>::to_vec)
+    };
+    let dec: Box<dyn Read> = match magic.as_deref() {
+        Some([0x1f, 0x8b, ..]) => Box::new(flate2::read::MultiGzDecoder::new(r)),
+        Some([0x28, 0xb5, 0x2f, 0xfd]) => Box::new(
+            zstd::stream::read::Decoder::with_buffer(r).map_err(SandboxError::io("zstd", dest))?,
+        ),
+        _ => Box::new(r),
+    };
+    let bad = |m: String| SandboxError::Invalid(m);
+    tree.dir(dest, true, false)?;
+    let mut ar = tar::Archive::new(dec);
+    let entries = ar.entries().map_err(|e| bad(format!("not a tar archive: {e}")))?;
+    for (n, e) in entries.enumerate() {
+        if n >= MAX_ENTRIES {
+            return Err(bad(format!("more than {MAX_ENTRIES} entries")));
+        }
+        let mut e = e.map_err(|e| bad(format!("a broken tar entry: {e}")))?;
+        let name = e.path().map_err(|e| bad(format!("an entry's name: {e}")))?.into_owned();
+        let Some(rel) = normalize(&Path::new("/").join(&name)) else {
+            return Err(bad(format!("entry {} climbs out of the destination", name.display())));
+        };
+        if rel.as_os_str().is_empty() {
+            continue;
+        }
+        let target = dest.join(&rel);
+        let mode = e.header().mode().unwrap_or(0o644) & 0o7777;
+        match e.header().entry_type() {
+            tar::EntryType::Directory => tree.mkdir_mode(&target, mode)?,
+            tar::EntryType::Regular | tar::EntryType::Continuous => {
+                tree.write_from(&target, &mut e, mode)?
+            }
+            tar::EntryType::Symlink => {
+                let to = e.link_name().ok().flatten().map(|l| l.into_owned()).unwrap_or_default();
+                tree.symlink(&target, &to)?
+            }
+            tar::EntryType::Link => {
+                let to = e.link_name().ok().flatten().map(|l| l.into_owned()).unwrap_or_default();
+                let Some(src) = normalize(&Path::new("/").join(&to)) else {
+                    return Err(bad(format!(
+                        "hard link {} points out of the destination",
+                        name.display()
+                    )));
+                };
+                let mut f = tree.open_regular(&dest.join(src)).ok_or_else(|| {
+                    bad(format!(
+                        "hard link {} to {}, which is not an earlier file",
+                        name.display(),
+                        to.display()
+                    ))
+                })?;
+                let _ = nix::fcntl::fcntl(
+                    std::os::fd::AsRawFd::as_raw_fd(&f),
+                    nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+                );
+                tree.write_from(&target, &mut f, mode)?
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn is_archive(p: &Path) -> bool {
@@ -1231,6 +1331,8 @@ struct Item {
 enum ItemKind {
     Dir,
     Symlink(PathBuf),
+    /// A local archive ADD unpacks into the destination: its tree's root and its path there.
+    Archive(PathBuf, PathBuf),
     /// The root of the tree it is in (a context or a stage) and its path there (read inside it).
     File(PathBuf, PathBuf),
     Inline(Vec<u8>),

@@ -32,39 +32,44 @@
 //! last output lines; its sandbox and staging trees are removed and no image appears (the
 //! steps before it stay cached).
 
+mod context;
 pub mod dockerfile;
+mod store;
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fs;
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use base64::Engine;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crab_common::api::{
     BuildStep, ExecFrame, ExecRequest, IdRange, ImageDefaults, ImageInfo, NetMode,
     SandboxCreateRequest, SecurityProfile,
 };
-use crab_common::paths::StateDir;
 use crab_common::Progress;
 
 use crate::error::{Result, SandboxError};
 use crate::inroot::InRoot;
-use crate::layers::{hex, layers_dir};
-use crate::{btrfs, image, runtime, shift, Runtime};
+use crate::layers::hex;
+use crate::{image, runtime, shift, Runtime};
 
+use context::{
+    can_unpack, is_archive, is_dir_in, normalize, unpack_into, Context, Entry, EntryKind,
+};
 use dockerfile::Instruction;
+use store::{collect_locked, step_done, step_id, step_path, StepRecord, Work};
+pub use store::{collect_unused, recover};
 
 /// The label every build sandbox carries (its value: the image being built), by which
 /// [`recover`] finds the ones a daemon stopped mid-build left.
 pub const BUILD_LABEL: &str = "crab.build";
 
 /// Builds run one at a time (and the collection of unused steps waits for none).
-static BUILDING: Mutex<()> = Mutex::new(());
+pub(super) static BUILDING: Mutex<()> = Mutex::new(());
 
 /// Bytes of one output line shown before it is cut.
 const MAX_LINE: usize = 4096;
@@ -73,7 +78,7 @@ const MAX_STREAMED: usize = 4 << 20;
 /// Output lines a failed RUN's error repeats.
 const TAIL_LINES: usize = 15;
 /// Entries of a build context (or a stage tree COPY --from reads).
-const MAX_ENTRIES: usize = 1 << 20;
+pub(super) const MAX_ENTRIES: usize = 1 << 20;
 /// Bytes of a Dockerfile.
 const MAX_DOCKERFILE: u64 = 4 << 20;
 /// PATH of a stage whose base sets none.
@@ -96,36 +101,6 @@ pub struct BuildSpec {
     pub no_cache: bool,
 }
 
-/// The persisted record of a step (`<pool>/layers/build-<key>.json`, format 1).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct StepRecord {
-    format: u32,
-    key: String,
-    parent: String,
-    instruction: String,
-    created_at: u64,
-}
-
-/// The id of a step (as image records list it): `build-<key hex>`.
-fn step_id(key: &str) -> String {
-    format!("build-{key}")
-}
-
-fn step_path(state: &StateDir, key: &str) -> PathBuf {
-    layers_dir(state).join(step_id(key))
-}
-
-fn step_record_path(state: &StateDir, key: &str) -> PathBuf {
-    layers_dir(state).join(format!("{}.json", step_id(key)))
-}
-
-/// Whether step `key` is complete (record and read-only subvolume).
-fn step_done(state: &StateDir, key: &str) -> bool {
-    let Ok(b) = fs::read(step_record_path(state, key)) else { return false };
-    serde_json::from_slice::<StepRecord>(&b).is_ok_and(|r| r.key == key)
-        && btrfs::is_subvolume(&step_path(state, key))
-}
-
 fn sha(parts: &[&str]) -> String {
     let mut h = Sha256::new();
     for p in parts {
@@ -133,120 +108,6 @@ fn sha(parts: &[&str]) -> String {
         h.update(p.as_bytes());
     }
     hex(&h.finalize())
-}
-
-/// Delete the steps no image lists (and leftovers without a record). Skipped while a build
-/// runs (the build collects at its end). Errors are logged: a leftover costs only disk.
-pub fn collect_unused(state: &StateDir) {
-    let Ok(_one) = BUILDING.try_lock() else { return };
-    collect_locked(state);
-}
-
-fn collect_locked(state: &StateDir) {
-    let keep = match image::all_layers(state) {
-        Ok(k) => k,
-        Err(e) => return tracing::warn!(error = %e, "cannot list images; build steps kept"),
-    };
-    let Ok(rd) = fs::read_dir(layers_dir(state)) else { return };
-    for e in rd.flatten() {
-        let n = e.file_name().to_string_lossy().into_owned();
-        if !n.starts_with("build-") {
-            continue;
-        }
-        let id = n.strip_suffix(".json").unwrap_or(&n);
-        if keep.contains(id) {
-            continue;
-        }
-        if n.ends_with(".json") {
-            let _ = fs::remove_file(e.path());
-        } else {
-            let _ = btrfs::set_readonly(&e.path(), false);
-            if let Err(err) = btrfs::remove_tree(&e.path()) {
-                tracing::warn!(path = %e.path().display(), error = %err, "cannot delete an unused build step");
-            }
-        }
-    }
-}
-
-/// At daemon start: remove what builds the last daemon stopped mid-way left (build sandboxes,
-/// work trees under `tmp/`) and the steps no image lists. Errors are logged.
-pub fn recover(rt: &Runtime) {
-    let _one = BUILDING.lock().unwrap_or_else(|p| p.into_inner());
-    for r in rt.records() {
-        if r.labels.contains_key(BUILD_LABEL) {
-            tracing::info!(sandbox = %r.name, "removing a build sandbox an interrupted build left");
-            if let Err(e) = rt.remove(&r.name, true) {
-                tracing::warn!(sandbox = %r.name, error = %e, "cannot remove a leftover build sandbox");
-            }
-        }
-    }
-    let tmp = rt.state().tmp();
-    if let Ok(rd) = fs::read_dir(&tmp) {
-        for e in rd.flatten() {
-            if e.file_name().to_string_lossy().starts_with("build-step-") {
-                let _ = btrfs::set_readonly(&e.path(), false);
-                if let Err(err) = btrfs::remove_tree(&e.path()) {
-                    tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a leftover build work tree");
-                }
-            }
-        }
-    }
-    collect_locked(rt.state());
-}
-
-/// A writable subvolume under the pool's `tmp/`, deleted on drop unless taken.
-struct Work(Option<PathBuf>);
-
-impl Work {
-    fn new(state: &StateDir, parent: Option<&Path>) -> Result<Work> {
-        let p = state.tmp().join(format!("build-step-{:08x}", runtime::rand_u32()));
-        match parent {
-            Some(src) => btrfs::snapshot(src, &p, false)?,
-            None => btrfs::create_subvolume(&p)?,
-        }
-        Ok(Work(Some(p)))
-    }
-
-    fn path(&self) -> &Path {
-        self.0.as_deref().unwrap_or(Path::new("/nonexistent"))
-    }
-
-    /// Make it step `key`: read-only, renamed into the step store, its record written last.
-    fn commit(mut self, state: &StateDir, key: &str, rec: &StepRecord) -> Result<PathBuf> {
-        let dir = layers_dir(state);
-        fs::create_dir_all(&dir).map_err(SandboxError::io("create", &dir))?;
-        let dst = step_path(state, key);
-        let _ = fs::remove_file(step_record_path(state, key));
-        if dst.exists() {
-            // --no-cache, or a leftover without a record: replaced.
-            let _ = btrfs::set_readonly(&dst, false);
-            btrfs::remove_tree(&dst).map_err(SandboxError::io("delete subvolume", &dst))?;
-        }
-        let src = self.0.take().unwrap_or_default();
-        // Rename first: a read-only subvolume cannot be moved.
-        if let Err(e) = fs::rename(&src, &dst) {
-            self.0 = Some(src.clone());
-            return Err(SandboxError::io("rename", &src)(e));
-        }
-        self.0 = Some(dst.clone());
-        btrfs::set_readonly(&dst, true)?;
-        let bytes =
-            serde_json::to_vec_pretty(rec).map_err(|e| SandboxError::Other(e.to_string()))?;
-        runtime::write_atomic(&step_record_path(state, key), &bytes)?;
-        self.0 = None;
-        Ok(dst)
-    }
-}
-
-impl Drop for Work {
-    fn drop(&mut self) {
-        if let Some(p) = self.0.take() {
-            let _ = btrfs::set_readonly(&p, false);
-            if let Err(e) = btrfs::remove_tree(&p) {
-                tracing::warn!(path = %p.display(), error = %e, "cannot remove a build step's work tree");
-            }
-        }
-    }
 }
 
 /// A build sandbox, removed (forcefully) on drop.
@@ -1099,111 +960,8 @@ impl Builder<'_> {
     }
 }
 
-/// Whether `rel` is a directory of `tree` (resolved inside it).
-fn is_dir_in(tree: &InRoot, rel: &Path) -> bool {
-    tree.dir(rel, false, false).is_ok()
-}
-
-/// Whether ADD unpacks archive `p` (the decompressors this crate has).
-fn can_unpack(p: &Path) -> bool {
-    let n = p.to_string_lossy().to_lowercase();
-    [".tar", ".tar.gz", ".tgz", ".tar.zst"].iter().any(|s| n.ends_with(s))
-}
-
-/// Unpack a tar (plain, gzip or zstd, told by its first bytes) under directory `dest` of
-/// `tree`: every entry resolved inside the tree ([`InRoot`]), `..` climbing out of `dest`
-/// refused, hard links copied from their target already unpacked, device nodes and FIFOs
-/// skipped, at most [`MAX_ENTRIES`] entries.
-fn unpack_into(tree: &InRoot, dest: &Path, f: fs::File) -> Result<()> {
-    let mut r = std::io::BufReader::new(f);
-    let magic = {
-        use std::io::BufRead;
-        r.fill_buf().map_err(SandboxError::io("read", dest))?.get(..4).map(<[u8]>::to_vec)
-    };
-    let dec: Box<dyn Read> = match magic.as_deref() {
-        Some([0x1f, 0x8b, ..]) => Box::new(flate2::read::MultiGzDecoder::new(r)),
-        Some([0x28, 0xb5, 0x2f, 0xfd]) => Box::new(
-            zstd::stream::read::Decoder::with_buffer(r).map_err(SandboxError::io("zstd", dest))?,
-        ),
-        _ => Box::new(r),
-    };
-    let bad = |m: String| SandboxError::Invalid(m);
-    tree.dir(dest, true, false)?;
-    let mut ar = tar::Archive::new(dec);
-    let entries = ar.entries().map_err(|e| bad(format!("not a tar archive: {e}")))?;
-    for (n, e) in entries.enumerate() {
-        if n >= MAX_ENTRIES {
-            return Err(bad(format!("more than {MAX_ENTRIES} entries")));
-        }
-        let mut e = e.map_err(|e| bad(format!("a broken tar entry: {e}")))?;
-        let name = e.path().map_err(|e| bad(format!("an entry's name: {e}")))?.into_owned();
-        let Some(rel) = normalize(&Path::new("/").join(&name)) else {
-            return Err(bad(format!("entry {} climbs out of the destination", name.display())));
-        };
-        if rel.as_os_str().is_empty() {
-            continue;
-        }
-        let target = dest.join(&rel);
-        let mode = e.header().mode().unwrap_or(0o644) & 0o7777;
-        match e.header().entry_type() {
-            tar::EntryType::Directory => tree.mkdir_mode(&target, mode)?,
-            tar::EntryType::Regular | tar::EntryType::Continuous => {
-                tree.write_from(&target, &mut e, mode)?
-            }
-            tar::EntryType::Symlink => {
-                let to = e.link_name().ok().flatten().map(|l| l.into_owned()).unwrap_or_default();
-                tree.symlink(&target, &to)?
-            }
-            tar::EntryType::Link => {
-                let to = e.link_name().ok().flatten().map(|l| l.into_owned()).unwrap_or_default();
-                let Some(src) = normalize(&Path::new("/").join(&to)) else {
-                    return Err(bad(format!(
-                        "hard link {} points out of the destination",
-                        name.display()
-                    )));
-                };
-                let mut f = tree.open_regular(&dest.join(src)).ok_or_else(|| {
-                    bad(format!(
-                        "hard link {} to {}, which is not an earlier file",
-                        name.display(),
-                        to.display()
-                    ))
-                })?;
-                let _ = nix::fcntl::fcntl(
-                    std::os::fd::AsRawFd::as_raw_fd(&f),
-                    nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
-                );
-                tree.write_from(&target, &mut f, mode)?
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
-fn is_archive(p: &Path) -> bool {
-    let n = p.to_string_lossy().to_lowercase();
-    [".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz2", ".tar.zst"]
-        .iter()
-        .any(|s| n.ends_with(s))
-}
-
 fn ids_text(ids: Option<IdRange>) -> String {
     ids.map_or_else(|| "host".into(), |r| format!("{}:{}:{}", r.uid, r.gid, r.count))
-}
-
-/// `p` (absolute) relative to `/`, with `.` and `..` resolved lexically; `None` when it climbs
-/// above the root.
-fn normalize(p: &Path) -> Option<PathBuf> {
-    let mut out = PathBuf::new();
-    for c in p.components() {
-        match c {
-            Component::Normal(n) => out.push(n),
-            Component::ParentDir if !out.pop() => return None,
-            _ => {}
-        }
-    }
-    Some(out)
 }
 
 /// In-image uid and gid of `user[:group]` (names looked up in the tree's `/etc/passwd` and
@@ -1336,233 +1094,4 @@ enum ItemKind {
     /// The root of the tree it is in (a context or a stage) and its path there (read inside it).
     File(PathBuf, PathBuf),
     Inline(Vec<u8>),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum EntryKind {
-    Dir,
-    File,
-    Symlink(PathBuf),
-}
-
-/// An entry of a context or tree (never followed through a symlink).
-#[derive(Debug, Clone)]
-struct Entry {
-    rel: PathBuf,
-    kind: EntryKind,
-    mode: u32,
-    /// Where it goes, relative to the destination.
-    dest_rel: PathBuf,
-    /// A single file matched by name (see [`Item::to_dir`]).
-    to_dir: bool,
-}
-
-/// The entries of a build context (minus `.dockerignore`d ones) or of a stage's tree.
-struct Context {
-    entries: Vec<Entry>,
-}
-
-impl Context {
-    fn read(root: &Path) -> Result<Context> {
-        let ignore = root.join(".dockerignore");
-        let matcher = match fs::symlink_metadata(&ignore) {
-            Ok(m) if m.is_file() => {
-                let text =
-                    fs::read_to_string(&ignore).map_err(SandboxError::io("read", &ignore))?;
-                Some(dockerignore(root, &text)?)
-            }
-            _ => None,
-        };
-        Context::walk(root, matcher.as_ref())
-    }
-
-    /// Every entry under `root`, sorted, without following symlinks or crossing mounts.
-    fn walk(root: &Path, ignore: Option<&ignore::gitignore::Gitignore>) -> Result<Context> {
-        let dev = fs::symlink_metadata(root).map_err(SandboxError::io("stat", root))?.dev();
-        let mut entries = Vec::new();
-        let mut stack = vec![PathBuf::new()];
-        while let Some(rel) = stack.pop() {
-            let dir = root.join(&rel);
-            let rd = fs::read_dir(&dir).map_err(SandboxError::io("list", &dir))?;
-            for e in rd {
-                let e = e.map_err(SandboxError::io("list", &dir))?;
-                let r = rel.join(e.file_name());
-                let m =
-                    fs::symlink_metadata(e.path()).map_err(SandboxError::io("stat", e.path()))?;
-                if let Some(ig) = ignore {
-                    if ig.matched_path_or_any_parents(&r, m.is_dir()).is_ignore() {
-                        if m.is_dir() && ig.num_whitelists() > 0 {
-                            // An exception pattern may re-include something below.
-                            stack.push(r);
-                        }
-                        continue;
-                    }
-                }
-                let kind = if m.file_type().is_symlink() {
-                    EntryKind::Symlink(
-                        fs::read_link(e.path()).map_err(SandboxError::io("readlink", e.path()))?,
-                    )
-                } else if m.is_dir() {
-                    if m.dev() == dev {
-                        stack.push(r.clone());
-                    }
-                    EntryKind::Dir
-                } else if m.is_file() {
-                    EntryKind::File
-                } else {
-                    continue;
-                };
-                entries.push(Entry {
-                    rel: r,
-                    kind,
-                    mode: m.mode() & 0o7777,
-                    dest_rel: PathBuf::new(),
-                    to_dir: false,
-                });
-                if entries.len() > MAX_ENTRIES {
-                    return Err(SandboxError::Invalid(format!(
-                        "{} has more than {MAX_ENTRIES} entries; exclude some with .dockerignore",
-                        root.display()
-                    )));
-                }
-            }
-        }
-        entries.sort_by(|a, b| a.rel.cmp(&b.rel));
-        Ok(Context { entries })
-    }
-
-    /// The entries source `src` names (a path or a pattern), with where each goes.
-    fn select(&self, src: &str) -> std::result::Result<Vec<Entry>, String> {
-        let clean = normalize(&Path::new("/").join(src))
-            .ok_or_else(|| format!("source {src:?} climbs out of the context"))?;
-        let pattern = src.contains(['*', '?', '[']);
-        let mut out = Vec::new();
-        let mut roots: Vec<(PathBuf, bool)> = Vec::new(); // (matched path, is dir)
-        if clean.as_os_str().is_empty() {
-            roots.push((PathBuf::new(), true));
-        } else if pattern {
-            let mut b = ignore::gitignore::GitignoreBuilder::new("/");
-            b.add_line(None, &format!("/{}", clean.display()))
-                .map_err(|e| format!("pattern {src:?}: {e}"))?;
-            let m = b.build().map_err(|e| format!("pattern {src:?}: {e}"))?;
-            for e in &self.entries {
-                if m.matched(Path::new("/").join(&e.rel), e.kind == EntryKind::Dir).is_ignore() {
-                    roots.push((e.rel.clone(), e.kind == EntryKind::Dir));
-                }
-            }
-        } else {
-            match self.entries.iter().find(|e| e.rel == clean) {
-                Some(e) => roots.push((e.rel.clone(), e.kind == EntryKind::Dir)),
-                None => {
-                    return Err(format!(
-                        "source {src:?} is not in the build context (missing, excluded by .dockerignore, or under a symlinked directory)"
-                    ))
-                }
-            }
-        }
-        if roots.is_empty() {
-            return Err(format!("no file of the build context matches {src:?}"));
-        }
-        let multi = pattern && roots.len() > 1;
-        for (r, is_dir) in roots {
-            if is_dir {
-                // A directory's contents go under the destination.
-                for e in &self.entries {
-                    if let Ok(sub) = e.rel.strip_prefix(&r) {
-                        if !sub.as_os_str().is_empty() {
-                            out.push(Entry {
-                                dest_rel: sub.to_path_buf(),
-                                to_dir: false,
-                                ..e.clone()
-                            });
-                        }
-                    }
-                }
-            } else if let Some(e) = self.entries.iter().find(|e| e.rel == r) {
-                let name = r.file_name().map(PathBuf::from).unwrap_or_default();
-                out.push(Entry { dest_rel: name, to_dir: !multi, ..e.clone() });
-            }
-        }
-        Ok(out)
-    }
-}
-
-/// `.dockerignore` as a gitignore matcher: each pattern anchored at the context's root, as
-/// Docker matches them (`*.log` is the top directory's only; `**/*.log` any).
-fn dockerignore(root: &Path, text: &str) -> Result<ignore::gitignore::Gitignore> {
-    let mut b = ignore::gitignore::GitignoreBuilder::new(root);
-    for l in text.lines() {
-        let l = l.trim();
-        if l.is_empty() || l.starts_with('#') {
-            continue;
-        }
-        let (neg, p) = match l.strip_prefix('!') {
-            Some(p) => ("!", p.trim()),
-            None => ("", l),
-        };
-        let p = p.trim_start_matches("./").trim_start_matches('/');
-        if p.is_empty() {
-            continue;
-        }
-        b.add_line(None, &format!("{neg}/{p}"))
-            .map_err(|e| SandboxError::Invalid(format!(".dockerignore pattern {l:?}: {e}")))?;
-    }
-    b.build().map_err(|e| SandboxError::Invalid(format!(".dockerignore: {e}")))
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-
-    #[test]
-    fn dockerignore_is_anchored_and_takes_exceptions() {
-        let d = tempfile::tempdir().unwrap();
-        let r = d.path();
-        for f in ["a.log", "sub/b.log", "sub/keep.txt", "build/x", "build/keep", "src/main.py"] {
-            fs::create_dir_all(r.join(f).parent().unwrap()).unwrap();
-            fs::write(r.join(f), f).unwrap();
-        }
-        let m = dockerignore(r, "*.log\nbuild\n!build/keep\n**/keep.txt\n").unwrap();
-        let ctx = Context::walk(r, Some(&m)).unwrap();
-        let names: Vec<String> =
-            ctx.entries.iter().map(|e| e.rel.to_string_lossy().into_owned()).collect();
-        assert!(!names.contains(&"a.log".into()), "{names:?}");
-        assert!(names.contains(&"sub/b.log".into()), "anchored: {names:?}");
-        assert!(!names.contains(&"sub/keep.txt".into()), "{names:?}");
-        assert!(!names.contains(&"build/x".into()), "{names:?}");
-        assert!(names.contains(&"build/keep".into()), "exception: {names:?}");
-        assert!(names.contains(&"src/main.py".into()), "{names:?}");
-    }
-
-    #[test]
-    fn sources_select_files_dirs_and_patterns_and_never_leave_the_context() {
-        let d = tempfile::tempdir().unwrap();
-        let r = d.path();
-        fs::create_dir_all(r.join("src/pkg")).unwrap();
-        fs::write(r.join("src/a.py"), "a").unwrap();
-        fs::write(r.join("src/pkg/b.py"), "b").unwrap();
-        fs::write(r.join("top.txt"), "t").unwrap();
-        std::os::unix::fs::symlink("/etc", r.join("etc-link")).unwrap();
-        let ctx = Context::walk(r, None).unwrap();
-        let sel = ctx.select("src").unwrap();
-        let dests: Vec<_> = sel.iter().map(|e| e.dest_rel.clone()).collect();
-        assert!(
-            dests.contains(&PathBuf::from("pkg/b.py")) && dests.contains(&PathBuf::from("a.py"))
-        );
-        let one = ctx.select("./top.txt").unwrap();
-        assert_eq!((one.len(), one[0].to_dir), (1, true));
-        let pat = ctx.select("src/*.py").unwrap();
-        assert_eq!(pat.len(), 1);
-        assert!(ctx.select("../x").is_err());
-        assert!(ctx.select("etc-link/passwd").is_err(), "never through a symlink");
-        let link = ctx.select("etc-link").unwrap();
-        assert_eq!(link[0].kind, EntryKind::Symlink(PathBuf::from("/etc")));
-    }
-
-    #[test]
-    fn normalize_stays_under_the_root() {
-        assert_eq!(normalize(Path::new("/a/./b/../c")), Some(PathBuf::from("a/c")));
-        assert_eq!(normalize(Path::new("/..")), None);
-    }
 }

@@ -341,6 +341,69 @@ mod tests {
         assert_eq!(link[0].kind, EntryKind::Symlink(PathBuf::from("/etc")));
     }
 
+    /// A tar of (name, kind, data or link target), names written verbatim.
+    fn tar(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, kind, data) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(*kind);
+            h.set_mode(0o644);
+            let body: &[u8] = if *kind == tar::EntryType::Regular { data.as_bytes() } else { b"" };
+            h.set_size(body.len() as u64);
+            {
+                let raw = h.as_old_mut();
+                raw.name = [0; 100];
+                raw.name[..name.len()].copy_from_slice(name.as_bytes());
+                if *kind != tar::EntryType::Regular {
+                    raw.linkname = [0; 100];
+                    raw.linkname[..data.len()].copy_from_slice(data.as_bytes());
+                }
+            }
+            h.set_cksum();
+            b.append(&h, body).unwrap();
+        }
+        b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn archives_unpack_inside_the_tree_only() {
+        use tar::EntryType as T;
+        let d = tempfile::tempdir().unwrap();
+        let host = d.path().join("host");
+        fs::create_dir_all(&host).unwrap();
+        let tree_dir = d.path().join("tree");
+        fs::create_dir_all(&tree_dir).unwrap();
+        let tree = InRoot::open(&tree_dir).unwrap();
+        // A link to `/`, then a write through it: `/` is the tree's.
+        let ok = tar(&[
+            ("esc", T::Symlink, "/"),
+            ("esc/through", T::Regular, "x"),
+            ("a/f", T::Regular, "data"),
+            ("a/hl", T::Link, "a/f"),
+        ]);
+        let f = d.path().join("ok.tar");
+        fs::write(&f, ok).unwrap();
+        unpack_into(&tree, Path::new("opt"), fs::File::open(&f).unwrap()).unwrap();
+        assert_eq!(fs::read_to_string(tree_dir.join("through")).unwrap(), "x");
+        assert_eq!(fs::read_to_string(tree_dir.join("opt/a/hl")).unwrap(), "data");
+        // A link to the host's directory: a write through it never reaches the host (the path
+        // resolves inside the tree, where it does not exist).
+        let out = tar(&[("out", T::Symlink, host.to_str().unwrap()), ("out/x", T::Regular, "x")]);
+        fs::write(&f, out).unwrap();
+        let _ = unpack_into(&tree, Path::new("opt"), fs::File::open(&f).unwrap());
+        assert!(!host.join("x").exists(), "written through a link out of the tree");
+        // Entries climbing out of the destination, and hard links to what is not there.
+        for bad in [
+            tar(&[("../../x", T::Regular, "x")]),
+            tar(&[("x", T::Link, "../../etc/passwd")]),
+            tar(&[("x", T::Link, "missing")]),
+        ] {
+            fs::write(&f, bad).unwrap();
+            assert!(unpack_into(&tree, Path::new("opt"), fs::File::open(&f).unwrap()).is_err());
+        }
+        assert!(!d.path().join("x").exists());
+    }
+
     #[test]
     fn normalize_stays_under_the_root() {
         assert_eq!(normalize(Path::new("/a/./b/../c")), Some(PathBuf::from("a/c")));

@@ -219,6 +219,16 @@ fn every_instruction_builds_then_comes_from_the_cache() {
     assert_eq!(fs2.len(), 12);
     assert!(fs2.iter().all(|s| s["cached"] == true), "second build: {steps:?}");
     assert!(build_sandboxes().is_empty(), "build sandboxes left: {:?}", build_sandboxes());
+    // --no-cache makes every step again (and the image with them).
+    let (_, fresh) =
+        build(&ctx, &img.0, &["--build-arg", &arg, "--build-arg", "GREETING=hey", "--no-cache"]);
+    assert_eq!(fresh["t"], "done", "--no-cache build failed: {fresh}");
+    let steps = fresh["result"]["steps"].as_array().unwrap();
+    assert!(
+        steps.iter().filter(|s| s.get("cached").is_some()).all(|s| s["cached"] == false),
+        "--no-cache: {steps:?}"
+    );
+    assert!(fresh["result"]["created_at"].as_u64() >= r["created_at"].as_u64());
 
     // A sandbox of it has the files the steps made, as the Dockerfile said.
     let sb = sandbox_of(&img.0, "t-build-sb");

@@ -256,7 +256,8 @@ pub fn build(
     last.steps = steps;
     let source = format!("build -f {}", spec.dockerfile.display());
     let state = rt.state();
-    if !last.steps.is_empty() {
+    // With --no-cache the steps were made again: the image is too.
+    if !last.steps.is_empty() && !spec.no_cache {
         if let Some((steps, config, src)) = image::made_of(state, &spec.name) {
             if steps == last.steps && config == last.config && src == source {
                 progress.message(&format!("image {} is up to date", spec.name));

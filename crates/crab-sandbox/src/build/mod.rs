@@ -204,9 +204,16 @@ pub fn build(
     }
     let f = fs::File::open(&spec.dockerfile).map_err(SandboxError::io("open", &spec.dockerfile))?;
     let mut text = String::new();
-    f.take(MAX_DOCKERFILE)
+    f.take(MAX_DOCKERFILE + 1)
         .read_to_string(&mut text)
         .map_err(SandboxError::io("read", &spec.dockerfile))?;
+    if text.len() as u64 > MAX_DOCKERFILE {
+        return Err(SandboxError::Invalid(format!(
+            "{} is larger than {} MiB; a Dockerfile is a recipe, not a data file",
+            spec.dockerfile.display(),
+            MAX_DOCKERFILE >> 20
+        )));
+    }
     let instrs = dockerfile::parse(&text)?;
     let meta = fs::metadata(&spec.context).map_err(SandboxError::io("stat", &spec.context))?;
     if !meta.is_dir() {

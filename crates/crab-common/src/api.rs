@@ -237,6 +237,49 @@ pub struct ImageImportRequest {
     pub platform: Option<String>,
 }
 
+/// `POST /v1/images/pull` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).
+#[derive(Clone, Default, Serialize, Deserialize)]
+pub struct ImagePullRequest {
+    /// `[REGISTRY/]REPOSITORY[:TAG][@DIGEST]` (Docker Hub when no registry is named).
+    pub reference: String,
+    /// Image name (default: the repository's last component, `-`, the tag).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// `OS/ARCH[/VARIANT]` picked from an index (default `linux/amd64`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
+    /// Speak plain `http://` to the reference's registry (loopback test registries).
+    #[serde(default)]
+    pub insecure: bool,
+    /// Basic-auth username (the CLI reads `--username` or `~/.docker/config.json`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Basic-auth password.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
+    /// Where the credentials came from, named when the registry refuses them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_source: Option<String>,
+    /// Swap out an image of that name pulled from another digest (or made otherwise).
+    #[serde(default)]
+    pub replace: bool,
+}
+
+impl std::fmt::Debug for ImagePullRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImagePullRequest")
+            .field("reference", &self.reference)
+            .field("name", &self.name)
+            .field("platform", &self.platform)
+            .field("insecure", &self.insecure)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("credential_source", &self.credential_source)
+            .field("replace", &self.replace)
+            .finish()
+    }
+}
+
 /// Network mode of a sandbox.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

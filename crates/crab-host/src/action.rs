@@ -9,8 +9,8 @@ use crab_checkpoint::{ForkBranch, PointSummary, RestoreReport};
 pub use crab_common::api::Lifecycle;
 use crab_common::api::{
     CheckpointCreateRequest, ExecFrame, ExecRequest, ForkRequest, ImageBuildRequest,
-    ImageImportRequest, ImageInfo, LabelDeleted, LabelledPoint, SandboxCreateRequest, SandboxInfo,
-    SandboxStatus, SandboxUpdateRequest, VersionInfo,
+    ImageImportRequest, ImageInfo, ImagePullRequest, LabelDeleted, LabelledPoint,
+    SandboxCreateRequest, SandboxInfo, SandboxStatus, SandboxUpdateRequest, VersionInfo,
 };
 use crab_common::life::TimeoutSet;
 use crab_common::CheckpointKind;
@@ -46,6 +46,13 @@ pub enum Action {
     ImportImage {
         /// Name and source path.
         req: ImageImportRequest,
+        /// Where progress goes.
+        progress: Box<dyn Progress>,
+    },
+    /// Pull an image from a registry, reporting progress.
+    PullImage {
+        /// Reference, name, platform, credentials.
+        req: ImagePullRequest,
         /// Where progress goes.
         progress: Box<dyn Progress>,
     },
@@ -380,6 +387,7 @@ impl Action {
             Action::BuildImage { .. } => "build_image",
             Action::ImportImage { .. } => "import_image",
             Action::CommitImage { .. } => "commit_image",
+            Action::PullImage { .. } => "pull_image",
             Action::RemoveImage { .. } => "remove_image",
             Action::ListSandboxes => "list_sandboxes",
             Action::GetSandbox { .. } => "get_sandbox",

@@ -45,6 +45,7 @@ use crate::{
 };
 
 mod incarnations;
+mod pull;
 mod turns;
 
 pub(crate) use turns::full_point;
@@ -415,6 +416,7 @@ impl Host {
                 })
                 .await
             }
+            Action::PullImage { req, progress } => self.pull_image(req, progress).await,
             Action::RemoveImage { name } => {
                 let state = self.state().clone();
                 let rt = self.runtime.clone();

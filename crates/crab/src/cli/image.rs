@@ -61,6 +61,8 @@ pub(super) enum ImageCmd {
         /// The new image's name.
         name: String,
     },
+    /// Pull an image from an OCI registry (Docker Hub when the reference names none).
+    Pull(super::image_pull::PullArgs),
     /// List images.
     Ls,
     /// Remove an image.
@@ -204,6 +206,7 @@ pub(super) async fn run(client: &Client, c: ImageCmd, json: bool) -> Result<Exit
             let req = ImageImportRequest { name, path: abs.display().to_string(), platform };
             show_one(long_op(client, "/v1/images/import", &req, json).await?)
         }
+        ImageCmd::Pull(a) => show_one(super::image_pull::pull(client, a, json).await?),
         ImageCmd::Ls => {
             let v: Vec<ImageInfo> = client.call::<(), _>(Method::GET, "/v1/images", None).await?;
             if json {

@@ -12,6 +12,7 @@ mod daemon;
 mod docker;
 mod exec;
 mod image;
+mod image_pull;
 mod procs;
 mod remote;
 mod sandbox;

@@ -1,5 +1,5 @@
 //! Image routes: list, build (debootstrap or a Dockerfile, streamed progress), import, commit
-//! (an image of a sandbox's files), remove.
+//! (an image of a sandbox's files), pull (from a registry), remove.
 
 use std::sync::Arc;
 
@@ -7,7 +7,9 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::Response;
 
-use crab_common::api::{ImageBuildRequest, ImageCommitRequest, ImageImportRequest};
+use crab_common::api::{
+    ImageBuildRequest, ImageCommitRequest, ImageImportRequest, ImagePullRequest,
+};
 use crab_host::{Action, Host};
 
 use super::api::{err, long_operation, parse, render};
@@ -38,6 +40,14 @@ pub async fn commit(State(h): State<Arc<Host>>, body: Bytes) -> Response {
         Err(e) => return err(e),
     };
     long_operation(h, move |progress| Action::CommitImage { req, progress })
+}
+
+pub async fn pull(State(h): State<Arc<Host>>, body: Bytes) -> Response {
+    let req: ImagePullRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return err(e),
+    };
+    long_operation(h, move |progress| Action::PullImage { req, progress })
 }
 
 pub async fn remove(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {

@@ -1,0 +1,303 @@
+//! `crab image pull` against a real registry: Debian's `docker-registry` on loopback
+//! (`scripts/test-registry.sh`), images made by other tools (`scripts/test-images.sh`: umoci,
+//! GNU tar, buildah, pushed by skopeo), the real daemon of `CRAB_STATE_DIR`.
+//!
+//! * `layers_whiteouts_links_and_config_arrive`: the 3-layer fixture's files, owners, modes,
+//!   hard links, the user.* xattr, whiteouts, the opaque dir and the symlinked dir made a dir,
+//!   checked with `stat` in a sandbox of it; its config and digest recorded; a second pull is
+//!   "already pulled".
+//! * `platforms_are_picked_and_an_unknown_one_refused`.
+//! * `http_needs_insecure` and `basic_auth_with_and_without_credentials`.
+//! * `a_tampered_blob_is_refused`: a layer flipped in the registry's storage is refused with a
+//!   digest error and no image is installed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+use crab_testkit::daemon as common;
+use crab_testkit::require_root;
+
+const PORT: u16 = 5761;
+const AUTH_PORT: u16 = 5762;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn script(name: &str, args: &[&str]) -> String {
+    let out = Command::new(root().join("scripts").join(name)).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{name} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A registry on `port` (basic auth with `auth`), the fixtures pushed; its directory.
+fn registry(port: u16, auth: Option<&str>) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("crab-test-registry-{port}"));
+    let mut args = vec!["start", dir.to_str().unwrap(), &*Box::leak(port.to_string().into())];
+    if let Some(a) = auth {
+        args.extend(["--auth", a]);
+    }
+    script("test-registry.sh", &args);
+    if auth.is_none() {
+        let cache = root().join("target/test-images");
+        script("test-images.sh", &["push", cache.to_str().unwrap(), &format!("127.0.0.1:{port}")]);
+    }
+    dir
+}
+
+fn anon() -> &'static PathBuf {
+    static R: OnceLock<PathBuf> = OnceLock::new();
+    R.get_or_init(|| registry(PORT, None))
+}
+
+fn reference(repo: &str) -> String {
+    format!("127.0.0.1:{PORT}/{repo}:1")
+}
+
+fn crab_stdin(args: &[&str], stdin: &str) -> Output {
+    use std::io::Write;
+    let mut c = Command::new(common::bin())
+        .args(["--state-dir", common::state_dir().to_str().unwrap()])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    c.wait_with_output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// The image of that name, removed on drop.
+struct Img(String);
+impl Drop for Img {
+    fn drop(&mut self) {
+        let _ = common::crab(&["image", "rm", &self.0]);
+    }
+}
+
+fn image_json(name: &str) -> Option<serde_json::Value> {
+    let v: serde_json::Value =
+        serde_json::from_str(&common::crab_ok(&["image", "ls", "--json"])).unwrap();
+    v.as_array().unwrap().iter().find(|i| i["name"] == name).cloned()
+}
+
+#[test]
+fn layers_whiteouts_links_and_config_arrive() {
+    require_root!();
+    anon();
+    common::ensure_daemon();
+    let name = common::unique("pl");
+    let img = Img(name.clone());
+    let r = reference("layers");
+    let out = common::crab_ok(&["image", "pull", "--insecure", "--name", &name, &r]);
+    assert!(out.contains(&name), "{out}");
+    let info = image_json(&name).expect("image listed");
+    assert_eq!(info["reference"], r.as_str());
+    assert!(info["digest"].as_str().unwrap().starts_with("sha256:"));
+    assert_eq!(info["config"]["user"], "1000:1000");
+    assert_eq!(info["config"]["workdir"], "/app");
+    assert_eq!(info["config"]["env"][0], "A=b");
+    assert_eq!(info["config"]["entrypoint"][0], "/bin/sh");
+    assert_eq!(info["config"]["cmd"][0], "echo hi");
+    assert_eq!(info["config"]["labels"]["fixture"], "layers");
+
+    let sb = common::unique("plsb");
+    common::crab_ok(&["sandbox", "create", &img.0, "--name", &sb]);
+    let stat = |paths: &[&str]| -> String {
+        let mut a = vec!["exec", &sb, "--", "/usr/bin/stat", "-c", "%n %u:%g %a %h %F"];
+        a.extend_from_slice(paths);
+        let o = common::crab(&a);
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
+    };
+    let s = stat(&[
+        "/app",
+        "/app/secret",
+        "/app/sub",
+        "/app/hl1",
+        "/data/link",
+        "/data/link/inside",
+        "/opaque/new",
+    ]);
+    let _ = common::crab(&["sandbox", "rm", "--force", &sb]);
+    for want in [
+        "/app 1000:1000 755 1 directory",
+        "/app/secret 1000:1000 600 1 regular file",
+        "/app/sub 1000:1000 2775 1 directory",
+        "/app/hl1 1000:1000 644 2 regular file",
+        "/data/link 0:0 755 1 directory",
+        "/data/link/inside 0:0 644 1 regular file",
+        "/opaque/new 0:0 644 1 regular file",
+    ] {
+        assert!(s.contains(want), "{want:?} not in {s}");
+    }
+    // The image's own files (no sandbox needed for what is absent or an xattr).
+    let rootfs = common::state_dir().join("pool/images").join(&name);
+    for gone in ["etc/gone", "etc/gone-too", "opaque/old1", "opaque/old2", "data/real/inside"] {
+        assert!(!rootfs.join(gone).exists(), "{gone} survived its whiteout");
+    }
+    assert!(rootfs.join("data/real/file").exists());
+    let x = Command::new("python3")
+        .args(["-c", "import os,sys; print(os.getxattr(sys.argv[1], 'user.crab').decode())"])
+        .arg(rootfs.join("app/xattr-file"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&x.stdout).trim(), "test-value", "{}", text(&x));
+
+    // Twice: nothing to do.
+    let o = common::crab(&["image", "pull", "--insecure", "--name", &name, &r]);
+    assert!(o.status.success() && text(&o).contains("already pulled"), "{}", text(&o));
+    // Another reference under that name is refused without --replace.
+    let o = common::crab(&["image", "pull", "--insecure", "--name", &name, &reference("base")]);
+    assert!(!o.status.success() && text(&o).contains("--replace"), "{}", text(&o));
+}
+
+#[test]
+fn platforms_are_picked_and_an_unknown_one_refused() {
+    require_root!();
+    anon();
+    common::ensure_daemon();
+    let r = reference("multi");
+    for (plat, label) in [(None, "amd64"), (Some("linux/arm64"), "arm64")] {
+        let name = common::unique("pm");
+        let _img = Img(name.clone());
+        let mut a = vec!["image", "pull", "--insecure", "--name", &name];
+        if let Some(p) = plat {
+            a.extend(["--platform", p]);
+        }
+        a.push(&r);
+        common::crab_ok(&a);
+        assert_eq!(image_json(&name).unwrap()["config"]["labels"]["platform"], label);
+    }
+    let name = common::unique("pm");
+    let o = common::crab(&[
+        "image",
+        "pull",
+        "--insecure",
+        "--name",
+        &name,
+        "--platform",
+        "linux/s390x",
+        &r,
+    ]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("linux/s390x") && t.contains("linux/arm64"), "{t}");
+    assert!(image_json(&name).is_none());
+}
+
+#[test]
+fn http_needs_insecure() {
+    require_root!();
+    anon();
+    common::ensure_daemon();
+    let name = common::unique("ph");
+    let o = common::crab(&["image", "pull", "--name", &name, &reference("base")]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("--insecure"), "{t}");
+    assert!(image_json(&name).is_none());
+}
+
+#[test]
+fn basic_auth_with_and_without_credentials() {
+    require_root!();
+    let reg = registry(AUTH_PORT, Some("crab:s3cret"));
+    let cache = root().join("target/test-images");
+    let fixtures = script("test-images.sh", &["build", cache.to_str().unwrap()]);
+    let src = format!("oci:{}/layout:base", fixtures.trim());
+    let dst = format!("docker://127.0.0.1:{AUTH_PORT}/private:1");
+    let o = Command::new("skopeo")
+        .args([
+            "copy",
+            "--quiet",
+            "--dest-tls-verify=false",
+            "--dest-creds",
+            "crab:s3cret",
+            &src,
+            &dst,
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    common::ensure_daemon();
+    let r = format!("127.0.0.1:{AUTH_PORT}/private:1");
+    let name = common::unique("pa");
+    let _img = Img(name.clone());
+    let o = common::crab(&["image", "pull", "--insecure", "--name", &name, &r]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("anonymous") && t.contains("--username"), "{t}");
+    let o = crab_stdin(
+        &[
+            "image",
+            "pull",
+            "--insecure",
+            "--name",
+            &name,
+            "--username",
+            "crab",
+            "--password-stdin",
+            &r,
+        ],
+        "wrong\n",
+    );
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("--username/--password-stdin"), "{t}");
+    let o = crab_stdin(
+        &[
+            "image",
+            "pull",
+            "--insecure",
+            "--name",
+            &name,
+            "--username",
+            "crab",
+            "--password-stdin",
+            &r,
+        ],
+        "s3cret\n",
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(image_json(&name).unwrap()["reference"], r.as_str());
+    script("test-registry.sh", &["stop", reg.to_str().unwrap(), &AUTH_PORT.to_string()]);
+}
+
+#[test]
+fn a_tampered_blob_is_refused() {
+    require_root!();
+    let reg = anon();
+    common::ensure_daemon();
+    // The tamper fixture's own layer: the last of its manifest.
+    let o = Command::new("skopeo")
+        .args(["inspect", "--tls-verify=false", &format!("docker://{}", reference("tamper"))])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let digest = v["Layers"].as_array().unwrap().last().unwrap().as_str().unwrap().to_string();
+    let hex = digest.trim_start_matches("sha256:");
+    let data =
+        reg.join(format!("storage/docker/registry/v2/blobs/sha256/{}/{hex}/data", &hex[..2]));
+    let mut bytes = std::fs::read(&data).unwrap();
+    let keep = bytes.clone();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&data, &bytes).unwrap();
+    // Not from the daemon's cache either.
+    let _ = std::fs::remove_file(common::state_dir().join("cache/blobs/sha256").join(hex));
+    let name = common::unique("pt");
+    let o = common::crab(&["image", "pull", "--insecure", "--name", &name, &reference("tamper")]);
+    std::fs::write(&data, &keep).unwrap();
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("digest") && t.contains(&digest), "{t}");
+    assert!(image_json(&name).is_none());
+    assert!(!common::state_dir().join("cache/blobs/sha256").join(hex).exists());
+}

@@ -50,12 +50,6 @@ impl From<ApiError> for HostError {
     }
 }
 
-impl From<crab_oci::OciError> for HostError {
-    fn from(e: crab_oci::OciError) -> Self {
-        HostError(e.to_api())
-    }
-}
-
 impl From<crab_sandbox::SandboxError> for HostError {
     fn from(e: crab_sandbox::SandboxError) -> Self {
         HostError(e.into())

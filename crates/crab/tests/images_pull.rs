@@ -10,6 +10,9 @@
 //! * `http_needs_insecure` and `basic_auth_with_and_without_credentials`.
 //! * `a_tampered_blob_is_refused`: a layer flipped in the registry's storage is refused with a
 //!   digest error and no image is installed.
+//! * `an_interrupted_pull_resumes`: a proxy cuts the big layer's download mid-way; the finished
+//!   layer is kept, and the next pull fetches only the rest of the big one (the registry's log:
+//!   no GET of the finished layer, one GET of the big one writing exactly the missing bytes).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
@@ -300,4 +303,132 @@ fn a_tampered_blob_is_refused() {
     assert!(!o.status.success() && t.contains("digest") && t.contains(&digest), "{t}");
     assert!(image_json(&name).is_none());
     assert!(!common::state_dir().join("cache/blobs/sha256").join(hex).exists());
+}
+
+/// A TCP proxy to the registry that cuts a connection once it has carried `budget` bytes of
+/// answer to a request naming `cut` (and nothing else), while `armed`.
+fn cutting_proxy(
+    to: u16,
+    cut: String,
+    budget: usize,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> u16 {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for c in l.incoming().flatten() {
+            let s = TcpStream::connect(("127.0.0.1", to)).unwrap();
+            let hit = Arc::new(AtomicBool::new(false));
+            let (mut c2, mut s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+            let (cut, hit2) = (cut.clone(), hit.clone());
+            std::thread::spawn(move || {
+                let mut b = vec![0u8; 65536];
+                while let Ok(n) = c2.read(&mut b) {
+                    if n == 0 {
+                        break;
+                    }
+                    if String::from_utf8_lossy(&b[..n]).contains(&cut) {
+                        hit2.store(true, Ordering::SeqCst);
+                    }
+                    if s2.write_all(&b[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = s2.shutdown(Shutdown::Write);
+            });
+            let armed = armed.clone();
+            std::thread::spawn(move || {
+                let (mut c, mut s) = (c, s);
+                let mut b = vec![0u8; 16384];
+                let mut sent = 0usize;
+                while let Ok(n) = s.read(&mut b) {
+                    if n == 0 {
+                        break;
+                    }
+                    if hit.load(Ordering::SeqCst) && armed.load(Ordering::SeqCst) {
+                        if sent + n > budget {
+                            let _ = c.write_all(&b[..budget - sent]);
+                            let _ = c.shutdown(Shutdown::Both);
+                            let _ = s.shutdown(Shutdown::Both);
+                            return;
+                        }
+                        sent += n;
+                    }
+                    if c.write_all(&b[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = c.shutdown(Shutdown::Write);
+            });
+        }
+    });
+    port
+}
+
+/// A pull cut off in the middle of its big layer keeps what it finished; the next pull asks
+/// the registry only for the rest of the big layer (a range request), per the registry's log.
+#[test]
+fn an_interrupted_pull_resumes() {
+    require_root!();
+    let reg = anon();
+    common::ensure_daemon();
+    let o = Command::new("skopeo")
+        .args(["inspect", "--tls-verify=false", &format!("docker://{}", reference("resume"))])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let layers: Vec<String> =
+        v["Layers"].as_array().unwrap().iter().map(|l| l.as_str().unwrap().to_string()).collect();
+    let big = layers.last().unwrap().clone();
+    let small = layers[layers.len() - 2].clone();
+    let cache = common::state_dir().join("cache/blobs/sha256");
+    for d in [&big, &small] {
+        let h = d.trim_start_matches("sha256:");
+        let _ = std::fs::remove_file(cache.join(h));
+        let _ = std::fs::remove_file(cache.join(format!("{h}.partial")));
+    }
+    let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let port = cutting_proxy(PORT, big.clone(), 3 << 20, armed.clone());
+    let r = format!("127.0.0.1:{port}/resume:1");
+    let name = common::unique("pr");
+    let _img = Img(name.clone());
+    let o = common::crab(&["image", "pull", "--insecure", "--name", &name, &r]);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(image_json(&name).is_none());
+    let bh = big.trim_start_matches("sha256:");
+    let partial =
+        std::fs::metadata(cache.join(format!("{bh}.partial"))).map(|m| m.len()).unwrap_or(0);
+    assert!(partial > 0, "no partial download kept: {}", text(&o));
+    assert!(
+        cache.join(small.trim_start_matches("sha256:")).exists(),
+        "the small layer was not kept"
+    );
+
+    let log = reg.join("registry.log");
+    let before = std::fs::metadata(&log).unwrap().len() as usize;
+    armed.store(false, std::sync::atomic::Ordering::SeqCst);
+    let o = common::crab(&["image", "pull", "--insecure", "--name", &name, &r]);
+    assert!(o.status.success(), "{}", text(&o));
+    let all = std::fs::read(&log).unwrap();
+    let new = String::from_utf8_lossy(&all[before..]).into_owned();
+    let gets = |d: &str| -> Vec<u64> {
+        new.lines()
+            .filter(|l| l.contains("response completed") && l.contains("method=GET"))
+            .filter(|l| l.contains(&format!("/blobs/{d}")))
+            .filter_map(|l| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix("http.response.written="))
+                    .and_then(|n| n.parse().ok())
+            })
+            .collect()
+    };
+    assert!(gets(&small).is_empty(), "the finished layer was downloaded again");
+    let g = gets(&big);
+    assert_eq!(g.len(), 1, "{g:?}");
+    let size = std::fs::metadata(cache.join(bh)).unwrap().len();
+    assert_eq!(g[0], size - partial, "the big layer was not resumed where it stopped");
 }

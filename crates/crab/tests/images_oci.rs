@@ -370,8 +370,9 @@ fn hostile_layers_are_refused_naming_the_entry() {
         assert!(err.contains("layer sha256:"), "{what} names the layer: {err}");
         assert!(!canary.exists(), "{what}: wrote outside the layer");
         assert!(!common::state_dir().join("pool/images").join(&name).exists(), "{what}");
-        assert_eq!(staging_leftovers(&chains), Vec::<String>::new(), "{what}: staging left");
-        assert!(!chains.iter().any(|c| layer_exists(c)), "{what}: a layer of it was kept");
+        assert_eq!(staging_leftovers(&chains[1..]), Vec::<String>::new(), "{what}: staging");
+        // chains[0] is the tiny base, which images of tests running meanwhile may hold.
+        assert!(!chains[1..].iter().any(|c| layer_exists(c)), "{what}: a layer of it was kept");
     }
     // A layer whose bytes are not the config's diff id.
     let dir = s.0.join("layout-diffid");

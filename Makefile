@@ -42,6 +42,8 @@ test: export CRAB_REQUIRE_PRIVILEGED = 1
 # The daemon serves the E2B API for crates/crab/tests/e2b.rs (key digest committed for tests).
 test: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
 test: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys
+# First-use pulls (`sandbox create REF`) from the loopback registry of tests/images_pull.rs.
+test: export CRAB_INSECURE_REGISTRIES ?= 127.0.0.1:5761
 test: build lint
 	@scripts/daemon.sh restart target/debug/crab
 	@$(MAKE) --no-print-directory image-debug

@@ -297,7 +297,7 @@ async fn create<B: Backend>(
     if req.template_id.is_empty() {
         return Err(RestError::new(
             400,
-            "templateID is required (a Crab image name or a snapshot id)",
+            "templateID is required (a Crab image name, a registry reference or a snapshot id)",
         ));
     }
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
@@ -329,13 +329,31 @@ async fn create<B: Backend>(
         let images = e2b.backend.images().await?;
         let image = if images.contains(&req.template_id) {
             req.template_id.clone()
+        } else if req.template_id.contains([':', '/', '@']) {
+            // A snapshot id is `<sandbox>:<point>`: one of a sandbox here is a missing snapshot,
+            // not an image to pull.
+            if let Some((sb, _)) = req.template_id.split_once(':') {
+                if e2b.backend.sandbox(sb.to_string()).await.is_ok() {
+                    return Err(RestError::new(
+                        404,
+                        format!(
+                            "snapshot {:?} not found (sandbox {sb} has no such snapshot)",
+                            req.template_id
+                        ),
+                    ));
+                }
+            }
+            // A registry reference (`python:3.12`): the host uses the image pulled from it,
+            // pulling it on first use (or refuses with a hint when the daemon does not pull).
+            req.template_id.clone()
         } else if req.template_id == "base" && images.contains(&e2b.cfg.default_image) {
             e2b.cfg.default_image.clone()
         } else {
             return Err(RestError::new(
                 404,
                 format!(
-                    "template {:?} not found: a template is a Crab image ({}) or a snapshot id",
+                    "template {:?} not found: a template is a Crab image ({}), a registry \
+                     reference with a tag (`python:3.12`) or a snapshot id",
                     req.template_id,
                     if images.is_empty() {
                         "none built; run `crab image build debian`".into()

@@ -50,6 +50,15 @@ impl Host {
             context,
             build_args: req.build_args.clone(),
             no_cache: req.no_cache,
+            // `FROM python:3.12`: the image the host resolves it to, pulled on first use.
+            resolve_from: Some(build::FromResolver(Arc::new({
+                let (host, handle) = (self.clone(), tokio::runtime::Handle::current());
+                move |r: &str| {
+                    handle
+                        .block_on(host.resolve_image(r))
+                        .map_err(|e| format!("{} ({})", e.0.message, e.0.hint))
+                }
+            }))),
         };
         let rt = self.runtime.clone();
         let handle = tokio::runtime::Handle::current();

@@ -30,6 +30,8 @@ pub use action::{
     Action, HarnessMarked, Lifecycle, Outcome, PointView, Pruned, Taken, TopView, TurnMarked,
 };
 pub use error::HostError;
-pub use host::{timeout_set, Host, HostOptions, IN_SANDBOX_PROXY};
+pub use host::{
+    is_reference, timeout_set, CredentialSource, Host, HostOptions, PullPolicy, IN_SANDBOX_PROXY,
+};
 pub use lifecycle::Adopted;
 pub use policy::{Decision, TurnPolicy};

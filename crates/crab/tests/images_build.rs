@@ -8,7 +8,7 @@
 //!   step is a cache hit — its configuration in the image record, its files in a sandbox of
 //!   it, which is checkpointed, restored and forked like any other.
 //! * `refusals_and_failures_leave_nothing`: an unsupported instruction, a FROM of a registry
-//!   reference, a context source out of the context, and a failing RUN (named with its line,
+//!   reference whose registry is not there, a context source out of the context, and a failing RUN (named with its line,
 //!   exit code and last output) leave no image and no build sandbox.
 //! * `a_build_on_a_layered_image_shares_its_layers_and_keeps_its_config`: FROM an OCI image
 //!   made without Crab (imported from a layout): its RUN runs as the base's USER in its WORKDIR
@@ -297,7 +297,11 @@ fn refusals_and_failures_leave_nothing() {
     };
     refused("FROM debian\nRUN true\nHEALTHCHECK CMD true\n", &["line 3", "HEALTHCHECK"]);
     refused("FROM debian\nFROBNICATE x\n", &["line 2", "FROBNICATE"]);
-    refused("FROM docker.io/library/python:3.12\n", &["line 1", "crab image pull"]);
+    // A reference the daemon pulls on first use, from a registry that is not there.
+    refused(
+        "FROM 127.0.0.1:9/nothing:1\n",
+        &["line 1", "FROM 127.0.0.1:9/nothing:1", "on first use"],
+    );
     refused("FROM debian\nCOPY ../outside /x\n", &["line 2", "climbs out of the context"]);
     refused("FROM debian\nADD https://example.com/x /x\n", &["line 2", "URLs are not fetched"]);
     // A local archive whose entry climbs out of the destination.

@@ -432,3 +432,134 @@ fn an_interrupted_pull_resumes() {
     let size = std::fs::metadata(cache.join(bh)).unwrap().len();
     assert_eq!(g[0], size - partial, "the big layer was not resumed where it stopped");
 }
+
+/// `crab sandbox create REF`, an E2B template `REF` and a daemon that does not pull: a
+/// reference no local image holds is pulled once, on first use, by whichever door asks first
+/// (the daemon of `make test` names the test registry with `CRAB_INSECURE_REGISTRIES`), and
+/// used as it is afterwards; an unreachable registry and `--pull never` are refused naming the
+/// fix, leaving no image and no sandbox.
+#[test]
+fn a_reference_is_pulled_on_first_use_by_every_door() {
+    require_root!();
+    anon();
+    common::ensure_daemon();
+    let insecure = std::env::var("CRAB_INSECURE_REGISTRIES").unwrap_or_default();
+    if !insecure.split(',').any(|h| h == format!("127.0.0.1:{PORT}")) {
+        return crab_testkit::privilege::cannot_run(&format!(
+            "the daemon must speak http to the test registry: export \
+             CRAB_INSECURE_REGISTRIES=127.0.0.1:{PORT} before it starts (`make test` does)"
+        ));
+    }
+    // A repository no other test pulls, so this is its first use.
+    let repo = common::unique("firstuse");
+    let r = format!("127.0.0.1:{PORT}/{repo}:1");
+    let copied = Command::new("skopeo")
+        .args(["copy", "--quiet", "--src-tls-verify=false", "--dest-tls-verify=false"])
+        .arg(format!("docker://{}", reference("layers")))
+        .arg(format!("docker://{r}"))
+        .output()
+        .unwrap();
+    assert!(copied.status.success(), "skopeo copy: {}", text(&copied));
+    let holding = |r: &str| -> Vec<String> {
+        let v: serde_json::Value =
+            serde_json::from_str(&common::crab_ok(&["image", "ls", "--json"])).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["reference"] == r)
+            .map(|i| i["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(holding(&r).is_empty());
+
+    // The CLI (and through it the SDK and `crab docker run`, which send the same request).
+    let sb = common::unique("fu");
+    let o = common::crab(&["sandbox", "create", &r, "--name", &sb, "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let info: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let names = holding(&r);
+    assert_eq!(names.len(), 1, "{names:?}");
+    let _img = Img(names[0].clone());
+    assert_eq!(info["image"], names[0].as_str(), "{info}");
+    // The image's config is the sandbox's: its user (1000) and working directory (/app).
+    let o =
+        common::crab(&["exec", &sb, "--", "/bin/sh", "-c", "id -u; pwd; cat /data/link/inside"]);
+    let _ = common::crab(&["sandbox", "rm", "--force", &sb]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.starts_with("1000\n/app\n"), "{out}");
+
+    // A Dockerfile FROM the reference builds on that image (resolved by the host, no pull).
+    let ctx = std::env::temp_dir().join(common::unique("fu-ctx"));
+    std::fs::create_dir_all(&ctx).unwrap();
+    std::fs::write(ctx.join("Dockerfile"), format!("FROM {r}\nRUN id -u > /app/built-by\n"))
+        .unwrap();
+    let built = common::unique("fu-built");
+    let _built = Img(built.clone());
+    let o = common::crab(&[
+        "image",
+        "build",
+        "-f",
+        ctx.join("Dockerfile").to_str().unwrap(),
+        ctx.to_str().unwrap(),
+        "--name",
+        &built,
+    ]);
+    let _ = std::fs::remove_dir_all(&ctx);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(holding(&r), names, "the build pulled again");
+    let sb3 = common::unique("fu");
+    common::crab_ok(&["sandbox", "create", &built, "--name", &sb3]);
+    let o = common::crab(&["exec", &sb3, "--", "cat", "/app/built-by"]);
+    let _ = common::crab(&["sandbox", "rm", "--force", &sb3]);
+    assert_eq!(text(&o).trim(), "1000", "RUN ran as the image's user: {}", text(&o));
+
+    // The E2B front door, through the real SDK: the same image, not a second pull.
+    if let Ok(listen) = std::env::var("CRAB_E2B_LISTEN") {
+        script("install-test-servers.sh", &[]);
+        let python = std::env::var("CRAB_TEST_SERVERS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| PathBuf::from("/opt/crab/test-servers"))
+            .join("venv/bin/python");
+        // (The fixture has no setsid or find, which E2B commands and listings need: a file
+        // read proves the sandbox is of the image.)
+        let prog = "import sys\nfrom e2b import Sandbox\n\
+                    s = Sandbox.create(template=sys.argv[1])\n\
+                    try:\n    print(s.files.read('/data/link/inside', user='root'))\n\
+                    finally:\n    s.kill()\n";
+        let o = Command::new("timeout")
+            .args(["--kill-after=10", "300"])
+            .arg(&python)
+            .args(["-c", prog, &r])
+            .env("E2B_API_URL", format!("http://{listen}"))
+            .env("E2B_SANDBOX_URL", format!("http://{listen}"))
+            .env("E2B_API_KEY", "e2b_crab_test_key")
+            .output()
+            .unwrap();
+        let out = text(&o);
+        assert!(o.status.success(), "e2b SDK: {out}");
+        assert!(out.contains("inside"), "{out}");
+        assert_eq!(holding(&r), names, "the E2B door pulled again");
+    } else {
+        crab_testkit::privilege::cannot_run("CRAB_E2B_LISTEN is not set (`make test` sets it)");
+    }
+
+    // A registry that is not there: the pull's error, and nothing made.
+    let dead = format!("127.0.0.1:{}/nothing:1", PORT + 40);
+    let sb2 = common::unique("fu");
+    let o = common::crab(&["sandbox", "create", &dead, "--name", &sb2]);
+    let out = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(out.contains("on first use") && out.contains("nothing:1"), "{out}");
+    assert!(holding(&format!("127.0.0.1:{}/nothing:1", PORT + 40)).is_empty());
+    assert!(!common::crab(&["sandbox", "inspect", &sb2]).status.success(), "a sandbox was made");
+
+    // A daemon that does not pull refuses, naming `crab image pull`.
+    let state = std::env::temp_dir().join(common::unique("crab-nopull"));
+    let d = common::OtherDaemon::start(&state, &["--pull", "never", "--pool-size", "2G"], &[]);
+    let o = d.crab(&["sandbox", "create", &r]);
+    let out = text(&o);
+    d.destroy();
+    assert!(!o.status.success(), "{out}");
+    assert!(out.contains("does not pull") && out.contains("crab image pull"), "{out}");
+}

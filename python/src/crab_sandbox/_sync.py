@@ -177,7 +177,8 @@ class Sandbox:
         """Create and start a sandbox from an image.
 
         Args:
-            image: a daemon image (``crab image ls``).
+            image: a daemon image (``crab image ls``), or a registry reference
+                (``"python:3.12"``) the daemon pulls on first use (``crab daemon --pull``).
             name: the sandbox's name; generated when None.
             memory: memory limit, bytes or ``"512M"``.
             cpus: CPU limit in cores (``0.5``).

@@ -46,6 +46,7 @@ use crate::{
 
 mod incarnations;
 mod pull;
+pub use pull::{is_reference, CredentialSource, PullPolicy};
 mod turns;
 
 pub(crate) use turns::full_point;
@@ -84,6 +85,8 @@ pub struct HostOptions {
     pub userns: Option<crab_common::api::IdRange>,
     /// Ready-made root filesystems kept per recently used image (`crab daemon --warm-roots`).
     pub warm_roots: usize,
+    /// Images given as registry references (`crab daemon --pull`, `--insecure-registry`).
+    pub pulls: PullPolicy,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -111,6 +114,10 @@ pub struct Host {
     pub(crate) label_lock: Mutex<()>,
     /// Sandboxes whose deadline is being fired (the watchdog fires one at a time).
     pub(crate) firing: Mutex<std::collections::HashSet<String>>,
+    /// What `create` does with a registry reference.
+    pulls: PullPolicy,
+    /// One pull on first use at a time.
+    pull_lock: tokio::sync::Mutex<()>,
 }
 
 use crab_common::sync::lock;
@@ -256,6 +263,8 @@ impl Host {
             life_locks: Mutex::new(HashMap::new()),
             label_lock: Mutex::new(()),
             firing: Mutex::new(std::collections::HashSet::new()),
+            pulls: opts.pulls.clone(),
+            pull_lock: tokio::sync::Mutex::new(()),
         });
         hooks.set_host(Arc::downgrade(&host));
         if let Some(t) = &host.remote {
@@ -627,6 +636,8 @@ impl Host {
                 "fix or drop --harness-cmd / --harness-path",
             ))
         })?;
+        let mut req = req;
+        req.image = self.resolve_image(&req.image).await?;
         let rt = self.runtime.clone();
         let info = blocking(move || Ok(rt.create(&req)?)).await?;
         self.attach(&info.name);

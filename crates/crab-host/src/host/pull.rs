@@ -3,8 +3,16 @@
 //! blobs kept in the host's verified blob cache so an interrupted pull resumes. An image of
 //! the same name from the same reference and digest is "already pulled" (no work); one from
 //! another digest is swapped only when asked (`replace`).
+//!
+//! It also owns *pull on first use*: a sandbox asked for with a registry reference
+//! (`python:3.12`, `127.0.0.1:5000/app:1`) where an image name belongs gets the local image
+//! pulled from that reference, pulling it first when none is there and the daemon's
+//! [`PullPolicy`] allows — so every front door (CLI, SDK, E2B templates, `crab docker run`)
+//! accepts references the same way.
 
-use crab_common::api::ImagePullRequest;
+use std::sync::Arc;
+
+use crab_common::api::{ImageInfo, ImagePullRequest};
 use crab_common::names;
 use crab_common::Progress;
 use crab_oci::blobs::BlobStore;
@@ -16,7 +24,138 @@ use crab_sandbox::layers::{LayerBlob, LayerLimits};
 use super::{blocking, Host};
 use crate::{HostError, Outcome};
 
+/// Credentials the daemon itself holds for a registry (its user's docker config), by registry
+/// host.
+pub type CredentialSource = Arc<dyn Fn(&str) -> Option<(String, String)> + Send + Sync>;
+
+/// What `create` does with an image given as a registry reference no local image holds
+/// (`crab daemon --pull`, `--insecure-registry`).
+#[derive(Clone)]
+pub struct PullPolicy {
+    /// Pull it (`--pull missing`, the default); `false` refuses with a hint (`--pull never`).
+    pub on_create: bool,
+    /// Registries (`HOST[:PORT]`) spoken to over plain http (loopback test registries).
+    pub insecure: Vec<String>,
+    /// The daemon's own credentials for a registry, if any.
+    pub credentials: Option<CredentialSource>,
+}
+
+impl Default for PullPolicy {
+    fn default() -> Self {
+        PullPolicy { on_create: true, insecure: Vec::new(), credentials: None }
+    }
+}
+
+impl std::fmt::Debug for PullPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PullPolicy")
+            .field("on_create", &self.on_create)
+            .field("insecure", &self.insecure)
+            .field("credentials", &self.credentials.is_some())
+            .finish()
+    }
+}
+
+/// Whether `image` is a registry reference rather than an image name (image names have no
+/// `:`, `/` or `@`).
+pub fn is_reference(image: &str) -> bool {
+    image.contains([':', '/', '@'])
+}
+
+/// The local image that holds `reference` (`whole`: its normalized form), if any.
+fn holding(images: &[ImageInfo], whole: &str, digest: Option<&str>) -> Option<String> {
+    images
+        .iter()
+        .find(|i| {
+            i.reference.as_deref() == Some(whole)
+                && digest.is_none_or(|d| i.digest.as_deref() == Some(d))
+        })
+        .map(|i| i.name.clone())
+}
+
+/// Logs a first-use pull's progress (no caller is there to draw it).
+struct LogProgress(String);
+
+impl Progress for LogProgress {
+    fn stage(&self, name: &str, _total: Option<u64>) {
+        tracing::debug!(reference = %self.0, stage = name, "pull on first use");
+    }
+    fn advance(&self, _done: u64) {}
+    fn message(&self, line: &str) {
+        tracing::info!(reference = %self.0, "{line}");
+    }
+}
+
 impl Host {
+    /// The image name a sandbox of `image` starts from: `image` itself when it is a name;
+    /// for a registry reference, the local image pulled from it, pulled now when there is none
+    /// and the [`PullPolicy`] allows (one first-use pull at a time, so concurrent creates of
+    /// one reference pull it once).
+    pub(crate) async fn resolve_image(&self, image: &str) -> Result<String, HostError> {
+        if !is_reference(image) {
+            return Ok(image.to_string());
+        }
+        let r = registry::parse_reference(image)?;
+        let whole = r.whole();
+        let digest = r.digest().map(str::to_string);
+        let _one = self.pull_lock.lock().await;
+        let state = self.state().clone();
+        let images = blocking(move || Ok(image::list(&state)?)).await?;
+        if let Some(name) = holding(&images, &whole, digest.as_deref()) {
+            return Ok(name);
+        }
+        if !self.pulls.on_create {
+            return Err(HostError::invalid(
+                format!(
+                    "no local image holds {whole}, and this daemon does not pull on create \
+                     (crab daemon --pull never)"
+                ),
+                format!("pull it first: `crab image pull {image}` (or start the daemon with --pull missing)"),
+            ));
+        }
+        let mut name = registry::default_name(image)?;
+        if images.iter().any(|i| i.name == name) {
+            // The default name holds another image: a name of its own, from the reference.
+            let tag = crab_oci::blobs::digest_of(whole.as_bytes());
+            let mut base = name.clone();
+            base.truncate(names::MAX_NAME_LEN - 13);
+            name = format!("{base}-{}", &tag[7..19]);
+        }
+        let (username, password, credential_source) =
+            match self.pulls.credentials.as_ref().and_then(|c| c(r.registry())) {
+                Some((u, p)) => {
+                    (Some(u), Some(p), Some("the daemon's ~/.docker/config.json".to_string()))
+                }
+                None => (None, None, None),
+            };
+        let req = ImagePullRequest {
+            reference: image.to_string(),
+            name: Some(name.clone()),
+            platform: None,
+            insecure: self.pulls.insecure.iter().any(|h| h == r.registry()),
+            username,
+            password,
+            credential_source,
+            replace: false,
+        };
+        tracing::info!(reference = %whole, image = %name, "pulling on first use");
+        match self.pull_image(req, Box::new(LogProgress(whole.clone()))).await {
+            Ok(_) => Ok(name),
+            Err(mut e) => {
+                e.0.message = format!("pulling {whole} on first use: {}", e.0.message);
+                if e.0.message.contains("plain http") {
+                    e.0.hint = format!(
+                        "a registry without TLS (a loopback test registry) must be named to the \
+                         daemon: `crab daemon --insecure-registry {}` (or pull it yourself: \
+                         `crab image pull --insecure {image}`)",
+                        r.registry()
+                    );
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Pull `req.reference` and install it (see the module doc).
     pub(super) async fn pull_image(
         &self,
@@ -123,5 +262,46 @@ impl Host {
             Ok(Outcome::Image(i))
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn img(name: &str, reference: Option<&str>, digest: Option<&str>) -> ImageInfo {
+        ImageInfo {
+            name: name.into(),
+            source: String::new(),
+            created_at: 0,
+            size_bytes: 0,
+            reference: reference.map(Into::into),
+            digest: digest.map(Into::into),
+            shared_bytes: 0,
+            config: Default::default(),
+        }
+    }
+
+    #[test]
+    fn references_are_told_from_names() {
+        for r in ["python:3.12", "127.0.0.1:5000/app:1", "a/b", "x@sha256:00"] {
+            assert!(is_reference(r), "{r}");
+        }
+        for n in ["debian", "python-3.12", "my_image.v2"] {
+            assert!(!is_reference(n), "{n}");
+        }
+    }
+
+    #[test]
+    fn the_image_holding_a_reference_is_found_by_reference_and_digest() {
+        let images = [
+            img("debian", None, None),
+            img("app-1", Some("h:1/app:1"), Some("sha256:aa")),
+            img("other", Some("h:1/other:1"), Some("sha256:bb")),
+        ];
+        assert_eq!(holding(&images, "h:1/app:1", None).as_deref(), Some("app-1"));
+        assert_eq!(holding(&images, "h:1/app:1", Some("sha256:aa")).as_deref(), Some("app-1"));
+        assert_eq!(holding(&images, "h:1/app:1", Some("sha256:cc")), None);
+        assert_eq!(holding(&images, "h:1/app:2", None), None);
     }
 }

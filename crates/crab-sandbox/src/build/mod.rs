@@ -99,6 +99,22 @@ pub struct BuildSpec {
     pub build_args: BTreeMap<String, String>,
     /// Run every step again.
     pub no_cache: bool,
+    /// What a `FROM` naming a registry reference (`python:3.12`) builds on: the local image
+    /// the host resolves it to (pulling it on first use); `None` refuses such a `FROM`.
+    pub resolve_from: Option<FromResolver>,
+}
+
+/// Resolves a `FROM` registry reference to a local image name, or says why not.
+#[derive(Clone)]
+pub struct FromResolver(pub Arc<ResolveFn>);
+
+/// A reference in, a local image name (or why not) out.
+pub type ResolveFn = dyn Fn(&str) -> std::result::Result<String, String> + Send + Sync;
+
+impl std::fmt::Debug for FromResolver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FromResolver")
+    }
 }
 
 fn sha(parts: &[&str]) -> String {
@@ -478,6 +494,23 @@ impl Builder<'_> {
                 ));
             }
         }
+        let is_stage = self.stages.iter().any(|s| s.alias.as_deref() == Some(&name.to_lowercase()));
+        // A registry reference, or (as Docker does) a bare name no local image has: `:latest`.
+        let reference = !is_stage
+            && name != "scratch"
+            && (name.contains([':', '/', '@'])
+                || matches!(image::get(self.rt.state(), &name), Err(SandboxError::NoImage(_))));
+        let name = match &self.spec.resolve_from {
+            Some(r) if reference => {
+                let name =
+                    if name.contains([':', '/', '@']) { name } else { format!("{name}:latest") };
+                let local =
+                    (r.0)(&name).map_err(|e| step_err(what, ins, format!("FROM {name}: {e}")))?;
+                self.progress.message(&format!("FROM {name}: image {local}"));
+                local
+            }
+            _ => name,
+        };
         let state = self.rt.state();
         let stage = if let Some(prev) =
             self.stages.iter().find(|s| s.alias.as_deref() == Some(&name.to_lowercase()))
@@ -502,9 +535,9 @@ impl Builder<'_> {
                         what,
                         ins,
                         format!(
-                            "FROM {name}: no Crab image of that name, and this build does not pull from registries; \
-                             bring it in first (`crab image pull {name} --name NAME`, or `crab image import`) and name \
-                             that image in FROM"
+                            "FROM {name}: no Crab image of that name; name one (`crab image ls`), bring it in \
+                             (`crab image import`), or name a registry reference with its tag \
+                             (`FROM {name}:latest`), which the daemon pulls on first use"
                         ),
                     ))
                 }

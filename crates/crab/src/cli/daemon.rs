@@ -121,6 +121,16 @@ pub(super) struct DaemonArgs {
     /// a remote point restores only on a host with the same range.
     #[arg(long, env = "CRAB_USERNS_BASE", value_name = "UID|host", default_value = "1000000000", value_parser = parse_userns)]
     userns_base: Userns,
+    /// What a sandbox asked for with a registry reference (`python:3.12`, an E2B template, the
+    /// SDK's `image=`) does when no local image holds it: `missing` pulls it on first use (with
+    /// the daemon user's `~/.docker/config.json` credentials, if any), `never` refuses with a
+    /// hint to `crab image pull` it.
+    #[arg(long, env = "CRAB_PULL", default_value = "missing", value_parser = ["missing", "never"])]
+    pull: String,
+    /// A registry (`HOST[:PORT]`) that first-use pulls speak plain http to (a loopback test
+    /// registry); repeat for more.
+    #[arg(long = "insecure-registry", env = "CRAB_INSECURE_REGISTRIES", value_delimiter = ',')]
+    insecure_registries: Vec<String>,
 }
 
 /// `--userns-base`: a range, or none (`host`).
@@ -197,6 +207,11 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
             body_timeout: std::time::Duration::from_secs(a.http_body_timeout),
         },
         userns: a.userns_base.0,
+        pulls: crab_host::PullPolicy {
+            on_create: a.pull == "missing",
+            insecure: a.insecure_registries,
+            credentials: Some(std::sync::Arc::new(super::image_pull::docker_config_credentials)),
+        },
     };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or

@@ -407,18 +407,6 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
         ));
     }
     let _ = (a.tty, a.init);
-    // The image's entrypoint and command, as `docker run` composes them.
-    let images: Vec<crab_common::api::ImageInfo> =
-        client.call::<(), _>(Method::GET, "/v1/images", None).await?;
-    let mut config =
-        images.into_iter().find(|i| i.name == a.image).map(|i| i.config).unwrap_or_default();
-    if let Some(e) = &a.entrypoint {
-        config.entrypoint = if e.is_empty() { Vec::new() } else { vec![e.clone()] };
-        if a.cmd.is_empty() {
-            config.cmd.clear(); // docker: --entrypoint resets the image's CMD
-        }
-    }
-    let argv = config.run_argv(&a.cmd);
     let req = SandboxCreateRequest {
         name: a.name,
         net: net_mode(&a.network)?,
@@ -432,8 +420,21 @@ async fn run_container(client: &Client, a: RunArgs, json: bool) -> Result<ExitCo
         userns: a.userns,
         ..SandboxCreateRequest::new(a.image)
     };
+    // An image given as a registry reference is the local image pulled from it (on first use).
     let s: SandboxInfo = client.call(Method::POST, "/v1/sandboxes", Some(&req)).await?;
     let name = s.name.clone();
+    // The image's entrypoint and command, as `docker run` composes them.
+    let images: Vec<crab_common::api::ImageInfo> =
+        client.call::<(), _>(Method::GET, "/v1/images", None).await?;
+    let mut config =
+        images.into_iter().find(|i| i.name == s.image).map(|i| i.config).unwrap_or_default();
+    if let Some(e) = &a.entrypoint {
+        config.entrypoint = if e.is_empty() { Vec::new() } else { vec![e.clone()] };
+        if a.cmd.is_empty() {
+            config.cmd.clear(); // docker: --entrypoint resets the image's CMD
+        }
+    }
+    let argv = config.run_argv(&a.cmd);
     let env = env_pairs(a.env);
     if let Some(w) = &a.workdir {
         let mk = ExecRequest {

@@ -37,7 +37,7 @@ pub(super) struct PullArgs {
 }
 
 /// Credentials for `registry` from the caller's docker config (`auths`, a credential helper).
-fn docker_config_credentials(registry: &str) -> Option<(String, String)> {
+pub(super) fn docker_config_credentials(registry: &str) -> Option<(String, String)> {
     let keys: Vec<String> = if registry == "docker.io" || registry == "index.docker.io" {
         vec!["https://index.docker.io/v1/".into(), "docker.io".into()]
     } else {

@@ -20,7 +20,9 @@ use crate::output::{age, human_bytes, table};
 pub(super) enum SandboxCmd {
     /// Create and start a sandbox from an image, or from a remote restore point.
     Create {
-        /// Image.
+        /// Image: a name (`crab image ls`), or a registry reference (`python:3.12`,
+        /// `127.0.0.1:5000/app:1`) — the image pulled from it, pulled now if none is here and
+        /// the daemon allows it (`crab daemon --pull`).
         #[arg(required_unless_present = "from_remote", conflicts_with = "from_remote")]
         image: Option<String>,
         /// Build it from a point in the daemon's --remote store: SB or SB@POINT (the newest

@@ -60,6 +60,8 @@ pub struct DaemonOptions {
     pub userns: Option<crab_common::api::IdRange>,
     /// `--warm-roots`: ready-made root filesystems per recently used image.
     pub warm_roots: usize,
+    /// `--pull`, `--insecure-registry`: images given as registry references.
+    pub pulls: crab_host::PullPolicy,
     /// Bounds of the API socket's and the E2B port's requests.
     pub http: HttpOptions,
 }
@@ -116,6 +118,7 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         cgroup_favordynmods: opts.cgroup_favordynmods,
         userns: opts.userns,
         warm_roots: opts.warm_roots,
+        pulls: opts.pulls.clone(),
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -16,10 +16,10 @@
 //! the layers below; an opaque marker (`.wh..wh..opq`) hides a directory's lower contents. The
 //! uncompressed stream is hashed as it is applied and must equal the layer's diff id.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, BufReader, Read};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -219,7 +219,7 @@ fn apply_one(
         None => btrfs::create_subvolume(&staging)?,
     }
     let mut guard = LayerStaging(Some(staging.clone()));
-    let diff_bytes = unpack_layer(blob, &staging, limits, progress)?;
+    let diff_bytes = unpack_layer(blob, &staging, parent.is_none(), limits, progress)?;
     let dst = layer_path(state, chain)?;
     if dst.exists() {
         // A leftover without a record (a crash between rename and record): replace it.
@@ -328,6 +328,7 @@ const OPAQUE: &str = ".wh..wh..opq";
 fn unpack_layer(
     blob: &LayerBlob,
     root: &Path,
+    bottom: bool,
     limits: LayerLimits,
     progress: &dyn Progress,
 ) -> Result<u64> {
@@ -337,6 +338,11 @@ fn unpack_layer(
         SandboxError::Invalid(format!("layer {} is not a readable tar stream: {e}", blob.digest))
     };
     let mut written: HashSet<PathBuf> = HashSet::new();
+    let mut times = DirTimes::default();
+    if bottom {
+        // A new subvolume's root was made now; the layer's tree must not depend on when.
+        times.0.insert(PathBuf::new(), (0, 0));
+    }
     let mut content = 0u64;
     {
         let mut ar = tar::Archive::new(&mut reader);
@@ -350,12 +356,22 @@ fn unpack_layer(
             let mut entry = entry.map_err(bad)?;
             let raw = entry.path().map_err(bad)?.into_owned();
             let rel = normalize(&raw, limits.max_path).map_err(|why| refuse(blob, &raw, why))?;
-            content += apply_entry(blob, root, &raw, &rel, &mut entry, &mut written)?;
+            if !rel.as_os_str().is_empty() {
+                times.touch(root, rel.parent().unwrap_or(Path::new("")));
+            }
+            content += apply_entry(blob, root, &raw, &rel, &mut entry, &mut written, &mut times)?;
+            if entry.header().entry_type() == tar::EntryType::Directory
+                && !rel.as_os_str().is_empty()
+            {
+                // Its own time, set again at the end (its entries change it meanwhile).
+                times.0.insert(rel.clone(), (entry.header().mtime().unwrap_or(0) as i64, 0));
+            }
             if i % 512 == 0 {
                 progress.advance(reader_count(&entry));
             }
         }
     }
+    times.restore(root);
     // The rest of the stream (the tar's end blocks) belongs to the digest too.
     io::copy(&mut reader, &mut io::sink()).map_err(bad)?;
     let got = format!("sha256:{}", hex(&reader.hash.finalize()));
@@ -373,8 +389,55 @@ fn reader_count<R: Read>(e: &tar::Entry<'_, R>) -> u64 {
     e.raw_header_position()
 }
 
+/// The modification times directories end a layer with, so that applying a layer gives the
+/// same tree whenever and wherever it is applied (a remote point's base image is recognized by
+/// its tree, `crab_remote`): a directory the layer declares keeps the tar's time, one it only
+/// changes keeps its time from the layer below, one made for a missing parent gets 0.
+#[derive(Default)]
+struct DirTimes(HashMap<PathBuf, (i64, i64)>);
+
+impl DirTimes {
+    /// `dir` (relative) is about to change: remember its time first, unless already known.
+    fn touch(&mut self, root: &Path, dir: &Path) {
+        if !self.0.contains_key(dir) {
+            if let Ok(m) = fs::symlink_metadata(root.join(dir)) {
+                if m.is_dir() {
+                    self.0.insert(dir.to_path_buf(), (m.mtime(), m.mtime_nsec()));
+                }
+            }
+        }
+    }
+
+    /// Set every remembered time (directories since removed or replaced are skipped).
+    fn restore(&self, root: &Path) {
+        for (dir, (sec, nsec)) in &self.0 {
+            let p = root.join(dir);
+            if !fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()) {
+                continue;
+            }
+            let ts = libc::timespec { tv_sec: *sec as libc::time_t, tv_nsec: *nsec as _ };
+            let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { continue };
+            // SAFETY: `c` is a valid NUL-terminated path and the timespecs live for the call.
+            unsafe {
+                libc::utimensat(
+                    libc::AT_FDCWD,
+                    c.as_ptr(),
+                    [ts, ts].as_ptr(),
+                    libc::AT_SYMLINK_NOFOLLOW,
+                )
+            };
+        }
+    }
+}
+
 /// Check that every parent of `rel` under `root` is a real directory, creating missing ones.
-fn check_parents(blob: &LayerBlob, root: &Path, raw: &Path, rel: &Path) -> Result<()> {
+fn check_parents(
+    blob: &LayerBlob,
+    root: &Path,
+    raw: &Path,
+    rel: &Path,
+    times: &mut DirTimes,
+) -> Result<()> {
     let Some(parent) = rel.parent() else { return Ok(()) };
     let mut at = root.to_path_buf();
     let mut shown = PathBuf::new();
@@ -398,6 +461,8 @@ fn check_parents(blob: &LayerBlob, root: &Path, raw: &Path, rel: &Path) -> Resul
                 ))
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                times.touch(root, shown.parent().unwrap_or(Path::new("")));
+                times.0.insert(shown.clone(), (0, 0));
                 fs::create_dir(&at).map_err(SandboxError::io("mkdir", &at))?;
                 fs::set_permissions(&at, fs::Permissions::from_mode(0o755))
                     .map_err(SandboxError::io("chmod", &at))?;
@@ -447,12 +512,13 @@ fn apply_entry<R: Read>(
     rel: &Path,
     entry: &mut tar::Entry<'_, R>,
     written: &mut HashSet<PathBuf>,
+    times: &mut DirTimes,
 ) -> Result<u64> {
     use tar::EntryType as T;
     if rel.as_os_str().is_empty() {
         return Ok(0); // the root itself: its owner and mode are the sandbox's to set
     }
-    check_parents(blob, root, raw, rel)?;
+    check_parents(blob, root, raw, rel, times)?;
     let name = rel.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let parent = rel.parent().unwrap_or(Path::new(""));
     if name == OPAQUE {
@@ -533,7 +599,7 @@ fn apply_entry<R: Read>(
                     format!("is a hard link to {} outside the root", target.display()),
                 )
             })?;
-            check_parents(blob, root, raw, &trel)?;
+            check_parents(blob, root, raw, &trel, times)?;
             let src = root.join(&trel);
             match fs::symlink_metadata(&src) {
                 Ok(m) if m.is_dir() => {
@@ -658,6 +724,63 @@ mod tests {
         assert!(normalize(Path::new("/etc"), 100).is_err());
         assert!(normalize(Path::new("a/../../b"), 100).is_err());
         assert!(normalize(Path::new(&"a".repeat(200)), 100).is_err());
+    }
+
+    /// A layer blob (plain tar) of `entries`: (path, dir?, mtime), owned by the caller.
+    fn blob(dir: &Path, n: &str, entries: &[(&str, bool, u64)]) -> LayerBlob {
+        let mut b = tar::Builder::new(Vec::new());
+        // SAFETY: getuid/getgid have no preconditions.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        for (path, is_dir, mtime) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(if *is_dir {
+                tar::EntryType::Directory
+            } else {
+                tar::EntryType::Regular
+            });
+            h.set_mode(0o755);
+            h.set_uid(uid.into());
+            h.set_gid(gid.into());
+            h.set_mtime(*mtime);
+            h.set_size(0);
+            b.append_data(&mut h, path, io::empty()).unwrap();
+        }
+        let bytes = b.into_inner().unwrap();
+        let path = dir.join(n);
+        fs::write(&path, &bytes).unwrap();
+        let d = format!("sha256:{}", hex(&Sha256::digest(&bytes)));
+        LayerBlob { digest: d.clone(), diff_id: d, media_type: String::new(), path }
+    }
+
+    fn mtime(p: &Path) -> i64 {
+        fs::symlink_metadata(p).unwrap().mtime()
+    }
+
+    #[test]
+    fn directory_times_do_not_depend_on_when_a_layer_is_applied() {
+        let t = std::env::temp_dir().join(format!("crab-layer-times-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&t);
+        fs::create_dir_all(&t).unwrap();
+        let lower =
+            blob(&t, "l1", &[("a", true, 1000), ("a/f", false, 2000), ("b/c/g", false, 3000)]);
+        let upper =
+            blob(&t, "l2", &[("a/h", false, 4000), ("a/.wh.f", false, 0), ("b/c/i", false, 5000)]);
+        let lim = LayerLimits::default();
+        let mut roots = Vec::new();
+        for k in 0..2 {
+            let r = t.join(format!("root{k}"));
+            fs::create_dir(&r).unwrap();
+            unpack_layer(&lower, &r, true, lim, &crab_common::NoProgress).unwrap();
+            assert_eq!((mtime(&r), mtime(&r.join("a")), mtime(&r.join("b/c"))), (0, 1000, 0));
+            assert_eq!(mtime(&r.join("b")), 0);
+            std::thread::sleep(std::time::Duration::from_millis(1100));
+            unpack_layer(&upper, &r, false, lim, &crab_common::NoProgress).unwrap();
+            assert!(!r.join("a/f").exists() && r.join("a/h").exists());
+            // Changed by the upper layer, which does not declare them: the lower's times.
+            assert_eq!((mtime(&r), mtime(&r.join("a")), mtime(&r.join("b/c"))), (0, 1000, 0));
+            roots.push(r);
+        }
+        let _ = fs::remove_dir_all(&t);
     }
 
     #[test]

@@ -169,6 +169,13 @@ pub struct ImageRef {
     pub name: String,
     /// Root tree of the image's files (its identity).
     pub tree: Id,
+    /// The registry reference it was pulled from, for an OCI image (a host without the image
+    /// pulls it from there instead of downloading its tree from the store).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    /// Its manifest's digest (`sha256:…`), with `reference`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 /// `points/<sandbox>/<point>`: one exported restore point; it exists only when every object

@@ -44,6 +44,11 @@ pub fn export_source(state: &StateDir, store: &Store, m: &Manifest) -> Result<Ex
         .filter(|n| crab_common::names::validate("image", n).is_ok())
         .and_then(|n| image_dir(state, n, userns).map(|d| (n.to_string(), d)))
         .filter(|(_, dir)| dir.is_dir());
+    // Where that image came from, for a pulled one: a host without it pulls it from there.
+    let image_origin = image.as_ref().and_then(|(n, _)| {
+        let i = crab_sandbox::image::get(state, n).ok()?;
+        Some((i.reference?, i.digest?))
+    });
     Ok(ExportSource {
         sandbox: store.sandbox().to_string(),
         point: m.id.to_string(),
@@ -56,6 +61,7 @@ pub fn export_source(state: &StateDir, store: &Store, m: &Manifest) -> Result<Ex
         criu_version: m.procs.as_ref().map(|p| p.criu_version.clone()),
         conversation,
         image,
+        image_origin,
         // Published parts: a read-only snapshot and an image directory nothing writes again.
         immutable_parts: true,
     })

@@ -37,6 +37,8 @@ pub struct ExportSource {
     pub conversation: Option<Vec<u8>>,
     /// The image the sandbox came from: name and root directory.
     pub image: Option<(String, PathBuf)>,
+    /// That image's registry reference and manifest digest, when it was pulled.
+    pub image_origin: Option<(String, String)>,
     /// `fs_dir` and `procs_dir` never change (a read-only snapshot, a published CRIU image
     /// directory): a part exported before, by path and root ctime, is not walked again.
     /// False for a directory that may change below its root.
@@ -129,7 +131,13 @@ impl Repo {
         let mut packer = Packer::with_pause(self, pause);
         let mut stats = TreeStats::default();
         let image = match &src.image {
-            Some((name, dir)) => Some(self.export_image(&mut packer, name, dir, &mut stats).await?),
+            Some((name, dir)) => {
+                let mut i = self.export_image(&mut packer, name, dir, &mut stats).await?;
+                if let Some((r, d)) = &src.image_origin {
+                    (i.reference, i.digest) = (Some(r.clone()), Some(d.clone()));
+                }
+                Some(i)
+            }
             None => None,
         };
         let mut parts = Vec::new();
@@ -211,7 +219,7 @@ impl Repo {
         let tree = self.export_part(packer, dir, &mut own).await?;
         stats.read_bytes += own.read_bytes;
         stats.entries += own.entries;
-        Ok(ImageRef { name: name.into(), tree })
+        Ok(ImageRef { name: name.into(), tree, reference: None, digest: None })
     }
 
     /// Export an immutable part (an image root, a read-only filesystem snapshot, a published

@@ -106,6 +106,7 @@ impl Fixture {
             criu_version: Some("4.2.1".into()),
             conversation: Some(b"CRABCONV 1\nhello".to_vec()),
             image: None,
+            image_origin: None,
             immutable_parts: false,
         }
     }

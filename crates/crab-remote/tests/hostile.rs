@@ -93,6 +93,7 @@ async fn forge(repo: &Repo, m: &Manifest, procs: Option<&Path>, fs: Option<&Path
         criu_version: Some("4.2".into()),
         conversation: None,
         image: None,
+        image_origin: None,
         immutable_parts: false,
     };
     repo.export_point(&src).await.unwrap();

@@ -94,6 +94,7 @@ fn source(root: &Path, point: &str, at: u64) -> ExportSource {
         criu_version: None,
         conversation: None,
         image: None,
+        image_origin: None,
         immutable_parts: false,
     }
 }

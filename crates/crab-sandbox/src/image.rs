@@ -232,7 +232,19 @@ impl Staging {
         mut rec: ImageRecord,
         replace: bool,
     ) -> Result<ImageInfo> {
+        let root_time = fs::symlink_metadata(&self.path).ok().map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.mtime(), m.mtime_nsec())
+        });
         runtime::install_init(&self.path)?;
+        // The init is Crab's, not the image's: fixed times for it, and the root's time as the
+        // image had it, so that an image's tree is the same on every host running this Crab
+        // (a remote point recognizes its base image by its tree, `crab_remote`).
+        crate::layers::set_times(&self.path.join(".crab/init"), 0, 0);
+        crate::layers::set_times(&self.path.join(".crab"), 0, 0);
+        if let Some((sec, nsec)) = root_time {
+            crate::layers::set_times(&self.path, sec, nsec);
+        }
         let size_bytes = du(&self.path);
         let dst = state.image_rootfs(name);
         let mut aside: Option<PathBuf> = None;

@@ -415,19 +415,19 @@ impl DirTimes {
             if !fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()) {
                 continue;
             }
-            let ts = libc::timespec { tv_sec: *sec as libc::time_t, tv_nsec: *nsec as _ };
-            let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { continue };
-            // SAFETY: `c` is a valid NUL-terminated path and the timespecs live for the call.
-            unsafe {
-                libc::utimensat(
-                    libc::AT_FDCWD,
-                    c.as_ptr(),
-                    [ts, ts].as_ptr(),
-                    libc::AT_SYMLINK_NOFOLLOW,
-                )
-            };
+            set_times(&p, *sec, *nsec);
         }
     }
+}
+
+/// Set `p`'s access and modification times (not following a symlink there); best effort.
+pub(crate) fn set_times(p: &Path, sec: i64, nsec: i64) {
+    let ts = libc::timespec { tv_sec: sec as libc::time_t, tv_nsec: nsec as _ };
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return };
+    // SAFETY: `c` is a valid NUL-terminated path and the timespecs live for the call.
+    unsafe {
+        libc::utimensat(libc::AT_FDCWD, c.as_ptr(), [ts, ts].as_ptr(), libc::AT_SYMLINK_NOFOLLOW)
+    };
 }
 
 /// Check that every parent of `rel` under `root` is a real directory, creating missing ones.

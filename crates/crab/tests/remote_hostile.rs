@@ -73,6 +73,7 @@ impl Host {
             criu_version: None,
             conversation: None,
             image: None,
+            image_origin: None,
             immutable_parts: false,
         };
         let rt = tokio::runtime::Runtime::new().unwrap();

@@ -135,6 +135,9 @@ impl Host {
         progress.message(&format!("remote point {}", req.source));
         let rec = t.repo.load_point(&sb, point.as_deref()).await.map_err(remote_error)?;
         clock.mark("load_point");
+        if self.pull_point_image(&rec, progress.as_ref()).await {
+            clock.mark("image_pull");
+        }
         if !req.fs_only {
             let criu = blocking(|| Ok(criu_version())).await?;
             crab_remote::preflight(&rec, &crab_remote::HostFacts::local(), criu.as_deref())
@@ -284,6 +287,7 @@ impl Host {
         let (store, conversation) = if remote {
             let t = self.tier()?;
             let rec = t.repo.load_point(&sb, Some(&point)).await.map_err(remote_error)?;
+            self.pull_point_image(&rec, &crab_common::NoProgress).await;
             if !fs_only {
                 let criu = blocking(|| Ok(criu_version())).await?;
                 crab_remote::preflight(&rec, &crab_remote::HostFacts::local(), criu.as_deref())

@@ -156,6 +156,78 @@ impl Host {
         }
     }
 
+    /// The base image of remote point `rec`, pulled from its registry when this host has no
+    /// image of the point's image name and the point says where it came from (reference and
+    /// manifest digest): pulled by digest, under that name, so the restore that follows finds
+    /// its base here and fetches only the point's own files from the store. Best effort: a
+    /// pull that is not allowed (`--pull never`) or fails is reported through `progress` and
+    /// the restore downloads the image's files from the store, as it does for any image. The
+    /// point's record is not trusted: the name must be an image name, the reference must parse
+    /// and the digest be a sha256; the pulled image serves as the point's base only if its tree
+    /// is the one the point names (`crab_remote::local`), and plain http is spoken only to the
+    /// daemon's `--insecure-registry` hosts.
+    pub(crate) async fn pull_point_image(
+        &self,
+        rec: &crab_remote::PointRecord,
+        progress: &dyn Progress,
+    ) -> bool {
+        let Some(img) = &rec.image else { return false };
+        let (Some(reference), Some(digest)) = (&img.reference, &img.digest) else { return false };
+        if names::validate("image", &img.name).is_err()
+            || crab_oci::blobs::sha256_hex(digest).is_err()
+        {
+            return false;
+        }
+        let Ok(r) = registry::parse_reference(reference) else { return false };
+        let _one = self.pull_lock.lock().await;
+        let (state, name) = (self.state().clone(), img.name.clone());
+        let have = blocking(move || Ok(image::get(&state, &name).ok())).await.ok().flatten();
+        if have.is_some() {
+            return false;
+        }
+        if !self.pulls.on_create {
+            progress.message(&format!(
+                "image {} is not here and this daemon does not pull (--pull never): its files \
+                 come from the store",
+                img.name
+            ));
+            return false;
+        }
+        let by_digest = format!("{}/{}@{digest}", r.registry(), r.repository());
+        progress.message(&format!("image {} is not here: pulling {by_digest}", img.name));
+        let (username, password, credential_source) =
+            match self.pulls.credentials.as_ref().and_then(|c| c(r.registry())) {
+                Some((u, p)) => {
+                    (Some(u), Some(p), Some("the daemon's ~/.docker/config.json".to_string()))
+                }
+                None => (None, None, None),
+            };
+        let req = ImagePullRequest {
+            reference: by_digest.clone(),
+            name: Some(img.name.clone()),
+            platform: None,
+            insecure: self.pulls.insecure.iter().any(|h| h == r.registry()),
+            username,
+            password,
+            credential_source,
+            replace: false,
+        };
+        match self.pull_image(req, Box::new(LogProgress(by_digest.clone()))).await {
+            Ok(_) => {
+                progress.message(&format!("pulled {by_digest} as image {}", img.name));
+                true
+            }
+            Err(e) => {
+                tracing::warn!(reference = %by_digest, error = %e.0.message, "could not pull a remote point's image");
+                progress.message(&format!(
+                    "could not pull {by_digest} ({}): the image's files come from the store",
+                    e.0.message
+                ));
+                false
+            }
+        }
+    }
+
     /// Pull `req.reference` and install it (see the module doc).
     pub(super) async fn pull_image(
         &self,

@@ -46,6 +46,7 @@ use crate::{
 
 mod incarnations;
 mod pull;
+mod push;
 mod turns;
 
 pub(crate) use turns::full_point;
@@ -417,6 +418,7 @@ impl Host {
                 .await
             }
             Action::PullImage { req, progress } => self.pull_image(req, progress).await,
+            Action::PushImage { req, progress } => self.push_image(req, progress).await,
             Action::RemoveImage { name } => {
                 let state = self.state().clone();
                 let rt = self.runtime.clone();

@@ -37,7 +37,7 @@ pub(super) struct PullArgs {
 }
 
 /// Credentials for `registry` from the caller's docker config (`auths`, a credential helper).
-fn docker_config_credentials(registry: &str) -> Option<(String, String)> {
+pub(super) fn docker_config_credentials(registry: &str) -> Option<(String, String)> {
     let keys: Vec<String> = if registry == "docker.io" || registry == "index.docker.io" {
         vec!["https://index.docker.io/v1/".into(), "docker.io".into()]
     } else {
@@ -49,27 +49,40 @@ fn docker_config_credentials(registry: &str) -> Option<(String, String)> {
     })
 }
 
+/// `(username, password, source)`: `--username` with the password from stdin, else the
+/// caller's docker config for `registry`, else anonymous. `verb` names the command in hints.
+pub(super) fn credentials(
+    username: Option<String>,
+    registry: &str,
+    verb: &str,
+) -> Result<(Option<String>, Option<String>, Option<String>), ApiError> {
+    if let Some(u) = username {
+        let mut p = String::new();
+        std::io::stdin().take(64 << 10).read_to_string(&mut p).map_err(|e| {
+            ApiError::invalid(
+                format!("reading the password from stdin: {e}"),
+                format!(
+                    "pipe it in: `echo \"$PASSWORD\" | crab image {verb} --username U --password-stdin …`"
+                ),
+            )
+        })?;
+        let p = p.trim_end_matches(['\n', '\r']).to_string();
+        Ok((Some(u), Some(p), Some("--username/--password-stdin".to_string())))
+    } else if let Some((u, p)) = docker_config_credentials(registry) {
+        Ok((Some(u), Some(p), Some("~/.docker/config.json".to_string())))
+    } else {
+        Ok((None, None, None))
+    }
+}
+
 pub(super) async fn pull(
     client: &Client,
     a: PullArgs,
     json: bool,
 ) -> Result<serde_json::Value, ApiError> {
     let reference = crab_oci::registry::parse_reference(&a.reference).map_err(|e| e.to_api())?;
-    let (username, password, credential_source) = if let Some(u) = a.username {
-        let mut p = String::new();
-        std::io::stdin().take(64 << 10).read_to_string(&mut p).map_err(|e| {
-            ApiError::invalid(
-                format!("reading the password from stdin: {e}"),
-                "pipe it in: `echo \"$PASSWORD\" | crab image pull --username U --password-stdin REF`",
-            )
-        })?;
-        let p = p.trim_end_matches(['\n', '\r']).to_string();
-        (Some(u), Some(p), Some("--username/--password-stdin".to_string()))
-    } else if let Some((u, p)) = docker_config_credentials(reference.registry()) {
-        (Some(u), Some(p), Some("~/.docker/config.json".to_string()))
-    } else {
-        (None, None, None)
-    };
+    let (username, password, credential_source) =
+        credentials(a.username, reference.registry(), "pull")?;
     let req = ImagePullRequest {
         reference: a.reference,
         name: a.name,

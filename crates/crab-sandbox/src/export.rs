@@ -369,7 +369,7 @@ impl Differ {
             h.set_size(m.size());
             let f = fs::OpenOptions::new()
                 .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
                 .open(&p)
                 .map_err(SandboxError::io("open", &p))?;
             let meta = f.metadata().map_err(SandboxError::io("stat", &p))?;

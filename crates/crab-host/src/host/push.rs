@@ -83,15 +83,14 @@ impl Host {
         progress.stage("registry", None);
         pusher.check().await?;
 
-        progress.stage("layers", Some(plan.len() as u64));
+        progress.stage("layers", None);
         let ready = {
             let (state, progress_name) = (state.clone(), req.name.clone());
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
             let job = blocking(move || {
                 prepare(&state, &plan, &tx).map_err(|e| {
-                    HostError::from(crab_sandbox::SandboxError::Invalid(format!(
-                        "preparing the layers of image {progress_name} to push: {e}"
-                    )))
+                    tracing::warn!(image = %progress_name, error = %e, "cannot prepare an image's layers to push");
+                    HostError::from(e)
                 })
             });
             tokio::pin!(job);
@@ -197,7 +196,15 @@ fn prepare(
                 }
             }
         }
-        if let Some(b) = known.filter(|b| store.has(&b.digest)) {
+        // The stored blob, when the cache has it with the size recorded.
+        let cached = known.filter(|b| {
+            store
+                .path(&b.digest)
+                .ok()
+                .and_then(|p| std::fs::metadata(p).ok())
+                .is_some_and(|m| m.is_file() && m.len() == b.size)
+        });
+        if let Some(b) = cached {
             let path = store
                 .path(&b.digest)
                 .map_err(|e| crab_sandbox::SandboxError::Other(e.to_string()))?;

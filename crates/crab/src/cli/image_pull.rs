@@ -49,13 +49,16 @@ pub(super) fn docker_config_credentials(registry: &str) -> Option<(String, Strin
     })
 }
 
-/// `(username, password, source)`: `--username` with the password from stdin, else the
-/// caller's docker config for `registry`, else anonymous. `verb` names the command in hints.
+/// `(username, password, source)` of a request; all `None`: anonymous.
+pub(super) type Creds = (Option<String>, Option<String>, Option<String>);
+
+/// `--username` with the password from stdin, else the caller's docker config for `registry`,
+/// else anonymous. `verb` names the command in hints.
 pub(super) fn credentials(
     username: Option<String>,
     registry: &str,
     verb: &str,
-) -> Result<(Option<String>, Option<String>, Option<String>), ApiError> {
+) -> Result<Creds, ApiError> {
     if let Some(u) = username {
         let mut p = String::new();
         std::io::stdin().take(64 << 10).read_to_string(&mut p).map_err(|e| {

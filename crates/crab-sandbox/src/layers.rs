@@ -705,6 +705,30 @@ mod tests {
     }
 
     #[test]
+    fn format_1_records_load_without_a_blob() {
+        let a = format!("sha256:{}", "a".repeat(64));
+        let v = format!(
+            r#"{{"format":1,"chain_id":"{a}","diff_id":"{a}","parent":null,"diff_bytes":1,"created_at":2}}"#
+        );
+        let r: LayerRecord = serde_json::from_str(&v).unwrap();
+        assert!(r.blob.is_none());
+        assert!(!serde_json::to_string(&r).unwrap().contains("blob"));
+        let with = LayerRecord {
+            format: LAYER_RECORD_FORMAT,
+            blob: Some(BlobRef {
+                digest: a.clone(),
+                media_type: "application/vnd.oci.image.layer.v1.tar+gzip".into(),
+                size: 3,
+                diff_id: a.clone(),
+            }),
+            ..r
+        };
+        let back: LayerRecord =
+            serde_json::from_str(&serde_json::to_string(&with).unwrap()).unwrap();
+        assert_eq!(back.blob, with.blob);
+    }
+
+    #[test]
     fn digests_are_checked() {
         assert!(sha256_hex(&format!("sha256:{}", "0".repeat(64))).is_ok());
         assert!(sha256_hex("sha256:../../x").is_err());

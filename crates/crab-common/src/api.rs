@@ -280,6 +280,72 @@ impl std::fmt::Debug for ImagePullRequest {
     }
 }
 
+/// `POST /v1/images/push` (streams [`ProgressFrame`]s, then an [`ImagePushReport`]).
+#[derive(Clone, Default, Serialize, Deserialize)]
+pub struct ImagePushRequest {
+    /// The Crab image to push.
+    pub name: String,
+    /// `[REGISTRY/]REPOSITORY[:TAG]` to push it to (tag `latest` when none is named).
+    pub reference: String,
+    /// Speak plain `http://` to the reference's registry (loopback test registries).
+    #[serde(default)]
+    pub insecure: bool,
+    /// Basic-auth username (the CLI reads `--username` or `~/.docker/config.json`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Basic-auth password.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
+    /// Where the credentials came from, named when the registry refuses them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credential_source: Option<String>,
+}
+
+impl std::fmt::Debug for ImagePushRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImagePushRequest")
+            .field("name", &self.name)
+            .field("reference", &self.reference)
+            .field("insecure", &self.insecure)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("credential_source", &self.credential_source)
+            .finish()
+    }
+}
+
+/// One blob of a push.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushedBlob {
+    /// `sha256:…`.
+    pub digest: String,
+    /// Bytes.
+    pub size: u64,
+    /// Media type.
+    pub media_type: String,
+    /// How its bytes were had: `stored` (the blob the layer was installed from, or one an
+    /// earlier push made, found in the host's blob cache), `generated` (made from the layer's
+    /// tree by this push), `config`.
+    pub origin: String,
+    /// Whether it was uploaded (`false`: the registry already had it).
+    pub uploaded: bool,
+}
+
+/// What `POST /v1/images/push` answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImagePushReport {
+    /// The image pushed.
+    pub name: String,
+    /// The whole reference pushed to (`registry/repository:tag`).
+    pub reference: String,
+    /// The pushed manifest's digest.
+    pub digest: String,
+    /// The config blob.
+    pub config: PushedBlob,
+    /// The layers, bottom first.
+    pub layers: Vec<PushedBlob>,
+}
+
 /// Network mode of a sandbox.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -56,6 +56,13 @@ pub enum Action {
         /// Where progress goes.
         progress: Box<dyn Progress>,
     },
+    /// Push an image to a registry, reporting progress.
+    PushImage {
+        /// Image, reference, credentials.
+        req: crab_common::api::ImagePushRequest,
+        /// Where progress goes.
+        progress: Box<dyn Progress>,
+    },
     /// Remove an image.
     RemoveImage {
         /// Image name.
@@ -388,6 +395,7 @@ impl Action {
             Action::ImportImage { .. } => "import_image",
             Action::CommitImage { .. } => "commit_image",
             Action::PullImage { .. } => "pull_image",
+            Action::PushImage { .. } => "push_image",
             Action::RemoveImage { .. } => "remove_image",
             Action::ListSandboxes => "list_sandboxes",
             Action::GetSandbox { .. } => "get_sandbox",
@@ -537,6 +545,8 @@ pub enum Outcome {
     Image(ImageInfo),
     /// An image built from a Dockerfile, with its steps.
     Built(Box<crab_common::api::ImageBuildReport>),
+    /// An image pushed to a registry.
+    Pushed(Box<crab_common::api::ImagePushReport>),
     /// Sandboxes.
     Sandboxes(Vec<SandboxInfo>),
     /// One sandbox.

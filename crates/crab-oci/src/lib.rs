@@ -11,6 +11,7 @@ pub mod blobs;
 pub mod config;
 pub mod error;
 pub mod layout;
+pub mod push;
 pub mod registry;
 
 pub use error::{OciError, Result};

@@ -420,121 +420,148 @@ impl Puller {
     /// An `oci-client` error as an [`OciError`] naming the reference, the registry and what
     /// to do.
     fn error(&self, e: OciDistributionError, doing: &str) -> OciError {
-        let reference = self.reference();
-        let registry = self.registry().to_string();
-        let creds = match &self.opts.credentials.source {
-            Some(s) => format!("credentials from {s}"),
-            None => "no credentials (anonymous)".to_string(),
-        };
-        let auth_hint = if self.opts.credentials.source.is_some() {
-            "check the username and password (`crab image pull --username U --password-stdin`, \
-             or `docker login` for ~/.docker/config.json)"
-                .to_string()
-        } else {
-            format!(
-                "give credentials: `crab image pull --username U --password-stdin {reference}`, \
-                 or `docker login {registry}` (read from ~/.docker/config.json)"
-            )
-        };
-        let refused = |why: String| OciError::Registry {
-            message: format!("registry {registry} refused {doing} {reference}: {why} ({creds})"),
-            hint: auth_hint.clone(),
-            auth: true,
-        };
-        let unknown = |why: String| OciError::Registry {
-            message: format!("{reference}: no such image or tag in registry {registry} ({why})"),
-            hint: "check the repository and tag (`skopeo list-tags docker://REPOSITORY` lists \
-                   tags)"
-                .into(),
-            auth: false,
-        };
-        match e {
-            OciDistributionError::UnauthorizedError { .. } => refused("not authorized".into()),
-            OciDistributionError::AuthenticationFailure(m) => {
-                refused(format!("authentication failed: {}", m.trim()))
-            }
-            OciDistributionError::RegistryError { envelope, .. } => {
-                let codes: Vec<&OciErrorCode> = envelope.errors.iter().map(|x| &x.code).collect();
-                if codes
-                    .iter()
-                    .any(|c| matches!(c, OciErrorCode::Unauthorized | OciErrorCode::Denied))
-                {
-                    refused(envelope.to_string())
-                } else if codes.iter().any(|c| {
-                    matches!(
-                        c,
-                        OciErrorCode::ManifestUnknown
-                            | OciErrorCode::NameUnknown
-                            | OciErrorCode::NotFound
-                            | OciErrorCode::BlobUnknown
-                    )
-                }) {
-                    unknown(envelope.to_string())
-                } else {
-                    self.other(doing, envelope.to_string())
-                }
-            }
-            OciDistributionError::ServerError { code: 401 | 403, message, .. } => {
-                refused(format!("HTTP 40x: {}", message.trim()))
-            }
-            OciDistributionError::ServerError { code: 404, .. }
-            | OciDistributionError::ImageManifestNotFoundError(_) => unknown("HTTP 404".into()),
-            OciDistributionError::DigestError(
-                oci_client::errors::DigestError::VerificationError { expected, actual },
-            ) => OciError::Digest {
-                what: format!("manifest of {reference}"),
-                want: expected,
-                got: actual,
+        describe(
+            e,
+            &ErrorContext {
+                reference: self.reference(),
+                registry: self.registry().to_string(),
+                source: self.opts.credentials.source.clone(),
+                insecure: self.opts.insecure,
+                verb: "pull",
             },
-            OciDistributionError::RequestError(re) => {
-                let mut chain = re.to_string();
-                let mut src = std::error::Error::source(&re);
-                while let Some(s) = src {
-                    chain.push_str(": ");
-                    chain.push_str(&s.to_string());
-                    src = s.source();
-                }
-                let tls_to_plain = !self.opts.insecure
-                    && (chain.contains("InvalidContentType")
-                        || chain.contains("corrupt message")
-                        || chain.contains("record overflow")
-                        || chain.contains("HTTP/1"));
-                if tls_to_plain {
-                    OciError::Registry {
-                        message: format!(
-                            "registry {registry} did not answer TLS while {doing} {reference} \
-                             ({chain}); it seems to serve plain http"
-                        ),
-                        hint: format!(
-                            "a registry without TLS (a loopback test registry) must be named: \
-                             `crab image pull --insecure {reference}`"
-                        ),
-                        auth: false,
-                    }
-                } else if re.is_connect() || re.is_timeout() {
-                    OciError::Registry {
-                        message: format!(
-                            "registry {registry} is unreachable while {doing} {reference}: {chain}"
-                        ),
-                        hint: "check the registry's address and the network; a registry \
-                               serving plain http must be named with --insecure"
-                            .into(),
-                        auth: false,
-                    }
-                } else {
-                    self.other(doing, chain)
+            doing,
+        )
+    }
+}
+
+/// What an error message names: the reference, the registry, where credentials came from,
+/// and which command (`pull`, `push`) its hints suggest.
+pub(crate) struct ErrorContext {
+    pub reference: String,
+    pub registry: String,
+    pub source: Option<String>,
+    pub insecure: bool,
+    pub verb: &'static str,
+}
+
+/// An `oci-client` error as an [`OciError`] naming the reference, the registry and what to do.
+pub(crate) fn describe(e: OciDistributionError, cx: &ErrorContext, doing: &str) -> OciError {
+    let reference = cx.reference.clone();
+    let registry = cx.registry.clone();
+    let verb = cx.verb;
+    let creds = match &cx.source {
+        Some(s) => format!("credentials from {s}"),
+        None => "no credentials (anonymous)".to_string(),
+    };
+    let auth_hint = if cx.source.is_some() {
+        format!(
+            "check the username and password (`crab image {verb} --username U \
+             --password-stdin`, or `docker login` for ~/.docker/config.json)"
+        )
+    } else {
+        format!(
+            "give credentials: `crab image {verb} --username U --password-stdin …`, or \
+             `docker login {registry}` (read from ~/.docker/config.json)"
+        )
+    };
+    let refused = |why: String| OciError::Registry {
+        message: format!("registry {registry} refused {doing} {reference}: {why} ({creds})"),
+        hint: auth_hint.clone(),
+        auth: true,
+    };
+    let unknown = |why: String| OciError::Registry {
+        message: format!("{reference}: no such image or tag in registry {registry} ({why})"),
+        hint: "check the repository and tag (`skopeo list-tags docker://REPOSITORY` lists tags)"
+            .into(),
+        auth: false,
+    };
+    let other = |why: String| OciError::Registry {
+        message: format!("{doing} {reference} at {registry} failed: {why}"),
+        hint: format!("check the reference and the registry; `crab image {verb}` again resumes"),
+        auth: false,
+    };
+    match e {
+        OciDistributionError::UnauthorizedError { .. } => refused("not authorized".into()),
+        OciDistributionError::AuthenticationFailure(m) => {
+            refused(format!("authentication failed: {}", m.trim()))
+        }
+        OciDistributionError::RegistryError { envelope, .. } => {
+            let codes: Vec<&OciErrorCode> = envelope.errors.iter().map(|x| &x.code).collect();
+            if codes.iter().any(|c| matches!(c, OciErrorCode::Unauthorized | OciErrorCode::Denied))
+            {
+                refused(envelope.to_string())
+            } else if codes.iter().any(|c| {
+                matches!(
+                    c,
+                    OciErrorCode::ManifestUnknown
+                        | OciErrorCode::NameUnknown
+                        | OciErrorCode::NotFound
+                        | OciErrorCode::BlobUnknown
+                )
+            }) {
+                unknown(envelope.to_string())
+            } else {
+                other(envelope.to_string())
+            }
+        }
+        OciDistributionError::ServerError { code: 401 | 403, message, .. } => {
+            refused(format!("HTTP 40x: {}", message.trim()))
+        }
+        OciDistributionError::ServerError { code: 404, .. }
+        | OciDistributionError::ImageManifestNotFoundError(_) => unknown("HTTP 404".into()),
+        OciDistributionError::DigestError(oci_client::errors::DigestError::VerificationError {
+            expected,
+            actual,
+        }) => OciError::Digest {
+            what: format!("manifest of {reference}"),
+            want: expected,
+            got: actual,
+        },
+        OciDistributionError::RequestError(re) => {
+            if let Some(st) = re.status() {
+                if st.as_u16() == 401 || st.as_u16() == 403 {
+                    return refused(format!("HTTP {st}"));
                 }
             }
-            other => self.other(doing, other.to_string()),
+            let mut chain = re.to_string();
+            let mut src = std::error::Error::source(&re);
+            while let Some(s) = src {
+                chain.push_str(": ");
+                chain.push_str(&s.to_string());
+                src = s.source();
+            }
+            let tls_to_plain = !cx.insecure
+                && (chain.contains("InvalidContentType")
+                    || chain.contains("corrupt message")
+                    || chain.contains("record overflow")
+                    || chain.contains("HTTP/1"));
+            if tls_to_plain {
+                OciError::Registry {
+                    message: format!(
+                        "registry {registry} did not answer TLS while {doing} {reference} \
+                         ({chain}); it seems to serve plain http"
+                    ),
+                    hint: format!(
+                        "a registry without TLS (a loopback test registry) must be named: \
+                         `crab image {verb} --insecure …`"
+                    ),
+                    auth: false,
+                }
+            } else if re.is_connect() || re.is_timeout() {
+                OciError::Registry {
+                    message: format!(
+                        "registry {registry} is unreachable while {doing} {reference}: {chain}"
+                    ),
+                    hint: "check the registry's address and the network; a registry serving \
+                           plain http must be named with --insecure"
+                        .into(),
+                    auth: false,
+                }
+            } else {
+                other(chain)
+            }
         }
-    }
-
-    fn other(&self, doing: &str, why: String) -> OciError {
-        OciError::Registry {
-            message: format!("{doing} {} from {} failed: {why}", self.reference(), self.registry()),
-            hint: "check the reference and the registry; pulling again resumes".into(),
-            auth: false,
-        }
+        e => other(e.to_string()),
     }
 }
 

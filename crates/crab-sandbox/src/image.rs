@@ -762,6 +762,89 @@ pub fn made_of(state: &StateDir, name: &str) -> Option<(Vec<String>, ImageDefaul
     read_record(state, name).map(|r| (r.layers, r.config, r.source))
 }
 
+/// One layer of an image to push, bottom first.
+#[derive(Debug, Clone)]
+pub struct PushLayer {
+    /// What it is, for progress and errors (`layer 2/3`, `the image's own files`).
+    pub what: String,
+    /// The chain id of a stored layer (`None`: the image's own tree over the layers below).
+    pub chain: Option<String>,
+    /// The tree the layer is the difference of …
+    pub tree: PathBuf,
+    /// … over this one (`None`: the whole tree).
+    pub below: Option<PathBuf>,
+    /// The blob it was installed from (or one generated for it earlier), when known.
+    pub known: Option<layers::BlobRef>,
+    /// For the image's own tree: a key naming this very tree (its image's identity), under
+    /// which a generated blob is remembered.
+    pub key: Option<String>,
+}
+
+/// What `image push` sends of image `name`: its config defaults and layers. An image made of
+/// stored OCI layers (pulled, imported from an OCI layout or `docker save`) is those layers,
+/// and — when the image's files differ from its top layer beyond Crab's init (a Dockerfile
+/// build's steps, which are kept in the sandboxes' id space, are pushed as one layer this way)
+/// — one more layer of the difference. Any other image (debootstrap, a root-filesystem import,
+/// a commit, an image record of format 1) is one layer of its whole tree.
+pub fn push_source(state: &StateDir, name: &str) -> Result<(ImageDefaults, Vec<PushLayer>)> {
+    names::validate("image", name).map_err(|e| SandboxError::Invalid(e.message))?;
+    let root = rootfs_of(state, name)?;
+    let rec = read_record(state, name).ok_or_else(|| SandboxError::NoImage(name.to_string()))?;
+    // The longest bottom run of stored OCI layers that forms a chain.
+    let mut stored: Vec<(String, layers::LayerRecord)> = Vec::new();
+    for c in &rec.layers {
+        if c.starts_with("build-") {
+            break;
+        }
+        let Some(r) = layers::record(state, c) else { break };
+        if r.parent.as_deref() != stored.last().map(|(c, _)| c.as_str()) {
+            break;
+        }
+        stored.push((c.clone(), r));
+    }
+    let n = stored.len();
+    let mut out = Vec::with_capacity(n + 1);
+    let mut below: Option<PathBuf> = None;
+    for (i, (c, r)) in stored.into_iter().enumerate() {
+        let tree = layers::layer_path(state, &c)?;
+        out.push(PushLayer {
+            what: format!("layer {}/{n}", i + 1),
+            chain: Some(c),
+            tree: tree.clone(),
+            below: below.replace(tree),
+            known: r.blob,
+            key: None,
+        });
+    }
+    let mut h = sha2::Sha256::new();
+    use sha2::Digest as _;
+    let root_ctime = {
+        use std::os::unix::fs::MetadataExt;
+        fs::symlink_metadata(&root).map(|m| (m.ctime(), m.ctime_nsec())).unwrap_or_default()
+    };
+    for part in [
+        name.to_string(),
+        rec.created_at.to_string(),
+        rec.source.clone(),
+        rec.layers.join(","),
+        rec.size_bytes.to_string(),
+        format!("{}.{}", root_ctime.0, root_ctime.1),
+        below.as_ref().map(|b| b.display().to_string()).unwrap_or_default(),
+    ] {
+        h.update(part.as_bytes());
+        h.update([0u8]);
+    }
+    out.push(PushLayer {
+        what: if n == 0 { "the image's files".into() } else { "the image's own files".into() },
+        chain: None,
+        tree: root,
+        below,
+        known: None,
+        key: Some(layers::hex(&h.finalize())),
+    });
+    Ok((rec.config, out))
+}
+
 /// Every image's layers and build steps (what the garbage collection of steps keeps).
 pub fn all_layers(state: &StateDir) -> Result<std::collections::HashSet<String>> {
     Ok(records(state)?.into_iter().flat_map(|r| r.layers).collect())

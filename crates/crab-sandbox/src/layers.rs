@@ -61,10 +61,29 @@ impl Default for LayerLimits {
     }
 }
 
-/// The persisted record of a layer (`<pool>/layers/<chain hex>.json`, format 1).
+/// A compressed blob of a layer's tar: the one it was installed from, or one `image push`
+/// generated from its tree (in the host's blob cache while it is there).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlobRef {
+    /// Digest of the blob (`sha256:…`).
+    pub digest: String,
+    /// Its media type.
+    pub media_type: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Digest of the uncompressed tar (the diff id the blob unpacks to).
+    pub diff_id: String,
+}
+
+/// The record format this build writes (2: with the optional `blob`).
+pub const LAYER_RECORD_FORMAT: u32 = 2;
+
+/// The persisted record of a layer (`<pool>/layers/<chain hex>.json`). Format 1: chain id,
+/// diff id, parent, bytes, time. Format 2 adds `blob`, the compressed blob the layer came
+/// from (or that `image push` generated from it); a format-1 record reads without it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LayerRecord {
-    /// Format of this record (1).
+    /// Format of this record (1 or 2).
     pub format: u32,
     /// Chain id (`sha256:…`).
     pub chain_id: String,
@@ -76,6 +95,9 @@ pub struct LayerRecord {
     pub diff_bytes: u64,
     /// Seconds since the epoch.
     pub created_at: u64,
+    /// The layer's compressed blob, when known (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blob: Option<BlobRef>,
 }
 
 /// The chain ids of a stack of diff ids (bottom first).
@@ -118,7 +140,8 @@ pub fn layers_dir(state: &StateDir) -> PathBuf {
     state.pool().join("layers")
 }
 
-fn layer_path(state: &StateDir, chain: &str) -> Result<PathBuf> {
+/// The subvolume of layer `chain` (whether or not it exists).
+pub fn layer_path(state: &StateDir, chain: &str) -> Result<PathBuf> {
     Ok(layers_dir(state).join(sha256_hex(chain)?))
 }
 
@@ -130,7 +153,21 @@ fn record_path(state: &StateDir, chain: &str) -> Result<PathBuf> {
 pub fn record(state: &StateDir, chain: &str) -> Option<LayerRecord> {
     let b = fs::read(record_path(state, chain).ok()?).ok()?;
     let r: LayerRecord = serde_json::from_slice(&b).ok()?;
-    (r.chain_id == chain && btrfs::is_subvolume(&layer_path(state, chain).ok()?)).then_some(r)
+    (r.chain_id == chain
+        && r.format <= LAYER_RECORD_FORMAT
+        && btrfs::is_subvolume(&layer_path(state, chain).ok()?))
+    .then_some(r)
+}
+
+/// Remember `blob` as the compressed blob of layer `chain` (a blob `image push` generated from
+/// its tree). Only an existing record is rewritten (atomically); a layer deleted meanwhile is
+/// left alone.
+pub fn set_blob(state: &StateDir, chain: &str, blob: BlobRef) -> Result<()> {
+    let Some(mut rec) = record(state, chain) else { return Ok(()) };
+    rec.format = LAYER_RECORD_FORMAT;
+    rec.blob = Some(blob);
+    let bytes = serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
+    runtime::write_atomic(&record_path(state, chain)?, &bytes)
 }
 
 /// Apply `layers` (bottom first) as a chain, reusing every layer already stored; returns the
@@ -230,13 +267,20 @@ fn apply_one(
     fs::rename(&staging, &dst).map_err(SandboxError::io("rename", &staging))?;
     guard.0 = Some(dst.clone());
     btrfs::set_readonly(&dst, true)?;
+    let size = fs::metadata(&blob.path).map(|m| m.len()).ok();
     let rec = LayerRecord {
-        format: 1,
+        format: LAYER_RECORD_FORMAT,
         chain_id: chain.to_string(),
         diff_id: blob.diff_id.clone(),
         parent: parent.map(str::to_string),
         diff_bytes,
         created_at: crab_common::clock::now_s(),
+        blob: size.map(|size| BlobRef {
+            digest: blob.digest.clone(),
+            media_type: blob.media_type.clone(),
+            size,
+            diff_id: blob.diff_id.clone(),
+        }),
     };
     let bytes = serde_json::to_vec_pretty(&rec).map_err(|e| SandboxError::Other(e.to_string()))?;
     runtime::write_atomic(&record_path(state, chain)?, &bytes)?;
@@ -325,7 +369,7 @@ const OPAQUE: &str = ".wh..wh..opq";
 
 /// Unpack one layer tar onto `root` (a writable snapshot of the layer below); returns the
 /// bytes of file contents written.
-fn unpack_layer(
+pub(crate) fn unpack_layer(
     blob: &LayerBlob,
     root: &Path,
     bottom: bool,
@@ -781,6 +825,30 @@ mod tests {
             roots.push(r);
         }
         let _ = fs::remove_dir_all(&t);
+    }
+
+    #[test]
+    fn format_1_records_load_without_a_blob() {
+        let a = format!("sha256:{}", "a".repeat(64));
+        let v = format!(
+            r#"{{"format":1,"chain_id":"{a}","diff_id":"{a}","parent":null,"diff_bytes":1,"created_at":2}}"#
+        );
+        let r: LayerRecord = serde_json::from_str(&v).unwrap();
+        assert!(r.blob.is_none());
+        assert!(!serde_json::to_string(&r).unwrap().contains("blob"));
+        let with = LayerRecord {
+            format: LAYER_RECORD_FORMAT,
+            blob: Some(BlobRef {
+                digest: a.clone(),
+                media_type: "application/vnd.oci.image.layer.v1.tar+gzip".into(),
+                size: 3,
+                diff_id: a.clone(),
+            }),
+            ..r
+        };
+        let back: LayerRecord =
+            serde_json::from_str(&serde_json::to_string(&with).unwrap()).unwrap();
+        assert_eq!(back.blob, with.blob);
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod cgroup;
 pub mod devices;
 pub mod error;
 pub mod exec;
+pub mod export;
 pub mod files;
 pub mod image;
 pub mod inroot;

@@ -47,6 +47,7 @@ use crate::{
 mod incarnations;
 mod pull;
 pub use pull::{is_reference, CredentialSource, PullPolicy};
+mod push;
 mod turns;
 
 pub(crate) use turns::full_point;
@@ -426,6 +427,7 @@ impl Host {
                 .await
             }
             Action::PullImage { req, progress } => self.pull_image(req, progress).await,
+            Action::PushImage { req, progress } => self.push_image(req, progress).await,
             Action::RemoveImage { name } => {
                 let state = self.state().clone();
                 let rt = self.runtime.clone();

@@ -1,5 +1,5 @@
 //! `crab image …`: build (the `debian` recipe, or a Dockerfile with `-f`), import, commit (an
-//! image of a sandbox's files), list and remove images.
+//! image of a sandbox's files), pull, push, list and remove images.
 
 use std::process::ExitCode;
 
@@ -63,6 +63,9 @@ pub(super) enum ImageCmd {
     },
     /// Pull an image from an OCI registry (Docker Hub when the reference names none).
     Pull(super::image_pull::PullArgs),
+    /// Push an image to an OCI registry as an OCI image (layers it was pulled with are sent
+    /// as they were; others are made from its files).
+    Push(super::image_push::PushArgs),
     /// List images.
     Ls,
     /// Remove an image.
@@ -207,6 +210,10 @@ pub(super) async fn run(client: &Client, c: ImageCmd, json: bool) -> Result<Exit
             show_one(long_op(client, "/v1/images/import", &req, json).await?)
         }
         ImageCmd::Pull(a) => show_one(super::image_pull::pull(client, a, json).await?),
+        ImageCmd::Push(a) => {
+            super::image_push::push(client, a, json).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         ImageCmd::Ls => {
             let v: Vec<ImageInfo> = client.call::<(), _>(Method::GET, "/v1/images", None).await?;
             if json {

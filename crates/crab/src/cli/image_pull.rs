@@ -49,27 +49,43 @@ pub(super) fn docker_config_credentials(registry: &str) -> Option<(String, Strin
     })
 }
 
+/// `(username, password, source)` of a request; all `None`: anonymous.
+pub(super) type Creds = (Option<String>, Option<String>, Option<String>);
+
+/// `--username` with the password from stdin, else the caller's docker config for `registry`,
+/// else anonymous. `verb` names the command in hints.
+pub(super) fn credentials(
+    username: Option<String>,
+    registry: &str,
+    verb: &str,
+) -> Result<Creds, ApiError> {
+    if let Some(u) = username {
+        let mut p = String::new();
+        std::io::stdin().take(64 << 10).read_to_string(&mut p).map_err(|e| {
+            ApiError::invalid(
+                format!("reading the password from stdin: {e}"),
+                format!(
+                    "pipe it in: `echo \"$PASSWORD\" | crab image {verb} --username U --password-stdin …`"
+                ),
+            )
+        })?;
+        let p = p.trim_end_matches(['\n', '\r']).to_string();
+        Ok((Some(u), Some(p), Some("--username/--password-stdin".to_string())))
+    } else if let Some((u, p)) = docker_config_credentials(registry) {
+        Ok((Some(u), Some(p), Some("~/.docker/config.json".to_string())))
+    } else {
+        Ok((None, None, None))
+    }
+}
+
 pub(super) async fn pull(
     client: &Client,
     a: PullArgs,
     json: bool,
 ) -> Result<serde_json::Value, ApiError> {
     let reference = crab_oci::registry::parse_reference(&a.reference).map_err(|e| e.to_api())?;
-    let (username, password, credential_source) = if let Some(u) = a.username {
-        let mut p = String::new();
-        std::io::stdin().take(64 << 10).read_to_string(&mut p).map_err(|e| {
-            ApiError::invalid(
-                format!("reading the password from stdin: {e}"),
-                "pipe it in: `echo \"$PASSWORD\" | crab image pull --username U --password-stdin REF`",
-            )
-        })?;
-        let p = p.trim_end_matches(['\n', '\r']).to_string();
-        (Some(u), Some(p), Some("--username/--password-stdin".to_string()))
-    } else if let Some((u, p)) = docker_config_credentials(reference.registry()) {
-        (Some(u), Some(p), Some("~/.docker/config.json".to_string()))
-    } else {
-        (None, None, None)
-    };
+    let (username, password, credential_source) =
+        credentials(a.username, reference.registry(), "pull")?;
     let req = ImagePullRequest {
         reference: a.reference,
         name: a.name,

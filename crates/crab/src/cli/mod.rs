@@ -13,6 +13,7 @@ mod docker;
 mod exec;
 mod image;
 mod image_pull;
+mod image_push;
 mod procs;
 mod remote;
 mod sandbox;

@@ -63,6 +63,7 @@ pub fn router(d: Arc<Host>, max_upload: u64) -> Router {
         .route("/v1/images/import", post(images::import))
         .route("/v1/images/commit", post(images::commit))
         .route("/v1/images/pull", post(images::pull))
+        .route("/v1/images/push", post(images::push))
         .route("/v1/images/{name}", delete(images::remove))
         .route("/v1/sandboxes", get(sandboxes::list).post(sandboxes::create))
         .route(

@@ -1,5 +1,5 @@
 //! Image routes: list, build (debootstrap or a Dockerfile, streamed progress), import, commit
-//! (an image of a sandbox's files), pull (from a registry), remove.
+//! (an image of a sandbox's files), pull (from a registry), push (to one), remove.
 
 use std::sync::Arc;
 
@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use axum::response::Response;
 
 use crab_common::api::{
-    ImageBuildRequest, ImageCommitRequest, ImageImportRequest, ImagePullRequest,
+    ImageBuildRequest, ImageCommitRequest, ImageImportRequest, ImagePullRequest, ImagePushRequest,
 };
 use crab_host::{Action, Host};
 
@@ -48,6 +48,14 @@ pub async fn pull(State(h): State<Arc<Host>>, body: Bytes) -> Response {
         Err(e) => return err(e),
     };
     long_operation(h, move |progress| Action::PullImage { req, progress })
+}
+
+pub async fn push(State(h): State<Arc<Host>>, body: Bytes) -> Response {
+    let req: ImagePushRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return err(e),
+    };
+    long_operation(h, move |progress| Action::PushImage { req, progress })
 }
 
 pub async fn remove(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from ._async import AsyncDaemon, AsyncSandbox
-from ._sync import Sandbox
-from .errors import CapabilityError, CheckpointNotFoundError, InvalidRequestError
+from .._async import AsyncDaemon, AsyncSandbox
+from .._sync import Sandbox
+from ..errors import CapabilityError, CheckpointNotFoundError, InvalidRequestError
 
 __all__ = ["CrabSnapshotStrategy", "CrabSnapshotDetails"]
 

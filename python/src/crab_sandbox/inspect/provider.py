@@ -1,0 +1,453 @@
+"""Inspect AI's ``sandbox="crab"``: :class:`CrabSandboxEnvironment`, a thin translator from
+Inspect's ``SandboxEnvironment`` calls to the Crab SDK.
+
+Registered as ``crab`` by ``@sandboxenv`` when this module is imported, which Inspect does
+through the ``inspect_ai`` entry point in ``python/pyproject.toml``; so ``pip install
+crab-sandbox`` is all an eval needs to say ``sandbox="crab"``.
+
+Life of a task (each step one or two SDK calls; the daemon does the work):
+
+* ``task_init``: the image — built from a Dockerfile (``Daemon.build_image``, cached by the
+  daemon's step store), pulled from a registry (``pull_image``), or a Crab image as is — then,
+  with ``fork=True`` (the default), one *base* sandbox of it and an ``fs`` restore point of it.
+* ``sample_init``: a fork of the base point (``AsyncSandbox.fork``: a btrfs snapshot and a fresh
+  init, tens of milliseconds, no image work); ``fork=False``: a new sandbox of the image.
+* ``exec``/``write_file``/``read_file``: ``exec_stream`` (``input`` → stdin, ``cwd``, ``env``,
+  ``user``, ``timeout``) and the file service, with Inspect's errors and output limits.
+* ``sample_cleanup``: the sample's sandbox removed (shielded from cancellation when the sample
+  was interrupted); ``task_cleanup``: the base and any sample left of this run removed (by
+  label); ``cli_cleanup`` (``inspect sandbox cleanup crab``): every sandbox this provider made.
+
+Every sandbox it makes carries the labels ``crab.inspect.run`` (this process's run id),
+``crab.inspect.task`` and ``crab.inspect.role`` (``base`` or ``sample``), so ``crab sandbox ls``
+tells them apart and a cleanup finds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import logging
+import os
+import posixpath
+import re
+import secrets
+import shlex
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union, overload
+
+import anyio
+from inspect_ai.util import (
+    ExecResult,
+    OutputLimitExceededError,
+    SandboxConnection,
+    SandboxEnvironment,
+    SandboxEnvironmentConfigType,
+    SandboxEnvironmentLimits,
+    sandboxenv,
+)
+from inspect_ai.util._sandbox.compose import COMPOSE_FILES, DOCKERFILE
+from inspect_ai.util._sandbox.environment import SandboxUnavailableError
+from pydantic import BaseModel
+
+from .._async import AsyncDaemon, AsyncSandbox, default_async_daemon
+from .._common import socket_path
+from ..errors import (
+    ConflictError,
+    CrabError,
+    DaemonUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    PathNotFoundError,
+    PermissionDeniedError,
+    SandboxNotFoundError,
+)
+from .config import CrabSandboxConfig, resolve_config
+
+__all__ = ["CrabSandboxConfig", "CrabSandboxEnvironment"]
+
+logger = logging.getLogger(__name__)
+
+PROVIDER = "crab"
+LABEL_RUN = "crab.inspect.run"
+LABEL_TASK = "crab.inspect.task"
+LABEL_ROLE = "crab.inspect.role"
+#: One id per process: the labels of what this process's tasks made.
+RUN_ID = secrets.token_hex(4)
+DEFAULT_IMAGE = "debian"
+
+
+def _slug(task_name: str, n: int = 20) -> str:
+    s = re.sub(r"[^A-Za-z0-9]+", "-", task_name).strip("-").lower()
+    return (s[:n].strip("-") or "task")
+
+
+def _labels(task_name: str, role: str) -> Dict[str, str]:
+    return {LABEL_RUN: RUN_ID, LABEL_TASK: _slug(task_name, 60), LABEL_ROLE: role}
+
+
+@dataclass
+class _Base:
+    """What ``task_init`` made for one (task, config): the image, and the base sandbox with its
+    point when samples are forks."""
+
+    image: str
+    socket: str
+    sandbox: Optional[str] = None
+    point: Optional[str] = None
+    working_dir: Optional[str] = None
+    #: Seconds each sample's sandbox took to make (fork or create), in order.
+    setup_s: List[float] = field(default_factory=list)
+
+
+# Process-wide, not a ContextVar: Inspect may run task_init in a sibling task of the samples.
+_BASES: Dict[Tuple[str, str], _Base] = {}
+_LOCKS: Dict[Tuple[str, str], asyncio.Lock] = {}
+
+
+def _key(task_name: str, cfg: CrabSandboxConfig) -> Tuple[str, str]:
+    return (task_name, cfg.model_dump_json())
+
+
+def _daemon(socket: str) -> AsyncDaemon:
+    """The running loop's client of the daemon on ``socket`` (Inspect may run tasks on other
+    loops than the one ``task_init`` ran on; the SDK keeps one client per loop)."""
+    return default_async_daemon(socket)
+
+
+def _image_name(task_name: str, cfg: CrabSandboxConfig) -> str:
+    """A stable image name for a Dockerfile build: the same Dockerfile and context build into
+    the same name (the daemon's step cache makes a rebuild of an unchanged one a no-op)."""
+    h = hashlib.sha256(f"{cfg.dockerfile}\0{cfg.context}".encode()).hexdigest()[:12]
+    return f"inspect-{_slug(task_name, 24)}-{h}"
+
+
+async def _ensure_image(d: AsyncDaemon, task_name: str, cfg: CrabSandboxConfig) -> str:
+    """The image the config names, built or pulled first when it must be."""
+    if cfg.dockerfile is not None:
+        if not Path(cfg.dockerfile).is_file():
+            raise InvalidRequestError(
+                f"the Dockerfile {cfg.dockerfile} does not exist", "check the compose file's build: context and dockerfile"
+            )
+        name = _image_name(task_name, cfg)
+        logger.info("crab: building %s into image %s", cfg.dockerfile, name)
+        await d.build_image(cfg.dockerfile, name, context=cfg.context, build_args=cfg.build_args or None)
+        return name
+    image = cfg.image or DEFAULT_IMAGE
+    if image in {str(i.get("name")) for i in await d.images()}:
+        return image
+    if not re.search(r"[/:@]", image):
+        raise InvalidRequestError(
+            f"no Crab image {image!r} on the daemon at {d.socket}",
+            f"build or import it (`crab image build {image}`, `crab image ls`), or name a registry reference to pull",
+        )
+    logger.info("crab: pulling %s", image)
+    info = await d.pull_image(image, insecure=cfg.insecure_registry)
+    return str(info["name"])
+
+
+async def _working_dir(sb: AsyncSandbox, cfg: CrabSandboxConfig) -> str:
+    """Where ``exec`` runs when no ``cwd`` is given: the config's, else the image's (asked of
+    the sandbox, as Inspect's docker provider asks ``pwd``)."""
+    if cfg.working_dir:
+        return cfg.working_dir
+    r = await sb.exec(["pwd"], user=cfg.user)
+    wd = r.stdout.strip()
+    return wd if r.exit_code == 0 and wd.startswith("/") else "/"
+
+
+async def _create(d: AsyncDaemon, image: str, task_name: str, role: str, cfg: CrabSandboxConfig) -> AsyncSandbox:
+    return await AsyncSandbox.create(
+        image,
+        name=f"insp-{_slug(task_name)}-{secrets.token_hex(4)}{'-base' if role == 'base' else ''}",
+        memory=cfg.memory,
+        cpus=cfg.cpus,
+        network=cfg.network,
+        pids=cfg.pids,
+        labels=_labels(task_name, role),
+        envs=cfg.environment or None,
+        daemon=d,
+    )
+
+
+async def _remove(d: AsyncDaemon, name: str) -> None:
+    try:
+        await AsyncSandbox(name, d).kill()
+    except NotFoundError:
+        pass
+
+
+@sandboxenv(name=PROVIDER)
+class CrabSandboxEnvironment(SandboxEnvironment):
+    """One sample's Crab sandbox (see the module docstring)."""
+
+    def __init__(self, sandbox: str, socket: str, cfg: CrabSandboxConfig, working_dir: str) -> None:
+        super().__init__()
+        self.sandbox_name = sandbox
+        self._socket = socket
+        self._cfg = cfg
+        self._working_dir = working_dir
+        #: Seconds ``sample_init`` took to make this sandbox (a fork, or a create).
+        self.setup_s: float = 0.0
+
+    # --- what Inspect asks of the class -------------------------------------------------------
+
+    @classmethod
+    def config_files(cls) -> List[str]:
+        return COMPOSE_FILES + [DOCKERFILE]
+
+    @classmethod
+    def is_docker_compatible(cls) -> bool:
+        return True
+
+    @classmethod
+    def config_deserialize(cls, config: Dict[str, Any]) -> BaseModel:
+        return CrabSandboxConfig(**config)
+
+    @classmethod
+    async def task_init(cls, task_name: str, config: Optional[SandboxEnvironmentConfigType]) -> None:
+        await cls._base(task_name, config)
+
+    @classmethod
+    async def _base(cls, task_name: str, config: Any) -> _Base:
+        """The task's base, made once per (task, config) — by ``task_init``, or by the first
+        ``sample_init`` when a caller skipped it."""
+        cfg = resolve_config(config)
+        key = _key(task_name, cfg)
+        lock = _LOCKS.setdefault(key, asyncio.Lock())
+        async with lock:
+            base = _BASES.get(key)
+            if base is not None:
+                return base
+            sock = socket_path(cfg.socket)
+            d = _daemon(sock)
+            image = await _ensure_image(d, task_name, cfg)
+            base = _Base(image=image, socket=sock)
+            if cfg.fork:
+                sb = await _create(d, image, task_name, "base", cfg)
+                try:
+                    base.working_dir = await _working_dir(sb, cfg)
+                    base.point = (await sb.checkpoint(kind="fs")).id
+                except BaseException:
+                    await _remove(d, sb.name)
+                    raise
+                base.sandbox = sb.name
+            _BASES[key] = base
+            return base
+
+    @classmethod
+    async def sample_init(
+        cls, task_name: str, config: Optional[SandboxEnvironmentConfigType], metadata: Dict[str, str]
+    ) -> Dict[str, SandboxEnvironment]:
+        cfg = resolve_config(config)
+        base = await cls._base(task_name, config)
+        d = _daemon(base.socket)
+        t0 = time.perf_counter()
+        if base.sandbox is not None:
+            name = f"insp-{_slug(task_name)}-{secrets.token_hex(4)}"
+            (sb,) = await AsyncSandbox(base.sandbox, d).fork(
+                1, base.point, names=[name], labels=_labels(task_name, "sample")
+            )
+            working_dir = base.working_dir or "/"
+        else:
+            sb = await _create(d, base.image, task_name, "sample", cfg)
+            try:
+                working_dir = await _working_dir(sb, cfg)
+            except BaseException:
+                await _remove(d, sb.name)
+                raise
+        env = cls(sb.name, base.socket, cfg, working_dir)
+        env.setup_s = time.perf_counter() - t0
+        base.setup_s.append(env.setup_s)
+        return {"default": env}
+
+    @classmethod
+    async def sample_cleanup(
+        cls,
+        task_name: str,
+        config: Optional[SandboxEnvironmentConfigType],
+        environments: Dict[str, SandboxEnvironment],
+        interrupted: bool,
+    ) -> None:
+        # An interrupted sample is being cancelled: remove its sandbox anyway (shielded), and
+        # never let a cleanup failure mask why it was interrupted.
+        with anyio.CancelScope(shield=interrupted):
+            for env in environments.values():
+                if not isinstance(env, CrabSandboxEnvironment):
+                    continue
+                try:
+                    await _remove(_daemon(env._socket), env.sandbox_name)
+                except CrabError as e:
+                    if not interrupted:
+                        raise
+                    logger.warning("crab: could not remove %s: %s", env.sandbox_name, e)
+
+    @classmethod
+    async def task_cleanup(
+        cls, task_name: str, config: Optional[SandboxEnvironmentConfigType], cleanup: bool
+    ) -> None:
+        cfg = resolve_config(config)
+        base = _BASES.pop(_key(task_name, cfg), None)
+        _LOCKS.pop(_key(task_name, cfg), None)
+        if base is None:
+            return
+        d = _daemon(base.socket)
+        if not cleanup:
+            if base.sandbox:
+                print(f"crab: kept the base sandbox {base.sandbox} (remove it: crab sandbox rm {base.sandbox})")
+            return
+        if base.sandbox:
+            await _remove(d, base.sandbox)
+        # Samples of this run and task that sample_cleanup did not see (a crash, --no-sandbox-cleanup
+        # of a sample): by label.
+        want = _labels(task_name, "sample")
+        for info in await d.sandboxes():
+            labels = info.raw.get("labels") or {}
+            if labels.get(LABEL_RUN) == want[LABEL_RUN] and labels.get(LABEL_TASK) == want[LABEL_TASK]:
+                await _remove(d, info.name)
+
+    @classmethod
+    async def cli_cleanup(cls, id: Optional[str]) -> None:
+        """``inspect sandbox cleanup crab [ID]``: the sandbox named ``ID``, else every sandbox
+        this provider made on the daemon of ``$CRAB_STATE_DIR`` (any run)."""
+        d = AsyncDaemon()
+        try:
+            if id is not None:
+                await _remove(d, id)
+                return
+            for info in await d.sandboxes():
+                if LABEL_RUN in (info.raw.get("labels") or {}):
+                    await _remove(d, info.name)
+        finally:
+            await d.aclose()
+
+    # --- one sample's sandbox ----------------------------------------------------------------
+
+    @property
+    def crab_sandbox(self) -> AsyncSandbox:
+        """The SDK handle of this sample's sandbox (``CrabSnapshotStrategy`` resolves ``env``
+        through it)."""
+        return AsyncSandbox(self.sandbox_name, _daemon(self._socket))
+
+    def _path(self, file: str) -> str:
+        return file if posixpath.isabs(file) else posixpath.join(self._working_dir, file)
+
+    def _unavailable(self, e: CrabError) -> SandboxUnavailableError:
+        return SandboxUnavailableError(f"the Crab sandbox {self.sandbox_name} cannot run commands: {e}")
+
+    async def exec(
+        self,
+        cmd: List[str],
+        input: Union[str, bytes, None] = None,
+        cwd: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None,
+        user: Optional[str] = None,
+        timeout: Optional[int] = None,
+        timeout_retry: bool = True,
+        concurrency: bool = True,
+    ) -> ExecResult[str]:
+        workdir = self._working_dir if cwd is None else self._path(cwd)
+        limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+        out, err = bytearray(), bytearray()
+        exit_code: Optional[int] = None
+        timed_out = False
+        stdin = input.encode("utf-8") if isinstance(input, str) else input
+        try:
+            stream = self.crab_sandbox.exec_stream(
+                cmd, workdir, env, timeout, stdin=stdin, user=user if user is not None else self._cfg.user
+            )
+            async with aclosing(stream) as events:  # leaving early kills the command
+                async for ev in events:
+                    if ev.kind == "exit":
+                        exit_code, timed_out = ev.exit_code, ev.timed_out
+                        continue
+                    buf = out if ev.kind == "stdout" else err
+                    buf += ev.data
+                    if len(buf) > limit:
+                        raise OutputLimitExceededError(
+                            SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR,
+                            bytes(buf[:limit]).decode("utf-8", "replace"),
+                        )
+        except (SandboxNotFoundError, ConflictError, DaemonUnavailableError) as e:
+            raise self._unavailable(e) from e
+        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        if timed_out:
+            te = TimeoutError(f"Command timed out after {timeout} seconds")
+            if stdout or stderr:
+                setattr(te, "truncated_output", stdout + stderr)
+            raise te
+        code = -1 if exit_code is None else int(exit_code)
+        if code == 126 and not stdout.strip() and "permission denied" in stderr.lower():
+            raise PermissionError(f"Permission denied executing command: {shlex.join(cmd)}: {stderr.strip()}")
+        return ExecResult(success=code == 0, returncode=code, stdout=stdout, stderr=stderr)
+
+    async def write_file(self, file: str, contents: Union[str, bytes]) -> None:
+        path = self._path(file)
+        data = contents.encode("utf-8") if isinstance(contents, str) else contents
+        try:
+            await self.crab_sandbox.files.write(path, data, user=self._cfg.user)
+        except PermissionDeniedError as e:
+            raise PermissionError(errno.EACCES, f"Permission denied: {e.message}", file) from e
+        except InvalidRequestError as e:
+            if "directory" in str(e).lower():
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", file) from e
+            raise
+        except (SandboxNotFoundError, ConflictError, DaemonUnavailableError) as e:
+            raise self._unavailable(e) from e
+
+    @overload
+    async def read_file(self, file: str, text: Literal[True] = True) -> str: ...
+
+    @overload
+    async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
+
+    async def read_file(self, file: str, text: bool = True) -> Union[str, bytes]:
+        if posixpath.basename(file.rstrip("/")) in (".", ".."):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", file)
+        path = self._path(file)
+        limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
+        buf = bytearray()
+        try:
+            chunks = await self.crab_sandbox.files.read(path, format="stream", user=self._cfg.user)
+            async with aclosing(chunks) as it:
+                async for chunk in it:
+                    buf += chunk
+                    if len(buf) > limit:
+                        raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None)
+        except PathNotFoundError as e:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", file) from e
+        except PermissionDeniedError as e:
+            raise PermissionError(errno.EACCES, "Permission denied", file) from e
+        except InvalidRequestError as e:
+            if "directory" in str(e).lower():
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", file) from e
+            raise
+        except (SandboxNotFoundError, ConflictError, DaemonUnavailableError) as e:
+            raise self._unavailable(e) from e
+        return bytes(buf).decode("utf-8") if text else bytes(buf)
+
+    async def connection(self, *, user: Optional[str] = None) -> SandboxConnection:
+        """How a human attaches: ``crab exec -i`` of a login shell in this sample's sandbox
+        (Crab's exec has no terminal of its own: a line-by-line shell)."""
+        try:
+            state = await self.crab_sandbox.status()
+        except (NotFoundError, DaemonUnavailableError) as e:
+            raise ConnectionError(f"the Crab sandbox {self.sandbox_name} is not there: {e}") from e
+        if state != "running":
+            raise ConnectionError(f"the Crab sandbox {self.sandbox_name} is {state}, not running")
+        argv = ["crab"]
+        state_dir = os.path.dirname(self._socket)
+        if self._socket != socket_path(None) or state_dir != "/var/lib/crab":
+            argv += ["--state-dir", state_dir]
+        argv += ["exec", "-i"]
+        if user:
+            argv += ["-u", user]
+        argv += [self.sandbox_name, "bash", "-li"]
+        return SandboxConnection(type=PROVIDER, command=shlex.join(argv), container=self.sandbox_name)
+
+    def default_polling_interval(self) -> float:
+        return 0.2

@@ -50,13 +50,18 @@ from crab_sandbox.inspect.provider import LABEL_RUN, RUN_ID  # noqa: E402
 # Inspect's conformance checks, collected as tests of this module; they take `sandbox_env`.
 from inspect_ai.util._sandbox.self_check import *  # noqa: E402,F401,F403
 
-# What root may do that the checks expect refused (Inspect's runner lists them for its root
-# docker config too).
 # Async tests (Inspect's checks among them) run on anyio's pytest plugin, which Inspect depends
 # on; asyncio is the backend Inspect runs evals on.
 pytestmark = pytest.mark.anyio
 
-ROOT_KNOWN_FAILURES = {"test_write_text_file_without_permissions", "test_write_binary_file_without_permissions"}
+# What root may do that the checks expect refused (Inspect's runner lists the two writes for its
+# root docker config too; its docker read goes through a host copy, which a non-root host user
+# cannot open). Run as root they must fail (strict xfail); as the non-root user, pass.
+ROOT_KNOWN_FAILURES = {
+    "test_write_text_file_without_permissions": "root overwrites a read-only file",
+    "test_write_binary_file_without_permissions": "root overwrites a read-only file",
+    "test_read_file_not_allowed": "root reads a file without read permission",
+}
 NONROOT = "inspector"
 
 
@@ -83,27 +88,31 @@ def nonroot_image(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> s
 
 
 @pytest.fixture(params=["root", "nonroot"])
-async def sandbox_env(request: pytest.FixtureRequest, daemon: Daemon, tmp_path: Path) -> AsyncIterator[Any]:
-    """One sample sandbox (a fork of its task's base point) per check; the check's known failure,
-    if any, marked xfail (strict: it must fail)."""
-    check = request.node.originalname
+def crab_config(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """The config of a conformance run: None (the daemon's `debian`, as root), or a Crab config
+    file naming an image with an unprivileged account and running as it."""
     if request.param == "root":
-        config: Any = None
+        check = request.node.originalname
         if check in ROOT_KNOWN_FAILURES:
-            request.node.add_marker(pytest.mark.xfail(reason="root overwrites a read-only file", strict=True))
-    else:
-        image = request.getfixturevalue("nonroot_image")
-        f = tmp_path / "crab.yaml"
-        f.write_text(f"image: {image}\nuser: {NONROOT}\nworking_dir: /work\n")
-        config = str(f)
-    task = f"selfcheck-{request.param}"
-    await CrabSandboxEnvironment.task_init(task, config)
-    envs = await CrabSandboxEnvironment.sample_init(task, config, {})
+            request.node.add_marker(pytest.mark.xfail(reason=ROOT_KNOWN_FAILURES[check], strict=True))
+        return None
+    image = request.getfixturevalue("nonroot_image")
+    f = tmp_path / "crab.yaml"
+    f.write_text(f"image: {image}\nuser: {NONROOT}\nworking_dir: /work\n")
+    return str(f)
+
+
+@pytest.fixture
+async def sandbox_env(crab_config: Any) -> AsyncIterator[Any]:
+    """One sample sandbox (a fork of its task's base point) per check."""
+    task = "selfcheck-root" if crab_config is None else "selfcheck-nonroot"
+    await CrabSandboxEnvironment.task_init(task, crab_config)
+    envs = await CrabSandboxEnvironment.sample_init(task, crab_config, {})
     try:
         yield envs["default"]
     finally:
-        await CrabSandboxEnvironment.sample_cleanup(task, config, envs, False)
-        await CrabSandboxEnvironment.task_cleanup(task, config, True)
+        await CrabSandboxEnvironment.sample_cleanup(task, crab_config, envs, False)
+        await CrabSandboxEnvironment.task_cleanup(task, crab_config, True)
 
 
 # --- the eval ---------------------------------------------------------------------------------

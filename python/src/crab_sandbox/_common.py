@@ -266,7 +266,8 @@ def build_body(
 ) -> Dict[str, Any]:
     """An ``ImageBuildRequest`` for a Dockerfile build (paths made absolute: the daemon reads
     them on its host)."""
-    body: Dict[str, Any] = {"dockerfile": os.path.abspath(os.fspath(dockerfile)), "name": name, "no_cache": no_cache}
+    # `distro` is the request's required field of the debootstrap recipe; a Dockerfile build ignores it.
+    body: Dict[str, Any] = {"distro": "debian", "dockerfile": os.path.abspath(os.fspath(dockerfile)), "name": name, "no_cache": no_cache}
     if context is not None:
         body["context"] = os.path.abspath(os.fspath(context))
     if build_args:

@@ -99,7 +99,8 @@ class _Base:
     socket: str
     sandbox: Optional[str] = None
     point: Optional[str] = None
-    working_dir: Optional[str] = None
+    working_dir: str = "/"
+    account: str = "root"
     #: Seconds each sample's sandbox took to make (fork or create), in order.
     setup_s: List[float] = field(default_factory=list)
 
@@ -150,14 +151,15 @@ async def _ensure_image(d: AsyncDaemon, task_name: str, cfg: CrabSandboxConfig) 
     return str(info["name"])
 
 
-async def _working_dir(sb: AsyncSandbox, cfg: CrabSandboxConfig) -> str:
-    """Where ``exec`` runs when no ``cwd`` is given: the config's, else the image's (asked of
-    the sandbox, as Inspect's docker provider asks ``pwd``)."""
-    if cfg.working_dir:
-        return cfg.working_dir
-    r = await sb.exec(["pwd"], user=cfg.user)
-    wd = r.stdout.strip()
-    return wd if r.exit_code == 0 and wd.startswith("/") else "/"
+async def _probe(sb: AsyncSandbox, cfg: CrabSandboxConfig) -> Tuple[str, str]:
+    """Where ``exec`` runs when no ``cwd`` is given and who it runs as when no ``user`` is: the
+    config's, else the image's (asked of the sandbox, as Inspect's docker provider asks
+    ``pwd``). File operations then act as that account too, as they do in a docker container."""
+    r = await sb.exec(["sh", "-c", "pwd; id -un"], user=cfg.user)
+    lines = r.stdout.splitlines() if r.exit_code == 0 else []
+    wd = cfg.working_dir or (lines[0].strip() if lines and lines[0].startswith("/") else "/")
+    who = lines[1].strip() if len(lines) > 1 and lines[1].strip() else (cfg.user or "root")
+    return wd, who
 
 
 async def _create(d: AsyncDaemon, image: str, task_name: str, role: str, cfg: CrabSandboxConfig) -> AsyncSandbox:
@@ -185,12 +187,14 @@ async def _remove(d: AsyncDaemon, name: str) -> None:
 class CrabSandboxEnvironment(SandboxEnvironment):
     """One sample's Crab sandbox (see the module docstring)."""
 
-    def __init__(self, sandbox: str, socket: str, cfg: CrabSandboxConfig, working_dir: str) -> None:
+    def __init__(self, sandbox: str, socket: str, cfg: CrabSandboxConfig, working_dir: str, account: str) -> None:
         super().__init__()
         self.sandbox_name = sandbox
         self._socket = socket
         self._cfg = cfg
         self._working_dir = working_dir
+        #: The account ``exec`` runs as by default; file operations act as it.
+        self._account = account
         #: Seconds ``sample_init`` took to make this sandbox (a fork, or a create).
         self.setup_s: float = 0.0
 
@@ -230,7 +234,7 @@ class CrabSandboxEnvironment(SandboxEnvironment):
             if cfg.fork:
                 sb = await _create(d, image, task_name, "base", cfg)
                 try:
-                    base.working_dir = await _working_dir(sb, cfg)
+                    base.working_dir, base.account = await _probe(sb, cfg)
                     base.point = (await sb.checkpoint(kind="fs")).id
                 except BaseException:
                     await _remove(d, sb.name)
@@ -252,15 +256,15 @@ class CrabSandboxEnvironment(SandboxEnvironment):
             (sb,) = await AsyncSandbox(base.sandbox, d).fork(
                 1, base.point, names=[name], labels=_labels(task_name, "sample")
             )
-            working_dir = base.working_dir or "/"
+            working_dir, account = base.working_dir, base.account
         else:
             sb = await _create(d, base.image, task_name, "sample", cfg)
             try:
-                working_dir = await _working_dir(sb, cfg)
+                working_dir, account = await _probe(sb, cfg)
             except BaseException:
                 await _remove(d, sb.name)
                 raise
-        env = cls(sb.name, base.socket, cfg, working_dir)
+        env = cls(sb.name, base.socket, cfg, working_dir, account)
         env.setup_s = time.perf_counter() - t0
         base.setup_s.append(env.setup_s)
         return {"default": env}
@@ -389,7 +393,16 @@ class CrabSandboxEnvironment(SandboxEnvironment):
         path = self._path(file)
         data = contents.encode("utf-8") if isinstance(contents, str) else contents
         try:
-            await self.crab_sandbox.files.write(path, data, user=self._cfg.user)
+            if self._account != "root":
+                # The file service replaces a file by renaming a new one over it, which a user
+                # who may write the directory but not the file could do; Inspect (and open(2))
+                # expect EACCES there. Root may write anything, so it needs no look.
+                r = await self.crab_sandbox.exec(
+                    ["sh", "-c", '[ ! -e "$1" ] || [ -d "$1" ] || [ -w "$1" ]', "sh", path], user=self._account
+                )
+                if r.exit_code != 0:
+                    raise PermissionError(errno.EACCES, "Permission denied", file)
+            await self.crab_sandbox.files.write(path, data, user=self._account)
         except PermissionDeniedError as e:
             raise PermissionError(errno.EACCES, f"Permission denied: {e.message}", file) from e
         except InvalidRequestError as e:
@@ -412,7 +425,7 @@ class CrabSandboxEnvironment(SandboxEnvironment):
         limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
         buf = bytearray()
         try:
-            chunks = await self.crab_sandbox.files.read(path, format="stream", user=self._cfg.user)
+            chunks = await self.crab_sandbox.files.read(path, format="stream", user=self._account)
             async with aclosing(chunks) as it:
                 async for chunk in it:
                     buf += chunk

@@ -35,7 +35,7 @@ inspect_ai = pytest.importorskip("inspect_ai", reason="needs inspect-ai: scripts
 
 from inspect_ai import Task, eval as inspect_eval  # noqa: E402
 from inspect_ai.dataset import Sample  # noqa: E402
-from inspect_ai.model import ModelOutput, get_model  # noqa: E402
+from inspect_ai.model import ModelOutput, ModelUsage, get_model  # noqa: E402
 from inspect_ai.scorer import includes  # noqa: E402
 from inspect_ai.solver import generate, use_tools  # noqa: E402
 from inspect_ai.tool import bash  # noqa: E402
@@ -126,11 +126,14 @@ def _script(messages: List[Any], tools: Any, tool_choice: Any, config: Any) -> M
     results = [m for m in messages if m.role == "tool"]
     if len(results) == 0:
         cmd = f"mkdir -p /data && echo token-{n} > /data/sample-{n}.txt && ls /data"
-        return ModelOutput.for_tool_call("mockllm/model", "bash", {"cmd": cmd})
-    if len(results) == 1:
-        return ModelOutput.for_tool_call("mockllm/model", "bash", {"cmd": f"cat /data/sample-{n}.txt"})
-    answer = " ".join(" ".join(str(r.text).split()) for r in results)
-    return ModelOutput.from_content("mockllm/model", answer)
+        out = ModelOutput.for_tool_call("mockllm/model", "bash", {"command": cmd})
+    elif len(results) == 1:
+        out = ModelOutput.for_tool_call("mockllm/model", "bash", {"command": f"cat /data/sample-{n}.txt"})
+    else:
+        out = ModelOutput.from_content("mockllm/model", " ".join(" ".join(str(r.text).split()) for r in results))
+    # Usage given, so mockllm does not count tokens (tiktoken would fetch its encoding).
+    out.usage = ModelUsage(input_tokens=1, output_tokens=1, total_tokens=2)
+    return out
 
 
 def _task(sandbox: Any, n: int = 4) -> Task:

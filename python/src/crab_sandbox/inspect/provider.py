@@ -19,7 +19,8 @@ Life of a task (each step one or two SDK calls; the daemon does the work):
   label); ``cli_cleanup`` (``inspect sandbox cleanup crab``): every sandbox this provider made.
 
 Every sandbox it makes carries the labels ``crab.inspect.run`` (this process's run id),
-``crab.inspect.task`` and ``crab.inspect.role`` (``base`` or ``sample``), so ``crab sandbox ls``
+``crab.inspect.task``, ``crab.inspect.role`` (``base`` or ``sample``) and, on a sample, ``crab.inspect.base``
+(its base sandbox, or image with ``fork=False``), so ``crab sandbox ls``
 tells them apart and a cleanup finds them.
 """
 
@@ -76,6 +77,7 @@ PROVIDER = "crab"
 LABEL_RUN = "crab.inspect.run"
 LABEL_TASK = "crab.inspect.task"
 LABEL_ROLE = "crab.inspect.role"
+LABEL_BASE = "crab.inspect.base"
 #: One id per process: the labels of what this process's tasks made.
 RUN_ID = secrets.token_hex(4)
 DEFAULT_IMAGE = "debian"
@@ -86,8 +88,18 @@ def _slug(task_name: str, n: int = 20) -> str:
     return (s[:n].strip("-") or "task")
 
 
-def _labels(task_name: str, role: str) -> Dict[str, str]:
-    return {LABEL_RUN: RUN_ID, LABEL_TASK: _slug(task_name, 60), LABEL_ROLE: role}
+def _labels(task_name: str, role: str, base: Optional[str] = None) -> Dict[str, str]:
+    labels = {LABEL_RUN: RUN_ID, LABEL_TASK: _slug(task_name, 60), LABEL_ROLE: role}
+    if base is not None:
+        labels[LABEL_BASE] = base
+    return labels
+
+
+def _what(cfg: CrabSandboxConfig) -> str:
+    """A short name of what a config makes (the image, or the Dockerfile's directory)."""
+    if cfg.dockerfile is not None:
+        return _slug(Path(cfg.dockerfile).parent.name or "build", 16)
+    return _slug(cfg.image or DEFAULT_IMAGE, 16)
 
 
 @dataclass
@@ -105,13 +117,15 @@ class _Base:
     setup_s: List[float] = field(default_factory=list)
 
 
-# Process-wide, not a ContextVar: Inspect may run task_init in a sibling task of the samples.
-_BASES: Dict[Tuple[str, str], _Base] = {}
-_LOCKS: Dict[Tuple[str, str], asyncio.Lock] = {}
+# Keyed by the config alone: Inspect's eval calls `task_init("startup", config)` and
+# `task_cleanup("shutdown", config, …)`, and `sample_init` with the task's own name. Process-wide,
+# not a ContextVar: Inspect may run task_init in a sibling task of the samples.
+_BASES: Dict[str, _Base] = {}
+_LOCKS: Dict[str, asyncio.Lock] = {}
 
 
-def _key(task_name: str, cfg: CrabSandboxConfig) -> Tuple[str, str]:
-    return (task_name, cfg.model_dump_json())
+def _key(cfg: CrabSandboxConfig) -> str:
+    return cfg.model_dump_json()
 
 
 def _daemon(socket: str) -> AsyncDaemon:
@@ -120,21 +134,21 @@ def _daemon(socket: str) -> AsyncDaemon:
     return default_async_daemon(socket)
 
 
-def _image_name(task_name: str, cfg: CrabSandboxConfig) -> str:
+def _image_name(cfg: CrabSandboxConfig) -> str:
     """A stable image name for a Dockerfile build: the same Dockerfile and context build into
     the same name (the daemon's step cache makes a rebuild of an unchanged one a no-op)."""
     h = hashlib.sha256(f"{cfg.dockerfile}\0{cfg.context}".encode()).hexdigest()[:12]
-    return f"inspect-{_slug(task_name, 24)}-{h}"
+    return f"inspect-{_what(cfg)}-{h}"
 
 
-async def _ensure_image(d: AsyncDaemon, task_name: str, cfg: CrabSandboxConfig) -> str:
+async def _ensure_image(d: AsyncDaemon, cfg: CrabSandboxConfig) -> str:
     """The image the config names, built or pulled first when it must be."""
     if cfg.dockerfile is not None:
         if not Path(cfg.dockerfile).is_file():
             raise InvalidRequestError(
                 f"the Dockerfile {cfg.dockerfile} does not exist", "check the compose file's build: context and dockerfile"
             )
-        name = _image_name(task_name, cfg)
+        name = _image_name(cfg)
         logger.info("crab: building %s into image %s", cfg.dockerfile, name)
         await d.build_image(cfg.dockerfile, name, context=cfg.context, build_args=cfg.build_args or None)
         return name
@@ -162,15 +176,15 @@ async def _probe(sb: AsyncSandbox, cfg: CrabSandboxConfig) -> Tuple[str, str]:
     return wd, who
 
 
-async def _create(d: AsyncDaemon, image: str, task_name: str, role: str, cfg: CrabSandboxConfig) -> AsyncSandbox:
+async def _create(d: AsyncDaemon, image: str, name: str, labels: Dict[str, str], cfg: CrabSandboxConfig) -> AsyncSandbox:
     return await AsyncSandbox.create(
         image,
-        name=f"insp-{_slug(task_name)}-{secrets.token_hex(4)}{'-base' if role == 'base' else ''}",
+        name=name,
         memory=cfg.memory,
         cpus=cfg.cpus,
         network=cfg.network,
         pids=cfg.pids,
-        labels=_labels(task_name, role),
+        labels=labels,
         envs=cfg.environment or None,
         daemon=d,
     )
@@ -218,10 +232,11 @@ class CrabSandboxEnvironment(SandboxEnvironment):
 
     @classmethod
     async def _base(cls, task_name: str, config: Any) -> _Base:
-        """The task's base, made once per (task, config) — by ``task_init``, or by the first
+        """The base of a config, made once per config (Inspect names the task ``startup`` in
+        ``task_init``, the task itself in ``sample_init``) — by ``task_init``, or by the first
         ``sample_init`` when a caller skipped it."""
         cfg = resolve_config(config)
-        key = _key(task_name, cfg)
+        key = _key(cfg)
         lock = _LOCKS.setdefault(key, asyncio.Lock())
         async with lock:
             base = _BASES.get(key)
@@ -229,10 +244,11 @@ class CrabSandboxEnvironment(SandboxEnvironment):
                 return base
             sock = socket_path(cfg.socket)
             d = _daemon(sock)
-            image = await _ensure_image(d, task_name, cfg)
+            image = await _ensure_image(d, cfg)
             base = _Base(image=image, socket=sock)
             if cfg.fork:
-                sb = await _create(d, image, task_name, "base", cfg)
+                name = f"insp-{_what(cfg)}-{secrets.token_hex(4)}-base"
+                sb = await _create(d, image, name, _labels(task_name, "base"), cfg)
                 try:
                     base.working_dir, base.account = await _probe(sb, cfg)
                     base.point = (await sb.checkpoint(kind="fs")).id
@@ -251,14 +267,13 @@ class CrabSandboxEnvironment(SandboxEnvironment):
         base = await cls._base(task_name, config)
         d = _daemon(base.socket)
         t0 = time.perf_counter()
+        name = f"insp-{_slug(task_name)}-{secrets.token_hex(4)}"
+        labels = _labels(task_name, "sample", base.sandbox or base.image)
         if base.sandbox is not None:
-            name = f"insp-{_slug(task_name)}-{secrets.token_hex(4)}"
-            (sb,) = await AsyncSandbox(base.sandbox, d).fork(
-                1, base.point, names=[name], labels=_labels(task_name, "sample")
-            )
+            (sb,) = await AsyncSandbox(base.sandbox, d).fork(1, base.point, names=[name], labels=labels)
             working_dir, account = base.working_dir, base.account
         else:
-            sb = await _create(d, base.image, task_name, "sample", cfg)
+            sb = await _create(d, base.image, name, labels, cfg)
             try:
                 working_dir, account = await _probe(sb, cfg)
             except BaseException:
@@ -295,8 +310,8 @@ class CrabSandboxEnvironment(SandboxEnvironment):
         cls, task_name: str, config: Optional[SandboxEnvironmentConfigType], cleanup: bool
     ) -> None:
         cfg = resolve_config(config)
-        base = _BASES.pop(_key(task_name, cfg), None)
-        _LOCKS.pop(_key(task_name, cfg), None)
+        base = _BASES.pop(_key(cfg), None)
+        _LOCKS.pop(_key(cfg), None)
         if base is None:
             return
         d = _daemon(base.socket)
@@ -306,12 +321,12 @@ class CrabSandboxEnvironment(SandboxEnvironment):
             return
         if base.sandbox:
             await _remove(d, base.sandbox)
-        # Samples of this run and task that sample_cleanup did not see (a crash, --no-sandbox-cleanup
-        # of a sample): by label.
-        want = _labels(task_name, "sample")
+        # Samples of this run and base that sample_cleanup did not remove (a crash, an
+        # interruption): by label.
+        mine = base.sandbox or base.image
         for info in await d.sandboxes():
             labels = info.raw.get("labels") or {}
-            if labels.get(LABEL_RUN) == want[LABEL_RUN] and labels.get(LABEL_TASK) == want[LABEL_TASK]:
+            if labels.get(LABEL_RUN) == RUN_ID and labels.get(LABEL_BASE) == mine:
                 await _remove(d, info.name)
 
     @classmethod

@@ -23,15 +23,20 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, List
+from typing import Any, AsyncIterator, Dict, Iterator, List
 
 import pytest
 
-from conftest import ROOT, cannot_run, state_dir
+from conftest import ROOT, must_run
 
-inspect_ai = pytest.importorskip("inspect_ai", reason="needs inspect-ai: scripts/install-python-sdk.sh --with-inspect")
+try:
+    import inspect_ai  # noqa: F401
+except ImportError:
+    why = "needs inspect-ai: run in the venv of scripts/install-python-sdk.sh --with-inspect"
+    if must_run():
+        raise ImportError(f"cannot run, and CRAB_REQUIRE_PRIVILEGED=1 says it must: {why}") from None
+    pytest.skip(why, allow_module_level=True)
 
 from inspect_ai import Task, eval as inspect_eval  # noqa: E402
 from inspect_ai.dataset import Sample  # noqa: E402
@@ -41,7 +46,6 @@ from inspect_ai.solver import generate, use_tools  # noqa: E402
 from inspect_ai.tool import bash  # noqa: E402
 from inspect_ai.util import SandboxEnvironmentSpec  # noqa: E402
 
-import crab_sandbox  # noqa: E402
 from crab_sandbox import Daemon, InvalidRequestError  # noqa: E402
 from crab_sandbox.inspect import CrabSandboxConfig, CrabSandboxEnvironment  # noqa: E402
 from crab_sandbox.inspect.config import resolve_config  # noqa: E402
@@ -75,7 +79,7 @@ def _provider_sandboxes(d: Daemon) -> List[str]:
 
 
 @pytest.fixture(scope="module")
-def nonroot_image(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> str:
+def nonroot_image(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Crab image with an unprivileged account, built from a Dockerfile by the daemon."""
     ctx = tmp_path_factory.mktemp("nonroot")
     (ctx / "Dockerfile").write_text(
@@ -84,7 +88,8 @@ def nonroot_image(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> s
     )
     name = "inspect-test-nonroot"
     daemon.build_image(ctx / "Dockerfile", name)
-    return name
+    yield name
+    daemon.request("DELETE", f"/v1/images/{name}")
 
 
 @pytest.fixture(params=["root", "nonroot"])
@@ -211,10 +216,16 @@ def test_compose_with_a_build_dockerfile(daemon: Daemon, tmp_path: Path) -> None
             await CrabSandboxEnvironment.sample_cleanup(task, str(compose), envs, False)
             await CrabSandboxEnvironment.task_cleanup(task, str(compose), True)
 
-    asyncio.run(go())
-    # An eval through the tuple form too (Inspect resolves the path against the task's dir).
-    log = _run(_task(("crab", str(compose))), tmp_path)
-    _check_log(log)
+    images = {i["name"] for i in daemon.images()}
+    try:
+        asyncio.run(go())
+        # An eval through the tuple form too (Inspect resolves the path against the task's dir).
+        log = _run(_task(("crab", str(compose))), tmp_path)
+        _check_log(log)
+    finally:
+        for name in {i["name"] for i in daemon.images()} - images:
+            if name.startswith("inspect-env-"):
+                daemon.request("DELETE", f"/v1/images/{name}")
 
 
 def test_refusals_name_what_cannot_be_honoured(tmp_path: Path) -> None:

@@ -25,9 +25,8 @@ Parsing is bounded: a config file over 1 MiB is refused before it is read whole.
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -105,8 +104,7 @@ _TAKEN = {
     "user", "environment", "command", "entrypoint", "x-default", "x_default",
 }
 _IGNORED = {  # harmless for a Crab sandbox: it has its own init and no restart policy
-    "init", "restart", "stop_grace_period", "stdin_open", "tty", "pull_policy", "mem_reservation", "platform",
-    "hostname", "x-local",
+    "init", "restart", "stop_grace_period", "stdin_open", "tty", "pull_policy", "mem_reservation", "x-local",
 }
 _IDLE = {"tail -f /dev/null", "sleep infinity", "sleep inf"}
 
@@ -194,8 +192,11 @@ def from_compose(raw: Dict[str, Any], base: Path, source: str) -> CrabSandboxCon
     (svc_name, svc), = services.items()
     if not isinstance(svc, dict):
         svc = svc.model_dump(exclude_none=True, by_alias=True) if hasattr(svc, "model_dump") else {}
+    platform = svc.get("platform")
+    if platform not in (None, "linux/amd64"):
+        raise _refuse(f"platform {platform!r}", source, "Crab runs linux/amd64 images on this host")
     for key, val in svc.items():
-        if key in _TAKEN or key in _IGNORED or str(key).startswith("x-") or val in (None, [], {}):
+        if key == "platform" or key in _TAKEN or key in _IGNORED or str(key).startswith("x-") or val in (None, [], {}):
             continue
         raise _refuse(f"service {svc_name!r} sets {key!r}", source, f"remove {key!r} from the service")
     for key in ("command", "entrypoint"):
@@ -293,14 +294,3 @@ def resolve_config(config: Any) -> CrabSandboxConfig:
         f"the crab sandbox cannot use a {type(config).__name__} config",
         "pass a compose.yaml / Dockerfile / Crab config file path, or a CrabSandboxConfig",
     )
-
-
-def idle_commands() -> List[str]:
-    """The compose ``command``s accepted as "keep it running" (a Crab sandbox runs anyway)."""
-    return sorted(_IDLE)
-
-
-def describe(cfg: CrabSandboxConfig) -> str:
-    """One line naming what the config makes (for errors and logs)."""
-    what = f"dockerfile {shlex.quote(cfg.dockerfile)}" if cfg.dockerfile else f"image {cfg.image or 'debian'}"
-    return f"{what}, network {cfg.network}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, List
 
 import pytest
 
-from conftest import ROOT, must_run
+from conftest import ROOT, crab_bin, must_run
 
 try:
     import inspect_ai  # noqa: F401
@@ -166,10 +167,14 @@ def _check_log(log: Any) -> None:
     assert metrics["accuracy"].value == 1.0, metrics
 
 
-@pytest.mark.parametrize("fork", [True, False], ids=["fork-from-base", "fresh-per-sample"])
-def test_eval_with_mockllm_bash_4_samples(daemon: Daemon, tmp_path: Path, fork: bool) -> None:
+@pytest.mark.parametrize(
+    "sandbox",
+    ["crab", SandboxEnvironmentSpec("crab", CrabSandboxConfig(fork=False))],
+    ids=["crab-fork-from-base", "crab-fresh-per-sample"],
+)
+def test_eval_with_mockllm_bash_4_samples(daemon: Daemon, tmp_path: Path, sandbox: Any) -> None:
     before = set(_provider_sandboxes(daemon))
-    log = _run(_task(SandboxEnvironmentSpec("crab", CrabSandboxConfig(fork=fork))), tmp_path)
+    log = _run(_task(sandbox), tmp_path)
     _check_log(log)
     assert set(_provider_sandboxes(daemon)) == before, "the eval left sandboxes behind"
 
@@ -211,7 +216,14 @@ def test_compose_with_a_build_dockerfile(daemon: Daemon, tmp_path: Path) -> None
             assert raw["limits"]["memory_bytes"] == 1 << 30, raw["limits"]
             assert raw["limits"]["cpu_millis"] == 1500, raw["limits"]
             conn = await env.connection()
-            assert conn.type == "crab" and env.sandbox_name in conn.command and " exec -i " in conn.command, conn
+            assert conn.type == "crab" and conn.container == env.sandbox_name, conn
+            # The command a human is told attaches for real: a login shell in the sample.
+            argv = shlex.split(conn.command)
+            assert argv[0] == "crab" and "exec" in argv, conn.command
+            attached = subprocess.run(
+                [crab_bin(), *argv[1:]], input=b"echo attached-$(pwd)\nexit\n", capture_output=True, timeout=60
+            )
+            assert b"attached-/srv" in attached.stdout, (conn.command, attached)
         finally:
             await CrabSandboxEnvironment.sample_cleanup(task, str(compose), envs, False)
             await CrabSandboxEnvironment.task_cleanup(task, str(compose), True)

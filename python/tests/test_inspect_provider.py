@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, List
 
 import pytest
 
-from conftest import ROOT, crab_bin, must_run
+from conftest import ROOT, cannot_run, crab_bin, must_run
 
 try:
     import inspect_ai  # noqa: F401
@@ -358,3 +358,57 @@ def test_sample_setup_fork_vs_fresh(daemon: Daemon) -> None:
     print("  fork ms:", [round(t * 1e3, 1) for t in times["fork"]])
     print("  fresh ms:", [round(t * 1e3, 1) for t in times["fresh"]])
     assert all(t > 0 for v in times.values() for t in v)
+
+
+REGISTRY_PORT = 5771  # the Rust tests use 5761-5764
+
+
+def test_registry_image_is_pulled_once_per_task(daemon: Daemon, tmp_path: Path) -> None:
+    """A config naming a registry reference no Crab image has: `task_init` pulls it (a
+    loopback registry of scripts/test-registry.sh, the fixtures of scripts/test-images.sh),
+    samples fork it; the image's own WorkingDir and User (the `layers` fixture: /app, 1000:1000)
+    are where and as whom `exec` runs."""
+    reg = tmp_path / "registry"
+    scripts = ROOT / "scripts"
+    try:
+        subprocess.run([scripts / "test-registry.sh", "start", str(reg), str(REGISTRY_PORT)], check=True, capture_output=True)
+        cache = ROOT / "target" / "test-images"
+        subprocess.run(
+            [scripts / "test-images.sh", "push", str(cache), f"127.0.0.1:{REGISTRY_PORT}"], check=True, capture_output=True
+        )
+    except (OSError, subprocess.CalledProcessError) as e:
+        cannot_run(f"no loopback registry (scripts/test-registry.sh, test-images.sh): {e}")
+    ref = f"127.0.0.1:{REGISTRY_PORT}/layers:1"
+    cfg_file = tmp_path / "crab.yaml"
+    cfg_file.write_text(f"image: {ref}\ninsecure_registry: true\nnetwork: none\n")
+    before = {i["name"] for i in daemon.images()}
+
+    async def go() -> None:
+        task = "pulled"
+        await CrabSandboxEnvironment.task_init(task, str(cfg_file))
+        try:
+            for _ in range(2):
+                envs = await CrabSandboxEnvironment.sample_init(task, str(cfg_file), {})
+                env = envs["default"]
+                try:
+                    r = await env.exec(["sh", "-c", "pwd; id -u; cat /data/real/file 2>/dev/null || ls /data"])
+                    assert r.success, r.stderr
+                    lines = r.stdout.split()
+                    assert lines[:2] == ["/app", "1000"], r.stdout
+                    await env.write_file("note.txt", "mine")  # relative: /app, as user 1000
+                    assert await env.read_file("/app/note.txt") == "mine"
+                finally:
+                    await CrabSandboxEnvironment.sample_cleanup(task, str(cfg_file), envs, False)
+        finally:
+            await CrabSandboxEnvironment.task_cleanup(task, str(cfg_file), True)
+
+    try:
+        asyncio.run(go())
+        pulled = [i for i in daemon.images() if i["name"] not in before]
+        assert [i.get("reference") for i in pulled] in ([], [ref]), pulled  # pulled at most once
+        assert any(i.get("reference") == ref for i in daemon.images()), "the reference was not pulled"
+    finally:
+        subprocess.run([scripts / "test-registry.sh", "stop", str(reg), str(REGISTRY_PORT)], capture_output=True)
+        for i in daemon.images():
+            if i["name"] not in before and i.get("reference") == ref:
+                daemon.request("DELETE", f"/v1/images/{i['name']}")

@@ -404,20 +404,38 @@ class CrabSandboxEnvironment(SandboxEnvironment):
             raise PermissionError(f"Permission denied executing command: {shlex.join(cmd)}: {stderr.strip()}")
         return ExecResult(success=code == 0, returncode=code, stdout=stdout, stderr=stderr)
 
+    # Root's files go through the daemon's file service (streamed, no command). Another account's
+    # go through `exec` as that account — the daemon's own account switch — as a docker
+    # container's do: the file service switches with `setpriv`, which minimal images lack, and it
+    # replaces a file by renaming a new one over it, which a user who may write the directory
+    # but not the file could do (Inspect, like open(2), expects EACCES). Only POSIX sh and `cat`
+    # are needed; the exit codes are the file service's (43 permission, 44 missing, 47 a
+    # directory).
+    _WRITE_SH = (
+        'd=${1%/*}; [ -n "$d" ] || d=/; [ -d "$d" ] || mkdir -p -- "$d" 2>/dev/null || exit 43; '
+        '[ -d "$1" ] && exit 47; (: >> "$1") 2>/dev/null || exit 43; exec cat > "$1"'
+    )
+    _READ_SH = '[ -e "$1" ] || exit 44; [ -d "$1" ] && exit 47; [ -r "$1" ] || exit 43; exec cat -- "$1"'
+
+    def _file_error(self, code: int, file: str, what: str, stderr: str) -> OSError:
+        if code == 43:
+            return PermissionError(errno.EACCES, "Permission denied", file)
+        if code == 44:
+            return FileNotFoundError(errno.ENOENT, "No such file or directory", file)
+        if code == 47:
+            return IsADirectoryError(errno.EISDIR, "Is a directory", file)
+        return OSError(errno.EIO, f"{what} failed in {self.sandbox_name} (exit {code}): {stderr.strip()[-500:]}", file)
+
     async def write_file(self, file: str, contents: Union[str, bytes]) -> None:
         path = self._path(file)
         data = contents.encode("utf-8") if isinstance(contents, str) else contents
         try:
-            if self._account != "root":
-                # The file service replaces a file by renaming a new one over it, which a user
-                # who may write the directory but not the file could do; Inspect (and open(2))
-                # expect EACCES there. Root may write anything, so it needs no look.
-                r = await self.crab_sandbox.exec(
-                    ["sh", "-c", '[ ! -e "$1" ] || [ -d "$1" ] || [ -w "$1" ]', "sh", path], user=self._account
-                )
-                if r.exit_code != 0:
-                    raise PermissionError(errno.EACCES, "Permission denied", file)
-            await self.crab_sandbox.files.write(path, data, user=self._account)
+            if self._account == "root":
+                await self.crab_sandbox.files.write(path, data)
+                return
+            r = await self.crab_sandbox.exec(["sh", "-c", self._WRITE_SH, "sh", path], stdin=data, user=self._account)
+            if r.exit_code != 0:
+                raise self._file_error(r.exit_code, file, "write_file", r.stderr)
         except PermissionDeniedError as e:
             raise PermissionError(errno.EACCES, f"Permission denied: {e.message}", file) from e
         except InvalidRequestError as e:
@@ -438,11 +456,23 @@ class CrabSandboxEnvironment(SandboxEnvironment):
             raise IsADirectoryError(errno.EISDIR, "Is a directory", file)
         path = self._path(file)
         limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
-        buf = bytearray()
+        buf, err = bytearray(), bytearray()
+        code = 0
         try:
-            chunks = await self.crab_sandbox.files.read(path, format="stream", user=self._account)
-            async with aclosing(chunks) as it:
+            if self._account == "root":
+                chunks: Any = await self.crab_sandbox.files.read(path, format="stream")
+            else:
+                chunks = self.crab_sandbox.exec_stream(["sh", "-c", self._READ_SH, "sh", path], user=self._account)
+            async with aclosing(chunks) as it:  # leaving early ends the transfer (or kills `cat`)
                 async for chunk in it:
+                    if not isinstance(chunk, (bytes, bytearray)):  # an exec event
+                        if chunk.kind == "exit":
+                            code = int(chunk.exit_code if chunk.exit_code is not None else -1)
+                            continue
+                        if chunk.kind == "stderr":
+                            err += chunk.data[: 1 << 16]
+                            continue
+                        chunk = chunk.data
                     buf += chunk
                     if len(buf) > limit:
                         raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None)
@@ -456,6 +486,8 @@ class CrabSandboxEnvironment(SandboxEnvironment):
             raise
         except (SandboxNotFoundError, ConflictError, DaemonUnavailableError) as e:
             raise self._unavailable(e) from e
+        if code != 0:
+            raise self._file_error(code, file, "read_file", err.decode("utf-8", "replace"))
         return bytes(buf).decode("utf-8") if text else bytes(buf)
 
     async def connection(self, *, user: Optional[str] = None) -> SandboxConnection:

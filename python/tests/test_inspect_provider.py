@@ -412,3 +412,35 @@ def test_registry_image_is_pulled_once_per_task(daemon: Daemon, tmp_path: Path) 
         for i in daemon.images():
             if i["name"] not in before and i.get("reference") == ref:
                 daemon.request("DELETE", f"/v1/images/{i['name']}")
+
+
+def test_snapshot_strategy_takes_the_provider_env(daemon: Daemon, tmp_path: Path) -> None:
+    """`CrabSnapshotStrategy` resolves a provider env through its `crab_sandbox`: a snapshot of one
+    sample restored into another sample's fresh sandbox gives back its files."""
+    from types import SimpleNamespace
+
+    from crab_sandbox.inspect import CrabSnapshotStrategy
+
+    async def go() -> None:
+        task = "snapshots"
+        await CrabSandboxEnvironment.task_init(task, None)
+        a = await CrabSandboxEnvironment.sample_init(task, None, {})
+        b = await CrabSandboxEnvironment.sample_init(task, None, {})
+        try:
+            env_a, env_b = a["default"], b["default"]
+            strat = CrabSnapshotStrategy("fs")
+            ctx = SimpleNamespace(sandbox_name="default", storage_dir=str(tmp_path / "snaps"), resuming=False)
+            await strat.setup(env_a, ctx)
+            await env_a.write_file("/work/progress.txt", "turn 3")
+            ref = await strat.snapshot(env_a, ["/work"], 1, ctx)
+            assert ref.snapshot_id.startswith(env_a.sandbox_name + "@"), ref
+            with pytest.raises(FileNotFoundError):
+                await env_b.read_file("/work/progress.txt")
+            await strat.restore(env_b, ref, ctx)
+            assert await env_b.read_file("/work/progress.txt") == "turn 3"
+        finally:
+            await CrabSandboxEnvironment.sample_cleanup(task, None, a, False)
+            await CrabSandboxEnvironment.sample_cleanup(task, None, b, False)
+            await CrabSandboxEnvironment.task_cleanup(task, None, True)
+
+    asyncio.run(go())

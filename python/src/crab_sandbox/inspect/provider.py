@@ -37,7 +37,7 @@ import secrets
 import shlex
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union, overload
 
@@ -113,8 +113,6 @@ class _Base:
     point: Optional[str] = None
     working_dir: str = "/"
     account: str = "root"
-    #: Seconds each sample's sandbox took to make (fork or create), in order.
-    setup_s: List[float] = field(default_factory=list)
 
 
 # Keyed by the config alone: Inspect's eval calls `task_init("startup", config)` and
@@ -281,7 +279,7 @@ class CrabSandboxEnvironment(SandboxEnvironment):
                 raise
         env = cls(sb.name, base.socket, cfg, working_dir, account)
         env.setup_s = time.perf_counter() - t0
-        base.setup_s.append(env.setup_s)
+        logger.debug("crab: sample sandbox %s ready in %.1f ms", sb.name, env.setup_s * 1e3)
         return {"default": env}
 
     @classmethod

@@ -368,7 +368,9 @@ def test_registry_image_is_pulled_once_per_task(daemon: Daemon, tmp_path: Path) 
     loopback registry of scripts/test-registry.sh, the fixtures of scripts/test-images.sh),
     samples fork it; the image's own WorkingDir and User (the `layers` fixture: /app, 1000:1000)
     are where and as whom `exec` runs."""
-    reg = tmp_path / "registry"
+    # A fixed directory, as the Rust registry tests use: `start` first stops a registry an
+    # interrupted run left there.
+    reg = Path(f"/tmp/crab-test-registry-{REGISTRY_PORT}")
     scripts = ROOT / "scripts"
     try:
         subprocess.run([scripts / "test-registry.sh", "start", str(reg), str(REGISTRY_PORT)], check=True, capture_output=True)

@@ -53,9 +53,10 @@ test: build lint
 
 # The Python SDK (python/) against the running daemon, in the venv of scripts/install-python-sdk.sh;
 # test_ray.py starts a two-node Ray cluster on loopback with two more daemons of its own;
-# test_mini_swe_agent.py runs the real mini-swe-agent through a crab-docker link.
+# test_mini_swe_agent.py runs the real mini-swe-agent through a crab-docker link;
+# test_inspect_provider.py runs Inspect AI's own sandbox checks and an eval on `sandbox="crab"`.
 test-python:
-	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh --with-ray --with-agents | tail -n 1) -m pytest python/tests -q
+	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh --with-ray --with-agents --with-inspect | tail -n 1) -m pytest python/tests -q
 
 bench: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
 bench: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys

@@ -15,11 +15,15 @@
 #   --with-ray      the pinned Ray for the Ray integration tests (python/tests/test_ray.py)
 #   --with-agents   the pinned mini-swe-agent, run for real through `crab docker`
 #                   (python/tests/test_mini_swe_agent.py; ≈ 1 min and ≈ 700 MB the first time)
+#   --with-inspect  the pinned Inspect AI, for the `sandbox="crab"` provider's tests
+#                   (python/tests/test_inspect_provider.py: Inspect's own conformance checks
+#                   and a mockllm eval)
 set -euo pipefail
 
 PINS=(httpx==0.28.1 pytest==9.2.0 setuptools==80.9.0 wheel==0.45.1)
 RAY_PINS=(ray==2.60.0)
 AGENT_PINS=(mini-swe-agent==2.4.6)
+INSPECT_PINS=(inspect-ai==0.3.285)
 VENV=${CRAB_PY_VENV:-/opt/crab/python-sdk/venv}
 
 want=("${PINS[@]}")
@@ -27,7 +31,8 @@ for arg in "$@"; do
     case "$arg" in
         --with-ray) want+=("${RAY_PINS[@]}") ;;
         --with-agents) want+=("${AGENT_PINS[@]}") ;;
-        *) echo "usage: $0 [--with-ray] [--with-agents]" >&2; exit 2 ;;
+        --with-inspect) want+=("${INSPECT_PINS[@]}") ;;
+        *) echo "usage: $0 [--with-ray] [--with-agents] [--with-inspect]" >&2; exit 2 ;;
     esac
 done
 STAMP=$VENV/.crab-pins

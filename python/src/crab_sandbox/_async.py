@@ -86,6 +86,46 @@ class AsyncDaemon:
     async def sandboxes(self) -> List[SandboxInfo]:
         return [SandboxInfo.from_json(v) for v in await self.request("GET", "/v1/sandboxes")]
 
+    async def progress(self, path: str, body: Any, on_progress: c.ProgressCallback = None) -> Any:
+        """See :meth:`crab_sandbox.Daemon.progress`."""
+        fold = c.ProgressResult(on_progress)
+        async for frame in self.frames(path, body):
+            fold.feed(frame)
+        return fold.value()
+
+    async def images(self) -> List[Dict[str, Any]]:
+        v: List[Dict[str, Any]] = await self.request("GET", "/v1/images")
+        return v
+
+    async def build_image(
+        self,
+        dockerfile: c.PathLike,
+        name: str,
+        *,
+        context: Optional[c.PathLike] = None,
+        build_args: Optional[Mapping[str, str]] = None,
+        no_cache: bool = False,
+        on_progress: c.ProgressCallback = None,
+    ) -> Dict[str, Any]:
+        """See :meth:`crab_sandbox.Daemon.build_image`."""
+        body = c.build_body(dockerfile, name, context, build_args, no_cache)
+        r: Dict[str, Any] = await self.progress("/v1/images/build", body, on_progress)
+        return r
+
+    async def pull_image(
+        self,
+        reference: str,
+        name: Optional[str] = None,
+        *,
+        platform: Optional[str] = None,
+        insecure: bool = False,
+        on_progress: c.ProgressCallback = None,
+    ) -> Dict[str, Any]:
+        """See :meth:`crab_sandbox.Daemon.pull_image`."""
+        body = c.pull_body(reference, name, platform, insecure)
+        r: Dict[str, Any] = await self.progress("/v1/images/pull", body, on_progress)
+        return r
+
     async def aclose(self) -> None:
         await self._http.aclose()
 
@@ -211,11 +251,12 @@ class AsyncSandbox:
         timeout: Optional[float] = None,
         *,
         stdin: c.Stdin = None,
+        user: Optional[str] = None,
     ) -> AsyncIterator[ExecEvent]:
         """See :meth:`Sandbox.exec_stream` (``stdin`` may also be an async iterable of bytes)."""
         inline, streamed = c.plan_stdin(stdin)
         if streamed is None:
-            async for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, inline)):
+            async for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, inline, user=user)):
                 yield c.event_of(frame)
             return
         session = c.session_name()
@@ -242,7 +283,7 @@ class AsyncSandbox:
                     pass
 
         tasks: List["asyncio.Task[None]"] = []
-        body = c.exec_body(cmd, cwd, env, timeout, None, session=session)
+        body = c.exec_body(cmd, cwd, env, timeout, None, session=session, user=user)
         try:
             async for frame in self.daemon.frames(
                 f"{self._base}/exec", body, on_open=lambda: tasks.append(asyncio.ensure_future(feed()))
@@ -264,9 +305,10 @@ class AsyncSandbox:
         timeout: Optional[float] = None,
         *,
         stdin: c.Stdin = None,
+        user: Optional[str] = None,
     ) -> ExecResult:
         col = c.Collector()
-        async for ev in self.exec_stream(cmd, cwd, env, timeout, stdin=stdin):
+        async for ev in self.exec_stream(cmd, cwd, env, timeout, stdin=stdin, user=user):
             col.feed(ev)
         return col.result()
 
@@ -348,9 +390,14 @@ class AsyncSandbox:
         return RestoreReport.from_json(v)
 
     async def fork(
-        self, count: int, point: PointRef = None, *, names: Optional[Sequence[str]] = None
+        self,
+        count: int,
+        point: PointRef = None,
+        *,
+        names: Optional[Sequence[str]] = None,
+        labels: Optional[Mapping[str, str]] = None,
     ) -> List["AsyncSandbox"]:
-        body = {"checkpoint": _point_id(point), "count": count, "names": list(names) if names else None}
+        body = c.fork_body(_point_id(point), count, names, labels)
         v = await self.daemon.request("POST", f"{self._base}/fork", body)
         return [type(self)(str(b["sandbox"]), self.daemon) for b in v]
 

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import secrets
-from typing import IO, Any, AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import IO, Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
 import httpx
@@ -214,10 +214,13 @@ def exec_body(
     timeout: Optional[float] = None,
     stdin: Optional[bytes] = None,
     session: Optional[str] = None,
+    user: Optional[str] = None,
 ) -> Dict[str, Any]:
+    """An ``ExecRequest``. ``user``: ``name``, ``uid``, ``name:group`` or ``uid:gid`` (the
+    daemon's own account switch; default the image's ``User``, else root)."""
     if isinstance(stdin, str):
         stdin = stdin.encode()
-    return {
+    body = {
         "cmd": argv(cmd),
         "env": [f"{k}={v}" for k, v in (env or {}).items()],
         "workdir": cwd,
@@ -225,6 +228,66 @@ def exec_body(
         "stdin_b64": None if stdin is None else base64.b64encode(stdin).decode("ascii"),
         "stdin_session": session,
     }
+    if user is not None:
+        body["user"] = user
+    return body
+
+
+#: Called with each frame of a progress stream (``stage``, ``advance``, ``message``).
+ProgressCallback = Optional[Callable[[Mapping[str, Any]], Any]]
+
+
+class ProgressResult:
+    """Folds a progress stream (``docs/api.md``, "Streams"): hands each frame to ``on_progress``
+    and keeps the ``done`` frame's result; an ``error`` frame raises the daemon's error."""
+
+    def __init__(self, on_progress: ProgressCallback = None) -> None:
+        self.on_progress = on_progress
+        self.result: Any = None
+        self.done = False
+
+    def feed(self, frame: Mapping[str, Any]) -> None:
+        t = frame.get("t")
+        if t == "done":
+            self.result, self.done = frame.get("result"), True
+        elif t == "error":
+            raise error_from_body(frame.get("error"))
+        elif self.on_progress is not None:
+            self.on_progress(frame)
+
+    def value(self) -> Any:
+        if not self.done:
+            raise InternalError("the daemon ended a progress stream without a result", "see the daemon's log")
+        return self.result
+
+
+def build_body(
+    dockerfile: PathLike, name: str, context: Optional[PathLike], build_args: Optional[Mapping[str, str]], no_cache: bool
+) -> Dict[str, Any]:
+    """An ``ImageBuildRequest`` for a Dockerfile build (paths made absolute: the daemon reads
+    them on its host)."""
+    # `distro` is the request's required field of the debootstrap recipe; a Dockerfile build ignores it.
+    body: Dict[str, Any] = {"distro": "debian", "dockerfile": os.path.abspath(os.fspath(dockerfile)), "name": name, "no_cache": no_cache}
+    if context is not None:
+        body["context"] = os.path.abspath(os.fspath(context))
+    if build_args:
+        body["build_args"] = dict(build_args)
+    return body
+
+
+def pull_body(reference: str, name: Optional[str], platform: Optional[str], insecure: bool) -> Dict[str, Any]:
+    """An ``ImagePullRequest``."""
+    return {"reference": reference, "name": name, "platform": platform, "insecure": insecure}
+
+
+def fork_body(
+    point: Optional[str], count: int, names: Optional[Sequence[str]], labels: Optional[Mapping[str, str]]
+) -> Dict[str, Any]:
+    """A ``ForkRequest``; ``labels`` replace the source's on the branches."""
+    body: Dict[str, Any] = {"checkpoint": point, "count": count, "names": list(names) if names else None}
+    if labels is not None:
+        body["labels"] = dict(labels)
+    return body
 
 
 def stdin_failure(status: int, content: bytes) -> Optional[Exception]:

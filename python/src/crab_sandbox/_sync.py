@@ -94,6 +94,49 @@ class Daemon:
         """Every sandbox of the daemon."""
         return [SandboxInfo.from_json(v) for v in self.request("GET", "/v1/sandboxes")]
 
+    def progress(self, path: str, body: Any, on_progress: c.ProgressCallback = None) -> Any:
+        """A long operation answered as a progress stream: its result (``on_progress`` gets
+        each ``stage``/``advance``/``message`` frame); an ``error`` frame raises."""
+        fold = c.ProgressResult(on_progress)
+        for frame in self.frames(path, body):
+            fold.feed(frame)
+        return fold.value()
+
+    def images(self) -> List[Dict[str, Any]]:
+        """``GET /v1/images``: every image (``ImageInfo``)."""
+        v: List[Dict[str, Any]] = self.request("GET", "/v1/images")
+        return v
+
+    def build_image(
+        self,
+        dockerfile: c.PathLike,
+        name: str,
+        *,
+        context: Optional[c.PathLike] = None,
+        build_args: Optional[Mapping[str, str]] = None,
+        no_cache: bool = False,
+        on_progress: c.ProgressCallback = None,
+    ) -> Dict[str, Any]:
+        """Build a Dockerfile into image ``name`` (``crab image build -f``; steps cached, an
+        unchanged rebuild left as is). Returns the ``ImageBuildReport``."""
+        body = c.build_body(dockerfile, name, context, build_args, no_cache)
+        r: Dict[str, Any] = self.progress("/v1/images/build", body, on_progress)
+        return r
+
+    def pull_image(
+        self,
+        reference: str,
+        name: Optional[str] = None,
+        *,
+        platform: Optional[str] = None,
+        insecure: bool = False,
+        on_progress: c.ProgressCallback = None,
+    ) -> Dict[str, Any]:
+        """Pull an image from an OCI registry (``crab image pull``; the same reference and
+        digest again is returned as is). Returns its ``ImageInfo``."""
+        r: Dict[str, Any] = self.progress("/v1/images/pull", c.pull_body(reference, name, platform, insecure), on_progress)
+        return r
+
     def close(self) -> None:
         self._http.close()
 
@@ -264,6 +307,7 @@ class Sandbox:
         timeout: Optional[float] = None,
         *,
         stdin: c.Stdin = None,
+        user: Optional[str] = None,
     ) -> Iterator[ExecEvent]:
         """Run a command, yielding its output as it arrives and, last, an ``exit`` event.
         Stopping early (``break``, closing the generator) kills the command. ``stdin``: bytes
@@ -271,7 +315,7 @@ class Sandbox:
         streams to the command as it is read, any size up to the daemon's ``--max-upload``."""
         inline, streamed = c.plan_stdin(stdin)
         if streamed is None:
-            for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, inline)):
+            for frame in self.daemon.frames(f"{self._base}/exec", c.exec_body(cmd, cwd, env, timeout, inline, user=user)):
                 yield c.event_of(frame)
             return
         session = c.session_name()
@@ -299,7 +343,7 @@ class Sandbox:
                     pass
 
         feeder = threading.Thread(target=feed, name=f"crab-stdin-{session}", daemon=True)
-        body = c.exec_body(cmd, cwd, env, timeout, None, session=session)
+        body = c.exec_body(cmd, cwd, env, timeout, None, session=session, user=user)
         try:
             for frame in self.daemon.frames(f"{self._base}/exec", body, on_open=feeder.start):
                 ev = c.event_of(frame)
@@ -318,12 +362,13 @@ class Sandbox:
         timeout: Optional[float] = None,
         *,
         stdin: c.Stdin = None,
+        user: Optional[str] = None,
     ) -> ExecResult:
         """Run a command to its end. A string runs through ``sh -c``; a list is the argv.
         A non-zero exit is *not* an error (see ``ExecResult.exit_code``); a timeout raises
         :class:`CommandTimeoutError` with the output so far in ``e.result``."""
         col = c.Collector()
-        for ev in self.exec_stream(cmd, cwd, env, timeout, stdin=stdin):
+        for ev in self.exec_stream(cmd, cwd, env, timeout, stdin=stdin, user=user):
             col.feed(ev)
         return col.result()
 
@@ -417,10 +462,17 @@ class Sandbox:
         v = self.daemon.request("POST", f"{self._base}/restore", {"checkpoint": _point_id(point)})
         return RestoreReport.from_json(v)
 
-    def fork(self, count: int, point: PointRef = None, *, names: Optional[Sequence[str]] = None) -> List["Sandbox"]:
+    def fork(
+        self,
+        count: int,
+        point: PointRef = None,
+        *,
+        names: Optional[Sequence[str]] = None,
+        labels: Optional[Mapping[str, str]] = None,
+    ) -> List["Sandbox"]:
         """``count`` new sandboxes from a point (the newest when None), each with the point's
-        files, processes and conversation."""
-        body = {"checkpoint": _point_id(point), "count": count, "names": list(names) if names else None}
+        files, processes and conversation; ``labels`` instead of this sandbox's."""
+        body = c.fork_body(_point_id(point), count, names, labels)
         v = self.daemon.request("POST", f"{self._base}/fork", body)
         return [type(self)(str(b["sandbox"]), self.daemon) for b in v]
 

@@ -13,8 +13,8 @@ it has the Protocol's attribute and methods with the same arguments — ``name``
 
 ``env`` is the sample's sandbox: a :class:`~crab_sandbox.AsyncSandbox` (or
 :class:`~crab_sandbox.Sandbox`), or any object with a ``crab_sandbox`` attribute naming one
-(the sandbox environment class of a Crab-backed Inspect provider would carry it); pass
-``resolve=`` to map other objects.
+(:class:`crab_sandbox.inspect.CrabSandboxEnvironment`, Inspect's ``sandbox="crab"``, has it);
+pass ``resolve=`` to map other objects.
 
 **What each kind restores** (honest about the contract's §4.3, "captured paths byte-identical
 in a fresh sandbox"):
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from ._async import AsyncDaemon, AsyncSandbox
-from ._sync import Sandbox
-from .errors import CapabilityError, CheckpointNotFoundError, InvalidRequestError
+from .._async import AsyncDaemon, AsyncSandbox
+from .._sync import Sandbox
+from ..errors import CapabilityError, CheckpointNotFoundError, InvalidRequestError
 
 __all__ = ["CrabSnapshotStrategy", "CrabSnapshotDetails"]
 

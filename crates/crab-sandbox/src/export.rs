@@ -454,8 +454,14 @@ mod tests {
             media_type: LAYER_MEDIA_TYPE.into(),
             path: gz.to_path_buf(),
         };
-        crate::layers::unpack_layer(&blob, onto, LayerLimits::default(), &crab_common::NoProgress)
-            .unwrap();
+        crate::layers::unpack_layer(
+            &blob,
+            onto,
+            false,
+            LayerLimits::default(),
+            &crab_common::NoProgress,
+        )
+        .unwrap();
     }
 
     #[test]

@@ -563,3 +563,70 @@ fn a_reference_is_pulled_on_first_use_by_every_door() {
     assert!(!o.status.success(), "{out}");
     assert!(out.contains("does not pull") && out.contains("crab image pull"), "{out}");
 }
+
+/// A remote point of a sandbox made from a pulled image, restored on hosts that lack the
+/// image (`crab sandbox create --from-remote`, daemons of their own on one `file://` store):
+/// a host that may pull gets the image by digest from the registry the point names and patches
+/// the point's files onto it (`base_image`, stage `image_pull`); a host that may not
+/// (`--pull never`) or cannot (the registry is plain http and not named to it) downloads the
+/// whole tree from the store — all three see the point's files.
+#[test]
+fn a_point_of_a_pulled_image_restores_where_the_image_is_not() {
+    require_root!();
+    anon();
+    let tmp = std::env::temp_dir().join(common::unique("crab-rimg"));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let remote = format!("file://{}", tmp.join("store").display());
+    let env = vec![("CRAB_INSECURE_REGISTRIES".to_string(), format!("127.0.0.1:{PORT}"))];
+    let args = ["--pool-size", "4G", "--remote", remote.as_str()];
+    let a = common::OtherDaemon::start(&tmp.join("a"), &args, &env);
+    let r = reference("resume");
+    a.crab_ok(&["image", "pull", "--insecure", "--name", "app", &r]);
+    let sb = common::unique("rimg");
+    a.crab_ok(&["sandbox", "create", "app", "--name", &sb]);
+    a.crab_ok(&["exec", &sb, "--", "sh", "-c", "echo delta > /delta"]);
+    a.crab_ok(&["checkpoint", &sb, "--kind", "fs", "--durable"]);
+    a.destroy();
+
+    let restore = |d: &common::OtherDaemon| -> serde_json::Value {
+        let copy = common::unique("rimg-copy");
+        let o = d.crab(&["--json", "sandbox", "create", "--from-remote", &sb, "--name", &copy]);
+        assert!(o.status.success(), "{}", text(&o));
+        let rep: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(d.crab_ok(&["exec", &copy, "--", "cat", "/delta"]), "delta\n");
+        // The image's own big file, whichever way it came.
+        let o = d.crab(&["exec", &copy, "--", "stat", "-c", "%s", "/big/bytes"]);
+        assert_eq!(text(&o).trim(), "8388608");
+        rep
+    };
+    let stages = |rep: &serde_json::Value| -> Vec<String> {
+        rep["stages"].as_array().unwrap().iter().map(|s| s[0].as_str().unwrap().into()).collect()
+    };
+
+    let b = common::OtherDaemon::start(&tmp.join("b"), &args, &env);
+    let rep = restore(&b);
+    assert_eq!(rep["base_image"], "app", "the tree was not patched onto the pulled image: {rep}");
+    assert!(stages(&rep).contains(&"image_pull".to_string()), "{rep}");
+    let img: serde_json::Value =
+        serde_json::from_str(&b.crab_ok(&["image", "ls", "--json"])).unwrap();
+    let digest =
+        img.as_array().unwrap().iter().find(|i| i["name"] == "app").unwrap()["digest"].clone();
+    assert!(digest.as_str().unwrap().starts_with("sha256:"), "{img}");
+    b.destroy();
+
+    let mut never = args.to_vec();
+    never.extend(["--pull", "never"]);
+    let c = common::OtherDaemon::start(&tmp.join("c"), &never, &env);
+    let rep = restore(&c);
+    assert!(rep["base_image"].is_null(), "{rep}");
+    assert!(!c.crab_ok(&["image", "ls"]).contains("app"), "an image was pulled");
+    c.destroy();
+
+    // (`make test` exports the registry for every daemon: this one is told none.)
+    let none = [("CRAB_INSECURE_REGISTRIES".to_string(), String::new())];
+    let d = common::OtherDaemon::start(&tmp.join("d"), &args, &none);
+    let rep = restore(&d);
+    assert!(rep["base_image"].is_null(), "{rep}");
+    d.destroy();
+    let _ = std::fs::remove_dir_all(&tmp);
+}

@@ -7,6 +7,7 @@
 pub mod e2b_health;
 pub mod foundation;
 pub mod harness_agent;
+pub mod images;
 pub mod lifecycle;
 pub mod proxy;
 pub mod remote;

@@ -145,7 +145,8 @@ impl ImageDefaults {
 /// `POST /v1/images/build` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ImageBuildRequest {
-    /// Distribution recipe; only `debian` (bookworm) exists.
+    /// Distribution recipe; only `debian` (bookworm) exists. Not needed with `dockerfile`.
+    #[serde(default)]
     pub distro: String,
     /// Image name; defaults to the distro name.
     pub name: Option<String>,

@@ -330,10 +330,15 @@ async fn create<B: Backend>(
         let image = if images.contains(&req.template_id) {
             req.template_id.clone()
         } else if req.template_id.contains([':', '/', '@']) {
-            // A snapshot id is `<sandbox>:<point>`: one of a sandbox here is a missing snapshot,
-            // not an image to pull.
-            if let Some((sb, _)) = req.template_id.split_once(':') {
-                if e2b.backend.sandbox(sb.to_string()).await.is_ok() {
+            // A snapshot id is `<sandbox>:<point>` (`e2b-…:c000001`): one of a sandbox here, or
+            // shaped like one (a point id after the colon), is a missing snapshot, not an
+            // image to pull.
+            if let Some((sb, point)) = req.template_id.split_once(':') {
+                let point_shaped = !sb.contains('/')
+                    && point.strip_prefix('c').is_some_and(|d| {
+                        !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())
+                    });
+                if point_shaped || e2b.backend.sandbox(sb.to_string()).await.is_ok() {
                     return Err(RestError::new(
                         404,
                         format!(

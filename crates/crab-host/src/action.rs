@@ -555,6 +555,10 @@ pub enum Outcome {
     Removed {
         /// Always true.
         removed: bool,
+        /// For an image: the sandboxes made from it, which keep working (their files are
+        /// their own snapshots, their points theirs).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        used_by: Vec<String>,
     },
     /// The frames of a running command.
     #[serde(skip)]

@@ -630,3 +630,23 @@ fn a_point_of_a_pulled_image_restores_where_the_image_is_not() {
     d.destroy();
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// `crab image rm` of an image a sandbox was made from: removed, the sandbox named as one that
+/// keeps working, and it does.
+#[test]
+fn removing_a_used_image_names_its_sandboxes_which_keep_working() {
+    require_root!();
+    anon();
+    common::ensure_daemon();
+    let name = common::unique("rmused");
+    common::crab_ok(&["image", "pull", "--insecure", "--name", &name, &reference("base")]);
+    let sb = common::unique("rmused-sb");
+    common::crab_ok(&["sandbox", "create", &name, "--name", &sb]);
+    let v: serde_json::Value =
+        serde_json::from_str(&common::crab_ok(&["--json", "image", "rm", &name])).unwrap();
+    assert_eq!(v["used_by"], serde_json::json!([sb]), "{v}");
+    assert!(image_json(&name).is_none());
+    let o = common::crab(&["exec", &sb, "--", "cat", "/etc/passwd"]);
+    let _ = common::crab(&["sandbox", "rm", "--force", &sb]);
+    assert!(text(&o).contains("root:x:0:0"), "{}", text(&o));
+}

@@ -434,7 +434,9 @@ impl Host {
                 blocking(move || {
                     image::remove(&state, &name)?;
                     rt.forget_image(&name);
-                    Ok(Outcome::Removed { removed: true })
+                    let used_by =
+                        rt.records().into_iter().filter(|r| r.image == name).map(|r| r.name).collect();
+                    Ok(Outcome::Removed { removed: true, used_by })
                 })
                 .await
             }
@@ -666,7 +668,7 @@ impl Host {
         self.coordinator.forget(&name);
         self.policy.clear(&name);
         self.drop_life_lock(&name);
-        Ok(Outcome::Removed { removed: true })
+        Ok(Outcome::Removed { removed: true, used_by: Vec::new() })
     }
 
     /// The inspector, or the error explaining why this host has none.

@@ -172,6 +172,21 @@ pub(super) enum BenchCmd {
         #[arg(long, env = "CRAB_E2B_LISTEN", default_value = "127.0.0.1:3000")]
         e2b: String,
     },
+    /// OCI images side by side with other tools in one run (issue 29): import vs `umoci
+    /// unpack`, pull vs `skopeo copy` + `umoci unpack` from a loopback `docker-registry`,
+    /// create from an OCI image vs from the base image, the disk of five images on one base,
+    /// a first vs a cached Dockerfile build. Needs umoci, skopeo, docker-registry.
+    Images {
+        /// Rounds of each side-by-side measurement.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=50))]
+        rounds: u64,
+        /// The image split into the 3-layer fixture (and the create baseline).
+        #[arg(long, default_value = "debian")]
+        base: String,
+        /// Loopback port of the bench's own registry.
+        #[arg(long, default_value_t = 5591)]
+        registry_port: u16,
+    },
     /// Sandbox create latency and `crab exec true` vs host `true`, side by side.
     Foundation {
         /// Image to create sandboxes from.
@@ -293,6 +308,54 @@ pub(super) async fn run(
                 print_json(&r);
             } else {
                 print!("{}", r.table());
+            }
+        }
+        BenchCmd::Images { rounds, base, registry_port } => {
+            eprintln!(
+                "bench images: {rounds} rounds on {base}; load average {}",
+                std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+            );
+            let opts = crab_bench::images::ImagesOptions {
+                rounds: rounds as usize,
+                base,
+                registry_port,
+                work: std::env::temp_dir()
+                    .join(format!("crab-bench-images-{}", std::process::id())),
+            };
+            let r = crab_bench::images::run(client, &exe, state.root(), &opts).await?;
+            if json {
+                print_json(&r);
+            } else {
+                println!(
+                    "fixture: 3 layers, {:.0} MiB of gzip blobs; busy at start: {}",
+                    r.fixture_blob_bytes as f64 / 1048576.0,
+                    if r.other_busy.is_empty() { "nothing" } else { &r.other_busy }
+                );
+                latency_table(
+                    &[
+                        ("crab image import", &r.import_ms),
+                        ("umoci unpack", &r.umoci_unpack_ms),
+                        ("crab image pull", &r.pull_ms),
+                        ("skopeo copy + umoci unpack", &r.skopeo_umoci_ms),
+                    ],
+                    0,
+                );
+                println!("import / umoci unpack (p50): {:.2}x", r.import_ratio_p50);
+                println!("pull / (skopeo + umoci) (p50): {:.2}x", r.pull_ratio_p50);
+                println!(
+                    "create p50 per batch: base {:?} ms, OCI image {:?} ms; OCI / base {:.2}x",
+                    r.create_base_ms, r.create_oci_ms, r.create_ratio_p50
+                );
+                println!(
+                    "five images on one base: sizes sum {:.0} MiB, pool grew {:.1} MiB",
+                    r.five_images_sum_bytes as f64 / 1048576.0,
+                    r.five_images_pool_growth_bytes as f64 / 1048576.0
+                );
+                println!(
+                    "Dockerfile build: first {:.0} ms, cached {:.0} ms",
+                    r.build_first_ms, r.build_cached_ms
+                );
+                println!("load average: start {}, end {}", r.loadavg.0, r.loadavg.1);
             }
         }
         BenchCmd::Proxy { iterations } => {

@@ -228,6 +228,14 @@ pub(super) async fn run(client: &Client, c: ImageCmd, json: bool) -> Result<Exit
                 client.call::<(), _>(Method::DELETE, &format!("/v1/images/{name}"), None).await?;
             if json {
                 print_json(&v);
+            } else if let Some(users) = v["used_by"].as_array().filter(|u| !u.is_empty()) {
+                let names: Vec<&str> = users.iter().filter_map(|u| u.as_str()).collect();
+                eprintln!(
+                    "removed image {name}; {} sandbox(es) made from it keep working (their files \
+                     and restore points are their own): {}",
+                    names.len(),
+                    names.join(", ")
+                );
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -1,0 +1,164 @@
+"""E2B template builds through the unmodified `e2b` SDK against Crab's E2B front door.
+
+Run by crates/crab/tests/e2b.rs (`sdk_template_builds`) against a daemon of its own. Each check
+prints `ok NAME`; any failure raises (non-zero exit). Checks (all by default, or those named
+in CRAB_E2B_ONLY, comma-separated):
+
+- chain: `Template().from_image("debian")` with run_cmd, copy (a file uploaded through the
+  front door's upload URL), set_envs, set_workdir, run_cmd as another user →
+  `Template.build(…, on_build_logs=…)`: the logs arrive (the RUN's own output among them), the
+  build ends ready, `Sandbox.create(name)` shows every step's effect. Building it again uses the
+  cache (the files already present, the steps cached).
+- dockerfile: `Template().from_dockerfile(TEXT)` with RUN, COPY, ENV, WORKDIR: the same.
+- failing: a RUN that exits 3 → the SDK raises BuildException naming the step; the command's
+  output is in the logs; no template (Sandbox.create answers not found).
+- refused: set_start_cmd → the SDK raises BuildException naming what Crab does not support.
+"""
+
+import os
+import sys
+import tempfile
+import uuid
+
+from e2b import Sandbox, Template
+from e2b.exceptions import BuildException, NotFoundException, SandboxException
+
+ONLY = [c for c in os.environ.get("CRAB_E2B_ONLY", "").split(",") if c]
+TAG = uuid.uuid4().hex[:8]
+
+
+def want(name):
+    return not ONLY or name in ONLY
+
+
+def build(template, name):
+    logs = []
+    Template.build(template, name, on_build_logs=lambda e: logs.append(str(e.message)))
+    return logs
+
+
+def sh(sb, cmd, user="root"):
+    r = sb.commands.run(cmd, user=user, timeout=60)
+    return r.stdout
+
+
+def chain(ctx):
+    with open(os.path.join(ctx, "file.txt"), "w") as f:
+        f.write("copied-through-e2b\n")
+    os.makedirs(os.path.join(ctx, "tree/sub"), exist_ok=True)
+    with open(os.path.join(ctx, "tree/sub/deep.txt"), "w") as f:
+        f.write("deep\n")
+    name = f"tpl-chain-{TAG}"
+    t = (
+        Template(file_context_path=ctx)
+        .from_image("debian")
+        .run_cmd("echo built > /built && echo the-run-printed-$((6*7))")
+        .copy("file.txt", "/app/file.txt")
+        .copy("tree", "/app/tree")
+        .set_envs({"GREETING": "hello world", "QUOTED": 'a "b" $c'})
+        .set_workdir("/app")
+        .run_cmd("id -un > /tmp/who", user="nobody")
+        .run_cmd("pwd > /app/pwd")
+    )
+    logs = build(t, name)
+    text = "\n".join(logs)
+    # The RUN's own output (not its command line, which holds no "42").
+    assert "the-run-printed-42" in logs, text
+    assert any("Uploaded" in l for l in logs), text
+    sb = Sandbox.create(name, timeout=120)
+    try:
+        assert sh(sb, "cat /built") == "built\n"
+        assert sh(sb, "cat /app/file.txt") == "copied-through-e2b\n"
+        assert sh(sb, "cat /app/tree/sub/deep.txt") == "deep\n"
+        assert sh(sb, "cat /app/pwd") == "/app\n", sh(sb, "cat /app/pwd")
+        assert sh(sb, "cat /tmp/who") == "nobody\n", sh(sb, "cat /tmp/who")
+        env = sh(sb, "cat /proc/1/environ | tr '\\0' '\\n'; env")
+        assert "GREETING=hello world" in env, env
+        assert 'QUOTED=a "b" $c' in env, env
+    finally:
+        sb.kill()
+    # Again: the files are already here, the steps cached.
+    logs = build(t, name)
+    text = "\n".join(logs)
+    assert any("already cached" in l for l in logs), text
+    assert "cached" in logs and "the-run-printed-42" not in logs, text
+    print("ok chain", flush=True)
+
+
+DOCKERFILE = """FROM debian
+RUN echo from-dockerfile > /df-built
+COPY app.sh /opt/app.sh
+ENV MODE=production
+WORKDIR /srv
+RUN pwd > /srv/where && sh /opt/app.sh > /srv/out
+"""
+
+
+def dockerfile(ctx):
+    with open(os.path.join(ctx, "app.sh"), "w") as f:
+        f.write("echo app-ran-with-$MODE\n")
+    name = f"tpl-df-{TAG}"
+    logs = build(Template(file_context_path=ctx).from_dockerfile(DOCKERFILE), name)
+    assert any("from-dockerfile" in l or "RUN" in l for l in logs), logs
+    sb = Sandbox.create(name, timeout=120)
+    try:
+        assert sh(sb, "cat /df-built") == "from-dockerfile\n"
+        assert sh(sb, "cat /srv/where") == "/srv\n"
+        assert sh(sb, "cat /srv/out") == "app-ran-with-production\n"
+        assert sh(sb, "cat /opt/app.sh") == "echo app-ran-with-$MODE\n"
+        assert "MODE=production" in sh(sb, "env"), sh(sb, "env")
+    finally:
+        sb.kill()
+    print("ok dockerfile", flush=True)
+
+
+def failing(ctx):
+    name = f"tpl-fail-{TAG}"
+    t = (
+        Template(file_context_path=ctx)
+        .from_image("debian")
+        .run_cmd("echo before-the-failure")
+        .run_cmd("echo the-failing-step-said-this; exit 3")
+    )
+    logs = []
+    try:
+        Template.build(t, name, on_build_logs=lambda e: logs.append(str(e.message)))
+        raise AssertionError("a failing RUN built")
+    except BuildException as e:
+        msg = str(e)
+        assert "3" in msg, msg
+    text = "\n".join(logs)
+    assert "the-failing-step-said-this" in text, text
+    try:
+        Sandbox.create(name, timeout=60).kill()
+        raise AssertionError("a failed build left a template")
+    except (NotFoundException, SandboxException) as e:
+        assert "not found" in str(e), str(e)
+    print("ok failing", flush=True)
+
+
+def refused(ctx):
+    t = (
+        Template(file_context_path=ctx)
+        .from_image("debian")
+        .run_cmd("true")
+        .set_start_cmd("sleep infinity", "true")
+    )
+    try:
+        Template.build(t, f"tpl-start-{TAG}")
+        raise AssertionError("a start command was accepted")
+    except BuildException as e:
+        assert "set_start_cmd" in str(e), str(e)
+    print("ok refused", flush=True)
+
+
+def main():
+    with tempfile.TemporaryDirectory() as ctx:
+        for name, f in [("chain", chain), ("dockerfile", dockerfile), ("failing", failing), ("refused", refused)]:
+            if want(name):
+                f(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,14 @@ in CRAB_E2B_ONLY, comma-separated):
 - failing: a RUN that exits 3 → the SDK raises BuildException naming the step; the command's
   output is in the logs; no template (Sandbox.create answers not found).
 - refused: set_start_cmd → the SDK raises BuildException naming what Crab does not support.
+
+`template_flows.py restart-before STATE.json` starts a long build in the background
+(`Template.build_in_background`) and writes its ids to STATE.json; after the daemon was
+restarted, `template_flows.py restart-after STATE.json` reads its status: `error`, saying the
+daemon restarted during the build.
 """
+
+import json
 
 import os
 import sys
@@ -152,7 +159,44 @@ def refused(ctx):
     print("ok refused", flush=True)
 
 
+def restart_before(ctx, state):
+    t = Template(file_context_path=ctx).from_image("debian").run_cmd("sleep 600")
+    info = Template.build_in_background(t, f"tpl-restart-{TAG}")
+    st = Template.get_build_status(info, logs_offset=0)
+    assert st.status.value == "building", st
+    with open(state, "w") as f:
+        json.dump({"template": info.template_id, "build": info.build_id}, f)
+    print("ok restart-before", flush=True)
+
+
+def restart_after(state):
+    from e2b.template.types import BuildInfo
+
+    with open(state) as f:
+        made = json.load(f)
+    info = BuildInfo(
+        template_id=made["template"], build_id=made["build"], alias=made["template"],
+        name=made["template"], tags=[],
+    )
+    st = Template.get_build_status(info, logs_offset=0)
+    assert st.status.value == "error", st
+    assert "restarted during the build" in st.reason.message, st.reason
+    try:
+        Sandbox.create(made["template"], timeout=60).kill()
+        raise AssertionError("an interrupted build left a template")
+    except (NotFoundException, SandboxException) as e:
+        assert "not found" in str(e), str(e)
+    print("ok restart-after", flush=True)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "restart-before":
+        with tempfile.TemporaryDirectory() as ctx:
+            restart_before(ctx, sys.argv[2])
+        return 0
+    if len(sys.argv) == 3 and sys.argv[1] == "restart-after":
+        restart_after(sys.argv[2])
+        return 0
     with tempfile.TemporaryDirectory() as ctx:
         for name, f in [("chain", chain), ("dockerfile", dockerfile), ("failing", failing), ("refused", refused)]:
             if want(name):

@@ -36,6 +36,9 @@ use crate::server::{RestError, Shared};
 
 /// Most log entries one status call answers (E2B's page).
 pub const LOGS_PER_CALL: usize = 100;
+/// The comment that opens each E2B step's lines in the translated Dockerfile (what a build
+/// error's Dockerfile line is mapped back through: [`step_of_line`]).
+pub const STEP_MARK: &str = "# e2b step ";
 /// Most steps a template may have.
 pub const MAX_STEPS: usize = 1_000;
 
@@ -217,12 +220,15 @@ pub fn translate(req: &BuildStart) -> Result<Translated, Refused> {
     }
     let mut no_cache = req.force == Some(true);
     let mut files: Vec<String> = Vec::new();
+    // The step that first copies each upload (its stage's failures are that step's).
+    let mut first_copy: Vec<usize> = Vec::new();
     let mut body = String::new();
     // The user subsequent steps run as (`None`: the base image's).
     let mut user: Option<String> = None;
     for (i, s) in req.steps.iter().enumerate() {
         let n = Some(i + 1);
         no_cache |= s.force == Some(true);
+        body.push_str(&format!("{STEP_MARK}{}\n", i + 1));
         let arg = |k: usize| s.args.get(k).map(String::as_str).unwrap_or("");
         let line_of = |what: &str, v: &str| {
             quoted(v)
@@ -269,6 +275,7 @@ pub fn translate(req: &BuildStart) -> Result<Translated, Refused> {
                 }
                 if !files.iter().any(|f| f == hash) {
                     files.push(hash.to_string());
+                    first_copy.push(i + 1);
                 }
                 body.push_str(&format!("COPY {flags} {}\n", json_array(&[src, dest])));
             }
@@ -315,12 +322,27 @@ pub fn translate(req: &BuildStart) -> Result<Translated, Refused> {
         }
     }
     let mut dockerfile = String::from("# An E2B template, translated by Crab's E2B front door.\n");
-    for h in &files {
-        dockerfile.push_str(&format!("FROM scratch AS {}\nADD {h}.tar /\n", stage_of(h)));
+    for (h, n) in files.iter().zip(&first_copy) {
+        dockerfile
+            .push_str(&format!("{STEP_MARK}{n}\nFROM scratch AS {}\nADD {h}.tar /\n", stage_of(h)));
     }
-    dockerfile.push_str(&format!("FROM {base}\n"));
+    dockerfile.push_str(&format!("{STEP_MARK}base\nFROM {base}\n"));
     dockerfile.push_str(&body);
     Ok(Translated { dockerfile, files, no_cache })
+}
+
+/// The E2B step (`base`, or its number) of a build error that names its Dockerfile line
+/// (`… (Dockerfile line N) …`, as the builder says), read from the translated `dockerfile`.
+pub fn step_of_line(dockerfile: &str, error: &str) -> Option<String> {
+    let at = error.find("(Dockerfile line ")? + "(Dockerfile line ".len();
+    let digits: String = error[at..].chars().take_while(char::is_ascii_digit).collect();
+    let line: usize = digits.parse().ok()?;
+    dockerfile
+        .lines()
+        .take(line)
+        .filter_map(|l| l.strip_prefix(STEP_MARK))
+        .last()
+        .map(str::to_string)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -592,7 +614,22 @@ pub(crate) async fn status<B: Backend>(
     });
     if s.state == BuildJobState::Error {
         let message = s.error.unwrap_or_else(|| "the build failed".into());
-        out["reason"] = serde_json::json!({"message": message});
+        // The step as the SDK numbers it (it points its traceback at that call).
+        let step = match template_dir(&e2b, &id) {
+            Ok(dir) => {
+                let df = dir.join("builds").join(format!("{build}.Dockerfile"));
+                let text = tokio::fs::read_to_string(&df).await.unwrap_or_default();
+                step_of_line(&text, &message)
+            }
+            Err(_) => None,
+        };
+        out["reason"] = match step {
+            Some(step) => serde_json::json!({
+                "message": format!("E2B step {step}: {message}"),
+                "step": step,
+            }),
+            None => serde_json::json!({"message": message}),
+        };
     }
     Ok(Json(out).into_response())
 }
@@ -629,15 +666,21 @@ mod tests {
         assert_eq!(t.files, vec!["ab12".to_string()]);
         assert!(!t.no_cache);
         let want = "# An E2B template, translated by Crab's E2B front door.\n\
-            FROM scratch AS e2b-files-ab12\nADD ab12.tar /\n\
-            FROM debian\n\
-            RUN [\"/bin/sh\",\"-c\",\"echo built > /built\"]\n\
-            COPY --from=e2b-files-ab12 --chmod=0755 [\"file.txt\",\"/app/file.txt\"]\n\
-            ENV A=\"x \\\"y\\\" \\$z\" B=\"2\"\n\
-            WORKDIR \"/app\"\n\
-            USER nobody\nRUN [\"/bin/sh\",\"-c\",\"id -un > /who\"]\nUSER root\n\
-            USER user\n";
+            # e2b step 2\nFROM scratch AS e2b-files-ab12\nADD ab12.tar /\n\
+            # e2b step base\nFROM debian\n\
+            # e2b step 1\nRUN [\"/bin/sh\",\"-c\",\"echo built > /built\"]\n\
+            # e2b step 2\nCOPY --from=e2b-files-ab12 --chmod=0755 [\"file.txt\",\"/app/file.txt\"]\n\
+            # e2b step 3\nENV A=\"x \\\"y\\\" \\$z\" B=\"2\"\n\
+            # e2b step 4\nWORKDIR \"/app\"\n\
+            # e2b step 5\nUSER nobody\nRUN [\"/bin/sh\",\"-c\",\"id -un > /who\"]\nUSER root\n\
+            # e2b step 6\nUSER user\n";
         assert_eq!(t.dockerfile, want);
+        // A build error's Dockerfile line maps back to the E2B step.
+        let err = |l: usize| format!("step 9/9 RUN x (Dockerfile line {l}) failed: exit 1");
+        assert_eq!(step_of_line(want, &err(3)).as_deref(), Some("2"));
+        assert_eq!(step_of_line(want, &err(6)).as_deref(), Some("base"));
+        assert_eq!(step_of_line(want, &err(16)).as_deref(), Some("5"));
+        assert_eq!(step_of_line(want, "no line named"), None);
     }
 
     #[test]

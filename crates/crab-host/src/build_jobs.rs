@@ -25,6 +25,8 @@ pub const MAX_LINES: usize = 10_000;
 pub const KEEP_FINISHED: usize = 64;
 /// Most lines one status call answers.
 pub const MAX_LINES_PER_CALL: usize = 1_000;
+/// Build records kept on disk (the oldest beyond these are deleted as builds start).
+pub const KEEP_RECORDS: usize = 256;
 /// Version of `<state>/builds/<id>.json`.
 const FORMAT_VERSION: u32 = 1;
 
@@ -119,6 +121,30 @@ impl Host {
             .map_err(|e| HostError::internal(format!("cannot write {}: {e}", path.display())))
     }
 
+    /// Delete the oldest build records beyond [`KEEP_RECORDS`] (never one in memory).
+    fn prune_build_files(&self) {
+        let dir = self.state().root().join("builds");
+        let Ok(rd) = std::fs::read_dir(&dir) else { return };
+        let mut all: Vec<(std::time::SystemTime, PathBuf)> = rd
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+            .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+            .collect();
+        if all.len() <= KEEP_RECORDS {
+            return;
+        }
+        all.sort();
+        let live: Vec<String> = lock(&self.build_jobs.map).keys().cloned().collect();
+        for (_, p) in &all[..all.len() - KEEP_RECORDS] {
+            let id = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            if !live.contains(&id) {
+                if let Err(e) = std::fs::remove_file(p) {
+                    tracing::warn!(path = %p.display(), error = %e, "cannot delete an old build record");
+                }
+            }
+        }
+    }
+
     /// Start building `req` (a Dockerfile build) in the background as build `id`.
     pub(crate) async fn build_start(
         self: &Arc<Self>,
@@ -172,6 +198,7 @@ impl Host {
             lock(&self.build_jobs.map).remove(&id);
             return Err(e);
         }
+        self.prune_build_files();
         let h = self.clone();
         let answer = id.clone();
         tokio::spawn(async move {

@@ -133,7 +133,8 @@ def failing(ctx):
         raise AssertionError("a failing RUN built")
     except BuildException as e:
         msg = str(e)
-        assert "3" in msg, msg
+        # The step as the SDK numbers it (1: the first after the base), and the exit code.
+        assert msg.startswith("E2B step 2: ") and "code 3" in msg, msg
     text = "\n".join(logs)
     assert "the-failing-step-said-this" in text, text
     try:

@@ -331,7 +331,8 @@ fn sdk_and_cli_share_one_lifecycle() {
 /// user) and a Dockerfile (`from_dockerfile`) build, stream their logs, end ready, and
 /// `Sandbox.create(name)` shows every step's effect; a rebuild is cached; a failing RUN raises
 /// the SDK's BuildException with its output in the logs and leaves no image; a start command
-/// is refused naming it; a build running when the daemon restarts answers `error` ("the daemon
+/// is refused naming it; hostile uploads (no token, over `--max-upload`, a tar climbing out with
+/// `..`) are refused and write nothing; a build running when the daemon restarts answers `error` ("the daemon
 /// restarted during the build") and leaves no image or build sandbox. About 60 s.
 #[test]
 fn sdk_template_builds() {
@@ -355,13 +356,23 @@ fn sdk_template_builds() {
     let keys = repo().join("crates/crab/tests/e2b/test-keys");
     let d = common::OtherDaemon::start(
         &PathBuf::from("/var/lib").join(common::unique("crab-e2b-tpl")),
-        &["--pool-size", "4G", "--e2b-listen", &listen, "--e2b-keys", keys.to_str().unwrap()],
+        &[
+            "--pool-size",
+            "4G",
+            "--e2b-listen",
+            &listen,
+            "--e2b-keys",
+            keys.to_str().unwrap(),
+            "--max-upload",
+            "8M",
+        ],
         &[],
     );
     d.crab_ok(&["image", "import", "debian", image.to_str().unwrap()]);
     let url = format!("http://{listen}");
-    let out = run_sdk(&python, &url, "template_flows.py", &[], &[]);
-    for check in ["chain", "dockerfile", "failing", "refused"] {
+    let max = (8u64 << 20).to_string();
+    let out = run_sdk(&python, &url, "template_flows.py", &[], &[("CRAB_E2B_MAX_UPLOAD", &max)]);
+    for check in ["chain", "dockerfile", "failing", "refused", "hostile"] {
         assert!(out.contains(&format!("ok {check}")), "check {check} did not pass:\n{out}");
     }
     // The templates are Crab images; the failed build made none.

@@ -13,6 +13,10 @@ in CRAB_E2B_ONLY, comma-separated):
 - failing: a RUN that exits 3 → the SDK raises BuildException naming the step; the command's
   output is in the logs; no template (Sandbox.create answers not found).
 - refused: set_start_cmd → the SDK raises BuildException naming what Crab does not support.
+- hostile: the upload URL without its token (401), an upload over the daemon's --max-upload
+  (CRAB_E2B_MAX_UPLOAD bytes; 413 at once when declared, 413 once passed when chunked, nothing
+  kept), and a tar whose entry climbs out with `..` (the build fails naming it; nothing is
+  written outside).
 
 `template_flows.py restart-before STATE.json` starts a long build in the background
 (`Template.build_in_background`) and writes its ids to STATE.json; after the daemon was
@@ -20,7 +24,12 @@ restarted, `template_flows.py restart-after STATE.json` reads its status: `error
 daemon restarted during the build.
 """
 
+import io
 import json
+import tarfile
+import time
+
+import httpx
 
 import os
 import sys
@@ -190,6 +199,75 @@ def restart_after(state):
     print("ok restart-after", flush=True)
 
 
+API = os.environ.get("E2B_API_URL", "")
+KEY = os.environ.get("E2B_API_KEY", "")
+
+
+def rest(method, path, **kw):
+    return httpx.request(method, API + path, headers={"X-API-Key": KEY}, timeout=60, **kw)
+
+
+def hostile(ctx):
+    limit = int(os.environ["CRAB_E2B_MAX_UPLOAD"])
+    r = rest("POST", "/v3/templates", json={"name": f"tpl-hostile-{TAG}"})
+    assert r.status_code == 202, r.text
+    tid, bid = r.json()["templateID"], r.json()["buildID"]
+    # The files link needs the API key; the upload URL its token.
+    assert httpx.get(f"{API}/templates/{tid}/files/00aa").status_code == 401
+    h = "ab" * 32
+    r = rest("GET", f"/templates/{tid}/files/{h}")
+    assert r.status_code == 201 and r.json()["present"] is False, r.text
+    url = r.json()["url"]
+    assert url.startswith(API + "/"), url
+    bad = url.split("token=")[0] + "token=" + "0" * 48
+    r = httpx.put(bad, content=b"x")
+    assert r.status_code == 401, (r.status_code, r.text)
+    # Over the limit, declared: refused at once.
+    r = httpx.put(url, content=b"\0" * (limit + 1), timeout=60)
+    assert r.status_code == 413 and "--max-upload" in r.text, (r.status_code, r.text)
+    # Over the limit, chunked (no Content-Length): refused once passed.
+    def chunks():
+        for _ in range(limit // 65536 + 2):
+            yield b"\0" * 65536
+    try:
+        r = httpx.put(url, content=chunks(), timeout=60)
+        assert r.status_code == 413, (r.status_code, r.text)
+    except httpx.HTTPError:
+        pass  # the server may close the connection mid-body
+    r = rest("GET", f"/templates/{tid}/files/{h}")
+    assert r.json()["present"] is False, "a refused upload was kept"
+    # A tar whose entry climbs out of its destination.
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        data = b"escaped"
+        info = tarfile.TarInfo(f"../../../../tmp/crab-e2b-escape-{TAG}")
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data))
+    r = httpx.put(url, content=buf.getvalue())
+    assert r.status_code == 200, (r.status_code, r.text)
+    steps = [{"type": "COPY", "args": ["x", "/x", "", ""], "filesHash": h, "force": False}]
+    r = rest("POST", f"/v2/templates/{tid}/builds/{bid}", json={"fromImage": "debian", "steps": steps})
+    assert r.status_code == 202, r.text
+    deadline = time.time() + 120
+    while True:
+        st = rest("GET", f"/templates/{tid}/builds/{bid}/status?logsOffset=0").json()
+        if st["status"] != "building":
+            break
+        assert time.time() < deadline, st
+        time.sleep(0.2)
+    assert st["status"] == "error", st
+    assert "climbs out" in st["reason"]["message"], st["reason"]
+    assert st["reason"]["step"] == "1", st["reason"]
+    assert not os.path.exists(f"/tmp/crab-e2b-escape-{TAG}")
+    # A COPY whose files never came, and an unknown build.
+    steps[0]["filesHash"] = "cd" * 32
+    r = rest("POST", f"/v2/templates/{tid}/builds/b{TAG}", json={"fromImage": "debian", "steps": steps})
+    assert r.status_code == 400 and "never uploaded" in r.text, r.text
+    r = rest("GET", f"/templates/{tid}/builds/bnone{TAG}/status")
+    assert r.status_code == 404, r.text
+    print("ok hostile", flush=True)
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "restart-before":
         with tempfile.TemporaryDirectory() as ctx:
@@ -199,7 +277,7 @@ def main():
         restart_after(sys.argv[2])
         return 0
     with tempfile.TemporaryDirectory() as ctx:
-        for name, f in [("chain", chain), ("dockerfile", dockerfile), ("failing", failing), ("refused", refused)]:
+        for name, f in [("chain", chain), ("dockerfile", dockerfile), ("failing", failing), ("refused", refused), ("hostile", hostile)]:
             if want(name):
                 f(ctx)
     return 0

@@ -39,6 +39,8 @@ pub const LOGS_PER_CALL: usize = 100;
 /// The comment that opens each E2B step's lines in the translated Dockerfile (what a build
 /// error's Dockerfile line is mapped back through: [`step_of_line`]).
 pub const STEP_MARK: &str = "# e2b step ";
+/// The SDK's default base image (`Template().from_base_image()`).
+pub const E2B_BASE_IMAGE: &str = "e2bdev/base";
 /// Most steps a template may have.
 pub const MAX_STEPS: usize = 1_000;
 
@@ -531,8 +533,16 @@ pub(crate) async fn trigger<B: Backend>(
 ) -> Result<Response, RestError> {
     let dir = template_dir(&e2b, &id)?;
     crab_common::names::validate("build", &build).map_err(|e| RestError::new(400, e.message))?;
-    let req: BuildStart = serde_json::from_slice(&raw)
+    let mut req: BuildStart = serde_json::from_slice(&raw)
         .map_err(|e| RestError::new(400, format!("malformed template build: {e}")))?;
+    // E2B's base image (`from_base_image()`, and a Template() that names no base) is the
+    // front door's default image, as E2B's `base` template is, unless an image has its name.
+    if let Some(b) = req.from_image.as_deref() {
+        let plain = b.strip_suffix(":latest").unwrap_or(b);
+        if plain == E2B_BASE_IMAGE && !e2b.backend.images().await?.iter().any(|i| i == plain) {
+            req.from_image = Some(e2b.cfg().default_image.clone());
+        }
+    }
     let t = translate(&req).map_err(|r| RestError::new(400, format!("template {id}: {r}")))?;
     let files = dir.join("files");
     for h in &t.files {

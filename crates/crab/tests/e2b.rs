@@ -372,12 +372,12 @@ fn sdk_template_builds() {
     let url = format!("http://{listen}");
     let max = (8u64 << 20).to_string();
     let out = run_sdk(&python, &url, "template_flows.py", &[], &[("CRAB_E2B_MAX_UPLOAD", &max)]);
-    for check in ["chain", "dockerfile", "failing", "refused", "hostile"] {
+    for check in ["chain", "dockerfile", "base", "failing", "refused", "hostile"] {
         assert!(out.contains(&format!("ok {check}")), "check {check} did not pass:\n{out}");
     }
     // The templates are Crab images; the failed build made none.
     let images = d.crab_ok(&["image", "ls"]);
-    assert!(images.contains("tpl-chain-") && images.contains("tpl-df-"), "{images}");
+    assert!(["tpl-chain-", "tpl-df-", "tpl-base-"].iter().all(|t| images.contains(t)), "{images}");
     assert!(!images.contains("tpl-fail-") && !images.contains("tpl-start-"), "{images}");
     // A build the daemon's restart interrupts.
     let state = d.state.join("template-restart.json");

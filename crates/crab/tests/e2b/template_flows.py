@@ -10,6 +10,8 @@ in CRAB_E2B_ONLY, comma-separated):
   build ends ready, `Sandbox.create(name)` shows every step's effect. Building it again uses the
   cache (the files already present, the steps cached).
 - dockerfile: `Template().from_dockerfile(TEXT)` with RUN, COPY, ENV, WORKDIR: the same.
+- base: `Template().from_base_image()` (E2B's `e2bdev/base`) builds on the daemon's default
+  image.
 - failing: a RUN that exits 3 → the SDK raises BuildException naming the step; the command's
   output is in the logs; no template (Sandbox.create answers not found).
 - refused: set_start_cmd → the SDK raises BuildException naming what Crab does not support.
@@ -76,7 +78,9 @@ def chain(ctx):
         .run_cmd("id -un > /tmp/who", user="nobody")
         .run_cmd("pwd > /app/pwd")
     )
+    assert not Template.exists(name)
     logs = build(t, name)
+    assert Template.exists(name)
     text = "\n".join(logs)
     # The RUN's own output (not its command line, which holds no "42").
     assert "the-run-printed-42" in logs, text
@@ -126,6 +130,19 @@ def dockerfile(ctx):
     finally:
         sb.kill()
     print("ok dockerfile", flush=True)
+
+
+def base(ctx):
+    # E2B's base image is the daemon's default image (debian, with E2B's `user`).
+    name = f"tpl-base-{TAG}"
+    build(Template(file_context_path=ctx).from_base_image().run_cmd("echo on-base > /b"), name)
+    sb = Sandbox.create(name, timeout=120)
+    try:
+        assert sh(sb, "cat /b") == "on-base\n"
+        assert sh(sb, "id -u", user="user") == "1000\n"
+    finally:
+        sb.kill()
+    print("ok base", flush=True)
 
 
 def failing(ctx):
@@ -277,7 +294,7 @@ def main():
         restart_after(sys.argv[2])
         return 0
     with tempfile.TemporaryDirectory() as ctx:
-        for name, f in [("chain", chain), ("dockerfile", dockerfile), ("failing", failing), ("refused", refused), ("hostile", hostile)]:
+        for name, f in [("chain", chain), ("dockerfile", dockerfile), ("base", base), ("failing", failing), ("refused", refused), ("hostile", hostile)]:
             if want(name):
                 f(ctx)
     return 0

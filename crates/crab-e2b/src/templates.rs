@@ -593,6 +593,9 @@ pub(crate) async fn status<B: Backend>(
             .ok_or_else(|| RestError::new(400, format!("limit must be 1..={LOGS_PER_CALL}")))?,
         None => LOGS_PER_CALL,
     };
+    crab_common::names::validate("build", &build).map_err(|_| {
+        RestError::new(404, format!("build {build:?} of template {id:?} not found"))
+    })?;
     let s = match e2b.backend.build_status(build.clone(), offset, limit).await {
         Ok(s) if s.image == id => s,
         Ok(_) | Err(_) => {

@@ -372,7 +372,7 @@ fn sdk_template_builds() {
     let url = format!("http://{listen}");
     let max = (8u64 << 20).to_string();
     let out = run_sdk(&python, &url, "template_flows.py", &[], &[("CRAB_E2B_MAX_UPLOAD", &max)]);
-    for check in ["chain", "dockerfile", "base", "failing", "refused", "hostile"] {
+    for check in ["chain", "dockerfile", "base", "async", "failing", "refused", "hostile"] {
         assert!(out.contains(&format!("ok {check}")), "check {check} did not pass:\n{out}");
     }
     // The templates are Crab images; the failed build made none.

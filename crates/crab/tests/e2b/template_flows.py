@@ -8,10 +8,12 @@ in CRAB_E2B_ONLY, comma-separated):
   front door's upload URL), set_envs, set_workdir, run_cmd as another user →
   `Template.build(…, on_build_logs=…)`: the logs arrive (the RUN's own output among them), the
   build ends ready, `Sandbox.create(name)` shows every step's effect. Building it again uses the
-  cache (the files already present, the steps cached).
-- dockerfile: `Template().from_dockerfile(TEXT)` with RUN, COPY, ENV, WORKDIR: the same.
+  cache (the files already present, the steps cached); `skip_cache=True` runs the steps again.
+- dockerfile: `Template().from_dockerfile(TEXT)` with RUN, COPY, ENV, WORKDIR: the same; a RUN
+  printing 250 lines reaches `on_build_logs` whole and in order (the status pages by 100).
 - base: `Template().from_base_image()` (E2B's `e2bdev/base`) builds on the daemon's default
   image.
+- async: `AsyncTemplate.build` and `AsyncSandbox.create` of it.
 - failing: a RUN that exits 3 → the SDK raises BuildException naming the step; the command's
   output is in the logs; no template (Sandbox.create answers not found).
 - refused: set_start_cmd → the SDK raises BuildException naming what Crab does not support.
@@ -70,7 +72,8 @@ def chain(ctx):
     t = (
         Template(file_context_path=ctx)
         .from_image("debian")
-        .run_cmd("echo built > /built && echo the-run-printed-$((6*7))")
+        # The run's tag makes the step new (the step cache is the host's, shared by builds).
+        .run_cmd(f"echo built > /built && echo the-run-printed-$((6*7)) # {TAG}")
         .copy("file.txt", "/app/file.txt")
         .copy("tree", "/app/tree")
         .set_envs({"GREETING": "hello world", "QUOTED": 'a "b" $c'})
@@ -102,15 +105,20 @@ def chain(ctx):
     text = "\n".join(logs)
     assert any("already cached" in l for l in logs), text
     assert "cached" in logs and "the-run-printed-42" not in logs, text
+    # skip_cache=True runs every step again.
+    logs = []
+    Template.build(t, name, skip_cache=True, on_build_logs=lambda e: logs.append(str(e.message)))
+    assert "the-run-printed-42" in logs, "\n".join(logs)
     print("ok chain", flush=True)
 
 
 DOCKERFILE = """FROM debian
-RUN echo from-dockerfile > /df-built
+RUN echo from-dockerfile > /df-built # TAG
 COPY app.sh /opt/app.sh
 ENV MODE=production
 WORKDIR /srv
 RUN pwd > /srv/where && sh /opt/app.sh > /srv/out
+RUN for i in $(seq 1 250); do echo "line-$i"; done
 """
 
 
@@ -118,8 +126,11 @@ def dockerfile(ctx):
     with open(os.path.join(ctx, "app.sh"), "w") as f:
         f.write("echo app-ran-with-$MODE\n")
     name = f"tpl-df-{TAG}"
-    logs = build(Template(file_context_path=ctx).from_dockerfile(DOCKERFILE), name)
-    assert any("from-dockerfile" in l or "RUN" in l for l in logs), logs
+    text = DOCKERFILE.replace("TAG", TAG)
+    logs = build(Template(file_context_path=ctx).from_dockerfile(text), name)
+    # 250 lines of one RUN arrive whole and in order, over the 100-entry pages of the status.
+    lines = [l for l in logs if l.startswith("line-")]
+    assert lines == [f"line-{i}" for i in range(1, 251)], lines[:5] + lines[-5:]
     sb = Sandbox.create(name, timeout=120)
     try:
         assert sh(sb, "cat /df-built") == "from-dockerfile\n"
@@ -143,6 +154,27 @@ def base(ctx):
     finally:
         sb.kill()
     print("ok base", flush=True)
+
+
+def async_build(ctx):
+    import asyncio
+
+    from e2b import AsyncSandbox, AsyncTemplate
+
+    async def go():
+        name = f"tpl-async-{TAG}"
+        logs = []
+        t = AsyncTemplate(file_context_path=ctx).from_image("debian").run_cmd("echo async > /a")
+        await AsyncTemplate.build(t, name, on_build_logs=lambda e: logs.append(str(e.message)))
+        sb = await AsyncSandbox.create(name, timeout=120)
+        try:
+            r = await sb.commands.run("cat /a", user="root")
+            assert r.stdout == "async\n", r
+        finally:
+            await sb.kill()
+
+    asyncio.run(go())
+    print("ok async", flush=True)
 
 
 def failing(ctx):
@@ -294,7 +326,7 @@ def main():
         restart_after(sys.argv[2])
         return 0
     with tempfile.TemporaryDirectory() as ctx:
-        for name, f in [("chain", chain), ("dockerfile", dockerfile), ("base", base), ("failing", failing), ("refused", refused), ("hostile", hostile)]:
+        for name, f in [("chain", chain), ("dockerfile", dockerfile), ("base", base), ("async", async_build), ("failing", failing), ("refused", refused), ("hostile", hostile)]:
             if want(name):
                 f(ctx)
     return 0

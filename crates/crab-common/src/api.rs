@@ -215,6 +215,49 @@ pub struct ImageBuildReport {
     pub steps: Vec<BuildStep>,
 }
 
+/// One line of a background build's log ([`BuildJobStatus`]): a step starting, a line a RUN
+/// printed, or why the build failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildLogLine {
+    /// When it was logged (ms since the epoch).
+    pub at_ms: u64,
+    /// `info` or `error`.
+    pub level: String,
+    /// The line.
+    pub message: String,
+}
+
+/// Where a background Dockerfile build is: `building`, `ready` (the image exists) or `error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildJobState {
+    /// Running.
+    Building,
+    /// Done: the image is built.
+    Ready,
+    /// Failed (see [`BuildJobStatus::error`]); no image was made or replaced.
+    Error,
+}
+
+/// A background Dockerfile build's state and its log lines from an offset.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildJobStatus {
+    /// The build's id.
+    pub id: String,
+    /// The image it builds.
+    pub image: String,
+    /// Where it is.
+    pub state: BuildJobState,
+    /// Why it failed (with `error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Log lines from `offset` on (at most the number asked for).
+    pub lines: Vec<BuildLogLine>,
+    /// The offset of `lines[0]` (greater than the one asked for when older lines were dropped
+    /// from the host's bounded log).
+    pub offset: u64,
+}
+
 /// `POST /v1/images/commit` (streams [`ProgressFrame`]s, then an [`ImageInfo`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ImageCommitRequest {

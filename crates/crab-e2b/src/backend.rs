@@ -81,6 +81,29 @@ pub trait Backend: Send + Sync + 'static {
     /// Drop the labels of the point labelled `label` (the last one of a retired sandbox
     /// removes it).
     fn delete_label(&self, label: String) -> impl Future<Output = Result<(), ApiError>> + Send;
+    /// Start building image `image` from `dockerfile` with context `context` in the
+    /// background as build `id` (an E2B template build).
+    fn build_start(
+        &self,
+        id: String,
+        image: String,
+        dockerfile: std::path::PathBuf,
+        context: std::path::PathBuf,
+        no_cache: bool,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send {
+        let _ = (id, image, dockerfile, context, no_cache);
+        async { Err(ApiError::invalid("this host runs no background builds", "")) }
+    }
+    /// Build `id`'s state and up to `max` log lines from `offset`.
+    fn build_status(
+        &self,
+        id: String,
+        offset: u64,
+        max: usize,
+    ) -> impl Future<Output = Result<crab_common::api::BuildJobStatus, ApiError>> + Send {
+        let _ = (offset, max);
+        async move { Err(ApiError::invalid(format!("no build {id:?}"), "")) }
+    }
     /// Names of the images (E2B templates).
     fn images(&self) -> impl Future<Output = Result<Vec<String>, ApiError>> + Send;
     /// Start a background process (the host's one process service).

@@ -6,7 +6,8 @@
 //! [`Backend`] call, which the daemon implements over the host layer's actions (a sandbox's
 //! life, deadline, metadata and snapshots are the host's record; its processes and files the
 //! host's process and file services). `server` is the REST control plane, `process` and
-//! `files` envd's RPCs, `user` who a call runs as. The protocol is documented in `docs/e2b.md`.
+//! `files` envd's RPCs, `templates` E2B's template builds (translated into one background
+//! Dockerfile build on the host), `user` who a call runs as. The protocol is documented in `docs/e2b.md`.
 
 pub mod auth;
 pub mod backend;
@@ -16,6 +17,7 @@ pub mod process;
 pub mod rest;
 pub mod server;
 pub mod store;
+pub mod templates;
 pub mod user;
 
 pub use auth::{Keys, KeysError};

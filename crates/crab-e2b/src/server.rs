@@ -69,7 +69,7 @@ fn rfc3339(t: SystemTime) -> String {
 pub struct RestError(StatusCode, String);
 
 impl RestError {
-    fn new(status: u16, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: u16, message: impl Into<String>) -> Self {
         RestError(
             StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
             message.into(),
@@ -116,6 +116,11 @@ impl<B: Backend> E2b<B> {
         Arc::new(E2b { backend, cfg })
     }
 
+    /// Its configuration.
+    pub(crate) fn cfg(&self) -> &Config {
+        &self.cfg
+    }
+
     /// [`Config::max_upload`] as a body limit.
     fn upload_limit(&self) -> usize {
         usize::try_from(self.cfg.max_upload).unwrap_or(usize::MAX)
@@ -136,6 +141,11 @@ impl<B: Backend> E2b<B> {
             .route("/sandboxes/{id}/fork", post(fork::<B>))
             .route("/snapshots", get(list_snapshots::<B>))
             .route("/templates/{id}", axum::routing::delete(delete_template::<B>))
+            .route("/v3/templates", post(crate::templates::request_build::<B>))
+            .route("/templates/aliases/{alias}", get(crate::templates::alias::<B>))
+            .route("/templates/{id}/files/{hash}", get(crate::templates::files_link::<B>))
+            .route("/v2/templates/{id}/builds/{build}", post(crate::templates::trigger::<B>))
+            .route("/templates/{id}/builds/{build}/status", get(crate::templates::status::<B>))
             .route_layer(axum::middleware::from_fn_with_state(self.clone(), api_key::<B>));
         let envd = Router::new()
             .route("/process.Process/{method}", post(crate::process::process::<B>))
@@ -147,10 +157,18 @@ impl<B: Backend> E2b<B> {
                     .layer(DefaultBodyLimit::max(self.upload_limit())),
             )
             .layer(DefaultBodyLimit::max(MAX_RPC_BODY));
+        // A template's files: authorised by the upload token in its URL (the SDK sends no API
+        // key there), streamed to disk, bounded by --max-upload.
+        let uploads = Router::new().route(
+            "/templates/{id}/files/{hash}/upload",
+            axum::routing::put(crate::templates::upload::<B>)
+                .layer(DefaultBodyLimit::max(self.upload_limit())),
+        );
         Router::new()
             .route("/health", get(health::<B>))
             .merge(api)
             .merge(envd)
+            .merge(uploads)
             .fallback(|| async {
                 RestError::new(
                     404,
@@ -235,7 +253,9 @@ async fn api_key<B: Backend>(
     }
 }
 
-fn body<T: serde::de::DeserializeOwned + Default>(bytes: &Bytes) -> Result<T, RestError> {
+pub(crate) fn body<T: serde::de::DeserializeOwned + Default>(
+    bytes: &Bytes,
+) -> Result<T, RestError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }

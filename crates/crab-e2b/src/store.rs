@@ -185,6 +185,11 @@ impl Store {
         Ok(Store { dir: Some(dir.to_path_buf()), secret })
     }
 
+    /// Its directory (`None`: in memory only).
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
     /// Sandbox `id`'s envd access token: HMAC-SHA256(secret, id), hex.
     pub fn token(&self, id: &str) -> String {
         let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(&self.secret) else {

@@ -35,6 +35,26 @@ pub enum Action {
         /// Where progress goes.
         progress: Box<dyn Progress>,
     },
+    /// Start building an image from a Dockerfile (`req.dockerfile`, `req.name`) in the
+    /// background as build `id` (the caller's; unique on the host); answers at once
+    /// ([`Outcome::BuildStarted`]). Its state and log: [`Action::BuildStatus`].
+    BuildStart {
+        /// The build's id.
+        id: String,
+        /// Dockerfile, context and image name.
+        req: ImageBuildRequest,
+    },
+    /// A background build's state and up to `max` log lines from `offset`; a build that was
+    /// running when the daemon stopped answers `error` ("the daemon restarted during the
+    /// build").
+    BuildStatus {
+        /// The build's id.
+        id: String,
+        /// Log lines already seen.
+        offset: u64,
+        /// Most lines to answer (1..=1000).
+        max: usize,
+    },
     /// Make an image of a sandbox's files (now, or at a restore point), reporting progress.
     CommitImage {
         /// Source (`SB` or `SB@POINT`) and name.
@@ -392,6 +412,8 @@ impl Action {
             Action::Version => "version",
             Action::ListImages => "list_images",
             Action::BuildImage { .. } => "build_image",
+            Action::BuildStart { .. } => "build_start",
+            Action::BuildStatus { .. } => "build_status",
             Action::ImportImage { .. } => "import_image",
             Action::CommitImage { .. } => "commit_image",
             Action::PullImage { .. } => "pull_image",
@@ -547,6 +569,10 @@ pub enum Outcome {
     Built(Box<crab_common::api::ImageBuildReport>),
     /// An image pushed to a registry.
     Pushed(Box<crab_common::api::ImagePushReport>),
+    /// A background build started: its id.
+    BuildStarted(String),
+    /// A background build's state and log lines.
+    BuildStatus(Box<crab_common::api::BuildJobStatus>),
     /// Sandboxes.
     Sandboxes(Vec<SandboxInfo>),
     /// One sandbox.

@@ -15,6 +15,7 @@
 
 mod action;
 mod build;
+mod build_jobs;
 mod error;
 mod files;
 pub mod glue;

@@ -6,6 +6,8 @@
 //! `sdk_state_survives_a_daemon_restart` runs `tests/e2b/restart_flows.py` against a second
 //! daemon of its own (its own state dir, proxy port and `--e2b-listen` port), which it restarts
 //! between the script's two phases; the shared test daemon is never restarted.
+//! `sdk_template_builds` runs `tests/e2b/template_flows.py` (E2B template builds) against a
+//! daemon of its own too.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crab_testkit::daemon as common;
@@ -322,4 +324,81 @@ fn sdk_and_cli_share_one_lifecycle() {
         "the E2B timeout did not pause it"
     );
     common::crab_ok(&["sandbox", "rm", "-f", &id]);
+}
+
+/// Issue 30's E2B template builds through the unmodified SDK, on a daemon of its own: a
+/// `Template()` chain (RUN, COPY of an uploaded file and tree, ENV, WORKDIR, RUN as another
+/// user) and a Dockerfile (`from_dockerfile`) build, stream their logs, end ready, and
+/// `Sandbox.create(name)` shows every step's effect; a rebuild is cached; a failing RUN raises
+/// the SDK's BuildException with its output in the logs and leaves no image; a start command
+/// is refused naming it; hostile uploads (no token, over `--max-upload`, a tar climbing out with
+/// `..`) are refused and write nothing; a build running when the daemon restarts answers `error` ("the daemon
+/// restarted during the build") and leaves no image or build sandbox. About 60 s.
+#[test]
+fn sdk_template_builds() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return cannot_run("needs root");
+    }
+    let python = match sdk_python() {
+        Ok(p) => p,
+        Err(e) => return cannot_run(&e),
+    };
+    common::ensure_daemon();
+    let image = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
+    assert!(
+        image.is_dir(),
+        "no debian image in the test daemon's state dir ({}): run `crab image build debian`",
+        image.display()
+    );
+    let port = 20000 + (u32::from_str_radix(&common::unique("p")[2..], 16).unwrap() % 20000);
+    let listen = format!("127.0.0.1:{port}");
+    let keys = repo().join("crates/crab/tests/e2b/test-keys");
+    let d = common::OtherDaemon::start(
+        &PathBuf::from("/var/lib").join(common::unique("crab-e2b-tpl")),
+        &[
+            "--pool-size",
+            "4G",
+            "--e2b-listen",
+            &listen,
+            "--e2b-keys",
+            keys.to_str().unwrap(),
+            "--max-upload",
+            "8M",
+        ],
+        &[],
+    );
+    d.crab_ok(&["image", "import", "debian", image.to_str().unwrap()]);
+    let url = format!("http://{listen}");
+    let max = (8u64 << 20).to_string();
+    let out = run_sdk(&python, &url, "template_flows.py", &[], &[("CRAB_E2B_MAX_UPLOAD", &max)]);
+    for check in ["chain", "dockerfile", "base", "async", "failing", "refused", "hostile"] {
+        assert!(out.contains(&format!("ok {check}")), "check {check} did not pass:\n{out}");
+    }
+    // The templates are Crab images; the failed build made none.
+    let images = d.crab_ok(&["image", "ls"]);
+    assert!(["tpl-chain-", "tpl-df-", "tpl-base-"].iter().all(|t| images.contains(t)), "{images}");
+    assert!(!images.contains("tpl-fail-") && !images.contains("tpl-start-"), "{images}");
+    // A build the daemon's restart interrupts.
+    let state = d.state.join("template-restart.json");
+    let st = state.to_str().unwrap();
+    let out = run_sdk(&python, &url, "template_flows.py", &["restart-before", st], &[]);
+    assert!(out.contains("ok restart-before"), "{out}");
+    d.stop();
+    d.restart();
+    let out = run_sdk(&python, &url, "template_flows.py", &["restart-after", st], &[]);
+    assert!(out.contains("ok restart-after"), "{out}");
+    let images = d.crab_ok(&["image", "ls"]);
+    assert!(!images.contains("tpl-restart-"), "{images}");
+    // The interrupted build's sandbox is gone (the builder's recovery at start).
+    let ls: serde_json::Value =
+        serde_json::from_str(&d.crab_ok(&["sandbox", "ls", "--json"])).unwrap();
+    assert!(
+        common::wait_until(10.0, || {
+            let ls: serde_json::Value =
+                serde_json::from_str(&d.crab_ok(&["sandbox", "ls", "--json"])).unwrap();
+            ls.as_array().is_some_and(|a| a.is_empty())
+        }),
+        "left behind: {ls}"
+    );
 }

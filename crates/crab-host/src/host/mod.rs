@@ -119,6 +119,8 @@ pub struct Host {
     pulls: PullPolicy,
     /// One pull on first use at a time.
     pull_lock: tokio::sync::Mutex<()>,
+    /// Background Dockerfile builds (`build_jobs.rs`).
+    pub(crate) build_jobs: crate::build_jobs::Jobs,
 }
 
 use crab_common::sync::lock;
@@ -266,6 +268,7 @@ impl Host {
             firing: Mutex::new(std::collections::HashSet::new()),
             pulls: opts.pulls.clone(),
             pull_lock: tokio::sync::Mutex::new(()),
+            build_jobs: crate::build_jobs::Jobs::default(),
         });
         hooks.set_host(Arc::downgrade(&host));
         if let Some(t) = &host.remote {
@@ -383,6 +386,8 @@ impl Host {
                 self.build_dockerfile(req, progress).await
             }
             Action::CommitImage { req, progress } => self.commit_image(req, progress).await,
+            Action::BuildStart { id, req } => self.build_start(id, req).await,
+            Action::BuildStatus { id, offset, max } => self.build_status(id, offset, max).await,
             Action::BuildImage { req, progress } => {
                 if req.distro != "debian" {
                     return Err(HostError::invalid(

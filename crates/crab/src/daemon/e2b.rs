@@ -224,6 +224,38 @@ impl Backend for HostBackend {
         self.run(Action::ProcSignal { name, id: sel, signal }).await.map(|_| ())
     }
 
+    async fn build_start(
+        &self,
+        id: String,
+        image: String,
+        dockerfile: std::path::PathBuf,
+        context: std::path::PathBuf,
+        no_cache: bool,
+    ) -> Result<(), ApiError> {
+        let req = crab_common::api::ImageBuildRequest {
+            dockerfile: Some(dockerfile.display().to_string()),
+            context: Some(context.display().to_string()),
+            no_cache,
+            ..crab_common::api::ImageBuildRequest::debian(Some(image))
+        };
+        match self.run(Action::BuildStart { id, req }).await? {
+            Outcome::BuildStarted(_) => Ok(()),
+            _ => Err(unexpected("build_start")),
+        }
+    }
+
+    async fn build_status(
+        &self,
+        id: String,
+        offset: u64,
+        max: usize,
+    ) -> Result<crab_common::api::BuildJobStatus, ApiError> {
+        match self.run(Action::BuildStatus { id, offset, max }).await? {
+            Outcome::BuildStatus(s) => Ok(*s),
+            _ => Err(unexpected("build_status")),
+        }
+    }
+
     async fn images(&self) -> Result<Vec<String>, ApiError> {
         match self.run(Action::ListImages).await? {
             Outcome::Images(v) => Ok(v.into_iter().map(|i| i.name).collect()),

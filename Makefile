@@ -70,5 +70,6 @@ bench: setup
 	E2B_API_KEY=e2b_crab_test_key target/release/crab bench e2b
 	target/release/crab-inspector-bench --rounds 5
 	target/release/crab bench lifecycle --rounds 10 --fork 8
+	target/release/crab bench images --rounds 3
 	$$(scripts/install-python-sdk.sh | tail -n 1) python/bench_sdk.py --crab target/release/crab
 	target/release/crab bench replay --traces examples/traces --llm-latency scale:0.2 --json-out target/bench-replay.json --svg target/bench-replay.svg

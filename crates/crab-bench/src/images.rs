@@ -233,9 +233,7 @@ pub async fn run(
     // unpack
     let (mut import, mut umoci) = (Vec::new(), Vec::new());
     for r in 0..o.rounds {
-        import.push(timed(|| {
-            sh(crab(&["image", "import", BIG, &layout]).stderr(Stdio::null())).map(drop)
-        })?);
+        import.push(timed(|| sh(&mut crab(&["image", "import", BIG, &layout])).map(drop))?);
         if r + 1 < o.rounds {
             sh(&mut crab(&["image", "rm", BIG]))?;
         }
@@ -296,9 +294,7 @@ pub async fn run(
         let _ = std::fs::remove_dir_all(state_dir.join("cache/blobs"));
         sync();
         pull.push(timed(|| {
-            sh(crab(&["image", "pull", "--insecure", "--name", PULLED, &reference])
-                .stderr(Stdio::null()))
-            .map(drop)
+            sh(&mut crab(&["image", "pull", "--insecure", "--name", PULLED, &reference])).map(drop)
         })?);
         let _ = std::fs::remove_dir_all(w("p"));
         let _ = std::fs::remove_dir_all(w("pu"));
@@ -323,7 +319,7 @@ pub async fn run(
         let _ = std::fs::remove_dir_all(w("pu"));
     }
     sh(&mut crab(&["image", "rm", PULLED]))?;
-    sh(crab(&["image", "import", BIG, &layout]).stderr(Stdio::null()))?;
+    sh(&mut crab(&["image", "import", BIG, &layout]))?;
 
     // create: alternated batches of 10 from each image.
     let (mut c_base, mut c_oci) = (Vec::new(), Vec::new());
@@ -347,16 +343,22 @@ pub async fn run(
     sync();
     let used0 = pool_used(state_dir)?;
     for i in 1..=5 {
+        // One small layer on top, by tar and `umoci raw add-layer` (umoci 0.4's `insert`
+        // writes a layer tar without its padding and end blocks, which Crab refuses).
         std::fs::write(w("variant"), format!("variant {i}\n")).map_err(|e| err(e.to_string()))?;
+        let tar = ws(&format!("v{i}.tar"));
+        sh(Command::new("tar").args(["--numeric-owner", "-C", &ws(""), "-cf", &tar, "variant"]))?;
+        let tag = format!("{layout}:v{i}");
         sh(Command::new("umoci").args([
-            "insert",
+            "config",
             "--image",
             &format!("{layout}:big"),
             "--tag",
             &format!("v{i}"),
-            &ws("variant"),
-            "/variant",
+            "--config.label",
+            &format!("variant={i}"),
         ]))?;
+        sh(Command::new("umoci").args(["raw", "add-layer", "--image", &tag, &tar]))?;
         let own = ws(&format!("v{i}"));
         sh(Command::new("skopeo").args([
             "copy",
@@ -364,7 +366,7 @@ pub async fn run(
             &format!("oci:{layout}:v{i}"),
             &format!("oci:{own}:v{i}"),
         ]))?;
-        sh(crab(&["image", "import", &format!("bench-images-v{i}"), &own]).stderr(Stdio::null()))?;
+        sh(&mut crab(&["image", "import", &format!("bench-images-v{i}"), &own]))?;
     }
     sync();
     let used1 = pool_used(state_dir)?;
@@ -386,10 +388,7 @@ pub async fn run(
     .map_err(|e| err(e.to_string()))?;
     let df = ctx.join("Dockerfile").to_string_lossy().into_owned();
     let cs = ctx.to_string_lossy().into_owned();
-    let build = || {
-        sh(crab(&["image", "build", "-f", &df, &cs, "--name", BUILT]).stderr(Stdio::null()))
-            .map(drop)
-    };
+    let build = || sh(&mut crab(&["image", "build", "-f", &df, &cs, "--name", BUILT])).map(drop);
     let build_first_ms = timed(build)?;
     let build_cached_ms = timed(build)?;
 

@@ -355,9 +355,9 @@ async fn create<B: Backend>(
             // image to pull.
             if let Some((sb, point)) = req.template_id.split_once(':') {
                 let point_shaped = !sb.contains('/')
-                    && point.strip_prefix('c').is_some_and(|d| {
-                        !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())
-                    });
+                    && point
+                        .strip_prefix('c')
+                        .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()));
                 if point_shaped || e2b.backend.sandbox(sb.to_string()).await.is_ok() {
                     return Err(RestError::new(
                         404,

@@ -439,8 +439,12 @@ impl Host {
                 blocking(move || {
                     image::remove(&state, &name)?;
                     rt.forget_image(&name);
-                    let used_by =
-                        rt.records().into_iter().filter(|r| r.image == name).map(|r| r.name).collect();
+                    let used_by = rt
+                        .records()
+                        .into_iter()
+                        .filter(|r| r.image == name)
+                        .map(|r| r.name)
+                        .collect();
                     Ok(Outcome::Removed { removed: true, used_by })
                 })
                 .await

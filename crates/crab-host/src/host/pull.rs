@@ -73,6 +73,21 @@ fn holding(images: &[ImageInfo], whole: &str, digest: Option<&str>) -> Option<St
         .map(|i| i.name.clone())
 }
 
+/// A request's basic credentials: both or neither.
+pub(super) fn basic_auth(
+    username: Option<String>,
+    password: Option<String>,
+) -> Result<Option<(String, String)>, HostError> {
+    match (username, password) {
+        (Some(u), Some(p)) => Ok(Some((u, p))),
+        (None, None) => Ok(None),
+        _ => Err(HostError::invalid(
+            "a username needs a password and a password a username",
+            "give both (`--username U --password-stdin`) or neither",
+        )),
+    }
+}
+
 /// Logs a first-use pull's progress (no caller is there to draw it).
 struct LogProgress(String);
 
@@ -87,6 +102,24 @@ impl Progress for LogProgress {
 }
 
 impl Host {
+    /// A pull the daemon makes of its own accord (first use, a remote point's image): its
+    /// `--insecure-registry` list and its user's credentials for the reference's registry.
+    fn daemon_pull(&self, reference: &str, name: &str, registry: &str) -> ImagePullRequest {
+        let creds = self.pulls.credentials.as_ref().and_then(|c| c(registry));
+        let source = creds.as_ref().map(|_| "the daemon's ~/.docker/config.json".to_string());
+        let (username, password) = creds.map_or((None, None), |(u, p)| (Some(u), Some(p)));
+        ImagePullRequest {
+            reference: reference.to_string(),
+            name: Some(name.to_string()),
+            platform: None,
+            insecure: self.pulls.insecure.iter().any(|h| h == registry),
+            username,
+            password,
+            credential_source: source,
+            replace: false,
+        }
+    }
+
     /// The image name a sandbox of `image` starts from: `image` itself when it is a name;
     /// for a registry reference, the local image pulled from it, pulled now when there is none
     /// and the [`PullPolicy`] allows (one first-use pull at a time, so concurrent creates of
@@ -121,23 +154,7 @@ impl Host {
             base.truncate(names::MAX_NAME_LEN - 13);
             name = format!("{base}-{}", &tag[7..19]);
         }
-        let (username, password, credential_source) =
-            match self.pulls.credentials.as_ref().and_then(|c| c(r.registry())) {
-                Some((u, p)) => {
-                    (Some(u), Some(p), Some("the daemon's ~/.docker/config.json".to_string()))
-                }
-                None => (None, None, None),
-            };
-        let req = ImagePullRequest {
-            reference: image.to_string(),
-            name: Some(name.clone()),
-            platform: None,
-            insecure: self.pulls.insecure.iter().any(|h| h == r.registry()),
-            username,
-            password,
-            credential_source,
-            replace: false,
-        };
+        let req = self.daemon_pull(image, &name, r.registry());
         tracing::info!(reference = %whole, image = %name, "pulling on first use");
         match self.pull_image(req, Box::new(LogProgress(whole.clone()))).await {
             Ok(_) => Ok(name),
@@ -195,23 +212,7 @@ impl Host {
         }
         let by_digest = format!("{}/{}@{digest}", r.registry(), r.repository());
         progress.message(&format!("image {} is not here: pulling {by_digest}", img.name));
-        let (username, password, credential_source) =
-            match self.pulls.credentials.as_ref().and_then(|c| c(r.registry())) {
-                Some((u, p)) => {
-                    (Some(u), Some(p), Some("the daemon's ~/.docker/config.json".to_string()))
-                }
-                None => (None, None, None),
-            };
-        let req = ImagePullRequest {
-            reference: by_digest.clone(),
-            name: Some(img.name.clone()),
-            platform: None,
-            insecure: self.pulls.insecure.iter().any(|h| h == r.registry()),
-            username,
-            password,
-            credential_source,
-            replace: false,
-        };
+        let req = self.daemon_pull(&by_digest, &img.name, r.registry());
         match self.pull_image(req, Box::new(LogProgress(by_digest.clone()))).await {
             Ok(_) => {
                 progress.message(&format!("pulled {by_digest} as image {}", img.name));
@@ -240,16 +241,7 @@ impl Host {
         };
         names::validate("image", &name)?;
         let platform = req.platform.as_deref().map(str::parse::<Platform>).transpose()?;
-        let basic = match (req.username, req.password) {
-            (Some(u), Some(p)) => Some((u, p)),
-            (None, None) => None,
-            _ => {
-                return Err(HostError::invalid(
-                    "a username needs a password and a password a username",
-                    "give both (`--username U --password-stdin`) or neither",
-                ))
-            }
-        };
+        let basic = basic_auth(req.username, req.password)?;
         let puller = Puller::new(PullOptions {
             reference: req.reference.clone(),
             platform,

@@ -63,16 +63,7 @@ impl Host {
             })
             .await?
         };
-        let basic = match (req.username, req.password) {
-            (Some(u), Some(p)) => Some((u, p)),
-            (None, None) => None,
-            _ => {
-                return Err(HostError::invalid(
-                    "a username needs a password and a password a username",
-                    "give both (`--username U --password-stdin`) or neither",
-                ))
-            }
-        };
+        let basic = super::pull::basic_auth(req.username, req.password)?;
         let pusher = Pusher::new(PushOptions {
             reference: req.reference.clone(),
             insecure: req.insecure,

@@ -9,7 +9,6 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference, RegistryOperation};
 use oci_spec::image::{
@@ -199,22 +198,7 @@ impl Pusher {
                 opts.reference
             )));
         }
-        let protocol = if opts.insecure {
-            ClientProtocol::HttpsExcept(vec![reference.resolve_registry().to_string()])
-        } else {
-            ClientProtocol::Https
-        };
-        let client = Client::new(ClientConfig {
-            protocol,
-            platform_resolver: None,
-            connect_timeout: Some(std::time::Duration::from_secs(30)),
-            read_timeout: Some(std::time::Duration::from_secs(120)),
-            ..Default::default()
-        });
-        let auth = match &opts.credentials.basic {
-            Some((u, p)) => RegistryAuth::Basic(u.clone(), p.clone()),
-            None => RegistryAuth::Anonymous,
-        };
+        let (client, auth) = crate::registry::connect(&reference, opts.insecure, &opts.credentials);
         Ok(Pusher { client, reference, auth, opts })
     }
 

@@ -97,6 +97,32 @@ impl std::fmt::Debug for Puller {
     }
 }
 
+/// A client for `reference`'s registry (plain http only when `insecure`) and the auth to
+/// present there: what pulls and pushes share.
+pub(crate) fn connect(
+    reference: &Reference,
+    insecure: bool,
+    credentials: &Credentials,
+) -> (Client, RegistryAuth) {
+    let protocol = if insecure {
+        ClientProtocol::HttpsExcept(vec![reference.resolve_registry().to_string()])
+    } else {
+        ClientProtocol::Https
+    };
+    let client = Client::new(ClientConfig {
+        protocol,
+        platform_resolver: None,
+        connect_timeout: Some(std::time::Duration::from_secs(30)),
+        read_timeout: Some(std::time::Duration::from_secs(120)),
+        ..Default::default()
+    });
+    let auth = match &credentials.basic {
+        Some((u, p)) => RegistryAuth::Basic(u.clone(), p.clone()),
+        None => RegistryAuth::Anonymous,
+    };
+    (client, auth)
+}
+
 /// Parse a reference (`debian:bookworm`, `localhost:5000/a/b:t`, `…@sha256:…`).
 pub fn parse_reference(s: &str) -> Result<Reference> {
     Reference::try_from(s).map_err(|e| {
@@ -138,22 +164,7 @@ impl Puller {
         // per process (a second install is refused, harmlessly).
         let _ = rustls::crypto::ring::default_provider().install_default();
         let reference = parse_reference(&opts.reference)?;
-        let protocol = if opts.insecure {
-            ClientProtocol::HttpsExcept(vec![reference.resolve_registry().to_string()])
-        } else {
-            ClientProtocol::Https
-        };
-        let client = Client::new(ClientConfig {
-            protocol,
-            platform_resolver: None,
-            connect_timeout: Some(std::time::Duration::from_secs(30)),
-            read_timeout: Some(std::time::Duration::from_secs(120)),
-            ..Default::default()
-        });
-        let auth = match &opts.credentials.basic {
-            Some((u, p)) => RegistryAuth::Basic(u.clone(), p.clone()),
-            None => RegistryAuth::Anonymous,
-        };
+        let (client, auth) = connect(&reference, opts.insecure, &opts.credentials);
         Ok(Puller { client, reference, auth, opts })
     }
 

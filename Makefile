@@ -42,8 +42,9 @@ test: export CRAB_REQUIRE_PRIVILEGED = 1
 # The daemon serves the E2B API for crates/crab/tests/e2b.rs (key digest committed for tests).
 test: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
 test: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys
-# First-use pulls (`sandbox create REF`) from the loopback registry of tests/images_pull.rs.
-test: export CRAB_INSECURE_REGISTRIES ?= 127.0.0.1:5761
+# First-use pulls (`sandbox create REF`) from the loopback registry of tests/images_pull.rs, and
+# the Harbor task's `FROM` in python/tests/test_harbor.py.
+test: export CRAB_INSECURE_REGISTRIES ?= 127.0.0.1:5761,127.0.0.1:5772
 test: build lint
 	@scripts/daemon.sh restart target/debug/crab
 	@$(MAKE) --no-print-directory image-debug
@@ -54,12 +55,16 @@ test: build lint
 # The Python SDK (python/) against the running daemon, in the venv of scripts/install-python-sdk.sh;
 # test_ray.py starts a two-node Ray cluster on loopback with two more daemons of its own;
 # test_mini_swe_agent.py runs the real mini-swe-agent through a crab-docker link;
-# test_inspect_provider.py runs Inspect AI's own sandbox checks and an eval on `sandbox="crab"`.
+# test_inspect_provider.py runs Inspect AI's own sandbox checks and an eval on `sandbox="crab"`;
+# test_harbor.py runs `harbor run` (its own Python >= 3.12 venv, scripts/install-harbor.sh).
 test-python:
-	CRAB_BIN=$(CURDIR)/target/debug/crab $$(scripts/install-python-sdk.sh --with-ray --with-agents --with-inspect | tail -n 1) -m pytest python/tests -q
+	CRAB_BIN=$(CURDIR)/target/debug/crab CRAB_HARBOR_PY=$$(scripts/install-harbor.sh | tail -n 1) \
+		$$(scripts/install-python-sdk.sh --with-ray --with-agents --with-inspect | tail -n 1) -m pytest python/tests -q
 
 bench: export CRAB_E2B_LISTEN ?= 127.0.0.1:3000
 bench: export CRAB_E2B_KEYS ?= $(CURDIR)/crates/crab/tests/e2b/test-keys
+# python/bench_harness.py's Harbor task is `FROM` a loopback registry.
+bench: export CRAB_INSECURE_REGISTRIES ?= 127.0.0.1:5772
 bench: setup
 	$(CARGO) build --release -p crab -p crab-bench --features crab/bench
 	@scripts/daemon.sh restart target/release/crab
@@ -72,4 +77,7 @@ bench: setup
 	target/release/crab bench lifecycle --rounds 10 --fork 8
 	target/release/crab bench images --rounds 3
 	$$(scripts/install-python-sdk.sh | tail -n 1) python/bench_sdk.py --crab target/release/crab
+	python3 python/bench_harness.py --rounds 3 --samples 8 \
+		--inspect-python $$(scripts/install-python-sdk.sh --with-inspect | tail -n 1) \
+		--harbor-python $$(scripts/install-harbor.sh | tail -n 1)
 	target/release/crab bench replay --traces examples/traces --llm-latency scale:0.2 --json-out target/bench-replay.json --svg target/bench-replay.svg

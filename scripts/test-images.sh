@@ -14,6 +14,8 @@
 #              /opaque, an explicit whiteout of /etc/gone-too, /data/link now a real dir),
 #              config by `umoci config`: User 1000:1000, Env, WorkingDir /app, Entrypoint,
 #              Cmd, a label, an exposed port
+#     shell    base + a umoci layer of this host's bash, tar, gzip, grep, sed, find and
+#              coreutils (what a task's scripts and Harbor's commands use), PATH set
 #     tamper   base + one layer of random bytes (its own blob, for the tampered-blob test)
 #     resume   base + a small layer + an 8 MiB random layer (the interrupted-pull test)
 #     multi-amd64 / multi-arm64  base with config architecture amd64 / arm64 and a label
@@ -28,11 +30,25 @@ CMD=$1 CACHE=$2
 SELF=$(readlink -f "${BASH_SOURCE[0]}")
 HASH=$(sha256sum "$SELF" | cut -c1-16)
 OUT=$CACHE/$HASH
-TAGS=(base layers tamper resume multi-amd64 multi-arm64)
+TAGS=(base layers shell tamper resume multi-amd64 multi-arm64)
 
 for t in umoci skopeo buildah tar; do
     command -v $t >/dev/null || { echo "test-images: $t is not installed; run scripts/install-deps.sh" >&2; exit 1; }
 done
+
+# add_bins TREE BIN… — this host's BINs and the libraries they load, into TREE (merged /usr).
+add_bins() {
+    local T=$1
+    shift
+    for b in "$@"; do cp -L "$(command -v "$b")" "$T/usr/bin/$b"; done
+    for lib in $(for b in "$@"; do ldd "$(command -v "$b")"; done |
+        awk '$3 ~ /^\// {print $3} $1 ~ /^\/lib64\/ld-linux/ {print $1}' | sort -u); do
+        case $lib in
+            */ld-linux-x86-64.so.2) cp -L "$lib" "$T/usr/lib64/" ;;
+            *) cp -L "$lib" "$T/usr/lib/x86_64-linux-gnu/" ;;
+        esac
+    done
+}
 
 build() {
     local W=$OUT.tmp.$$
@@ -46,16 +62,8 @@ build() {
     ln -s usr/bin "$T/bin"
     ln -s usr/lib "$T/lib"
     ln -s usr/lib64 "$T/lib64"
-    local bins=(dash stat ls cat id readlink head)
-    for b in "${bins[@]}"; do cp -L "$(command -v $b)" "$T/usr/bin/$b"; done
+    add_bins "$T" dash stat ls cat id readlink head
     ln -s dash "$T/usr/bin/sh"
-    for lib in $(for b in "${bins[@]}"; do ldd "$(command -v $b)"; done |
-        awk '$3 ~ /^\// {print $3} $1 ~ /^\/lib64\/ld-linux/ {print $1}' | sort -u); do
-        case $lib in
-            */ld-linux-x86-64.so.2) cp -L "$lib" "$T/usr/lib64/" ;;
-            *) cp -L "$lib" "$T/usr/lib/x86_64-linux-gnu/" ;;
-        esac
-    done
     printf 'root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/app:/bin/sh\n' >"$T/etc/passwd"
     printf 'root:x:0:\napp:x:1000:\n' >"$T/etc/group"
     echo "gone" >"$T/etc/gone"
@@ -101,6 +109,14 @@ build() {
         --config.entrypoint /bin/sh --config.entrypoint -c --config.cmd 'echo hi' \
         --config.label fixture=layers --config.exposedports 8080/tcp
 
+    # shell: base + a layer with bash and the tools task scripts use (a Harbor task's FROM).
+    umoci unpack --image "$L:base" "$W/b7" >/dev/null
+    add_bins "$W/b7/rootfs" bash tar gzip grep sed mkdir chmod chown rm cp mv touch env sleep \
+        find tee wc ln dirname basename mktemp setpriv setsid mkfifo uname date
+    umoci repack --image "$L:shell" "$W/b7"
+    umoci config --image "$L:shell" --config.env PATH=/usr/local/bin:/usr/bin:/bin \
+        --config.label fixture=shell
+
     # tamper: its own random layer.
     mkdir -p "$W/l4/rand"
     head -c 1048576 /dev/urandom >"$W/l4/rand/bytes"
@@ -131,7 +147,7 @@ build() {
     "${B[@]}" manifest push --all --quiet crab-multi "oci:$W/multi:multi"
     "${B[@]}" rmi --all --force >/dev/null 2>&1 || true
     chmod -R u+w "$W/buildah" 2>/dev/null || true
-    rm -rf "$W/buildah" "$W/b1" "$W/b2" "$W/tree" "$W"/l[3-6] "$W"/l[3-6].tar
+    rm -rf "$W/buildah" "$W/b1" "$W/b2" "$W/b7" "$W/tree" "$W"/l[3-6] "$W"/l[3-6].tar
 
     mkdir -p "$CACHE"
     find "$CACHE" -mindepth 1 -maxdepth 1 ! -name "$HASH*" -exec rm -rf {} +

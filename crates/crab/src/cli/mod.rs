@@ -133,7 +133,21 @@ pub fn main() -> ExitCode {
     // count read from cgroup files): `crab exec` runs once per agent command.
     let mut builder = match cli.cmd {
         Cmd::Daemon(_) | Cmd::Bench { .. } => tokio::runtime::Builder::new_multi_thread(),
-        _ => tokio::runtime::Builder::new_current_thread(),
+        _ => {
+            // A client command whose reader went away (`crab sandbox ls | head`) ends quietly
+            // as other Unix tools do, not with a "failed printing to stdout" panic: the Rust
+            // runtime ignores SIGPIPE, so restore its default. (The daemon keeps ignoring it: a
+            // peer that hangs up is an error on that connection only.)
+            // SAFETY: setting a signal's disposition to SIG_DFL installs no handler, and this
+            // runs before any other thread exists.
+            unsafe {
+                let _ = nix::sys::signal::signal(
+                    nix::sys::signal::Signal::SIGPIPE,
+                    nix::sys::signal::SigHandler::SigDfl,
+                );
+            }
+            tokio::runtime::Builder::new_current_thread()
+        }
     };
     let rt = match builder.enable_all().build() {
         Ok(rt) => rt,

@@ -32,7 +32,6 @@ import hashlib
 import logging
 import os
 import posixpath
-import re
 import secrets
 import shlex
 import time
@@ -57,6 +56,7 @@ from pydantic import BaseModel
 
 from .._async import AsyncDaemon, AsyncSandbox, default_async_daemon
 from .._common import socket_path
+from .._harness import ensure_image, slug
 from ..errors import (
     ConflictError,
     CrabError,
@@ -83,13 +83,8 @@ RUN_ID = secrets.token_hex(4)
 DEFAULT_IMAGE = "debian"
 
 
-def _slug(task_name: str, n: int = 20) -> str:
-    s = re.sub(r"[^A-Za-z0-9]+", "-", task_name).strip("-").lower()
-    return (s[:n].strip("-") or "task")
-
-
 def _labels(task_name: str, role: str, base: Optional[str] = None) -> Dict[str, str]:
-    labels = {LABEL_RUN: RUN_ID, LABEL_TASK: _slug(task_name, 60), LABEL_ROLE: role}
+    labels = {LABEL_RUN: RUN_ID, LABEL_TASK: slug(task_name, 60), LABEL_ROLE: role}
     if base is not None:
         labels[LABEL_BASE] = base
     return labels
@@ -98,8 +93,8 @@ def _labels(task_name: str, role: str, base: Optional[str] = None) -> Dict[str, 
 def _what(cfg: CrabSandboxConfig) -> str:
     """A short name of what a config makes (the image, or the Dockerfile's directory)."""
     if cfg.dockerfile is not None:
-        return _slug(Path(cfg.dockerfile).parent.name or "build", 16)
-    return _slug(cfg.image or DEFAULT_IMAGE, 16)
+        return slug(Path(cfg.dockerfile).parent.name or "build", 16)
+    return slug(cfg.image or DEFAULT_IMAGE, 16)
 
 
 @dataclass
@@ -150,17 +145,7 @@ async def _ensure_image(d: AsyncDaemon, cfg: CrabSandboxConfig) -> str:
         logger.info("crab: building %s into image %s", cfg.dockerfile, name)
         await d.build_image(cfg.dockerfile, name, context=cfg.context, build_args=cfg.build_args or None)
         return name
-    image = cfg.image or DEFAULT_IMAGE
-    if image in {str(i.get("name")) for i in await d.images()}:
-        return image
-    if not re.search(r"[/:@]", image):
-        raise InvalidRequestError(
-            f"no Crab image {image!r} on the daemon at {d.socket}",
-            f"build or import it (`crab image build {image}`, `crab image ls`), or name a registry reference to pull",
-        )
-    logger.info("crab: pulling %s", image)
-    info = await d.pull_image(image, insecure=cfg.insecure_registry)
-    return str(info["name"])
+    return await ensure_image(d, cfg.image or DEFAULT_IMAGE, insecure=cfg.insecure_registry)
 
 
 async def _probe(sb: AsyncSandbox, cfg: CrabSandboxConfig) -> Tuple[str, str]:
@@ -265,7 +250,7 @@ class CrabSandboxEnvironment(SandboxEnvironment):
         base = await cls._base(task_name, config)
         d = _daemon(base.socket)
         t0 = time.perf_counter()
-        name = f"insp-{_slug(task_name)}-{secrets.token_hex(4)}"
+        name = f"insp-{slug(task_name)}-{secrets.token_hex(4)}"
         labels = _labels(task_name, "sample", base.sandbox or base.image)
         if base.sandbox is not None:
             (sb,) = await AsyncSandbox(base.sandbox, d).fork(1, base.point, names=[name], labels=labels)

@@ -197,7 +197,7 @@ class CrabEnvironment(BaseEnvironment):
             if prebuilt
             else f"build:{self.environment_dir.resolve()}:{environment_content_hash(self.environment_dir)}"
         )
-        return f"{what}\0{sorted(self._create_args().items())}\0{self.options.fork}"
+        return f"{self._socket}\0{what}\0{sorted(self._create_args().items())}\0{self.options.fork}"
 
     async def _image(self, force_build: bool) -> str:
         d = self._daemon()

@@ -640,6 +640,9 @@ pub enum SandboxState {
     Stopped,
     /// Paused: a `full` point, then every process stopped; `resume` restores that point.
     Paused,
+    /// Parked by the host: its processes stopped after a point that holds them; any call
+    /// that needs it running wakes it first (`crab sandbox wake` does only that).
+    Parked,
     /// Kept only for its labelled restore points (`held` says why).
     Retired,
 }
@@ -652,6 +655,7 @@ impl SandboxState {
             SandboxState::Dead => "dead",
             SandboxState::Stopped => "stopped",
             SandboxState::Paused => "paused",
+            SandboxState::Parked => "parked",
             SandboxState::Retired => "retired",
         }
     }

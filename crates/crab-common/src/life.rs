@@ -26,6 +26,14 @@ pub enum Life {
         /// The pause point.
         point: String,
     },
+    /// Parked by the host while its agent waits (`crab sandbox park`): every process stopped
+    /// (memory freed) after `point`, a restore point that holds them. Any call that needs it
+    /// running — an exec, a file operation, a checkpoint, the LLM answer it waits for — wakes
+    /// it first (restores `point` in place), so callers see it parked only in listings.
+    Parked {
+        /// The point it wakes from.
+        point: String,
+    },
     /// Kept only for its labelled restore points (E2B's kill of a sandbox whose snapshots live
     /// on): no process, hidden from E2B; deleting its last labelled point removes it.
     Retired {
@@ -55,6 +63,7 @@ impl Status<'_> {
             Life::Running => SandboxState::Dead,
             Life::Stopped => SandboxState::Stopped,
             Life::Paused { .. } => SandboxState::Paused,
+            Life::Parked { .. } => SandboxState::Parked,
             Life::Retired { .. } => SandboxState::Retired,
         }
     }
@@ -70,7 +79,8 @@ impl Status<'_> {
     /// Pause: only a running sandbox.
     pub fn can_pause(&self, name: &str) -> Result<(), ApiError> {
         match self.state() {
-            SandboxState::Running => Ok(()),
+            // A parked one's point holds everything: it becomes its pause point.
+            SandboxState::Running | SandboxState::Parked => Ok(()),
             SandboxState::Paused => Err(self.refuse(
                 name,
                 "pause",
@@ -102,7 +112,10 @@ impl Status<'_> {
                     "it is kept only for its labelled restore points; fork one of them (`crab fork {name} --checkpoint ID`) or remove it"
                 ),
             )),
-            SandboxState::Paused | SandboxState::Stopped | SandboxState::Dead => Ok(true),
+            SandboxState::Paused
+            | SandboxState::Parked
+            | SandboxState::Stopped
+            | SandboxState::Dead => Ok(true),
         }
     }
 
@@ -114,6 +127,11 @@ impl Status<'_> {
                 name,
                 what,
                 &format!("resume it first: `crab sandbox resume {name}`"),
+            )),
+            SandboxState::Parked => Err(self.refuse(
+                name,
+                what,
+                &format!("wake it first: `crab sandbox wake {name}`"),
             )),
             SandboxState::Retired => Err(self.refuse(
                 name,

@@ -761,7 +761,8 @@ pub(crate) async fn envd_sandbox<B: Backend>(
         ));
     }
     match e2b.backend.status(id.to_string()).await {
-        Ok(SandboxState::Running) => {}
+        // Parked: the call itself wakes it (the backend shows it running anyway).
+        Ok(SandboxState::Running | SandboxState::Parked) => {}
         Ok(SandboxState::Paused) => {
             return Err(ConnectError::new(
                 Code::Unavailable,

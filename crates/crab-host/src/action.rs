@@ -288,6 +288,18 @@ pub enum Action {
         /// Sandbox name.
         name: String,
     },
+    /// Park a running sandbox: a `full` restore point, then every process stopped (memory
+    /// freed); its life is `parked`, and any action that needs it running wakes it first.
+    Park {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Wake a parked sandbox (restore its park point in place, its conversation kept); any
+    /// other sandbox is left as it is.
+    Wake {
+        /// Sandbox name.
+        name: String,
+    },
     /// Bring a sandbox back: a paused one from its pause point (in place), a stopped or dead
     /// one from its newest point. A running one: `conflict`, or nothing with `ensure`.
     Resume {
@@ -407,6 +419,29 @@ impl std::fmt::Debug for Action {
 
 impl Action {
     /// The action's name (for logs).
+    /// The sandbox this action needs running, if any: the host wakes it first when it is
+    /// parked (commands, files, background processes, verdicts, checkpoints, a live fork).
+    pub fn needs_running(&self) -> Option<&str> {
+        match self {
+            Action::Exec { name, .. }
+            | Action::ExecAttach { name, .. }
+            | Action::ExecStdin { name, .. }
+            | Action::ProcStart { name, .. }
+            | Action::ProcList { name }
+            | Action::ProcGet { name, .. }
+            | Action::ProcOutput { name, .. }
+            | Action::ProcStdin { name, .. }
+            | Action::ProcCloseStdin { name, .. }
+            | Action::ProcSignal { name, .. }
+            | Action::Inspect { name, .. }
+            | Action::Checkpoint { name, .. }
+            | Action::Turn { name, .. }
+            | Action::ForkLive { name, .. }
+            | Action::Files { name, .. } => Some(name),
+            _ => None,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Action::Version => "version",
@@ -446,6 +481,8 @@ impl Action {
             Action::Fork { .. } => "fork",
             Action::ForkLive { .. } => "fork_live",
             Action::Pause { .. } => "pause",
+            Action::Park { .. } => "park",
+            Action::Wake { .. } => "wake",
             Action::Resume { .. } => "resume",
             Action::Kill { .. } => "kill",
             Action::Status { .. } => "status",
@@ -552,6 +589,8 @@ pub struct TopView {
     pub engine: EngineStats,
     /// Where the exposed time of the newest turns went, stage by stage (largest first).
     pub held_stages: Vec<crab_common::stats::StageSummary>,
+    /// Parked sandboxes, parks and wakes.
+    pub parking: crate::parking::ParkingStats,
 }
 
 /// What an action answers. Serializes as the API's response body (untagged); [`Outcome::Exec`]

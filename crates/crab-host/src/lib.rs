@@ -22,6 +22,7 @@ pub mod glue;
 mod host;
 pub mod images;
 mod lifecycle;
+mod parking;
 mod policy;
 mod procs;
 mod progress;
@@ -35,4 +36,5 @@ pub use host::{
     is_reference, timeout_set, CredentialSource, Host, HostOptions, PullPolicy, IN_SANDBOX_PROXY,
 };
 pub use lifecycle::Adopted;
+pub use parking::ParkingStats;
 pub use policy::{Decision, TurnPolicy};

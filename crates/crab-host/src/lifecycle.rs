@@ -147,7 +147,7 @@ impl Host {
         let _g = l.lock().await;
         let (life, alive) = self.status_of(&name)?;
         if !alive {
-            if matches!(life, Life::Running | Life::Paused { .. }) {
+            if matches!(life, Life::Running | Life::Paused { .. } | Life::Parked { .. }) {
                 self.set_life(&name, Life::Stopped)?;
             }
             let state = Status { life: &self.status_of(&name)?.0, alive }.state();
@@ -216,6 +216,15 @@ impl Host {
         let _g = l.lock().await;
         let (life, alive) = self.status_of(&name)?;
         Status { life: &life, alive }.can_pause(&name).map_err(conflict)?;
+        if let (Life::Parked { point }, false) = (&life, alive) {
+            let point = point.clone();
+            self.set_life(&name, Life::Paused { point: point.clone() })?;
+            return Ok(Outcome::Lifecycle(Lifecycle {
+                sandbox: name,
+                point: Some(point),
+                state: SandboxState::Paused,
+            }));
+        }
         let taken = self.checkpoint(name.clone(), Some(CheckpointKind::Full), None, None).await?;
         // Stopping processes that the point does not hold would lose them: refuse instead.
         let point = crate::host::full_point(&taken, "pause")?;
@@ -242,7 +251,7 @@ impl Host {
         let todo = Status { life: &life, alive }.can_resume(&name, ensure).map_err(conflict)?;
         let point = if todo {
             let from = match &life {
-                Life::Paused { point } => Some(point.clone()),
+                Life::Paused { point } | Life::Parked { point } => Some(point.clone()),
                 _ => None,
             };
             match self.restore(name.clone(), from, Arc::new(crab_common::NoProgress)).await? {
@@ -259,6 +268,133 @@ impl Host {
             tracing::info!(sandbox = %name, point = ?point, "resumed");
         }
         Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state: SandboxState::Running }))
+    }
+
+    /// [`Action::Park`]: every process of a running sandbox stopped (its memory freed) after
+    /// a restore point that holds them — `point` when the caller has one taken with nothing run
+    /// since (the engine at a turn boundary), else a `full` point now — and its life `parked`
+    /// with that point. Parking a parked sandbox answers its park point.
+    pub(crate) async fn park(
+        self: &Arc<Self>,
+        name: String,
+        point: Option<String>,
+    ) -> Result<Outcome, HostError> {
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        let (life, alive) = self.status_of(&name)?;
+        if let (Life::Parked { point }, false) = (&life, alive) {
+            let point = Some(point.clone());
+            return Ok(Outcome::Lifecycle(Lifecycle {
+                sandbox: name,
+                point,
+                state: SandboxState::Parked,
+            }));
+        }
+        Status { life: &life, alive }.can_exec(&name, "park").map_err(conflict)?;
+        let point = match point {
+            Some(p) => p,
+            None => {
+                let taken =
+                    self.checkpoint(name.clone(), Some(CheckpointKind::Full), None, None).await?;
+                // Stopping processes that the point does not hold would lose them.
+                crate::host::full_point(&taken, "park")?
+            }
+        };
+        self.halt(&name).await?;
+        self.set_life(&name, Life::Parked { point: point.clone() })?;
+        tracing::info!(sandbox = %name, %point, "parked");
+        Ok(Outcome::Lifecycle(Lifecycle {
+            sandbox: name,
+            point: Some(point),
+            state: SandboxState::Parked,
+        }))
+    }
+
+    /// How many sandboxes are parked now (in-memory records).
+    pub(crate) fn parked_count(&self) -> usize {
+        let rt = self.runtime();
+        rt.names()
+            .iter()
+            .filter(|n| rt.record(n).is_ok_and(|r| matches!(r.life, Life::Parked { .. })))
+            .count()
+    }
+
+    /// The parking counters.
+    pub(crate) fn parking(&self) -> &crate::parking::Parking {
+        &self.parking
+    }
+
+    /// [`Action::Wake`]: a parked sandbox back from its park point, in place, its
+    /// conversation kept (its agent carries on); any other is left as it is. Answers the
+    /// point it woke from, if it woke.
+    pub(crate) async fn wake(self: &Arc<Self>, name: String) -> Result<Outcome, HostError> {
+        let l = self.life_lock(&name);
+        let _g = l.lock().await;
+        let point = self.wake_locked(&name).await?;
+        let (life, alive) = self.status_of(&name)?;
+        let state = Status { life: &life, alive }.state();
+        Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state }))
+    }
+
+    /// Wake `name` if it is parked, before an action that needs it running: cheap when it is
+    /// not (the in-memory record). The caller waits for the restore; it never sees the
+    /// sandbox parked.
+    pub(crate) async fn ensure_awake(self: &Arc<Self>, name: &str) -> Result<(), HostError> {
+        match self.runtime().record(name) {
+            Ok(r) if matches!(r.life, Life::Parked { .. }) => {}
+            _ => return Ok(()),
+        }
+        let l = self.life_lock(name);
+        let _g = l.lock().await;
+        self.wake_locked(name).await.map(|_| ())
+    }
+
+    /// The wake itself, under `name`'s lifecycle lock. A restore that fails leaves the
+    /// sandbox stopped (never half-restored: the checkpointer rolls its own work back) and
+    /// says so, naming the point.
+    async fn wake_locked(self: &Arc<Self>, name: &str) -> Result<Option<String>, HostError> {
+        let (life, alive) = self.status_of(name)?;
+        let Life::Parked { point } = life else {
+            return Ok(None);
+        };
+        if alive {
+            // Brought back through another door meanwhile.
+            self.set_life(name, Life::Running)?;
+            return Ok(None);
+        }
+        let t0 = std::time::Instant::now();
+        let r = self
+            .restore_in_place(
+                name.to_string(),
+                Some(point.clone()),
+                Arc::new(crab_common::NoProgress),
+                false,
+            )
+            .await;
+        match r {
+            Ok(_) => {
+                self.parking().woke(t0.elapsed());
+                tracing::info!(sandbox = %name, %point, ms = t0.elapsed().as_secs_f64() * 1e3, "woke");
+                Ok(Some(point))
+            }
+            Err(e) => {
+                self.parking().wake_failed();
+                if let Err(e2) = self.set_life(name, Life::Stopped) {
+                    tracing::warn!(sandbox = %name, error = %e2, "could not record the failed wake");
+                }
+                let mut api = e.into_api();
+                api.message = format!(
+                    "waking parked sandbox {name} from its point {point} failed, so it is stopped: {}",
+                    api.message
+                );
+                if api.hint.is_empty() {
+                    api.hint = format!(
+                        "restore it from another point (`crab checkpoints {name}`, `crab restore {name} --checkpoint ID`) or remove it"
+                    );
+                }
+                Err(HostError(api))
+            }
+        }
     }
 
     /// [`Action::Kill`].

@@ -1,4 +1,5 @@
-//! A daemon killed with SIGKILL and started again adopts its running sandboxes (root), and
+//! A daemon killed with SIGKILL and started again adopts its running sandboxes (root), keeps a
+//! parked one parked until a call wakes it (issue 31), and
 //! reconciles `nat` networking: a live sandbox keeps its host interface and its address in the
 //! daemon's nftables table; a stray interface of this daemon's prefix is deleted.
 //! Kept in its own test binary: it takes the daemon down, which would disturb other tests.
@@ -15,6 +16,9 @@ fn sigkilled_daemon_adopts_running_sandboxes() {
     assert!(
         wait_until(10.0, || sb.sh("curl -sf http://127.0.0.1:8001/index.html").0 == "adopted\n")
     );
+    let parked = Sandbox::new("t-adopt-parked");
+    parked.sh_ok("echo 7 > /tmp/n; nohup sh -c 'while :; do sleep 0.2; done' >/dev/null 2>&1 &");
+    common::crab_ok(&["sandbox", "park", &parked.name]);
     let nat = Sandbox::with_args("t-adopt-nat", &["--network", "nat"]);
     let rec: serde_json::Value = serde_json::from_slice(
         &std::fs::read(state_dir().join("pool/sandboxes").join(&nat.name).join("sandbox.json"))
@@ -43,6 +47,13 @@ fn sigkilled_daemon_adopts_running_sandboxes() {
     common::start_daemon();
     let info = sb.info();
     assert_eq!(info["state"], "running");
+    // Parked across the restart, and woken by the first call.
+    assert_eq!(parked.info()["state"], "parked");
+    assert_eq!(
+        parked.sh("cat /tmp/n; pgrep -c sleep >/dev/null && echo looping").0,
+        "7\nlooping\n"
+    );
+    assert_eq!(parked.info()["state"], "running");
     assert_eq!(sb.sh("curl -sf http://127.0.0.1:8001/index.html").0, "adopted\n");
     let net = std::path::Path::new("/sys/class/net");
     assert!(net.join(&host_if).exists(), "the live nat sandbox lost its host interface");

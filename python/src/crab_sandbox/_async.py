@@ -414,7 +414,7 @@ class AsyncSandbox:
     # --- its life ------------------------------------------------------------------------------
 
     async def status(self) -> str:
-        """Its state: ``running``, ``paused``, ``stopped``, ``dead`` or ``retired`` (cheap)."""
+        """Its state: ``running``, ``parked``, ``paused``, ``stopped``, ``dead`` or ``retired`` (cheap)."""
         v = await self.daemon.request("GET", f"{self._base}/status")
         return str(v["state"])
 
@@ -424,6 +424,19 @@ class AsyncSandbox:
         runs."""
         v = await self.daemon.request("POST", f"{self._base}/pause")
         return str(v["point"])
+
+    async def park(self) -> str:
+        """Park: every process stopped (memory freed) after a full restore point; anything
+        that needs it running (an exec, a file, its agent's LLM answer) wakes it first.
+        Returns the park point's id."""
+        v = await self.daemon.request("POST", f"{self._base}/park")
+        return str(v["point"])
+
+    async def wake(self) -> Optional[str]:
+        """Wake a parked sandbox now (its park point restored in place, its conversation kept).
+        Returns the point it woke from, or None when it was not parked."""
+        v = await self.daemon.request("POST", f"{self._base}/wake")
+        return None if v.get("point") is None else str(v["point"])
 
     async def resume(self, timeout: Optional[float] = None, on_timeout: Optional[str] = None) -> Optional[str]:
         """Resume a paused sandbox from its pause point (a stopped or dead one from its newest

@@ -12,12 +12,25 @@ impl Host {
         checkpoint: Option<String>,
         progress: Arc<dyn Progress>,
     ) -> Result<Outcome, HostError> {
+        self.restore_in_place(name, checkpoint, progress, true).await
+    }
+
+    /// Restore `name` in place from `checkpoint`; `rewind_log`: its conversation goes back to
+    /// the point as well (a restore), or stays as it is (a parked sandbox woken: its agent
+    /// carries on from where it waited).
+    pub(crate) async fn restore_in_place(
+        self: &Arc<Self>,
+        name: String,
+        checkpoint: Option<String>,
+        progress: Arc<dyn Progress>,
+        rewind_log: bool,
+    ) -> Result<Outcome, HostError> {
         let t0 = std::time::Instant::now();
         let h = self.clone();
         let n = name.clone();
         let (report, offset, t_attach) = blocking(move || {
             h.runtime.record(&n)?;
-            let offset = h.point_offset(&n, checkpoint.as_deref())?;
+            let offset = if rewind_log { h.point_offset(&n, checkpoint.as_deref())? } else { None };
             h.detach(&n);
             let r = h.checkpointer.restore(&n, checkpoint.as_deref(), progress.as_ref());
             let t_attach = std::time::Instant::now();

@@ -121,6 +121,8 @@ pub struct Host {
     pull_lock: tokio::sync::Mutex<()>,
     /// Background Dockerfile builds (`build_jobs.rs`).
     pub(crate) build_jobs: crate::build_jobs::Jobs,
+    /// Parks and wakes (`crab top`).
+    pub(crate) parking: crate::parking::Parking,
 }
 
 use crab_common::sync::lock;
@@ -266,6 +268,7 @@ impl Host {
             life_locks: Mutex::new(HashMap::new()),
             label_lock: Mutex::new(()),
             firing: Mutex::new(std::collections::HashSet::new()),
+            parking: crate::parking::Parking::default(),
             pulls: opts.pulls.clone(),
             pull_lock: tokio::sync::Mutex::new(()),
             build_jobs: crate::build_jobs::Jobs::default(),
@@ -351,6 +354,9 @@ impl Host {
     /// Do what a front door asked.
     pub async fn execute(self: &Arc<Self>, action: Action) -> Result<Outcome, HostError> {
         tracing::debug!(action = action.name(), "execute");
+        if let Some(name) = action.needs_running() {
+            self.ensure_awake(name).await?;
+        }
         match action {
             Action::Version => Ok(Outcome::Version(VersionInfo {
                 version: env!("CARGO_PKG_VERSION").to_string(),
@@ -535,6 +541,12 @@ impl Host {
             }
             Action::ForkLive { name, req } => self.fork_live(name, req).await,
             Action::Pause { name } => self.pause(name).await,
+            Action::Park { name } => {
+                let o = self.park(name, None).await?;
+                self.parking.parked();
+                Ok(o)
+            }
+            Action::Wake { name } => self.wake(name).await,
             Action::Resume { name, ensure, timeout } => self.resume(name, ensure, timeout).await,
             Action::Kill { name } => self.kill(name).await,
             Action::Status { name } => self.status(name),
@@ -602,6 +614,7 @@ impl Host {
                 proxy: self.coordinator.stats(),
                 engine: self.engine.stats(),
                 held_stages: self.coordinator.held_stages(),
+                parking: self.parking.stats(self.parked_count()),
             }))),
             Action::RemoteList { sandbox } => {
                 let t = self.tier()?;

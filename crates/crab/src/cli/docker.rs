@@ -290,7 +290,8 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
         DockerCmd::Start { names } => lifecycle(client, names, "start", None).await,
         DockerCmd::Rm { force, volumes: _, names } => {
             for name in names {
-                if !force && get(client, &name).await?.state == SandboxState::Running {
+                let state = get(client, &name).await?.state;
+                if !force && matches!(state, SandboxState::Running | SandboxState::Parked) {
                     return Err(ApiError::new(
                         crab_common::ErrorCode::Conflict,
                         format!("cannot remove running sandbox {name:?}"),
@@ -311,8 +312,10 @@ async fn dispatch(client: &Client, c: DockerCmd, json: bool) -> Result<ExitCode,
         DockerCmd::Ps { all, quiet, no_trunc: _ } => {
             let v: Vec<SandboxInfo> =
                 client.call::<(), _>(Method::GET, "/v1/sandboxes", None).await?;
-            let shown: Vec<&SandboxInfo> =
-                v.iter().filter(|s| all || s.state == SandboxState::Running).collect();
+            let shown: Vec<&SandboxInfo> = v
+                .iter()
+                .filter(|s| all || matches!(s.state, SandboxState::Running | SandboxState::Parked))
+                .collect();
             if json {
                 print_json(&shown);
             } else if quiet {
@@ -512,6 +515,7 @@ async fn exec_quiet(client: &Client, name: &str, req: ExecRequest) -> Result<i32
 fn status(s: &SandboxInfo) -> &'static str {
     match s.state {
         SandboxState::Running => "Up",
+        SandboxState::Parked => "Up (parked)",
         SandboxState::Paused => "Paused",
         SandboxState::Dead | SandboxState::Stopped | SandboxState::Retired => "Exited",
     }
@@ -520,7 +524,8 @@ fn status(s: &SandboxInfo) -> &'static str {
 /// The `docker inspect` document of a sandbox (the fields harnesses read, plus `Crab`: the
 /// daemon's own description).
 fn inspect_doc(s: &SandboxInfo) -> serde_json::Value {
-    let running = s.state == SandboxState::Running;
+    // Parked is running to a docker client: its next exec wakes it.
+    let running = matches!(s.state, SandboxState::Running | SandboxState::Parked);
     let created = std::time::UNIX_EPOCH + std::time::Duration::from_secs(s.created_at);
     serde_json::json!({
         "Id": s.name,

@@ -131,7 +131,8 @@ async fn ensure_running(client: &Client, name: &str) -> Result<(), ApiError> {
     let s: crab_common::api::SandboxInfo = client
         .call::<(), _>(crab_client::Method::GET, &format!("/v1/sandboxes/{name}"), None)
         .await?;
-    if s.state != SandboxState::Running {
+    // A parked one is woken by the copy itself.
+    if !matches!(s.state, SandboxState::Running | SandboxState::Parked) {
         return Err(ApiError::new(
             ErrorCode::Conflict,
             format!("sandbox {name:?} is stopped: cp runs tar inside it"),

@@ -129,6 +129,18 @@ pub(super) enum SandboxCmd {
         /// Sandbox name.
         name: String,
     },
+    /// Park a running sandbox: a full restore point, then every process is stopped (its
+    /// memory freed). Anything that needs it — an exec, a file, a checkpoint, its agent's LLM
+    /// answer — wakes it first; `crab sandbox wake` wakes it now.
+    Park {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Wake a parked sandbox: its park point restored in place, its conversation kept.
+    Wake {
+        /// Sandbox name.
+        name: String,
+    },
     /// Resume a paused sandbox from its pause point, or start a stopped or dead one from its
     /// newest restore point.
     Resume {
@@ -301,6 +313,29 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
                 print_json(&l);
             } else {
                 println!("{}: paused (point {})", l.sandbox, l.point.as_deref().unwrap_or("-"));
+            }
+        }
+        SandboxCmd::Park { name } => {
+            let l: Lifecycle = client
+                .call::<(), _>(Method::POST, &format!("/v1/sandboxes/{name}/park"), None)
+                .await?;
+            if json {
+                print_json(&l);
+            } else {
+                println!("{}: parked (point {})", l.sandbox, l.point.as_deref().unwrap_or("-"));
+            }
+        }
+        SandboxCmd::Wake { name } => {
+            let l: Lifecycle = client
+                .call::<(), _>(Method::POST, &format!("/v1/sandboxes/{name}/wake"), None)
+                .await?;
+            if json {
+                print_json(&l);
+            } else {
+                match &l.point {
+                    Some(p) => println!("{}: {} (woke from point {p})", l.sandbox, l.state),
+                    None => println!("{}: {} (was not parked)", l.sandbox, l.state),
+                }
             }
         }
         SandboxCmd::Resume { name, timeout, on_timeout } => {

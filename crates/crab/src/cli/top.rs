@@ -112,6 +112,22 @@ pub(super) async fn run(client: &Client, a: TopArgs, json: bool) -> Result<ExitC
                     &rows,
                 );
             }
+            // Parking: how many are parked, and what waking them cost.
+            let pk = &v["parking"];
+            if pk.is_object()
+                && (pk["parks"].as_u64().unwrap_or(0) > 0 || pk["parked"].as_u64().unwrap_or(0) > 0)
+            {
+                let f = |x: &serde_json::Value| format!("{:.1}", x.as_f64().unwrap_or(f64::NAN));
+                println!(
+                    "\nparked {}  parks {}  wakes {} (failed {})  wake ms p50 {} p95 {}",
+                    pk["parked"],
+                    pk["parks"],
+                    pk["wakes"],
+                    pk["wake_failures"],
+                    f(&pk["wake_ms"]["p50"]),
+                    f(&pk["wake_ms"]["p95"]),
+                );
+            }
         }
         if once {
             return Ok(ExitCode::SUCCESS);

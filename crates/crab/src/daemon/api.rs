@@ -82,6 +82,8 @@ pub fn router(d: Arc<Host>, max_upload: u64) -> Router {
         .route("/v1/sandboxes/{name}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{name}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{name}/pause", post(lifecycle::pause))
+        .route("/v1/sandboxes/{name}/park", post(lifecycle::park))
+        .route("/v1/sandboxes/{name}/wake", post(lifecycle::wake))
         .route("/v1/sandboxes/{name}/resume", post(lifecycle::resume))
         .route("/v1/sandboxes/{name}/kill", post(lifecycle::kill))
         .route("/v1/sandboxes/{name}/replace", post(lifecycle::replace))

@@ -139,21 +139,29 @@ impl Backend for HostBackend {
 
     async fn status(&self, name: String) -> Result<SandboxState, ApiError> {
         match self.run(Action::Status { name }).await? {
-            Outcome::Status(s) => Ok(s.state),
+            Outcome::Status(s) => Ok(as_e2b_sees(s.state)),
             _ => Err(unexpected("status")),
         }
     }
 
     async fn sandbox(&self, name: String) -> Result<SandboxInfo, ApiError> {
         match self.run(Action::GetSandbox { name }).await? {
-            Outcome::Sandbox(s) => Ok(*s),
+            Outcome::Sandbox(mut s) => {
+                s.state = as_e2b_sees(s.state);
+                Ok(*s)
+            }
             _ => Err(unexpected("get_sandbox")),
         }
     }
 
     async fn sandboxes(&self) -> Result<Vec<SandboxInfo>, ApiError> {
         match self.run(Action::ListSandboxes).await? {
-            Outcome::Sandboxes(v) => Ok(v),
+            Outcome::Sandboxes(mut v) => {
+                for s in &mut v {
+                    s.state = as_e2b_sees(s.state);
+                }
+                Ok(v)
+            }
             _ => Err(unexpected("list_sandboxes")),
         }
     }
@@ -403,5 +411,14 @@ pub async fn migrate(host: &Arc<Host>, dir: &std::path::Path) {
                 tracing::error!(sandbox = %f.id, error = %e.0.message, "cannot migrate the E2B state of the sandbox into its record; its file is kept, tried again at the next start")
             }
         }
+    }
+}
+
+/// A parked sandbox is running as far as E2B is concerned: any call to it wakes it first, so
+/// an E2B client never sees it parked (listing it `paused` would make the SDK resume it).
+fn as_e2b_sees(s: SandboxState) -> SandboxState {
+    match s {
+        SandboxState::Parked => SandboxState::Running,
+        s => s,
     }
 }

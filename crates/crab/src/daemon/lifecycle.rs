@@ -1,4 +1,4 @@
-//! Lifecycle routes beyond create/stop/start/remove: pause, resume, kill (E2B's: retire when
+//! Lifecycle routes beyond create/stop/start/remove: pause, resume, park, wake, kill (E2B's: retire when
 //! labelled points must outlive it, else remove), replace (by another sandbox's point or a
 //! remote one, in place), the cheap status of one sandbox, and the labels of restore points. Each parses, calls one host action and renders it.
 
@@ -16,6 +16,16 @@ use super::api::{err, parse, parse_or_default, render};
 /// `POST /v1/sandboxes/{name}/pause`.
 pub async fn pause(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
     render(h.execute(Action::Pause { name }).await)
+}
+
+/// `POST /v1/sandboxes/{name}/park`.
+pub async fn park(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
+    render(h.execute(Action::Park { name }).await)
+}
+
+/// `POST /v1/sandboxes/{name}/wake`.
+pub async fn wake(State(h): State<Arc<Host>>, Path(name): Path<String>) -> Response {
+    render(h.execute(Action::Wake { name }).await)
 }
 
 /// `POST /v1/sandboxes/{name}/resume`.

@@ -1,0 +1,143 @@
+//! Parking (issue 31): `crab sandbox park` stops a running sandbox's processes after a point
+//! that holds them (its memory freed) and records it `parked`; anything that needs it running
+//! — an exec, a file read, a background-process call — wakes it first (the caller waits, never
+//! errors), its processes back as they were; `crab sandbox wake` wakes it alone; a wake whose
+//! point is corrupt leaves it stopped with an error naming the point. (Surviving a daemon
+//! restart: daemon_restart.rs.) Real daemon, real CRIU (root).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crab_testkit::daemon as common;
+use crab_testkit::require_root;
+
+use common::{crab, crab_ok, wait_until, Sandbox};
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let out = crab_ok(args);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+fn state(sb: &Sandbox) -> String {
+    sb.info()["state"].as_str().unwrap().to_string()
+}
+
+fn procs(sb: &Sandbox) -> u64 {
+    sb.info()["processes"].as_u64().unwrap()
+}
+
+/// A counter in a shell loop: its value lives only in that process's memory.
+fn start_counter(sb: &Sandbox) {
+    sb.sh_ok("nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &");
+    assert!(wait_until(5.0, || count(sb) > 2));
+}
+
+fn count(sb: &Sandbox) -> u32 {
+    sb.sh("cat /tmp/count").0.trim().parse().unwrap_or(0)
+}
+
+#[test]
+fn an_exec_wakes_a_parked_sandbox_with_its_processes() {
+    require_root!();
+    let sb = Sandbox::new("t-park-exec");
+    start_counter(&sb);
+    let l = json(&["--json", "sandbox", "park", &sb.name]);
+    assert_eq!(l["state"], "parked", "{l}");
+    let point = l["point"].as_str().unwrap().to_string();
+    // Parked: no process, in every listing.
+    assert_eq!(state(&sb), "parked");
+    assert_eq!(procs(&sb), 0, "a parked sandbox kept processes");
+    assert!(crab_ok(&["sandbox", "ls"])
+        .lines()
+        .any(|l| l.starts_with(&sb.name) && l.contains("parked")));
+    // Parking again answers the same point.
+    let again = json(&["--json", "sandbox", "park", &sb.name]);
+    assert_eq!(again["point"], point.as_str());
+    // An exec wakes it: the caller gets its answer, the counter goes on from where it was.
+    let before = std::fs::read_to_string(
+        common::state_dir().join("pool/sandboxes").join(&sb.name).join("sandbox.json"),
+    )
+    .unwrap();
+    assert!(before.contains("parked"), "{before}");
+    let (out, _, code) = sb.sh("cat /tmp/count");
+    assert_eq!(code, 0, "the exec on a parked sandbox failed");
+    let at_wake: u32 = out.trim().parse().unwrap();
+    assert_eq!(state(&sb), "running");
+    assert!(wait_until(5.0, || count(&sb) > at_wake), "the counter did not come back");
+    // Woken from the park point: no new point of its own, and `wake` now has nothing to do.
+    let w = json(&["--json", "sandbox", "wake", &sb.name]);
+    assert_eq!(w["state"], "running");
+    assert!(w["point"].is_null(), "{w}");
+    let top = json(&["--json", "top", "--once"]);
+    assert!(top["parking"]["wakes"].as_u64().unwrap() >= 1, "{top}");
+}
+
+#[test]
+fn files_and_background_calls_wake_it_and_wake_does_it_alone() {
+    require_root!();
+    let sb = Sandbox::new("t-park-files");
+    sb.sh_ok("echo kept > /root/f");
+    let id = crab_ok(&["exec", "-d", &sb.name, "--", "sleep", "100000"]).trim().to_string();
+    crab_ok(&["sandbox", "park", &sb.name]);
+    // A file read through the file service (`crab docker cp` out).
+    let dir = std::env::temp_dir().join(common::unique("park-cp"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dst = dir.join("f");
+    let o = crab(&["docker", "cp", &format!("{}:/root/f", sb.name), dst.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_to_string(&dst).unwrap(), "kept\n");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(state(&sb), "running");
+    // Parked again: the background process is listed (the call woke it) and still runs.
+    crab_ok(&["sandbox", "park", &sb.name]);
+    let ps = crab_ok(&["ps", &sb.name]);
+    assert!(ps.contains(&id) && ps.contains("running"), "{ps}");
+    assert_eq!(state(&sb), "running");
+    // `wake` alone.
+    crab_ok(&["sandbox", "park", &sb.name]);
+    let w = json(&["--json", "sandbox", "wake", &sb.name]);
+    assert_eq!(w["state"], "running", "{w}");
+    assert!(w["point"].is_string(), "{w}");
+    assert!(sb.sh_ok("pgrep -x sleep").trim().parse::<u32>().is_ok());
+}
+
+#[test]
+fn a_wake_from_a_corrupt_point_leaves_it_stopped_and_says_so() {
+    require_root!();
+    let sb = Sandbox::new("t-park-corrupt");
+    sb.sh_ok("nohup sleep 100000 >/dev/null 2>&1 &");
+    let l = json(&["--json", "sandbox", "park", &sb.name]);
+    let point = l["point"].as_str().unwrap().to_string();
+    let pts = json(&["--json", "checkpoints", &sb.name]);
+    let p = pts.as_array().unwrap().iter().find(|p| p["id"] == point.as_str()).unwrap().clone();
+    let parts = p["parts"].as_str().unwrap().to_string();
+    let proc_id = parts.split('+').find(|x| x.starts_with('p')).unwrap().to_string();
+    let dir =
+        common::state_dir().join("pool/checkpoints").join(&sb.name).join("procs").join(&proc_id);
+    let img = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
+        .unwrap();
+    let mut bytes = std::fs::read(&img).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(&img, bytes).unwrap();
+    let o = crab(&["exec", &sb.name, "--", "true"]);
+    assert!(!o.status.success(), "an exec ran on a sandbox woken from a corrupt point");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("waking parked sandbox") && err.contains(&point), "{err}");
+    assert_eq!(state(&sb), "stopped", "a failed wake left it {}", state(&sb));
+    assert_eq!(procs(&sb), 0, "half-restored");
+}
+
+#[test]
+fn only_a_running_sandbox_parks() {
+    require_root!();
+    let sb = Sandbox::new("t-park-stopped");
+    crab_ok(&["sandbox", "stop", &sb.name]);
+    let o = crab(&["sandbox", "park", &sb.name]);
+    assert!(!o.status.success(), "a stopped sandbox parked");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("cannot park") && err.contains("stopped"), "{err}");
+    let o = crab(&["sandbox", "park", "no-such-sandbox-here"]);
+    assert!(!o.status.success());
+}

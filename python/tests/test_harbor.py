@@ -6,7 +6,8 @@ scripts/test-images.sh; the daemon reaches it through ``CRAB_INSECURE_REGISTRIES
 ``make test`` sets it):
 
 * the oracle agent solves it and the verifier's reward is 1 in Harbor's own result files, for
-  two trials forked from one base sandbox, and for a trial with ``fork=false``;
+  two trials forked from one base sandbox (``fork=true``), and for a trial of its own
+  (the default);
 * the nop agent leaves it unsolved: reward 0 (the verifier can fail);
 * ``checkpoint=exec`` with ``--no-delete``: the kept trial sandbox holds a restore point per
   command, and restoring the one before the solution undoes it;
@@ -101,14 +102,14 @@ def harbor_sandboxes(d: Daemon, env_slug: str) -> List[str]:
 def test_oracle_trials_fork_one_base_and_score(daemon: Daemon, harbor_py: str, registry: str, tmp_path: Path) -> None:
     name = unique("hb-oracle")
     task = make_task(tmp_path, name, registry)
-    trials = harbor_run(harbor_py, task, tmp_path / "jobs", "fork", "oracle", "-k", "2", "-n", "2")
+    trials = harbor_run(harbor_py, task, tmp_path / "jobs", "fork", "oracle", "-k", "2", "-n", "2", "--ek", "fork=true")
     assert len(trials) == 2, trials.keys()
     for t, r in trials.items():
         assert reward(r) == 1, f"{t}: {exception(r)} {r.get('verifier_result')}"
     # The base and the trials are gone once harbor exits.
     assert harbor_sandboxes(daemon, name) == []
 
-    (fresh,) = harbor_run(harbor_py, task, tmp_path / "jobs", "fresh", "oracle", "--ek", "fork=false").values()
+    (fresh,) = harbor_run(harbor_py, task, tmp_path / "jobs", "fresh", "oracle").values()
     assert reward(fresh) == 1, exception(fresh)
     assert harbor_sandboxes(daemon, name) == []
 
@@ -127,7 +128,7 @@ def test_checkpoint_per_command_restores_before_the_solution(
     name = unique("hb-points")
     task = make_task(tmp_path, name, registry)
     (r,) = harbor_run(
-        harbor_py, task, tmp_path / "jobs", "points", "oracle", "--ek", "checkpoint=exec", "--no-delete"
+        harbor_py, task, tmp_path / "jobs", "points", "oracle", "--ek", "checkpoint=exec", "--ek", "fork=true", "--no-delete"
     ).values()
     assert reward(r) == 1, exception(r)
     (kept,) = harbor_sandboxes(daemon, name)

@@ -7,11 +7,12 @@ Life of a trial (each step one or two SDK calls; the daemon does the work):
 * ``start``: the task's image — ``environment/Dockerfile`` built by Crab's image builder
   (``Daemon.build_image``, each step cached by the daemon, so the second trial of a task builds
   nothing), or ``[environment].docker_image`` (a Crab image, or a registry reference pulled
-  once) — then the trial's sandbox. With ``fork=true`` (the default) the first trial of an
-  environment makes a *base* sandbox of it (Harbor's directories made, the environment
-  directory uploaded when Harbor asks for that) and an ``fs`` restore point of it; every trial,
-  that one included, is a fork of that point. With ``fork=false`` each trial creates its own
-  sandbox of the image.
+  once) — then the trial's sandbox, a new one of the image (the fastest here: a create from a
+  ready root; ``python/bench_harness.py`` measures it against a fork). With ``fork=true`` the
+  first trial of an environment makes a *base* sandbox of it (Harbor's directories made, the
+  environment directory uploaded when Harbor asks for that) and an ``fs`` restore point of it,
+  and every trial, that one included, is a fork of that point: trials then share whatever the
+  base holds, and each has the base's point to restore to.
 * ``exec``: ``bash -c COMMAND`` (``sh`` when the image has no bash) through the exec stream,
   with ``cwd``, ``env`` (Harbor's persistent, per-call and scoped variables), ``user`` and
   ``timeout_sec``; output goes to Harbor's streaming callbacks as it arrives.
@@ -80,7 +81,7 @@ class CrabOptions(EnvironmentOptions):
     crab_sandbox.harbor:CrabEnvironment``)."""
 
     socket: Optional[str] = None
-    fork: bool = True
+    fork: bool = False
     checkpoint: Literal["none", "exec"] = "none"
     network: Optional[Literal["private", "nat", "none"]] = None
     insecure_registry: bool = False

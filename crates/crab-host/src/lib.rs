@@ -36,5 +36,5 @@ pub use host::{
     is_reference, timeout_set, CredentialSource, Host, HostOptions, PullPolicy, IN_SANDBOX_PROXY,
 };
 pub use lifecycle::Adopted;
-pub use parking::ParkingStats;
+pub use parking::{ParkPolicy, ParkingStats};
 pub use policy::{Decision, TurnPolicy};

@@ -24,6 +24,10 @@ pub const WATCHDOG_PERIOD: Duration = Duration::from_secs(1);
 /// The longest a label may be, in bytes.
 const MAX_LABEL: usize = 200;
 
+/// The label that keeps a sandbox from ever being parked by the engine (`crab.park=never`;
+/// `crab sandbox create --no-park` sets it).
+pub const NO_PARK_LABEL: &str = "crab.park";
+
 fn conflict(e: crab_common::ApiError) -> HostError {
     HostError(e)
 }
@@ -308,6 +312,66 @@ impl Host {
             point: Some(point),
             state: SandboxState::Parked,
         }))
+    }
+
+    /// Whether `name` is recorded parked (the in-memory record).
+    pub(crate) fn is_parked(&self, name: &str) -> bool {
+        self.runtime().record(name).is_ok_and(|r| matches!(r.life, Life::Parked { .. }))
+    }
+
+    /// Whether `name`'s user asked that it never park (label `crab.park=never`).
+    pub(crate) fn never_parks(&self, name: &str) -> bool {
+        self.runtime()
+            .record(name)
+            .is_ok_and(|r| r.labels.get(NO_PARK_LABEL).is_some_and(|v| v == "never"))
+    }
+
+    /// The turn-boundary decision (`crab daemon --memory-budget`), once the turn's point
+    /// `point` of `name` is published and its agent waits for the LLM: park when the running
+    /// sandboxes' memory exceeds the budget and this sandbox's expected wait (its own history)
+    /// exceeds the expected wake cost by the policy's margin — from `point` when that holds its
+    /// processes, else after a full dump when the wait pays for that too. Never fails: a park
+    /// that does not happen leaves the sandbox running, as it was.
+    pub(crate) async fn maybe_park(self: &Arc<Self>, name: &str, point: &str) {
+        let Some(pol) = self.park_policy.clone() else {
+            return;
+        };
+        let Some(wait) = self.parking.expected_wait_ms(name) else {
+            return;
+        };
+        let cost = self.parking.wake_cost_ms();
+        if wait < pol.margin * cost {
+            return;
+        }
+        let rt = self.runtime().clone();
+        let in_use = blocking(move || {
+            Ok(rt.names().iter().map(|n| rt.cgroup(n).memory_bytes().unwrap_or(0)).sum::<u64>())
+        })
+        .await
+        .unwrap_or(0);
+        if in_use <= pol.budget_bytes {
+            return;
+        }
+        let holds = self
+            .checkpointer()
+            .store(name)
+            .ok()
+            .and_then(|s| s.resolve(Some(point)).ok())
+            .is_some_and(|m| m.procs.is_some() && m.procs_missing.is_none());
+        let from = if holds {
+            Some(point.to_string())
+        } else if wait >= pol.margin * (cost + crate::parking::DUMP_MS) {
+            None
+        } else {
+            return;
+        };
+        match self.park(name.to_string(), from).await {
+            Ok(_) => {
+                self.parking.parked();
+                tracing::info!(sandbox = %name, expected_wait_ms = wait, wake_ms = cost, in_use, "parked at the turn boundary");
+            }
+            Err(e) => tracing::info!(sandbox = %name, error = %e, "not parked"),
+        }
     }
 
     /// How many sandboxes are parked now (in-memory records).

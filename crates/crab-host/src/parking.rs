@@ -1,7 +1,11 @@
-//! Parking's record: how many sandboxes the host parked and woke, how long wakes took and
-//! which failed — what `crab top` shows of it (`GET /v1/top`'s `parking`). The lifecycle
-//! steps themselves (park, wake, waking before an action) are `lifecycle.rs`'s.
+//! Parking's policy and record: when the engine parks a sandbox at a turn boundary
+//! ([`ParkPolicy`], the inputs it weighs: each sandbox's recent LLM waits, the measured wake
+//! cost), and how many sandboxes the host parked and woke, how long wakes took, which failed,
+//! how many answers waited for a wake — what `crab top` shows (`GET /v1/top`'s `parking`). The
+//! lifecycle steps themselves (park, wake, waking before an action) are `lifecycle.rs`'s; the
+//! turn-boundary decision and the answer's wake are `host/turns.rs`'s.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -22,7 +26,32 @@ struct Inner {
     wakes: u64,
     wake_failures: u64,
     wake_ms: Latencies,
+    /// The newest wake times, for the policy's cost estimate.
+    recent_wakes: VecDeque<f64>,
+    /// Per sandbox, its newest LLM waits (boundary to answer), ms.
+    waits: HashMap<String, VecDeque<f64>>,
+    /// Answers held until their sandbox woke.
+    answer_wakes: u64,
 }
+
+/// When the engine parks a sandbox at a turn boundary (`crab daemon --memory-budget`).
+#[derive(Debug, Clone)]
+pub struct ParkPolicy {
+    /// Park only while the running sandboxes' memory exceeds this, bytes.
+    pub budget_bytes: u64,
+    /// The expected wait must be this many times the expected wake cost.
+    pub margin: f64,
+}
+
+/// Waits and wakes remembered per sandbox / host for the estimates.
+const HISTORY: usize = 16;
+/// Waits a sandbox must have shown before the policy trusts its estimate.
+pub const MIN_WAITS: usize = 3;
+/// The wake cost assumed before any wake was measured, ms (a small sandbox's restore).
+pub const DEFAULT_WAKE_MS: f64 = 100.0;
+/// What a full dump at the boundary is assumed to add when the turn's point lacks the
+/// processes, ms.
+pub const DUMP_MS: f64 = 150.0;
 
 /// What `crab top` shows of parking.
 #[derive(Debug, Clone, Serialize)]
@@ -37,6 +66,8 @@ pub struct ParkingStats {
     pub wake_failures: u64,
     /// How long wakes took, ms.
     pub wake_ms: Summary,
+    /// LLM answers the proxy held until their sandbox woke.
+    pub answer_wakes: u64,
 }
 
 impl Parking {
@@ -47,9 +78,60 @@ impl Parking {
 
     /// A sandbox woke, its restore taking `took`.
     pub fn woke(&self, took: Duration) {
+        let ms = took.as_secs_f64() * 1e3;
         let mut g = lock(&self.inner);
         g.wakes += 1;
-        g.wake_ms.record_ms(took.as_secs_f64() * 1e3);
+        g.wake_ms.record_ms(ms);
+        if g.recent_wakes.len() == HISTORY {
+            g.recent_wakes.pop_front();
+        }
+        g.recent_wakes.push_back(ms);
+    }
+
+    /// An LLM answer was held until its sandbox woke.
+    pub fn answer_woke(&self) {
+        lock(&self.inner).answer_wakes += 1;
+    }
+
+    /// `sandbox`'s agent waited `ms` for an LLM answer.
+    pub fn record_wait(&self, sandbox: &str, ms: f64) {
+        let mut g = lock(&self.inner);
+        let w = g.waits.entry(sandbox.to_string()).or_default();
+        if w.len() == HISTORY {
+            w.pop_front();
+        }
+        w.push_back(ms);
+    }
+
+    /// Forget `sandbox` (removed).
+    pub fn forget(&self, sandbox: &str) {
+        lock(&self.inner).waits.remove(sandbox);
+    }
+
+    /// The wait `sandbox`'s agent can be expected to leave it idle: the 25th percentile of its
+    /// newest waits (a cautious guess: three in four waits were longer), once it has shown
+    /// [`MIN_WAITS`] of them.
+    pub fn expected_wait_ms(&self, sandbox: &str) -> Option<f64> {
+        let g = lock(&self.inner);
+        let w = g.waits.get(sandbox)?;
+        if w.len() < MIN_WAITS {
+            return None;
+        }
+        let mut v: Vec<f64> = w.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        Some(crab_common::stats::percentile(&v, 0.25))
+    }
+
+    /// What a wake is expected to cost: the median of the newest wakes, else
+    /// [`DEFAULT_WAKE_MS`].
+    pub fn wake_cost_ms(&self) -> f64 {
+        let g = lock(&self.inner);
+        if g.recent_wakes.is_empty() {
+            return DEFAULT_WAKE_MS;
+        }
+        let mut v: Vec<f64> = g.recent_wakes.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        crab_common::stats::percentile(&v, 0.5)
     }
 
     /// A wake's restore failed.
@@ -66,6 +148,40 @@ impl Parking {
             wakes: g.wakes,
             wake_failures: g.wake_failures,
             wake_ms: g.wake_ms.summary(),
+            answer_wakes: g.answer_wakes,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_expected_wait_is_a_low_quantile_of_enough_waits() {
+        let p = Parking::default();
+        p.record_wait("a", 4000.0);
+        p.record_wait("a", 100.0);
+        assert_eq!(p.expected_wait_ms("a"), None, "two waits are not enough");
+        p.record_wait("a", 5000.0);
+        p.record_wait("a", 6000.0);
+        let e = p.expected_wait_ms("a").unwrap();
+        assert!((100.0..4100.0).contains(&e), "{e}");
+        assert_eq!(p.expected_wait_ms("b"), None);
+        for _ in 0..HISTORY {
+            p.record_wait("a", 7000.0);
+        }
+        assert_eq!(p.expected_wait_ms("a"), Some(7000.0), "old waits age out");
+    }
+
+    #[test]
+    fn the_wake_cost_is_measured_once_there_are_wakes() {
+        let p = Parking::default();
+        assert_eq!(p.wake_cost_ms(), DEFAULT_WAKE_MS);
+        p.woke(Duration::from_millis(40));
+        p.woke(Duration::from_millis(60));
+        p.woke(Duration::from_millis(50));
+        assert!((p.wake_cost_ms() - 50.0).abs() < 1.0, "{}", p.wake_cost_ms());
+        assert_eq!(p.stats(2).wakes, 3);
     }
 }

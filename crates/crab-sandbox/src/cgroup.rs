@@ -343,6 +343,14 @@ impl SandboxCgroup {
         Ok(fs::metadata(&self.v2).map_err(io("stat", &self.v2))?.ino())
     }
 
+    /// The memory the sandbox's processes hold now, bytes (cgroup2 `memory.current`, else
+    /// cgroup1 `memory.usage_in_bytes`); `None` when neither is readable.
+    pub fn memory_bytes(&self) -> Option<u64> {
+        let read = |p: PathBuf| fs::read_to_string(p).ok()?.trim().parse().ok();
+        read(self.v2.join("memory.current"))
+            .or_else(|| self.v1_dir("memory").and_then(|d| read(d.join("memory.usage_in_bytes"))))
+    }
+
     /// Whether the cgroup2 directory exists.
     pub fn exists(&self) -> bool {
         self.v2.is_dir()

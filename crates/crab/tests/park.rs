@@ -141,3 +141,91 @@ fn only_a_running_sandbox_parks() {
     let o = crab(&["sandbox", "park", "no-such-sandbox-here"]);
     assert!(!o.status.success());
 }
+
+/// With `crab daemon --memory-budget` (1 byte here: always over), the engine parks a sandbox
+/// at a turn boundary once its agent has shown waits longer than the wake cost by the margin;
+/// the LLM answer is released only after the sandbox woke, so the agent's next command finds
+/// its processes as they were. A `--no-park` sandbox beside it never parks.
+#[test]
+fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
+    require_root!();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let stub = rt
+        .block_on(crab_testkit::upstream::StubUpstream::start(crab_testkit::upstream::StubConfig {
+            delay: std::time::Duration::from_millis(1500),
+            ..Default::default()
+        }))
+        .unwrap();
+    let dir = std::path::PathBuf::from("/var/lib").join(common::unique("crab-park-policy"));
+    let d = common::OtherDaemon::start(
+        &dir,
+        &["--pool-size", "4G", "--memory-budget", "1", "--upstream-openai", &stub.url()],
+        &[],
+    );
+    let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
+    d.crab_ok(&["image", "import", "debian", img.to_str().unwrap()]);
+    let (name, keep) = (common::unique("t-park-llm"), common::unique("t-park-never"));
+    d.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
+    d.crab_ok(&["sandbox", "create", "debian", "--name", &keep, "--no-park"]);
+    for sb in [&name, &keep] {
+        d.crab_ok(&["exec", sb, "--", "sh", "-c",
+            "nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &"]);
+    }
+    let state_of = |sb: &str| -> String {
+        let v = d.json(&["sandbox", "ls"]);
+        let me = v.as_array().unwrap().iter().find(|s| s["name"] == sb).cloned().unwrap();
+        me["state"].as_str().unwrap().to_string()
+    };
+    let turn = |sb: &str, i: u32| -> std::thread::JoinHandle<std::process::Output> {
+        let url = format!("http://127.0.0.1:{}/s/{sb}/v1/chat/completions", d.port);
+        let body =
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"turn {i}"}}]}}"#);
+        std::thread::spawn(move || {
+            std::process::Command::new("curl")
+                .args([
+                    "-sS",
+                    "-m",
+                    "60",
+                    "-H",
+                    "content-type: application/json",
+                    "-d",
+                    &body,
+                    &url,
+                ])
+                .output()
+                .unwrap()
+        })
+    };
+    let mut seen_parked = false;
+    for i in 0..6 {
+        let (a, b) = (turn(&name, i), turn(&keep, i));
+        while !a.is_finished() {
+            if state_of(&name) == "parked" {
+                seen_parked = true;
+            }
+            assert_ne!(state_of(&keep), "parked", "a --no-park sandbox parked");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let out = a.join().unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("sha256"),
+            "turn {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(b.join().unwrap().status.success());
+        // The answer is out: the sandbox runs, its counter goes on.
+        assert_eq!(state_of(&name), "running", "turn {i}: the answer reached a parked sandbox");
+        let c = |sb: &str| -> u32 {
+            let o = d.crab(&["exec", sb, "--", "cat", "/tmp/count"]);
+            String::from_utf8_lossy(&o.stdout).trim().parse().unwrap_or(0)
+        };
+        let c0 = c(&name);
+        assert!(wait_until(5.0, || c(&name) > c0), "turn {i}: the counter stopped");
+    }
+    assert!(seen_parked, "never parked while its agent waited");
+    let top = d.json(&["top", "--once"]);
+    let p = &top["parking"];
+    assert!(p["parks"].as_u64().unwrap() >= 1 && p["answer_wakes"].as_u64().unwrap() >= 1, "{p}");
+    assert_eq!(p["wake_failures"], 0, "{p}");
+    drop(stub);
+}

@@ -88,6 +88,8 @@ pub struct HostOptions {
     pub warm_roots: usize,
     /// Images given as registry references (`crab daemon --pull`, `--insecure-registry`).
     pub pulls: PullPolicy,
+    /// Parking at turn boundaries (`crab daemon --memory-budget`); `None`: only by hand.
+    pub park: Option<crate::parking::ParkPolicy>,
 }
 
 /// Everything one machine runs for Crab, behind [`Host::execute`].
@@ -123,6 +125,8 @@ pub struct Host {
     pub(crate) build_jobs: crate::build_jobs::Jobs,
     /// Parks and wakes (`crab top`).
     pub(crate) parking: crate::parking::Parking,
+    /// When the engine parks sandboxes at turn boundaries.
+    pub(crate) park_policy: Option<crate::parking::ParkPolicy>,
 }
 
 use crab_common::sync::lock;
@@ -269,6 +273,7 @@ impl Host {
             label_lock: Mutex::new(()),
             firing: Mutex::new(std::collections::HashSet::new()),
             parking: crate::parking::Parking::default(),
+            park_policy: opts.park,
             pulls: opts.pulls.clone(),
             pull_lock: tokio::sync::Mutex::new(()),
             build_jobs: crate::build_jobs::Jobs::default(),
@@ -690,6 +695,7 @@ impl Host {
         self.coordinator.forget(&name);
         self.policy.clear(&name);
         self.drop_life_lock(&name);
+        self.parking.forget(&name);
         Ok(Outcome::Removed { removed: true, used_by: Vec::new() })
     }
 

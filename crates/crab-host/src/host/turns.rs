@@ -149,7 +149,28 @@ impl Host {
             Some(b.turn),
             Some(b.conversation_offset),
         );
-        Ok(Arc::new(JobTicket::new(self.engine.clone(), handle, b.sandbox.clone())))
+        let ticket = Arc::new(JobTicket::new(self.engine.clone(), handle, b.sandbox.clone()));
+        if self.park_policy.is_none() || self.never_parks(&b.sandbox) {
+            return Ok(ticket);
+        }
+        // Parking is on: once the point publishes, decide whether to park while the agent
+        // waits; the gate sees the ticket published only once that is decided and the sandbox
+        // is awake.
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let (h, t, name) = (self.clone(), ticket.clone(), b.sandbox.clone());
+        tokio::spawn(async move {
+            if let Ok(p) = t.wait_published().await {
+                h.maybe_park(&name, &p.checkpoint_id).await;
+            }
+            let _ = tx.send(true);
+        });
+        Ok(Arc::new(ParkTicket {
+            inner: ticket,
+            host: Arc::downgrade(self),
+            sandbox: b.sandbox.clone(),
+            started: std::time::Instant::now(),
+            decided: rx,
+        }))
     }
 
     pub(crate) async fn checkpoint(
@@ -254,5 +275,78 @@ impl Host {
             Ok(p) => Ok(Outcome::Turn(TurnMarked { turn, checkpoint: p.checkpoint_id })),
             Err(e) => Err(e.into()),
         }
+    }
+}
+
+/// A turn's ticket when the host may park the sandbox at this boundary (`crab daemon
+/// --memory-budget`): the checkpoint job's ticket, plus the parking decision taken once the
+/// point publishes. The proxy's gate sees it published only when that decision is made and the
+/// sandbox is awake, so an LLM answer never reaches the agent of a parked sandbox: waiting on
+/// it wakes the sandbox first, and promoting it (the gate does when the answer's head arrives
+/// while the ticket is unsettled) starts that wake at once. Waiting also records how long the
+/// agent waited for its answer (the policy's history).
+pub(crate) struct ParkTicket {
+    inner: Arc<JobTicket>,
+    host: std::sync::Weak<Host>,
+    sandbox: String,
+    started: std::time::Instant,
+    decided: tokio::sync::watch::Receiver<bool>,
+}
+
+impl ParkTicket {
+    fn parked(&self) -> Option<Arc<Host>> {
+        let h = self.host.upgrade()?;
+        h.is_parked(&self.sandbox).then_some(h)
+    }
+}
+
+impl BoundaryTicket for ParkTicket {
+    fn is_published(&self) -> bool {
+        self.inner.is_published() && *self.decided.borrow() && self.parked().is_none()
+    }
+
+    fn wait_published(
+        &self,
+    ) -> crab_coordinator::BoxFuture<
+        '_,
+        Result<crab_coordinator::Published, crab_coordinator::HookError>,
+    > {
+        Box::pin(async move {
+            if let Some(h) = self.host.upgrade() {
+                h.parking.record_wait(&self.sandbox, self.started.elapsed().as_secs_f64() * 1e3);
+            }
+            let r = self.inner.wait_published().await;
+            let mut d = self.decided.clone();
+            let _ = d.wait_for(|v| *v).await;
+            if let Some(h) = self.parked() {
+                h.parking.answer_woke();
+                h.ensure_awake(&self.sandbox).await?;
+            }
+            r
+        })
+    }
+
+    fn promote(&self) {
+        self.inner.promote();
+        if let Some(h) = self.parked() {
+            let n = self.sandbox.clone();
+            tokio::spawn(async move {
+                if let Err(e) = h.ensure_awake(&n).await {
+                    tracing::warn!(sandbox = %n, error = %e, "the early wake failed");
+                }
+            });
+        }
+    }
+
+    fn record_exposed(&self, held: std::time::Duration) {
+        self.inner.record_exposed(held);
+    }
+
+    fn held_breakdown(
+        &self,
+        gate_start: std::time::Instant,
+        woke: std::time::Instant,
+    ) -> Vec<(String, f64)> {
+        self.inner.held_breakdown(gate_start, woke)
     }
 }

@@ -131,6 +131,24 @@ pub(super) struct DaemonArgs {
     /// registry); repeat for more.
     #[arg(long = "insecure-registry", env = "CRAB_INSECURE_REGISTRIES", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// Park sandboxes at turn boundaries while the running sandboxes' memory exceeds SIZE
+    /// (e.g. `8G`): a sandbox whose agent waits on the LLM, whose expected wait (the p25 of its
+    /// own recent waits) exceeds the wake cost by `--park-margin`, has its processes stopped
+    /// after its turn's point (a full dump first when that point lacks them and the wait pays
+    /// for it too); its LLM answer, or any call, wakes it first. Unset: sandboxes park only by
+    /// hand (`crab sandbox park`). A sandbox labelled `crab.park=never` never parks.
+    #[arg(long, env = "CRAB_MEMORY_BUDGET", value_name = "SIZE", value_parser = parse_size)]
+    memory_budget: Option<u64>,
+    /// How many times the expected wake cost an expected wait must be for a sandbox to park.
+    #[arg(long, default_value_t = 3.0, value_parser = parse_margin)]
+    park_margin: f64,
+}
+
+fn parse_margin(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(m) if m.is_finite() && m >= 1.0 => Ok(m),
+        _ => Err(format!("{s:?} is not a margin of at least 1 (e.g. 3)")),
+    }
 }
 
 /// `--userns-base`: a range, or none (`host`).
@@ -212,6 +230,9 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
             insecure: a.insecure_registries,
             credentials: Some(std::sync::Arc::new(super::image_pull::docker_config_credentials)),
         },
+        park: a
+            .memory_budget
+            .map(|budget_bytes| crab_host::ParkPolicy { budget_bytes, margin: a.park_margin }),
     };
     match daemon::run(opts).await {
         // Exit at once: nothing is left to flush, and waiting for idle blocking threads or

@@ -102,6 +102,11 @@ pub(super) enum SandboxCmd {
         /// A label KEY=VALUE kept in its record (E2B's metadata). Repeatable.
         #[arg(long, value_name = "KEY=VALUE", value_parser = parse_kv)]
         label: Vec<(String, String)>,
+        /// Never park it at a turn boundary (`crab daemon --memory-budget`), e.g. when it
+        /// holds a device or a client connection its point cannot restore (the label
+        /// `crab.park=never`).
+        #[arg(long)]
+        no_park: bool,
         /// An environment variable KEY=VALUE every command in it gets. Repeatable.
         #[arg(long, value_name = "KEY=VALUE", value_parser = parse_kv)]
         env: Vec<(String, String)>,
@@ -226,9 +231,13 @@ pub(super) async fn run(client: &Client, c: SandboxCmd, json: bool) -> Result<Ex
             harness_path,
             timeout,
             on_timeout,
-            label,
+            mut label,
+            no_park,
             env,
         } => {
+            if no_park {
+                label.push(("crab.park".into(), "never".into()));
+            }
             if let Some(src) = from_remote {
                 // The new sandbox's network and limits are this caller's (or the daemon's
                 // defaults), never the remote point's.

@@ -62,6 +62,8 @@ pub struct DaemonOptions {
     pub warm_roots: usize,
     /// `--pull`, `--insecure-registry`: images given as registry references.
     pub pulls: crab_host::PullPolicy,
+    /// `--memory-budget`: parking at turn boundaries.
+    pub park: Option<crab_host::ParkPolicy>,
     /// Bounds of the API socket's and the E2B port's requests.
     pub http: HttpOptions,
 }
@@ -119,6 +121,7 @@ pub async fn run(mut opts: DaemonOptions) -> anyhow::Result<()> {
         userns: opts.userns,
         warm_roots: opts.warm_roots,
         pulls: opts.pulls.clone(),
+        park: opts.park.clone(),
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

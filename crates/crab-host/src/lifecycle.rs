@@ -252,6 +252,15 @@ impl Host {
         let l = self.life_lock(&name);
         let _g = l.lock().await;
         let (life, alive) = self.status_of(&name)?;
+        if let (Life::Parked { .. }, false) = (&life, alive) {
+            // Resuming a parked sandbox is waking it: its conversation stays as it is.
+            let point = self.wake_locked(&name).await?;
+            if let Some(t) = timeout {
+                self.set_deadline(&name, t)?;
+            }
+            let state = SandboxState::Running;
+            return Ok(Outcome::Lifecycle(Lifecycle { sandbox: name, point, state }));
+        }
         let todo = Status { life: &life, alive }.can_resume(&name, ensure).map_err(conflict)?;
         let point = if todo {
             let from = match &life {

@@ -313,6 +313,12 @@ fn sdk_and_cli_share_one_lifecycle() {
     assert!(out.starts_with("through-e2b\n"), "{out}");
     assert_eq!(state(&id), "running");
     common::crab_ok(&["sandbox", "rm", "-f", &id]);
+    // Parked by the CLI (issue 31): an E2B command wakes it, its processes as they were.
+    let out = run_sdk(&python, &url, "cross_door.py", &["park-run", common::bin()], &[]);
+    let id = out.lines().next().unwrap().trim().to_string();
+    assert!(out.contains("ok park-run"), "{out}");
+    assert_eq!(state(&id), "running");
+    common::crab_ok(&["sandbox", "rm", "-f", &id]);
     // An E2B timeout with auto-pause: the host's watchdog pauses it.
     let out = run_sdk(&python, &url, "cross_door.py", &["ttl"], &[]);
     let id = out.lines().next().unwrap().trim().to_string();

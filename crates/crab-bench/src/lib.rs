@@ -4,6 +4,7 @@
 //! [`proxy`] runs the LLM proxy in process against the stub upstream (`crab-testkit`); the
 //! inspector's benchmark is the `crab-inspector-bench` binary (its own workload, root only).
 
+pub mod density_memory;
 pub mod e2b_health;
 pub mod foundation;
 pub mod harness_agent;

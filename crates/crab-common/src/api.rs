@@ -682,6 +682,10 @@ pub struct SandboxInfo {
     pub init_pid: u32,
     /// Number of processes in the sandbox, init included.
     pub processes: u32,
+    /// Memory its processes hold now, bytes (its cgroup's); absent when it runs nothing or
+    /// the cgroup does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
     /// Bytes written to the sandbox's filesystem since creation and still held by it (btrfs
     /// simple-quota accounting of the sandbox's subvolume); `None` where the pool has no quota
     /// support.

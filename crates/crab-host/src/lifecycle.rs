@@ -323,6 +323,14 @@ impl Host {
         }))
     }
 
+    /// The point `name` is parked at, if it is parked.
+    pub(crate) fn parked_at(&self, name: &str) -> Option<String> {
+        match self.runtime().record(name).ok()?.life {
+            Life::Parked { point } => Some(point),
+            _ => None,
+        }
+    }
+
     /// Whether `name` is recorded parked (the in-memory record).
     pub(crate) fn is_parked(&self, name: &str) -> bool {
         self.runtime().record(name).is_ok_and(|r| matches!(r.life, Life::Parked { .. }))
@@ -341,7 +349,12 @@ impl Host {
     /// exceeds the expected wake cost by the policy's margin — from `point` when that holds its
     /// processes, else after a full dump when the wait pays for that too. Never fails: a park
     /// that does not happen leaves the sandbox running, as it was.
-    pub(crate) async fn maybe_park(self: &Arc<Self>, name: &str, point: &str) {
+    pub(crate) async fn maybe_park(
+        self: &Arc<Self>,
+        name: &str,
+        point: &str,
+        started: std::time::Instant,
+    ) {
         let Some(pol) = self.park_policy.clone() else {
             return;
         };
@@ -374,13 +387,33 @@ impl Host {
         } else {
             return;
         };
-        match self.park(name.to_string(), from).await {
-            Ok(_) => {
+        let parked_at = match self.park(name.to_string(), from).await {
+            Ok(Outcome::Lifecycle(l)) => {
                 self.parking.parked();
                 tracing::info!(sandbox = %name, expected_wait_ms = wait, wake_ms = cost, in_use, "parked at the turn boundary");
+                l.point
             }
-            Err(e) => tracing::info!(sandbox = %name, error = %e, "not parked"),
-        }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::info!(sandbox = %name, error = %e, "not parked");
+                return;
+            }
+        };
+        // Wake it ahead of the answer: by the expected wait (three in four answers come
+        // later) less twice the wake cost, it is back before the agent can notice; an answer
+        // that comes sooner wakes it itself.
+        let lead = std::time::Duration::from_secs_f64((wait - 2.0 * cost).max(0.0) / 1e3);
+        let (h, n) = (self.clone(), name.to_string());
+        tokio::spawn(async move {
+            tokio::time::sleep_until((started + lead).into()).await;
+            // Still parked at this turn's point (not woken, nor parked again at a later turn).
+            if parked_at.is_some() && h.parked_at(&n) == parked_at {
+                h.parking.prewoke();
+                if let Err(e) = h.ensure_awake(&n).await {
+                    tracing::warn!(sandbox = %n, error = %e, "the wake ahead of the answer failed");
+                }
+            }
+        });
     }
 
     /// How many sandboxes are parked now (in-memory records).

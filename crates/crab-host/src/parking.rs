@@ -32,6 +32,8 @@ struct Inner {
     waits: HashMap<String, VecDeque<f64>>,
     /// Answers held until their sandbox woke.
     answer_wakes: u64,
+    /// Wakes started ahead of the answer (at the expected wait less the wake cost).
+    prewakes: u64,
 }
 
 /// When the engine parks a sandbox at a turn boundary (`crab daemon --memory-budget`).
@@ -68,6 +70,8 @@ pub struct ParkingStats {
     pub wake_ms: Summary,
     /// LLM answers the proxy held until their sandbox woke.
     pub answer_wakes: u64,
+    /// Wakes the host started ahead of the answer (the sandbox was back before it came).
+    pub prewakes: u64,
 }
 
 impl Parking {
@@ -86,6 +90,11 @@ impl Parking {
             g.recent_wakes.pop_front();
         }
         g.recent_wakes.push_back(ms);
+    }
+
+    /// A wake started ahead of the answer.
+    pub fn prewoke(&self) {
+        lock(&self.inner).prewakes += 1;
     }
 
     /// An LLM answer was held until its sandbox woke.
@@ -149,6 +158,7 @@ impl Parking {
             wake_failures: g.wake_failures,
             wake_ms: g.wake_ms.summary(),
             answer_wakes: g.answer_wakes,
+            prewakes: g.prewakes,
         }
     }
 }

@@ -477,6 +477,7 @@ impl Runtime {
         let cg = self.cgroup(&rec.name);
         let alive = self.is_alive(rec);
         let processes = if alive { cg.pids().map(|p| p.len() as u32).unwrap_or(0) } else { 0 };
+        let memory_bytes = if alive { cg.memory_bytes() } else { None };
         let bytes_written = if self.quota {
             quota::exclusive_bytes(&self.cfg.state.sandbox_rootfs(&rec.name))
         } else {
@@ -489,6 +490,7 @@ impl Runtime {
             created_at: rec.created_at,
             init_pid: rec.init_pid,
             processes,
+            memory_bytes,
             bytes_written,
             disk_limit_bytes: rec.limits.disk_bytes,
             limits: rec.limits.clone(),

@@ -158,9 +158,10 @@ impl Host {
         // is awake.
         let (tx, rx) = tokio::sync::watch::channel(false);
         let (h, t, name) = (self.clone(), ticket.clone(), b.sandbox.clone());
+        let started = std::time::Instant::now();
         tokio::spawn(async move {
             if let Ok(p) = t.wait_published().await {
-                h.maybe_park(&name, &p.checkpoint_id).await;
+                h.maybe_park(&name, &p.checkpoint_id, started).await;
             }
             let _ = tx.send(true);
         });

@@ -172,6 +172,38 @@ pub(super) enum BenchCmd {
         #[arg(long, env = "CRAB_E2B_LISTEN", default_value = "127.0.0.1:3000")]
         e2b: String,
     },
+    /// Parking's density (issue 31, `--memory`): sandboxes holding a resident process replay
+    /// real trajectories' LLM latencies on a daemon of the bench's own, with no parking, an
+    /// E2B-style idle timer, and Crab's turn-boundary parking side by side: memory (mean,
+    /// peak, sandboxes per GiB), the agent-visible overhead per turn, wall time, correctness,
+    /// restore-point bytes.
+    Density {
+        /// Measure memory density with parking (the only density measured here; the exposed
+        /// latency at 1–32 sandboxes is scripts/bench-density.sh).
+        #[arg(long)]
+        memory: bool,
+        /// Trajectories with LLM latencies (mini-swe-agent's).
+        #[arg(long, default_value = "../shared/traces/mini-swe-agent")]
+        traces: Vec<std::path::PathBuf>,
+        /// Sandboxes per mode.
+        #[arg(long, default_value_t = 6)]
+        sandboxes: usize,
+        /// Turns replayed per sandbox.
+        #[arg(long, default_value_t = 8)]
+        turns: usize,
+        /// LLM latency scales, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,0.25")]
+        llm_scale: Vec<f64>,
+        /// Resident memory of each sandbox's process, MiB.
+        #[arg(long, default_value_t = 200)]
+        resident_mb: u64,
+        /// The timer baseline's idle time before it parks a sandbox, s.
+        #[arg(long, default_value_t = 10.0)]
+        idle_s: f64,
+        /// Image of the sandboxes.
+        #[arg(long, default_value = "debian")]
+        image: String,
+    },
     /// OCI images side by side with other tools in one run (issue 29): import vs `umoci
     /// unpack`, pull vs `skopeo copy` + `umoci unpack` from a loopback `docker-registry`,
     /// create from an OCI image vs from the base image, the disk of five images on one base,
@@ -304,6 +336,43 @@ pub(super) async fn run(
                 std::fs::write(path, svg)
                     .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
             }
+            if json {
+                print_json(&r);
+            } else {
+                print!("{}", r.table());
+            }
+        }
+        BenchCmd::Density {
+            memory,
+            traces,
+            sandboxes,
+            turns,
+            llm_scale,
+            resident_mb,
+            idle_s,
+            image,
+        } => {
+            if !memory {
+                return Err(ApiError::invalid(
+                    "crab bench density measures memory density only: add --memory",
+                    "the exposed latency at 1-32 sandboxes is scripts/bench-density.sh",
+                ));
+            }
+            eprintln!(
+                "bench density --memory: {sandboxes} sandboxes x {turns} turns, scales {llm_scale:?}; load average {}",
+                std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+            );
+            let opts = crab_bench::density_memory::DensityMemoryOptions {
+                traces,
+                sandboxes,
+                turns,
+                scales: llm_scale,
+                resident_mb,
+                idle_s,
+                image,
+                main_state: state.root().to_path_buf(),
+            };
+            let r = crab_bench::density_memory::run(&opts).await?;
             if json {
                 print_json(&r);
             } else {

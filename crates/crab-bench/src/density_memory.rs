@@ -1,0 +1,381 @@
+//! `crab bench density --memory` (issue 31): the memory a host spends on sandboxes whose agents
+//! are waiting, with and without parking, side by side in one run on one daemon of the bench's
+//! own (`--memory-budget 1`: always over budget, so the policy alone decides; a stub LLM
+//! upstream answering after each turn's recorded latency):
+//!
+//! * **none**: sandboxes labelled `crab.park=never` (Crab's per-turn checkpoints, no parking);
+//! * **timer**: the same, and the bench parks a sandbox idle for `--idle-s` (10 s: E2B-style
+//!   auto-pause), woken by its next call (the daemon's wake-on-access);
+//! * **turn**: parkable sandboxes: the engine parks at the turn boundary and the LLM answer
+//!   waits for the wake.
+//!
+//! Each of `--sandboxes` sandboxes holds a resident process (an idle Python holding
+//! `--resident-mb` of touched memory, as a REPL the agent set up earlier) and replays one real
+//! trajectory's LLM latencies (× `--llm-scale`), a turn being: an LLM request through the
+//! proxy, then a command checking the resident process. Measured per mode: memory of the mode's
+//! sandboxes sampled every 100 ms (mean and peak → sandboxes per GiB), the agent-visible
+//! overhead per turn (answer time beyond the upstream's delay, plus the command's time:
+//! p50/p95/p99), wall time, correctness (each turn's command finds the resident process alive
+//! with at least 90 % of its memory: it survived every park and wake), and the bytes of the
+//! mode's restore points.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crab_client::{Client, Method};
+use crab_common::api::SandboxInfo;
+use crab_common::paths::StateDir;
+use crab_common::ApiError;
+use crab_testkit::daemon::OtherDaemon;
+use crab_testkit::upstream::{StubConfig, StubUpstream, DELAY_HEADER};
+
+use crate::replay::llm::post_json;
+use crate::replay::sandbox::exec;
+use crate::replay::trace::load_all;
+use crate::stats::Summary;
+
+/// What [`run`] measures.
+#[derive(Debug, Clone)]
+pub struct DensityMemoryOptions {
+    /// Trajectories (their `llm_latency_s`).
+    pub traces: Vec<PathBuf>,
+    /// Sandboxes per mode.
+    pub sandboxes: usize,
+    /// Turns replayed per sandbox.
+    pub turns: usize,
+    /// LLM latency scales (1.0, 0.25).
+    pub scales: Vec<f64>,
+    /// Resident memory of each sandbox's process, MiB.
+    pub resident_mb: u64,
+    /// The timer baseline's idle time before a pause, s.
+    pub idle_s: f64,
+    /// The image the sandboxes are made of (imported from the main daemon's state).
+    pub image: String,
+    /// The main daemon's state directory (where the image's tree is).
+    pub main_state: PathBuf,
+}
+
+/// One mode at one scale.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeReport {
+    /// `none`, `timer` or `turn`.
+    pub mode: String,
+    /// LLM latency scale.
+    pub scale: f64,
+    /// Sandboxes.
+    pub sandboxes: usize,
+    /// Turns replayed in all.
+    pub turns: usize,
+    /// Memory of the mode's sandboxes, mean over the run, MiB.
+    pub mem_mean_mib: f64,
+    /// Its peak, MiB.
+    pub mem_peak_mib: f64,
+    /// Sandboxes per GiB at the peak.
+    pub per_gib_peak: f64,
+    /// Sandboxes per GiB at the mean.
+    pub per_gib_mean: f64,
+    /// Agent-visible overhead per turn, ms.
+    pub exposed_ms: Summary,
+    /// Wall time of the mode's run, s.
+    pub wall_s: f64,
+    /// Turns whose heartbeat check passed / all.
+    pub correct: usize,
+    /// Parks (engine or timer) and wakes the daemon counted during the mode.
+    pub parks: u64,
+    /// Wakes.
+    pub wakes: u64,
+    /// Bytes of the mode's restore points.
+    pub point_bytes: u64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct DensityMemoryReport {
+    /// Every mode at every scale.
+    pub modes: Vec<ModeReport>,
+    /// Load average before and after.
+    pub load: (String, String),
+}
+
+fn load_avg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Run it.
+pub async fn run(opts: &DensityMemoryOptions) -> Result<DensityMemoryReport, ApiError> {
+    let trajs = load_all(&opts.traces, 0).map_err(|e| ApiError::invalid(e.to_string(), ""))?;
+    let lat: Vec<Vec<f64>> = trajs
+        .iter()
+        .map(|t| t.steps.iter().filter_map(|s| s.llm_latency_s).collect::<Vec<_>>())
+        .filter(|v: &Vec<f64>| v.len() >= opts.turns)
+        .take(opts.sandboxes)
+        .collect();
+    if lat.len() < opts.sandboxes {
+        return Err(ApiError::invalid(
+            format!(
+                "only {} trajectories with {} LLM latencies under {:?}",
+                lat.len(),
+                opts.turns,
+                opts.traces
+            ),
+            "name the mini-swe-agent traces (they carry llm_latency_s), or ask for fewer turns",
+        ));
+    }
+    let stub = StubUpstream::start(StubConfig::default())
+        .await
+        .map_err(|e| ApiError::internal(format!("starting the stub upstream: {e}")))?;
+    let dir = PathBuf::from("/var/lib").join(format!("crab-bench-park-{}", std::process::id()));
+    let up = stub.url();
+    let d = tokio::task::spawn_blocking(move || {
+        OtherDaemon::start(
+            &dir,
+            &["--pool-size", "16G", "--memory-budget", "1", "--upstream-openai", &up],
+            &[],
+        )
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("starting the bench's daemon: {e}")))?;
+    let img = StateDir::new(&opts.main_state).image_rootfs(&opts.image);
+    d.crab_ok(&["image", "import", &opts.image, &img.to_string_lossy()]);
+    let client = Client::new(StateDir::new(&d.state).socket());
+    let before = load_avg();
+    let mut modes = Vec::new();
+    for &scale in &opts.scales {
+        for mode in ["none", "timer", "turn"] {
+            modes.push(one_mode(&d, &client, opts, &lat, mode, scale).await?);
+        }
+    }
+    drop(stub);
+    Ok(DensityMemoryReport { modes, load: (before, load_avg()) })
+}
+
+async fn one_mode(
+    d: &OtherDaemon,
+    client: &Client,
+    opts: &DensityMemoryOptions,
+    lat: &[Vec<f64>],
+    mode: &str,
+    scale: f64,
+) -> Result<ModeReport, ApiError> {
+    let names: Vec<String> =
+        (0..opts.sandboxes).map(|i| format!("dm-{mode}-{}-{i}", (scale * 100.0) as u32)).collect();
+    // An idle REPL holding its data: it touches every page once, says its pid, then waits
+    // (as a kernel the agent set up earlier and is not using this turn).
+    let resident = format!(
+        "nohup python3 -c 'import os, signal\nd = bytearray({mb} << 20)\nfor i in range(0, len(d), 4096): d[i] = 7\nopen(\"/tmp/pid\", \"w\").write(str(os.getpid()))\nwhile True: signal.pause()\n' >/dev/null 2>&1 &",
+        mb = opts.resident_mb
+    );
+    // A turn's command: the REPL is alive and still holds its memory (VmRSS, kB).
+    let check = "p=$(cat /tmp/pid) && kill -0 $p && awk '/VmRSS/{print $2}' /proc/$p/status";
+    for n in &names {
+        let mut args = vec!["sandbox", "create", &opts.image, "--name", n.as_str()];
+        if mode != "turn" {
+            args.push("--no-park");
+        }
+        d.crab_ok(&args);
+        let o = exec(client, n, vec!["sh".into(), "-c".into(), resident.clone()], None, None, 30.0)
+            .await?;
+        if o.code != 0 {
+            return Err(ApiError::internal(format!("starting the resident process in {n}")));
+        }
+    }
+    // Resident: wait until each holds its memory.
+    let want = opts.resident_mb << 20;
+    let t0 = Instant::now();
+    loop {
+        let mem = memory(client, &names).await?;
+        if names.iter().all(|n| mem.get(n).is_some_and(|&b| b >= want)) {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            return Err(ApiError::internal("the resident processes did not fill their memory"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let top0 = parking_counts(client).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    // The sampler.
+    let samples: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let sampler = {
+        let (c, names, stop, samples) =
+            (client.clone(), names.clone(), stop.clone(), samples.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(m) = memory(&c, &names).await {
+                    crab_common::sync::lock(&samples).push(m.values().sum());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    // The timer baseline's parker.
+    let last_call: Arc<Mutex<HashMap<String, Instant>>> =
+        Arc::new(Mutex::new(names.iter().map(|n| (n.clone(), Instant::now())).collect()));
+    let timer = (mode == "timer").then(|| {
+        let (c, stop, last, idle) =
+            (client.clone(), stop.clone(), last_call.clone(), Duration::from_secs_f64(opts.idle_s));
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let due: Vec<String> = crab_common::sync::lock(&last)
+                    .iter()
+                    .filter(|(_, t)| t.elapsed() >= idle)
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                for n in due {
+                    let _: Result<serde_json::Value, _> = c
+                        .call::<(), _>(Method::POST, &format!("/v1/sandboxes/{n}/park"), None)
+                        .await;
+                    crab_common::sync::lock(&last)
+                        .insert(n, Instant::now() + Duration::from_secs(3600));
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        })
+    });
+    let start = Instant::now();
+    let mut agents = Vec::new();
+    for (i, n) in names.iter().enumerate() {
+        let (c, n, lats, port, last) =
+            (client.clone(), n.clone(), lat[i].clone(), d.port, last_call.clone());
+        let turns = opts.turns;
+        let want_kb = opts.resident_mb * 1024 * 9 / 10;
+        agents.push(tokio::spawn(async move {
+            let mut exposed = Vec::new();
+            let mut correct = 0usize;
+            for (t, l) in lats.iter().take(turns).enumerate() {
+                let delay_ms = (l * scale * 1e3).round() as u64;
+                let url = format!("http://127.0.0.1:{port}/s/{n}/v1/chat/completions");
+                let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": format!("{n} turn {t}")}]});
+                let delay = delay_ms.to_string();
+                let t0 = Instant::now();
+                let a = post_json(&url, &[(DELAY_HEADER, delay.as_str())], &body).await?;
+                let answered = t0.elapsed().as_secs_f64() * 1e3;
+                if a.status != 200 {
+                    return Err(ApiError::internal(format!("{n} turn {t}: the proxy answered {}", a.status)));
+                }
+                let t1 = Instant::now();
+                let o = exec(&c, &n, vec!["sh".into(), "-c".into(), check.into()], None, None, 60.0)
+                    .await?;
+                let cmd = t1.elapsed().as_secs_f64() * 1e3;
+                crab_common::sync::lock(&last).insert(n.clone(), Instant::now());
+                exposed.push((answered - delay_ms as f64).max(0.0) + cmd);
+                let rss_kb: u64 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap_or(0);
+                if o.code == 0 && rss_kb >= want_kb {
+                    correct += 1;
+                }
+            }
+            Ok::<_, ApiError>((exposed, correct))
+        }));
+    }
+    let mut exposed = Vec::new();
+    let mut correct = 0;
+    let mut failed = None;
+    for a in agents {
+        match a.await {
+            Ok(Ok((e, c))) => {
+                exposed.extend(e);
+                correct += c;
+            }
+            Ok(Err(e)) => failed = Some(e),
+            Err(e) => failed = Some(ApiError::internal(format!("an agent task failed: {e}"))),
+        }
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.await;
+    if let Some(t) = timer {
+        let _ = t.await;
+    }
+    let top1 = parking_counts(client).await?;
+    // The process images (the filesystem points are snapshots sharing the image's tree).
+    let point_bytes =
+        names.iter().map(|n| du(&d.state.join("pool/checkpoints").join(n).join("procs"))).sum();
+    for n in &names {
+        d.crab_ok(&["sandbox", "rm", "-f", n]);
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let s = crab_common::sync::lock(&samples).clone();
+    let mib = |b: f64| b / 1048576.0;
+    let mean = if s.is_empty() { 0.0 } else { s.iter().sum::<u64>() as f64 / s.len() as f64 };
+    let peak = s.iter().copied().max().unwrap_or(0) as f64;
+    let per_gib = |b: f64| if b > 0.0 { opts.sandboxes as f64 / (b / 1073741824.0) } else { 0.0 };
+    Ok(ModeReport {
+        mode: mode.into(),
+        scale,
+        sandboxes: opts.sandboxes,
+        turns: exposed.len(),
+        mem_mean_mib: mib(mean),
+        mem_peak_mib: mib(peak),
+        per_gib_peak: per_gib(peak),
+        per_gib_mean: per_gib(mean),
+        exposed_ms: Summary::of(&exposed),
+        wall_s,
+        correct,
+        parks: top1.0 - top0.0,
+        wakes: top1.1 - top0.1,
+        point_bytes,
+    })
+}
+
+async fn memory(client: &Client, names: &[String]) -> Result<HashMap<String, u64>, ApiError> {
+    let v: Vec<SandboxInfo> = client.call::<(), _>(Method::GET, "/v1/sandboxes", None).await?;
+    Ok(v.into_iter()
+        .filter(|s| names.contains(&s.name))
+        .map(|s| (s.name, s.memory_bytes.unwrap_or(0)))
+        .collect())
+}
+
+async fn parking_counts(client: &Client) -> Result<(u64, u64), ApiError> {
+    let v: serde_json::Value = client.call::<(), _>(Method::GET, "/v1/top", None).await?;
+    let p = &v["parking"];
+    Ok((p["parks"].as_u64().unwrap_or(0), p["wakes"].as_u64().unwrap_or(0)))
+}
+
+/// Bytes of the files under `dir` (hard links counted once).
+fn du(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&p) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if m.is_file() && seen.insert((m.dev(), m.ino())) {
+                total += m.len();
+            }
+        }
+    }
+    total
+}
+
+impl DensityMemoryReport {
+    /// The table `crab bench density --memory` prints.
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "{:<6} {:>5} {:>4} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>6} {:>10}\n",
+            "mode", "scale", "sbx", "mean MiB", "peak MiB", "/GiB pk", "exp p50", "exp p95", "exp p99", "wall s", "correct", "parks", "wakes", "point MiB"
+        );
+        for m in &self.modes {
+            s.push_str(&format!(
+                "{:<6} {:>5.2} {:>4} {:>10.0} {:>10.0} {:>8.2} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>3}/{:<3} {:>8} {:>6} {:>10.1}\n",
+                m.mode, m.scale, m.sandboxes, m.mem_mean_mib, m.mem_peak_mib, m.per_gib_peak,
+                m.exposed_ms.p50, m.exposed_ms.p95, m.exposed_ms.p99, m.wall_s, m.correct, m.turns,
+                m.parks, m.wakes, m.point_bytes as f64 / 1048576.0
+            ));
+        }
+        s.push_str(&format!("load average before {}, after {}\n", self.load.0, self.load.1));
+        s
+    }
+}

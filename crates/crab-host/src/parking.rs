@@ -119,14 +119,18 @@ impl Parking {
 
     /// The wait `sandbox`'s agent can be expected to leave it idle: the 25th percentile of its
     /// newest waits (a cautious guess: three in four waits were longer), once it has shown
-    /// [`MIN_WAITS`] of them.
+    /// [`MIN_WAITS`] of them; before that, the same of every sandbox's newest waits on this
+    /// host (a prior: agents on one host tend to share a model), once there are
+    /// [`MIN_WAITS`] of those.
     pub fn expected_wait_ms(&self, sandbox: &str) -> Option<f64> {
         let g = lock(&self.inner);
-        let w = g.waits.get(sandbox)?;
-        if w.len() < MIN_WAITS {
+        let mut v: Vec<f64> = match g.waits.get(sandbox) {
+            Some(w) if w.len() >= MIN_WAITS => w.iter().copied().collect(),
+            _ => g.waits.values().flat_map(|w| w.iter().copied()).collect(),
+        };
+        if v.len() < MIN_WAITS {
             return None;
         }
-        let mut v: Vec<f64> = w.iter().copied().collect();
         v.sort_by(f64::total_cmp);
         Some(crab_common::stats::percentile(&v, 0.25))
     }
@@ -173,11 +177,14 @@ mod tests {
         p.record_wait("a", 4000.0);
         p.record_wait("a", 100.0);
         assert_eq!(p.expected_wait_ms("a"), None, "two waits are not enough");
+        // A sandbox without waits of its own borrows the host's.
+        p.record_wait("c", 3000.0);
+        assert_eq!(p.expected_wait_ms("b"), Some(100.0), "the host's prior");
+        p.forget("c");
         p.record_wait("a", 5000.0);
         p.record_wait("a", 6000.0);
         let e = p.expected_wait_ms("a").unwrap();
         assert!((100.0..4100.0).contains(&e), "{e}");
-        assert_eq!(p.expected_wait_ms("b"), None);
         for _ in 0..HISTORY {
             p.record_wait("a", 7000.0);
         }

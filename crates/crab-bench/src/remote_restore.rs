@@ -56,6 +56,10 @@ pub struct RemoteRestoreOptions {
     /// Leave out the bare receiving hosts (nothing but the remote: the whole tree is
     /// downloaded, tens of seconds per call); only hosts that have the image are measured.
     pub no_bare: bool,
+    /// A `crab` binary of an earlier build (its `crab-nsexec` beside it): S3 receiving hosts
+    /// with the image also run it, interleaved with this build's, for a before/after in one
+    /// run.
+    pub baseline_bin: Option<PathBuf>,
 }
 
 /// One remote backend's figures, on receiving hosts with or without the image.
@@ -70,6 +74,13 @@ pub struct BackendReport {
     /// removed) and loaded the remote's index while idle before the measured call: a fleet
     /// node that is up, as opposed to a daemon started for the call.
     pub warm: bool,
+    /// A standby: the receiving daemon (with the image) followed the sandbox (`crab remote
+    /// follow SB`) and held its newest point before the measured call (a failover restore).
+    #[serde(default)]
+    pub standby: bool,
+    /// The receiving daemons ran `--baseline-bin` (the build before), not this one.
+    #[serde(default)]
+    pub baseline: bool,
     /// Restores that patched the local image instead of downloading the whole tree.
     pub patched_from_image: usize,
     /// Time the receiving daemon took to hash the imported image (once per image and host;
@@ -119,6 +130,16 @@ pub struct RemoteRestoreReport {
     pub s3_create_vs_local_fork1: f64,
     /// p50 of `s3 fork N` (host with the image) / p50 of `local fork N`.
     pub s3_fork_vs_local_fork: f64,
+    /// p50 of `s3 create` on a standby that followed the sandbox / p50 of `local restore`
+    /// (budget: ≤ 1.2).
+    pub s3_standby_create_vs_local_restore: f64,
+    /// p50 of `s3 fork N` on such a standby / p50 of `local fork N`.
+    pub s3_standby_fork_vs_local_fork: f64,
+    /// [`RemoteRestoreReport::s3_create_vs_local_restore`] with the baseline build on the
+    /// receiving hosts (NaN without `--baseline-bin`).
+    pub baseline_s3_create_vs_local_restore: f64,
+    /// [`RemoteRestoreReport::s3_fork_vs_local_fork`] with the baseline build.
+    pub baseline_s3_fork_vs_local_fork: f64,
     /// Load average before / after.
     pub load_before: String,
     /// Load average after.
@@ -234,16 +255,21 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("{what}: {e}")))
 }
 
-/// A daemon of the benchmark's own (panics of the test harness become errors).
+/// A daemon of the benchmark's own (panics of the test harness become errors), of `bin`
+/// (else the build under test).
 async fn daemon(
     dir: PathBuf,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    bin: Option<PathBuf>,
 ) -> Result<Host, ApiError> {
     let what = format!("starting a daemon on {}", dir.display());
     let d = blocking(&what, move || {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        OtherDaemon::start(&dir, &a, &env)
+        match &bin {
+            Some(b) => OtherDaemon::start_from(b, &dir, &a, &env),
+            None => OtherDaemon::start(&dir, &a, &env),
+        }
     })
     .await?;
     let client = Client::new(StateDir::new(&d.state).socket());
@@ -330,6 +356,7 @@ pub async fn run(
         scratch.path().join("host-a"),
         ["--pool-size", "8G", "--remote", &s3_url].map(String::from).to_vec(),
         s3.env.clone(),
+        None,
     )
     .await?;
     let mut hosts = Vec::new();
@@ -356,12 +383,15 @@ struct ArmRun {
     hash_ms: f64,
 }
 
-/// A receiving host: its remote, whether it has the image, whether it is warm.
+/// A receiving host: its remote, whether it has the image, whether it is warm, whether it
+/// is a standby following the sandbox, and the binary it runs (None: this build).
 #[derive(Debug, Clone)]
 struct Variant {
     url: String,
     with_image: bool,
     warm: bool,
+    standby: bool,
+    bin: Option<PathBuf>,
 }
 
 /// On a fresh host B (`--remote v.url`; `with_image`: the image imported and hashed first;
@@ -378,21 +408,29 @@ async fn remote_arm(
     count: usize,
     hosts: &mut Vec<Host>,
 ) -> Result<ArmRun, ApiError> {
-    let b = daemon(
-        dir,
-        ["--pool-size", "8G", "--remote", &v.url].map(String::from).to_vec(),
-        env.to_vec(),
-    )
-    .await?;
+    let args: Vec<String> = ["--pool-size", "8G", "--remote", &v.url].map(String::from).to_vec();
+    let followed = source.split('@').next().unwrap_or_default().to_string();
+    let b = daemon(dir, args, env.to_vec(), v.bin.clone()).await?;
     hosts.push(b);
     let Some(b) = hosts.last() else { return Err(ApiError::internal("no host")) };
     let mut hash_ms = f64::NAN;
     if v.with_image {
         b.cli(&["image", "import", &opts.image, &image.display().to_string()]).await?;
-        // The idle exporter hashes new images within a few seconds.
-        let stamp = b.state().join("remote-cache/images").join(format!("{}.json", opts.image));
+        // The idle exporter hashes new images within a few seconds: the image and each of
+        // its user-namespace copies (a point of a user-namespaced sandbox is made of one).
+        let stamps = b.state().join("remote-cache/images");
+        let state_b = StateDir::new(b.state());
         let t = Instant::now();
-        while !stamp.exists() {
+        let hashed = || {
+            let copies = crab_sandbox::shift::current_copies(&state_b, &opts.image);
+            stamps.join(format!("{}.json", opts.image)).exists()
+                && copies.iter().all(|(r, _)| {
+                    stamps
+                        .join(format!("{}@{}:{}:{}.json", opts.image, r.uid, r.gid, r.count))
+                        .exists()
+                })
+        };
+        while !hashed() {
             if t.elapsed().as_secs() > 120 {
                 return Err(ApiError::internal(format!(
                     "the daemon on {} did not hash image {} within 120 s",
@@ -423,6 +461,37 @@ async fn remote_arm(
             b.cli(&["sandbox", "rm", "--force", w]).await?;
         }
     }
+    let mut source = source.to_string();
+    if v.standby {
+        // A standby of a fleet: it has the image, then follows the sandbox.
+        b.cli(&["remote", "follow", &followed]).await?;
+        // The follower holds the remote's newest point of the sandbox before the failover,
+        // which restores that point: at least the measured one (host A's restores and forks
+        // add points that share its parts — a restore marker, a fork's origin).
+        let want = source.split('@').nth(1).unwrap_or_default().to_string();
+        let t = Instant::now();
+        loop {
+            let r: Value = b.client.call::<(), _>(Method::GET, "/v1/remote/follow", None).await?;
+            let st = r["sandboxes"]
+                .as_array()
+                .and_then(|v| v.iter().find(|s| s["sandbox"] == followed.as_str()))
+                .cloned()
+                .unwrap_or_default();
+            let held = st["point"].as_str().unwrap_or_default().to_string();
+            if !held.is_empty() && st["remote_point"] == held.as_str() && held >= want {
+                source = format!("{followed}@{held}");
+                break;
+            }
+            if t.elapsed().as_secs() > 120 {
+                return Err(ApiError::internal(format!(
+                    "the standby on {} did not hold {source} within 120 s: {r}",
+                    b.state().display()
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+    let source = source.as_str();
     let tag = format!("{}-{}", source.split('@').next().unwrap_or("x"), hosts.len());
     let names: Vec<String> = (0..count).map(|j| format!("{tag}-b{j}")).collect();
     let t = Instant::now();
@@ -542,17 +611,37 @@ async fn measure(
 
     let (mut local_restore, mut local_fork1, mut local_fork) = (vec![], vec![], vec![]);
     // (remote, receiving host has the image)
-    let variants: Vec<Variant> = [file_url, s3_url]
+    let mut variants: Vec<Variant> = [file_url, s3_url]
         .iter()
         .flat_map(|u| {
             [(false, false), (true, false), (true, true)].map(|(with_image, warm)| Variant {
                 url: u.to_string(),
                 with_image,
                 warm,
+                standby: false,
+                bin: None,
             })
         })
         .filter(|v| v.with_image || !opts.no_bare)
         .collect();
+    // A standby that followed the sandbox (S3, with the image).
+    variants.push(Variant {
+        url: s3_url.to_string(),
+        with_image: true,
+        warm: false,
+        standby: true,
+        bin: None,
+    });
+    // The build before, on the S3 hosts with the image (fresh), interleaved with this one's.
+    if let Some(b) = &opts.baseline_bin {
+        variants.push(Variant {
+            url: s3_url.to_string(),
+            with_image: true,
+            warm: false,
+            standby: false,
+            bin: Some(b.clone()),
+        });
+    }
     let mut arms: Vec<Vec<ArmRun>> = vec![Vec::new(); variants.len()];
     let mut fork_arms: Vec<Vec<ArmRun>> = vec![Vec::new(); variants.len()];
     for round in 0..opts.rounds {
@@ -621,6 +710,8 @@ async fn measure(
                 url: v.url.clone(),
                 with_image: v.with_image,
                 warm: v.warm,
+                standby: v.standby,
+                baseline: v.bin.is_some(),
                 patched_from_image: c.iter().chain(f).filter(|r| r.patched).count(),
                 image_hash_ms: col(&c.iter().chain(f).cloned().collect::<Vec<_>>(), |r| r.hash_ms),
                 create_ms: col(c, |r| r.total_ms),
@@ -633,13 +724,21 @@ async fn measure(
         .collect();
     let (lr, l1, ln) =
         (Summary::of(&local_restore), Summary::of(&local_fork1), Summary::of(&local_fork));
-    let find = |s3: bool, img: bool, warm: bool| {
-        remotes
-            .iter()
-            .find(|r| r.url.starts_with("s3:") == s3 && r.with_image == img && r.warm == warm)
+    let find = |img: bool, warm: bool, standby: bool, baseline: bool| {
+        remotes.iter().find(|r| {
+            r.url.starts_with("s3:")
+                && r.with_image == img
+                && r.warm == warm
+                && r.standby == standby
+                && r.baseline == baseline
+        })
     };
-    let (s3i, s3c, s3w) =
-        (find(true, true, false), find(true, false, false), find(true, true, true));
+    let (s3i, s3c, s3w) = (
+        find(true, false, false, false),
+        find(false, false, false, false),
+        find(true, true, false, false),
+    );
+    let (s3s, s3b) = (find(true, false, true, false), find(true, false, false, true));
     Ok(RemoteRestoreReport {
         options: opts.clone(),
         point: source,
@@ -651,6 +750,10 @@ async fn measure(
         s3_create_warm_vs_local_restore: s3w.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
         s3_create_vs_local_fork1: s3i.map_or(f64::NAN, |r| ratio(&r.create_ms, &l1)),
         s3_fork_vs_local_fork: s3i.map_or(f64::NAN, |r| ratio(&r.fork_ms, &ln)),
+        s3_standby_create_vs_local_restore: s3s.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
+        s3_standby_fork_vs_local_fork: s3s.map_or(f64::NAN, |r| ratio(&r.fork_ms, &ln)),
+        baseline_s3_create_vs_local_restore: s3b.map_or(f64::NAN, |r| ratio(&r.create_ms, &lr)),
+        baseline_s3_fork_vs_local_fork: s3b.map_or(f64::NAN, |r| ratio(&r.fork_ms, &ln)),
         local_restore_ms: lr,
         local_fork1_ms: l1,
         local_fork_ms: ln,

@@ -240,6 +240,20 @@ pub fn hash_regular_file(path: &Path, max: u64) -> Result<Option<(u64, String)>>
     hash_reader(f.take(max.saturating_add(1)), path).map(Some)
 }
 
+/// The size of `path`, a regular file (no symbolic link followed), with an empty hash; None
+/// when it does not exist.
+fn regular_size(path: &Path) -> Result<Option<(u64, String)>> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_file() => Ok(Some((m.len(), String::new()))),
+        Ok(m) if m.file_type().is_symlink() => {
+            Err(CheckpointError::corrupt(path, "image file is a symbolic link"))
+        }
+        Ok(_) => Err(CheckpointError::corrupt(path, "image file is not a regular file")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(CheckpointError::io("stat", path, e)),
+    }
+}
+
 fn syncfs(dir: &Path) -> Result<()> {
     let f = std::fs::File::open(dir).map_err(|e| CheckpointError::io("open", dir, e))?;
     // SAFETY: syncfs(2) on a descriptor we own; it only flushes.
@@ -424,7 +438,7 @@ impl Store {
     fn fs_dir(&self) -> PathBuf {
         self.dir.join("fs")
     }
-    fn tmp_dir(&self) -> PathBuf {
+    pub(crate) fn tmp_dir(&self) -> PathBuf {
         self.dir.join("tmp")
     }
     /// Path of a point's manifest.
@@ -511,6 +525,19 @@ impl Store {
     /// Verify everything a restore of `m` reads: every image file present with the recorded
     /// size and SHA-256, no extra file in the image directory, the filesystem snapshot present.
     pub fn verify(&self, m: &Manifest) -> Result<()> {
+        self.check_files(m, true)
+    }
+
+    /// [`Store::verify`] without hashing: every image file present, a regular file of the
+    /// recorded size, no extra file, the filesystem snapshot present. For parts whose bytes
+    /// were checked as they were written (a point materialized from a remote store, each chunk
+    /// checked against its BLAKE3 id); their SHA-256s are checked before a process is restored
+    /// from them (a fork verifies beside its first stages).
+    pub fn check_shape(&self, m: &Manifest) -> Result<()> {
+        self.check_files(m, false)
+    }
+
+    fn check_files(&self, m: &Manifest, hash: bool) -> Result<()> {
         if let Some(p) = &m.procs {
             let dir = self.proc_dir(p.id);
             // Every name is checked before any is joined to a path: a manifest from elsewhere
@@ -541,7 +568,9 @@ impl Store {
                 let path = dir.join(&f.name);
                 // A regular file of the directory itself (no symlink followed, no device
                 // read), hashed no further than one byte past its recorded size.
-                let (size, sha) = match hash_regular_file(&path, f.size)? {
+                let found =
+                    if hash { hash_regular_file(&path, f.size)? } else { regular_size(&path)? };
+                let (size, sha) = match found {
                     Some(hashed) => hashed,
                     None => return Err(CheckpointError::corrupt(&path, "image file is missing")),
                 };
@@ -557,7 +586,7 @@ impl Store {
                         format!("size is {size} bytes, the manifest says {}", f.size),
                     ));
                 }
-                if sha != f.sha256 {
+                if hash && sha != f.sha256 {
                     return Err(CheckpointError::corrupt(
                         &path,
                         format!("SHA-256 is {sha}, the manifest says {}", f.sha256),
@@ -574,11 +603,9 @@ impl Store {
         Ok(())
     }
 
-    /// [`Store::verify`] with, side by side, one `syncfs` of the pool: for parts put in place
-    /// outside a staging (a point materialized from a remote store), so that the manifest
-    /// written next only ever points at files that are on disk.
-    pub fn verify_and_sync(&self, m: &Manifest) -> Result<()> {
-        beside_syncfs(&self.dir, true, || self.verify(m)).map(|((), _)| ())
+    /// Flush the filesystem holding the store (`syncfs`).
+    pub fn sync(&self) -> Result<()> {
+        syncfs(&self.dir)
     }
 
     /// Begin a checkpoint: new parts are staged under `tmp/` until [`Staging::publish`].

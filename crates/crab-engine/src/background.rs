@@ -17,8 +17,12 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 /// Shared state of the lane, owned by the engine.
 #[derive(Debug)]
 pub(crate) struct Lane {
-    /// True while urgent work is queued or running, or a dump runs.
+    /// True while urgent work is queued or running, or a dump runs, or a hold is taken.
     busy: watch::Sender<bool>,
+    /// The scheduler's own view (urgent work or a dump), without the holds.
+    sched_busy: std::sync::atomic::AtomicBool,
+    /// Holds taken by work outside the engine that a caller waits for (a restore, a fork).
+    holds: AtomicUsize,
     /// One background task at a time.
     slot: Arc<Semaphore>,
     running: AtomicUsize,
@@ -40,6 +44,8 @@ impl Lane {
     pub(crate) fn new() -> Arc<Lane> {
         Arc::new(Lane {
             busy: watch::channel(false).0,
+            sched_busy: std::sync::atomic::AtomicBool::new(false),
+            holds: AtomicUsize::new(0),
             slot: Arc::new(Semaphore::new(1)),
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
@@ -50,6 +56,12 @@ impl Lane {
 
     /// The scheduler's view changed: is urgent work (or a dump) in the way now?
     pub(crate) fn publish(&self, busy: bool) {
+        self.sched_busy.store(busy, Ordering::SeqCst);
+        self.republish();
+    }
+
+    fn republish(&self) {
+        let busy = self.sched_busy.load(Ordering::SeqCst) || self.holds.load(Ordering::SeqCst) > 0;
         self.busy.send_if_modified(|b| {
             let changed = *b != busy;
             *b = busy;
@@ -64,6 +76,13 @@ impl Lane {
             yields: self.yields.load(Ordering::Relaxed),
             granted: self.granted.load(Ordering::Relaxed),
         }
+    }
+
+    /// Hold background work off until the hold drops (see [`crate::Engine::hold_background`]).
+    pub(crate) fn hold(self: &Arc<Self>) -> LaneHold {
+        self.holds.fetch_add(1, Ordering::SeqCst);
+        self.republish();
+        LaneHold(self.clone())
     }
 
     async fn quiet(&self) {
@@ -83,6 +102,17 @@ impl Lane {
         self.granted.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(what, "background lane granted");
         BackgroundPermit { lane: self.clone(), _slot: slot }
+    }
+}
+
+/// Background work waits (between its steps) while this lives.
+#[derive(Debug)]
+pub struct LaneHold(Arc<Lane>);
+
+impl Drop for LaneHold {
+    fn drop(&mut self) {
+        self.0.holds.fetch_sub(1, Ordering::SeqCst);
+        self.0.republish();
     }
 }
 

@@ -365,6 +365,13 @@ impl<P: Changeset> Engine<P> {
         self.shared.lane.acquire(what).await
     }
 
+    /// Hold background work (exports) off while work the engine does not run but a caller
+    /// waits for runs — a restore or fork from the remote store, a wake: the export pauses
+    /// at its next step and goes on when the hold drops.
+    pub fn hold_background(&self) -> crate::background::LaneHold {
+        self.shared.lane.hold()
+    }
+
     /// Queue a job. If the sandbox already has a queued job that has not started, the two merge
     /// and the returned handle is the merged job's.
     pub fn submit(&self, spec: JobSpec<P>) -> JobHandle {

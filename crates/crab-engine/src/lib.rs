@@ -16,7 +16,7 @@ mod engine;
 mod job;
 mod metrics;
 
-pub use background::BackgroundPermit;
+pub use background::{BackgroundPermit, LaneHold};
 pub use engine::{Engine, EngineConfig, EngineError, EngineStats, JobHandle, SandboxView};
 pub use job::{
     Changeset, ExecError, Executor, Finished, FnExecutor, Job, JobError, JobId, JobOp, JobOutcome,

@@ -384,6 +384,9 @@ pub enum Action {
     },
     /// Build sandboxes from a point in the remote store (this host needs nothing else).
     FromRemote(FromRemote),
+    /// Change (or, empty, only show) the sandboxes whose newest remote points this host keeps
+    /// materialized: `crab remote follow`.
+    Follow(crate::follow::FollowRequest),
     /// Replace what sandbox `name` holds — files, processes, conversation — by a point of
     /// another sandbox, or of the remote store, in place and under its lifecycle lock: it
     /// keeps its name, record, limits and profile, and nothing of it is touched before every
@@ -499,6 +502,7 @@ impl Action {
             Action::RemotePrune { .. } => "remote_prune",
             Action::RemoteWait { .. } => "remote_wait",
             Action::FromRemote(_) => "from_remote",
+            Action::Follow(_) => "remote_follow",
             Action::Replace { .. } => "replace",
             Action::Files { .. } => "files",
         }
@@ -675,6 +679,8 @@ pub enum Outcome {
     Durable(Durable),
     /// Sandboxes built from the remote.
     FromRemote(Box<FromRemoteReport>),
+    /// `crab remote follow`.
+    Follow(crate::follow::FollowReport),
     /// What a file operation answered (an entry, entries, done, or a byte stream the front
     /// door renders).
     Files(crab_sandbox::files::FileAnswer),

@@ -8,7 +8,8 @@
 //! [`Action`], call `execute`, and render the [`Outcome`]. The turn policy (verdict → kind, the
 //! base rule, the init-only rule, force-full after a failure) is [`TurnPolicy`]; the engine's
 //! executor, the proxy's turn hooks and sandbox directory live in [`glue`]; the durable tier
-//! (`--remote`: exporter, export states, restores from the remote) in [`remote`]; the handlers of
+//! (`--remote`: exporter, export states, restores from the remote) in [`remote`], its standby
+//! follower in [`follow`]; the handlers of
 //! the background-process service in `procs`.
 
 #![forbid(unsafe_code)]
@@ -18,6 +19,7 @@ mod build;
 mod build_jobs;
 mod error;
 mod files;
+pub mod follow;
 pub mod glue;
 mod host;
 pub mod images;

@@ -315,6 +315,8 @@ impl Host {
         };
         self.halt(&name).await?;
         self.set_life(&name, Life::Parked { point: point.clone() })?;
+        // Counted here, where it parks (parking a parked sandbox answers above, uncounted).
+        self.parking.parked();
         tracing::info!(sandbox = %name, %point, "parked");
         Ok(Outcome::Lifecycle(Lifecycle {
             sandbox: name,
@@ -389,7 +391,6 @@ impl Host {
         };
         let parked_at = match self.park(name.to_string(), from).await {
             Ok(Outcome::Lifecycle(l)) => {
-                self.parking.parked();
                 tracing::info!(sandbox = %name, expected_wait_ms = wait, wake_ms = cost, in_use, "parked at the turn boundary");
                 l.point
             }

@@ -38,6 +38,11 @@ pub struct RemoteOptions {
     pub key_file: Option<PathBuf>,
     /// Upload budget, bytes per second.
     pub bandwidth_bps: Option<u64>,
+    /// Sandboxes whose newest points this host keeps materialized (`--follow`), added to
+    /// the saved follow set.
+    pub follow: Vec<String>,
+    /// Follow every sandbox of the remote that does not run here (`--follow-all`).
+    pub follow_all: bool,
 }
 
 /// Export state of one local point, as `crab checkpoints` shows it.
@@ -361,6 +366,8 @@ type PointKey = (String, String);
 pub struct RemoteTier {
     /// The repository.
     pub repo: Arc<Repo>,
+    /// The standby follower (`crab remote follow`).
+    pub follower: Arc<crate::follow::Follower>,
     states: Mutex<HashMap<PointKey, (PointState, Option<Instant>)>>,
     wake: tokio::sync::Notify,
     changed: tokio::sync::watch::Sender<u64>,
@@ -391,8 +398,10 @@ async fn hash_images(repo: &Repo, state: &crab_common::paths::StateDir) {
     for de in rd.flatten() {
         let name = de.file_name().to_string_lossy().into_owned();
         let Some(image) = name.strip_suffix(".json") else { continue };
+        // The user-namespace copies first: on a host whose sandboxes run in user namespaces
+        // (the default), their points are made of those.
         let copies = crab_sandbox::shift::current_copies(state, image).into_iter();
-        for userns in std::iter::once(None).chain(copies.map(|(r, _)| Some(r))) {
+        for userns in copies.map(|(r, _)| Some(r)).chain(std::iter::once(None)) {
             if let Err(e) =
                 crab_remote::local::local_image_tree_for(repo, state, image, userns).await
             {
@@ -460,7 +469,8 @@ impl RemoteTier {
     pub async fn open(
         state: &crab_common::paths::StateDir,
         o: &RemoteOptions,
-    ) -> Result<RemoteTier, RemoteError> {
+    ) -> Result<RemoteTier, HostError> {
+        let follower = Arc::new(crate::follow::Follower::open(state, &o.follow, o.follow_all)?);
         let repo = Repo::open(
             &o.url,
             RepoOptions {
@@ -469,9 +479,15 @@ impl RemoteTier {
                 bandwidth_bps: o.bandwidth_bps,
             },
         )
-        .await?;
+        .await
+        .map_err(|e| {
+            let mut h = remote_error(e);
+            h.0.message = format!("opening the remote store {}: {}", o.url, h.0.message);
+            h
+        })?;
         Ok(RemoteTier {
             repo: Arc::new(repo),
+            follower,
             states: Mutex::new(HashMap::new()),
             wake: tokio::sync::Notify::new(),
             changed: tokio::sync::watch::channel(0).0,

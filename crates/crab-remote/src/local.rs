@@ -4,6 +4,7 @@
 //! CRIU images, its manifest byte for byte), from which the ordinary fork builds sandboxes.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crab_checkpoint::{Manifest, Store};
 use crab_common::paths::StateDir;
@@ -81,10 +82,12 @@ pub struct Materialized {
     pub base_image: Option<String>,
     /// Wall time, ms.
     pub elapsed_ms: u64,
-    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `room` — the bytes
-    /// the trees declare, summed and checked —, `fs_and_procs` — the wall time of `fs` and
-    /// `procs`, which run side by side and follow it with their own times — `verify`,
-    /// `conversation`).
+    /// Where that time went: (stage, ms), in order (`index`, `manifest`, `room` — the
+    /// process images' declared bytes checked —, `fs_and_procs` — the wall time of the
+    /// filesystem, the images and the conversation, fetched side by side, followed by `fs`
+    /// (`fs_room`, `fs_subvolume`, `fs_tree`, `fs_seal`) and `procs` —, `verify` (names,
+    /// kinds, sizes), `check_images`, `manifest_write`); for a copy already here,
+    /// `check_images` and `conversation`.
     pub stages: Vec<(String, f64)>,
 }
 
@@ -94,6 +97,101 @@ fn remove_any(path: &Path) {
         let _ = crab_sandbox::btrfs::delete_subvolume(path);
     } else if path.exists() {
         let _ = std::fs::remove_dir_all(path);
+    }
+}
+
+/// Suffix of the marker a materialized point carries (`points/<id>.unflushed`, holding the
+/// boot id it was written in) until its bytes are known to be on disk.
+const UNFLUSHED: &str = "unflushed";
+
+fn unflushed_path(store: &Store, point: &str) -> PathBuf {
+    store.dir().join("points").join(format!("{point}.{UNFLUSHED}"))
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`); empty when unreadable.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Record that `point`'s materialized bytes are not flushed yet: the marker is written and
+/// fsynced before the manifest, so a manifest that survives a crash has its marker too.
+fn mark_unflushed(store: &Store, point: &str) -> Result<()> {
+    let path = unflushed_path(store, point);
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&path)?;
+        std::io::Write::write_all(&mut f, boot_id().as_bytes())?;
+        f.sync_all()
+    };
+    write().map_err(RemoteError::io("write marker", &path))
+}
+
+/// Whether `point`'s local copy was written in an earlier boot and never flushed: after a
+/// host crash its files may be torn.
+fn unflushed_before_boot(store: &Store, point: &str) -> bool {
+    match std::fs::read_to_string(unflushed_path(store, point)) {
+        Ok(b) => b.trim() != boot_id() || b.trim().is_empty(),
+        Err(_) => false,
+    }
+}
+
+/// `point`'s materialized bytes are on disk (the caller flushed the pool after they were
+/// written: a fork's origin point does, and [`flush`]): its marker goes.
+pub fn mark_flushed(store: &Store, point: &str) {
+    let path = unflushed_path(store, point);
+    if let Err(e) = std::fs::remove_file(&path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %path.display(), error = %e, "cannot remove a materialized point's marker");
+        }
+    }
+}
+
+/// Flush the pool holding `store` and mark `point` flushed (a standby's background work).
+pub fn flush(store: &Store, point: &str) -> Result<()> {
+    store.sync().map_err(|e| RemoteError::Io {
+        op: "syncfs",
+        path: store.dir().to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    mark_flushed(store, point);
+    Ok(())
+}
+
+/// Remove the local copy of point `m` (its manifest first, so nothing refers to the parts
+/// while they go), keeping the parts another local point of the store refers to (a point
+/// shares its parent's filesystem or images when it did not change them): it is fetched
+/// again by the next materialization.
+pub fn discard(store: &Store, m: &Manifest) {
+    let mpath = store.dir().join("points").join(format!("{}.manifest", m.id));
+    if let Err(e) = std::fs::remove_file(&mpath) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %mpath.display(), error = %e, "cannot remove a materialized manifest");
+        }
+    }
+    let others = store.list().unwrap_or_default();
+    if let Some(p) = &m.procs {
+        if !others.iter().any(|o| o.procs.as_ref().is_some_and(|q| q.id == p.id)) {
+            remove_any(&store.proc_dir(p.id));
+        }
+    }
+    if let Some(f) = &m.fs {
+        if !others.iter().any(|o| o.fs.as_ref().is_some_and(|g| g.id == f.id)) {
+            remove_any(&store.fs_path(f.id));
+        }
+    }
+    mark_flushed(store, &m.id.to_string());
+}
+
+/// The conversation log `c` (index refreshed once when the local index lacks it).
+async fn read_conversation(repo: &Repo, c: &crate::format::Content, what: &str) -> Result<Vec<u8>> {
+    let what = format!("{what} conversation");
+    match repo.read_content(c, &what).await {
+        Ok(b) => Ok(b),
+        Err(_) => {
+            repo.refresh_index().await?;
+            repo.read_content(c, &what).await
+        }
     }
 }
 
@@ -205,20 +303,33 @@ async fn materialize_inner(
             _ => Ok(()),
         }
     };
-    if let Ok(local) = crab_checkpoint::manifest::read(&mpath) {
-        if check_remote_manifest(&local, rec, &object).is_ok()
-            && store.verify(&local).is_ok()
+    if let Ok(mut local) = crab_checkpoint::manifest::read(&mpath) {
+        if unflushed_before_boot(store, &rec.point) {
+            tracing::warn!(point = %what, "the local copy was written before the host went down and never flushed; fetching it again");
+            discard(store, &local);
+        } else if check_remote_manifest(&local, rec, &object).is_ok()
+            && store.check_shape(&local).is_ok()
             && (fs_only || local.procs.is_some() == rec.procs.is_some())
         {
+            let mut stages = crab_common::stats::StageClock::starting(std::time::Instant::now());
             (admission.check)(&local)?;
             vet(&local)?;
+            stages.mark("check_images");
+            let conversation = match &rec.conversation {
+                Some(c) => Some(read_conversation(repo, c, &what).await?),
+                None => None,
+            };
+            stages.mark("conversation");
+            if fs_only {
+                local.procs = None;
+            }
             return Ok(Materialized {
                 manifest: local,
-                conversation: None,
+                conversation,
                 fetched: false,
                 base_image: None,
                 elapsed_ms: t0.elapsed().as_millis() as u64,
-                stages: Vec::new(),
+                stages: stages.into_stages(),
             });
         }
     }
@@ -233,37 +344,42 @@ async fn materialize_inner(
     stages.mark("manifest");
     // What is to be written, from the trees' declared sizes, against the room there is —
     // before anything is written (a chunk declared thousands of times is a file that large).
-    let fs_job = match (&m.fs, &rec.fs) {
-        (Some(fs), Some(tree)) if !store.fs_path(fs.id).exists() => {
-            let base = match &rec.image {
-                Some(img) => matching_image(repo, state, &img.name, &img.tree).await,
-                None => None,
-            };
-            let need = match &base {
-                Some((_, base_tree)) => repo.patch_write_bytes(base_tree, tree, &what).await?,
-                None => repo.tree_write_bytes(tree, &what).await?,
-            };
-            Some((fs.id, *tree, base, need))
-        }
-        _ => None,
-    };
+    // The process images' bytes (one small tree) against the room there is, before they are
+    // written; the filesystem's (a walk of what differs from the local image) in its own
+    // part, beside the images' download, against the room left.
     let procs_need = match (fs_only, &m.procs, &rec.procs) {
         (false, Some(p), Some(tree)) if !store.proc_dir(p.id).exists() => {
             repo.tree_write_bytes(tree, &what).await?
         }
         _ => 0,
     };
-    let fs_need = fs_job.as_ref().map_or(0, |j| j.3);
-    check_room(state, &what, fs_need, procs_need, admission.disk_limit, &rec.image)?;
+    check_room(state, &what, 0, procs_need, None, &rec.image)?;
     stages.mark("room");
-    // The filesystem and the process images are fetched at the same time: their downloads
-    // overlap (each part's file writes run between the other's network waits).
+    // The filesystem, the process images and the conversation are fetched at the same
+    // time: their downloads overlap (each part's file writes run between the others' network
+    // waits).
     let fs_part = async {
         let t = std::time::Instant::now();
-        // (snapshot or new subvolume, patch or download, rename and seal), ms
-        let mut split = (0.0, 0.0, 0.0);
+        let fs_job = match (&m.fs, &rec.fs) {
+            (Some(fs), Some(tree)) if !store.fs_path(fs.id).exists() => {
+                let base = match &rec.image {
+                    Some(img) => matching_image(repo, state, &img.name, &img.tree).await,
+                    None => None,
+                };
+                let need = match &base {
+                    Some((_, base_tree)) => repo.patch_write_bytes(base_tree, tree, &what).await?,
+                    None => repo.tree_write_bytes(tree, &what).await?,
+                };
+                check_room(state, &what, need, procs_need, admission.disk_limit, &rec.image)?;
+                Some((fs.id, *tree, base))
+            }
+            _ => None,
+        };
+        let room_ms = t.elapsed().as_secs_f64() * 1e3;
+        // (room, snapshot or new subvolume, patch or download, rename and seal), ms
+        let mut split = (room_ms, 0.0, 0.0, 0.0);
         let mut base_image = None;
-        if let Some((fs_id, tree, base, _)) = &fs_job {
+        if let Some((fs_id, tree, base)) = &fs_job {
             let (fs_id, tree) = (*fs_id, tree);
             let dst = store.fs_path(fs_id);
             let tmp = store.dir().join("fs").join(format!("{fs_id}.importing"));
@@ -277,7 +393,7 @@ async fn materialize_inner(
                 path: tmp.clone(),
                 source: std::io::Error::other(e.to_string()),
             })?;
-            split.0 = t.elapsed().as_secs_f64() * 1e3;
+            split.1 = t.elapsed().as_secs_f64() * 1e3 - split.0;
             let fs_what = format!("{what} filesystem");
             let res = match &base {
                 Some((_, base_tree)) => repo.patch_tree(base_tree, tree, &tmp, &fs_what).await,
@@ -287,7 +403,7 @@ async fn materialize_inner(
                 remove_any(&tmp);
                 return Err(e);
             }
-            split.1 = t.elapsed().as_secs_f64() * 1e3 - split.0;
+            split.2 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1;
             std::fs::rename(&tmp, &dst).map_err(RemoteError::io("rename", &tmp))?;
             crab_sandbox::btrfs::set_readonly(&dst, true).map_err(|e| RemoteError::Io {
                 op: "set read-only",
@@ -295,7 +411,7 @@ async fn materialize_inner(
                 source: std::io::Error::other(e.to_string()),
             })?;
             base_image = base.as_ref().and(rec.image.as_ref().map(|i| i.name.clone()));
-            split.2 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1;
+            split.3 = t.elapsed().as_secs_f64() * 1e3 - split.0 - split.1 - split.2;
         }
         Ok::<_, RemoteError>((base_image, t.elapsed().as_secs_f64() * 1e3, split))
     };
@@ -318,24 +434,42 @@ async fn materialize_inner(
         }
         Ok::<_, RemoteError>((t.elapsed().as_secs_f64() * 1e3, false))
     };
-    let (fs_res, procs_res) = futures::join!(fs_part, procs_part);
-    let ((base_image, fs_ms, fs_split), (procs_ms, procs_fetched)) = (fs_res?, procs_res?);
+    let conversation_part = async {
+        match &rec.conversation {
+            Some(c) => repo.read_content(c, &format!("{what} conversation")).await.map(Some),
+            None => Ok(None),
+        }
+    };
+    let (fs_res, procs_res, conv_res) = futures::join!(fs_part, procs_part, conversation_part);
+    let fetched_procs =
+        |res: &std::result::Result<(f64, bool), RemoteError>| matches!(res, Ok((_, true)));
+    if fs_res.is_err() || conv_res.is_err() {
+        // What this call downloaded goes with its failure: a retry starts clean.
+        if let (true, Some(p)) = (fetched_procs(&procs_res), &m.procs) {
+            remove_any(&store.proc_dir(p.id));
+        }
+    }
+    let ((base_image, fs_ms, fs_split), (procs_ms, procs_fetched), conversation) =
+        (fs_res?, procs_res?, conv_res?);
     if fs_only {
         m.procs = None;
     }
-    // The two ran side by side: their own times, and the wall time as `fs_and_procs`.
+    // The parts ran side by side: their own times, and the wall time as `fs_and_procs`.
     stages.mark("fs_and_procs");
     stages.add("fs", fs_ms);
-    stages.add("fs_subvolume", fs_split.0);
-    stages.add("fs_tree", fs_split.1);
-    stages.add("fs_seal", fs_split.2);
+    stages.add("fs_room", fs_split.0);
+    stages.add("fs_subvolume", fs_split.1);
+    stages.add("fs_tree", fs_split.2);
+    stages.add("fs_seal", fs_split.3);
     stages.add("procs", procs_ms);
-    // The image files' SHA-256s recorded by the dumping host, checked on this one, while the
-    // pool is flushed: the manifest goes in only over parts that match it and are on disk.
-    // Images this call downloaded are removed when they fail, so that a retry downloads them
-    // again (images that were here before are left as they are). First, so that the policy
-    // check below reads only regular files of the recorded sizes.
-    if let Err(e) = store.verify_and_sync(&m) {
+    // Every chunk was checked against its BLAKE3 id as it arrived; here the image files'
+    // names, kinds and sizes against the manifest (so that the policy check below reads only
+    // regular files of the recorded sizes). Their SHA-256s, recorded by the dumping host, are
+    // checked before a process is restored from them: a fork hashes them beside its first
+    // stages. Nothing is flushed: the remote holds the durable copy; the point carries an
+    // `unflushed` marker (this boot's id) until a fork's origin point or the follower flushes
+    // the pool, and a copy whose marker names an earlier boot is fetched again.
+    if let Err(e) = store.check_shape(&m) {
         if let (true, Some(p)) = (procs_fetched, &m.procs) {
             remove_any(&store.proc_dir(p.id));
         }
@@ -350,16 +484,13 @@ async fn materialize_inner(
     }
     stages.mark("check_images");
     let out = if fs_only { crab_checkpoint::manifest::encode(&m) } else { bytes };
+    mark_unflushed(store, &rec.point)?;
     crab_checkpoint::manifest::write_atomic(&mpath, &out).map_err(|e| RemoteError::Io {
         op: "write manifest",
         path: mpath.clone(),
         source: std::io::Error::other(e.to_string()),
     })?;
-    let conversation = match &rec.conversation {
-        Some(c) => Some(repo.read_content(c, &format!("{what} conversation")).await?),
-        None => None,
-    };
-    stages.mark("conversation");
+    stages.mark("manifest_write");
     Ok(Materialized {
         manifest: m,
         conversation,
@@ -420,6 +551,11 @@ fn check_room(
     Ok(())
 }
 
+/// The stamps being computed, by path: a hash of one image runs once at a time.
+static HASHING: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+> = std::sync::LazyLock::new(Default::default);
+
 /// What [`local_image_tree`] keeps per image: the tree id and what it was computed for.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
 struct ImageTreeStamp {
@@ -475,14 +611,29 @@ pub async fn local_image_tree_for(
         tree: Id([0; 32]),
     };
     let path = repo.cache_dir().join("images").join(format!("{cache_name}.json"));
-    if let Some(old) = std::fs::read(&path)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<ImageTreeStamp>(&b).ok())
-        .filter(|o| {
-            o.repo_id == stamp.repo_id && o.record == stamp.record && o.ctime_ns == stamp.ctime_ns
-        })
-    {
-        return Ok(Some(old.tree));
+    let cached = || {
+        std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<ImageTreeStamp>(&b).ok())
+            .filter(|o| {
+                o.repo_id == stamp.repo_id
+                    && o.record == stamp.record
+                    && o.ctime_ns == stamp.ctime_ns
+            })
+            .map(|o| o.tree)
+    };
+    if let Some(tree) = cached() {
+        return Ok(Some(tree));
+    }
+    // One hash of an image at a time: a restore that needs the tree id while the idle
+    // exporter hashes the same image waits for that hash instead of making a second one.
+    let hashing = {
+        let mut all = crab_common::sync::lock(&HASHING);
+        all.entry(path.clone()).or_default().clone()
+    };
+    let _one = hashing.lock().await;
+    if let Some(tree) = cached() {
+        return Ok(Some(tree));
     }
     let t0 = std::time::Instant::now();
     let tree = repo.local_tree_id(&dir).await?;

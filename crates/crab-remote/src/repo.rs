@@ -98,6 +98,8 @@ pub struct Repo {
     /// Blobs [`Repo::prefetch`] just downloaded, decoded and verified, held for the read that
     /// asked for them so it neither reads them back from the cache nor decodes them twice.
     hot: Mutex<HotBlobs>,
+    /// Blobs downloaded from the store (not served by a cache) since the repository opened.
+    downloaded: std::sync::atomic::AtomicU64,
 }
 
 /// Plaintext of prefetched blobs; each is taken by its first read, at most [`HOT_MAX`]
@@ -183,6 +185,7 @@ impl Repo {
             part_cache: Mutex::new(HashMap::new()),
             cache_dirty: std::sync::atomic::AtomicBool::new(false),
             hot: Mutex::new(HotBlobs::default()),
+            downloaded: std::sync::atomic::AtomicU64::new(0),
         };
         let config = match repo.read_config().await? {
             Some(c) => c,
@@ -382,10 +385,7 @@ impl Repo {
 
     /// The id a blob with this plaintext has in this repository.
     pub(crate) fn blob_id(&self, plain: &[u8]) -> Id {
-        match &self.key {
-            Some(k) => Id(k.blob_id(plain)),
-            None => Id::of(plain),
-        }
+        blob_id_with(self.key.as_ref(), plain)
     }
 
     pub(crate) fn encode_blob(&self, plain: &[u8]) -> Result<Vec<u8>> {
@@ -405,33 +405,7 @@ impl Repo {
         stored: &[u8],
         object: &str,
     ) -> Result<Vec<u8>> {
-        let what = format!("{object} (blob {})", e.id);
-        if stored.len() as u64 != e.length {
-            return Err(RemoteError::corrupt(
-                what,
-                format!("{} bytes stored, index says {}", stored.len(), e.length),
-            ));
-        }
-        let opened;
-        let z = match &self.key {
-            Some(k) => {
-                opened = k.open(stored, &what)?;
-                &opened[..]
-            }
-            None => stored,
-        };
-        let plain = zstd::bulk::decompress(z, e.raw_length as usize)
-            .map_err(|err| RemoteError::corrupt(&what, format!("zstd: {err}")))?;
-        if plain.len() as u64 != e.raw_length {
-            return Err(RemoteError::corrupt(
-                &what,
-                format!("{} bytes, index says {}", plain.len(), e.raw_length),
-            ));
-        }
-        if self.blob_id(&plain) != e.id {
-            return Err(RemoteError::corrupt(what, "content does not hash to its id"));
-        }
-        Ok(plain)
+        decode_with(self.key.as_ref(), e, stored, object)
     }
 
     // ---- index ----
@@ -519,7 +493,7 @@ impl Repo {
 
     /// Blob `id`, from the local cache or its pack. `what` says who needs it (for errors).
     pub(crate) async fn blob(&self, id: &Id, what: &str) -> Result<Vec<u8>> {
-        if let Some(plain) = self.take_hot(id) {
+        if let Some(plain) = self.hot_blob(id) {
             return Ok(plain);
         }
         let e = match self.lookup(id) {
@@ -545,6 +519,7 @@ impl Repo {
         let rel = format!("packs/{}", e.pack.fanout());
         let stored = self.get_range(&rel, e.offset, e.length, what).await?;
         let plain = self.decode_blob(&e, &stored, &self.object_name(&rel))?;
+        self.downloaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.cache_put(id, &stored);
         Ok(plain)
     }
@@ -579,7 +554,10 @@ impl Repo {
         let mut by_pack: HashMap<Id, Vec<IndexEntry>> = HashMap::new();
         let mut seen = HashSet::new();
         for id in ids {
-            if !seen.insert(*id) || self.cache_path(id).exists() {
+            if !seen.insert(*id)
+                || lock(&self.hot).blobs.contains_key(id)
+                || self.cache_path(id).exists()
+            {
                 continue;
             }
             let e = self.lookup(id).ok_or_else(|| RemoteError::Missing {
@@ -609,14 +587,36 @@ impl Repo {
                 let end = entries.iter().map(|e| e.offset + e.length).max().unwrap_or(0);
                 let rel = format!("packs/{}", pack.fanout());
                 let bytes = self.get_range(&rel, start, end - start, what).await?;
-                for e in entries {
-                    let s = (e.offset - start) as usize;
-                    let stored = &bytes[s..s + e.length as usize];
-                    // Decode here so a corrupt pack is reported now, naming it; the read
-                    // that asked for it takes the plaintext from memory.
-                    let plain = self.decode_blob(&e, stored, &self.object_name(&rel))?;
-                    self.cache_put(&e.id, stored);
-                    self.put_hot(e.id, plain);
+                // Decode here so a corrupt pack is reported now, naming it; the read that asks
+                // for a blob takes its plaintext from memory. On the blocking pool: the other
+                // reads (and the walk of another part beside this one) go on meanwhile.
+                let (key, object) = (self.key.clone(), self.object_name(&rel));
+                let decoded = tokio::task::spawn_blocking(move || {
+                    entries
+                        .into_iter()
+                        .map(|e| {
+                            let s = (e.offset - start) as usize;
+                            let stored = bytes.slice(s..s + e.length as usize);
+                            decode_with(key.as_ref(), &e, &stored, &object)
+                                .map(|plain| (e, stored, plain))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .await
+                .map_err(|e| RemoteError::Io {
+                    op: "decode blobs",
+                    path: PathBuf::from(&rel),
+                    source: std::io::Error::other(e.to_string()),
+                })??;
+                self.downloaded
+                    .fetch_add(decoded.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                for (e, stored, plain) in decoded {
+                    // File content held in memory is not written to the on-disk cache too
+                    // (written once, into its file); trees, read again by later restores, are.
+                    let held = self.put_hot(e.id, plain);
+                    if !held || e.kind == BlobKind::Tree {
+                        self.cache_put(&e.id, &stored);
+                    }
                 }
                 Ok::<(), RemoteError>(())
             }))
@@ -627,22 +627,33 @@ impl Repo {
         Ok(())
     }
 
-    fn put_hot(&self, id: Id, plain: Vec<u8>) {
+    /// Hold a prefetched blob in memory (up to `HOT_MAX`); whether it is held.
+    fn put_hot(&self, id: Id, plain: Vec<u8>) -> bool {
         let mut hot = lock(&self.hot);
-        if hot.bytes + plain.len() <= HOT_MAX && !hot.blobs.contains_key(&id) {
+        if hot.blobs.contains_key(&id) {
+            return true;
+        }
+        if hot.bytes + plain.len() <= HOT_MAX {
             hot.bytes += plain.len();
             hot.blobs.insert(id, plain);
+            return true;
         }
+        false
     }
 
-    fn take_hot(&self, id: &Id) -> Option<Vec<u8>> {
-        let mut hot = lock(&self.hot);
-        let plain = hot.blobs.remove(id)?;
-        hot.bytes -= plain.len();
-        Some(plain)
+    /// A prefetched blob, kept until [`Repo::drop_prefetched`] (a chunk may be read more than
+    /// once: two files of one content).
+    fn hot_blob(&self, id: &Id) -> Option<Vec<u8>> {
+        lock(&self.hot).blobs.get(id).cloned()
     }
 
-    /// Forget prefetched blobs no read took (they stay in the on-disk cache).
+    /// How many blobs this handle downloaded from the store (cache hits not counted).
+    pub fn blobs_downloaded(&self) -> u64 {
+        self.downloaded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Forget the prefetched blobs held in memory (file content among them was not written
+    /// to the on-disk cache: a later read fetches it again).
     pub fn drop_prefetched(&self) {
         *lock(&self.hot) = HotBlobs::default();
     }
@@ -721,6 +732,24 @@ impl Repo {
         Ok(out)
     }
 
+    /// The sandboxes the remote holds points of (one listing, no record read).
+    pub async fn point_sandboxes(&self) -> Result<Vec<String>> {
+        let mut out: Vec<String> = Vec::new();
+        for (name, _) in self.list("points").await? {
+            let mut parts = name.split('/');
+            if let (Some("points"), Some(sb), Some(_)) = (parts.next(), parts.next(), parts.next())
+            {
+                if crab_common::names::validate("sandbox", sb).is_ok()
+                    && out.last().map(String::as_str) != Some(sb)
+                {
+                    out.push(sb.to_string());
+                }
+            }
+        }
+        out.dedup();
+        Ok(out)
+    }
+
     fn read_point(&self, rel: &str, bytes: &[u8]) -> Result<PointRecord> {
         let rec: PointRecord = self.open_meta("point", bytes, rel)?;
         if rel != format!("points/{}/{}", rec.sandbox, rec.point) {
@@ -733,14 +762,45 @@ impl Repo {
     }
 
     /// Point `point` of `sandbox` (the newest when `None`; ids may be abbreviated `c7` / `7`).
+    ///
+    /// One listing and one record read: a sandbox's point ids (`c<digits>`) grow with every
+    /// point its host makes, so the newest is the largest id. Records whose names are not such
+    /// ids (none written by Crab) are looked at only when no id-named record qualifies.
     pub async fn load_point(&self, sandbox: &str, point: Option<&str>) -> Result<PointRecord> {
-        let all = self.list_points(Some(sandbox)).await?;
-        let found = match point {
-            None => all.into_iter().last(),
-            Some(p) => {
-                let want = normalize_point(p);
-                all.into_iter().find(|r| normalize_point(&r.point) == want)
+        let dir = format!("points/{sandbox}");
+        let want = point.map(normalize_point);
+        let mut best: Option<(u128, String)> = None;
+        let mut odd = false;
+        for (name, _) in self.list(&dir).await? {
+            let id = name.rsplit('/').next().unwrap_or_default();
+            let n = match id.strip_prefix('c').map(|d| (d, d.parse::<u128>())) {
+                Some((d, Ok(n))) if !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()) => n,
+                _ => {
+                    odd = true;
+                    continue;
+                }
+            };
+            let take = match &want {
+                Some(w) => normalize_point(id) == *w,
+                None => best.as_ref().is_none_or(|(b, _)| n > *b),
+            };
+            if take {
+                best = Some((n, name));
             }
+        }
+        let found = match best {
+            Some((_, name)) => {
+                let bytes = self.get(&name, "point").await?;
+                Some(self.read_point(&name, &bytes)?)
+            }
+            None if odd => {
+                let all = self.list_points(Some(sandbox)).await?;
+                match &want {
+                    None => all.into_iter().last(),
+                    Some(w) => all.into_iter().find(|r| normalize_point(&r.point) == *w),
+                }
+            }
+            None => None,
         };
         found.ok_or_else(|| RemoteError::NoPoint {
             what: match point {
@@ -908,5 +968,45 @@ impl<'a> Packer<'a> {
             self.uploaded += n;
         }
         Ok((self.uploaded, self.packs))
+    }
+}
+
+/// Decode blob `e` from its stored bytes (`key`: the repository's, when encrypted): open,
+/// decompress, and check its length and id. Runs on any thread (a restore decodes on the
+/// blocking pool while it goes on fetching).
+fn decode_with(key: Option<&Key>, e: &IndexEntry, stored: &[u8], object: &str) -> Result<Vec<u8>> {
+    let what = format!("{object} (blob {})", e.id);
+    if stored.len() as u64 != e.length {
+        return Err(RemoteError::corrupt(
+            what,
+            format!("{} bytes stored, index says {}", stored.len(), e.length),
+        ));
+    }
+    let opened;
+    let z = match &key {
+        Some(k) => {
+            opened = k.open(stored, &what)?;
+            &opened[..]
+        }
+        None => stored,
+    };
+    let plain = zstd::bulk::decompress(z, e.raw_length as usize)
+        .map_err(|err| RemoteError::corrupt(&what, format!("zstd: {err}")))?;
+    if plain.len() as u64 != e.raw_length {
+        return Err(RemoteError::corrupt(
+            &what,
+            format!("{} bytes, index says {}", plain.len(), e.raw_length),
+        ));
+    }
+    if blob_id_with(key, &plain) != e.id {
+        return Err(RemoteError::corrupt(what, "content does not hash to its id"));
+    }
+    Ok(plain)
+}
+
+fn blob_id_with(key: Option<&Key>, plain: &[u8]) -> Id {
+    match key {
+        Some(k) => Id(k.blob_id(plain)),
+        None => Id::of(plain),
     }
 }

@@ -405,21 +405,6 @@ async fn bandwidth_limit_slows_uploads() {
     );
 }
 
-fn blob_count(dir: &Path) -> usize {
-    let mut n = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for de in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            if de.file_type().expect("type").is_dir() {
-                stack.push(de.path());
-            } else {
-                n += 1;
-            }
-        }
-    }
-    n
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_difference() {
     let fx = Fixture::new();
@@ -470,11 +455,11 @@ async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_diff
         Some(&b"x"[..])
     );
     // big.bin (3 MiB, unchanged) was not downloaded: far fewer blobs than the whole tree.
-    let patched_blobs = blob_count(&fx.path("cache-b"));
+    let patched_blobs = other.blobs_downloaded();
     std::fs::create_dir(fx.path("full")).expect("mkdir");
     let fresh = fx.repo("cache-c").await;
     fresh.import_tree(&target, &fx.path("full")).await.expect("full import");
-    let full_blobs = blob_count(&fx.path("cache-c"));
+    let full_blobs = fresh.blobs_downloaded();
     assert!(patched_blobs + 3 <= full_blobs, "patched {patched_blobs} blobs, full {full_blobs}");
 }
 

@@ -153,6 +153,40 @@ pub fn edit_image(path: &Path, magics: usize, f: &mut dyn FnMut(&[u8]) -> Vec<u8
     std::fs::write(path, out).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
 }
 
+/// The process-image directory of point `p` (an entry of `crab --json checkpoints SB`) of
+/// `sandbox` in state directory `state`.
+pub fn proc_dir_of(state: &Path, sandbox: &str, p: &serde_json::Value) -> std::path::PathBuf {
+    let parts = p["parts"].as_str().expect("the point lists its parts");
+    let proc_id = parts.split('+').find(|x| x.starts_with('p')).expect("the point has processes");
+    state.join("pool/checkpoints").join(sandbox).join("procs").join(proc_id)
+}
+
+/// Flip one byte of the memory image (`pages-*.img`) in `dir` or, for a store's `procs/`
+/// directory, in one of its image directories; returns its path.
+pub fn corrupt_pages(dir: &Path) -> std::path::PathBuf {
+    let is_pages =
+        |p: &Path| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("pages-"));
+    let entries: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .expect("reading the image directory")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    let img = entries
+        .iter()
+        .find(|p| is_pages(p))
+        .cloned()
+        .or_else(|| {
+            entries.iter().filter(|p| p.is_dir()).find_map(|d| {
+                std::fs::read_dir(d).ok()?.flatten().map(|e| e.path()).find(|p| is_pages(p))
+            })
+        })
+        .expect("no pages image");
+    let mut bytes = std::fs::read(&img).expect("reading the pages image");
+    bytes[0] ^= 0xff;
+    std::fs::write(&img, bytes).expect("writing the pages image");
+    img
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

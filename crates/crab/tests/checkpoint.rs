@@ -114,19 +114,8 @@ fn corrupt_image_file_is_refused() {
     let sb = Sandbox::new("t-ck-corrupt");
     sb.sh_ok("nohup sleep 100000 >/dev/null 2>&1 &");
     let p = checkpoint(&sb, "full");
-    let parts = p["parts"].as_str().unwrap().to_string();
-    let proc_id = parts.split('+').find(|x| x.starts_with('p')).unwrap().to_string();
-    let dir =
-        common::state_dir().join("pool/checkpoints").join(&sb.name).join("procs").join(&proc_id);
-    let img = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
-        .unwrap();
-    let mut bytes = std::fs::read(&img).unwrap();
-    bytes[0] ^= 0xff;
-    std::fs::write(&img, bytes).unwrap();
+    let dir = crab_testkit::criu_images::proc_dir_of(&common::state_dir(), &sb.name, &p);
+    let img = crab_testkit::criu_images::corrupt_pages(&dir);
     sb.sh_ok("echo after > /root/after");
     let o = crab(&["restore", &sb.name]);
     assert!(!o.status.success(), "a corrupt checkpoint was restored");

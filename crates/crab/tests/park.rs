@@ -108,19 +108,8 @@ fn a_wake_from_a_corrupt_point_leaves_it_stopped_and_says_so() {
     let point = l["point"].as_str().unwrap().to_string();
     let pts = json(&["--json", "checkpoints", &sb.name]);
     let p = pts.as_array().unwrap().iter().find(|p| p["id"] == point.as_str()).unwrap().clone();
-    let parts = p["parts"].as_str().unwrap().to_string();
-    let proc_id = parts.split('+').find(|x| x.starts_with('p')).unwrap().to_string();
-    let dir =
-        common::state_dir().join("pool/checkpoints").join(&sb.name).join("procs").join(&proc_id);
-    let img = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
-        .unwrap();
-    let mut bytes = std::fs::read(&img).unwrap();
-    bytes[0] ^= 0xff;
-    std::fs::write(&img, bytes).unwrap();
+    let dir = crab_testkit::criu_images::proc_dir_of(&common::state_dir(), &sb.name, &p);
+    crab_testkit::criu_images::corrupt_pages(&dir);
     let o = crab(&["exec", &sb.name, "--", "true"]);
     assert!(!o.status.success(), "an exec ran on a sandbox woken from a corrupt point");
     let err = String::from_utf8_lossy(&o.stderr);

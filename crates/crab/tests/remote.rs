@@ -90,7 +90,7 @@ fn restore_on_a_second_host_from_s3_after_the_first_is_gone() {
     // Its stages, drawn as lines on a stderr that is not a terminal.
     let err = String::from_utf8_lossy(&o.stderr);
     let stages: Vec<&str> = err.lines().filter_map(|l| l.strip_prefix("==> ")).collect();
-    assert_eq!(stages, ["load_point", "materialize", "branches"], "{err}");
+    assert_eq!(stages, ["load_point", "materialize", "verify", "branches"], "{err}");
     let file = b.crab_ok(&["exec", &copy, "--", "cat", "/root/state.txt"]);
     assert_eq!(file, "from-host-a\n");
     // Two hard-linked names, one inode, its user.* extended attribute.

@@ -70,9 +70,12 @@ impl Checkpointer {
             return Err(CheckpointError::Invalid("--count must be between 1 and 256".into()));
         }
         let mut m = store.resolve(point)?;
-        if !opts.verified {
+        // The point's images are hashed beside the branches' first stages (snapshot, quota,
+        // origin point, cgroup); a branch restores processes only once they checked out, and
+        // a point that does not check out fails the whole fork (its branches are removed).
+        let to_verify = (!opts.verified).then(|| m.clone());
+        if to_verify.is_some() {
             progress.stage("verify", None);
-            store.verify(&m)?;
         }
         if opts.fs_only {
             m.procs = None;
@@ -137,14 +140,26 @@ impl Checkpointer {
         let origin = Origin { sandbox: sandbox.to_owned(), point: m.id };
         progress.stage("branches", Some(count as u64));
         let done = std::sync::atomic::AtomicU64::new(0);
-        let results: Vec<Result<ForkBranch>> = std::thread::scope(|s| {
+        let gate = VerifyGate::default();
+        let (results, verified): (Vec<Result<ForkBranch>>, Result<()>) = std::thread::scope(|s| {
+            let verifier = to_verify.as_ref().map(|vm| {
+                let (store, gate) = (&store, &gate);
+                s.spawn(move || {
+                    let r = store.verify(vm);
+                    gate.open(r.is_ok());
+                    r
+                })
+            });
+            if verifier.is_none() {
+                gate.open(true);
+            }
             let handles: Vec<_> = names
                 .iter()
                 .map(|name| {
-                    let (store, m, fs, src, criu, origin, done) =
-                        (&store, &m, &fs, &src, criu.as_ref(), &origin, &done);
+                    let (store, m, fs, src, criu, origin, done, gate) =
+                        (&store, &m, &fs, &src, criu.as_ref(), &origin, &done, &gate);
                     s.spawn(move || {
-                        let r = self.fork_one(store, m, fs, src, criu, origin, name);
+                        let r = self.fork_one(store, m, fs, src, criu, origin, name, gate);
                         if r.is_ok() {
                             let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                             progress.advance(n);
@@ -153,17 +168,24 @@ impl Checkpointer {
                     })
                 })
                 .collect();
-            handles
+            let results = handles
                 .into_iter()
                 .map(|h| {
                     h.join().unwrap_or_else(|_| {
                         Err(CheckpointError::Invalid("a fork branch panicked".into()))
                     })
                 })
-                .collect()
+                .collect();
+            let verified = verifier.map_or(Ok(()), |v| {
+                v.join().unwrap_or_else(|_| {
+                    Err(CheckpointError::Invalid("verification thread panicked".into()))
+                })
+            });
+            (results, verified)
         });
         let mut out = Vec::new();
-        let mut first_err = None;
+        // A point that did not verify is the error, whatever its branches then said.
+        let mut first_err = verified.err();
         for r in results {
             match r {
                 Ok(b) => out.push(b),
@@ -197,6 +219,7 @@ impl Checkpointer {
         criu: Option<&Criu>,
         origin: &Origin,
         name: &str,
+        gate: &VerifyGate,
     ) -> Result<ForkBranch> {
         let t = Instant::now();
         let state = self.rt.state();
@@ -249,7 +272,7 @@ impl Checkpointer {
             image_config: src.image_config.clone(),
         };
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
-        let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec);
+        let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec, gate);
         match result {
             Ok((pid, stages)) => {
                 tracing::info!(sandbox = name, from = %origin.sandbox, point = %origin.point, "fork branch up");
@@ -285,24 +308,6 @@ impl Checkpointer {
         }
     }
 
-    /// Give a fork branch its own first restore point, equal to the source point: a read-only
-    /// snapshot of the branch's fresh (personalized, not yet running) root and hard links to
-    /// the source's image files (immutable once published), whose hashes are carried over. The
-    /// branch's points then never depend on the source's store.
-    pub(super) fn publish_origin(
-        &self,
-        branch: &Store,
-        src_store: &Store,
-        m: &Manifest,
-        rootfs: &Path,
-        meta: &SandboxRecord,
-    ) -> Result<Manifest> {
-        let mut staging = branch.begin();
-        staging.snapshot_fs(rootfs)?;
-        let draft = origin_draft(&mut staging, src_store, m, meta)?;
-        staging.publish(draft)
-    }
-
     /// Build branch `rec.name` (whose directory exists) from point `m` of `store`: its root,
     /// its first restore point, its cgroup, its processes; then record it as running. Returns
     /// its init's pid and the time of each of those stages, ms.
@@ -316,6 +321,7 @@ impl Checkpointer {
         src: &SandboxRecord,
         criu: Option<&Criu>,
         rec: &mut SandboxRecord,
+        gate: &VerifyGate,
     ) -> Result<(u32, Vec<(String, f64)>)> {
         let name = rec.name.clone();
         let name = name.as_str();
@@ -334,8 +340,65 @@ impl Checkpointer {
         meta.name = name.to_owned();
         meta.hostname = name.to_owned();
         meta.cgroup = rec.cgroup.clone();
-        let first = self.publish_origin(branch, store, m, &rootfs, &meta)?;
+        // The branch's first point: its root's snapshot and hard links to the images now;
+        // published (hashes carried over, one syncfs, the manifest) beside the restore of the
+        // processes, which reads its own set of links (`imgs`, removed after): a prune of the
+        // source cannot pull the images away, and the publish may move the staged ones.
+        let mut staging = branch.begin();
+        staging.snapshot_fs(&rootfs)?;
+        let draft = origin_draft(&mut staging, store, m, &meta)?;
+        let imgs = match &m.procs {
+            Some(p) if criu.is_some() => {
+                let dir = branch.tmp_dir().join(format!("{}.restore", p.id));
+                link_images(&store.proc_dir(p.id), &dir, p)?;
+                Some(dir)
+            }
+            _ => None,
+        };
         clock.mark("origin_point");
+        let res = std::thread::scope(|s| {
+            let publisher = s.spawn(move || staging.publish(draft));
+            let pid = self.fork_processes(name, m, src, criu, imgs.as_deref(), gate, &rootfs);
+            let published = publisher.join().unwrap_or_else(|_| {
+                Err(CheckpointError::Invalid("publishing the origin point panicked".into()))
+            });
+            published.and(pid)
+        });
+        if let Some(dir) = &imgs {
+            if let Err(e) = std::fs::remove_dir_all(dir) {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot remove a fork's image links");
+            }
+        }
+        let (pid, proc_stages) = res?;
+        for (stage, ms) in proc_stages {
+            clock.add(stage, ms);
+        }
+        clock.restart();
+        rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
+            sandbox: name.to_owned(),
+            message: format!("the restored init {pid} died right after the restore"),
+        })?;
+        rec.init_pid = pid;
+        rec.created_at = now_ms() / 1000;
+        self.rt.update(rec.clone()).map_err(sandbox_err(name))?;
+        clock.mark("record");
+        Ok((pid, clock.into_stages()))
+    }
+
+    /// A branch's cgroup, address and processes (CRIU's restore from `imgs`, else a fresh
+    /// init), once `gate` says the point verified; its init's pid and the stages' times.
+    #[allow(clippy::too_many_arguments)]
+    fn fork_processes(
+        &self,
+        name: &str,
+        m: &Manifest,
+        src: &SandboxRecord,
+        criu: Option<&Criu>,
+        imgs: Option<&Path>,
+        gate: &VerifyGate,
+        rootfs: &Path,
+    ) -> Result<(u32, Vec<(String, f64)>)> {
+        let mut clock = crab_common::stats::StageClock::starting(Instant::now());
         let cg = self.rt.cgroup(name);
         cg.create_for(&src.limits, &src.profile).map_err(cg_err(name))?;
         clock.mark("cgroup");
@@ -344,22 +407,17 @@ impl Checkpointer {
             let range = src.nat.as_ref().map(|l| l.range.as_str());
             self.rt.nat().allocate(name, range).map_err(sandbox_err(name))?;
         }
-        let pid = match (&first.procs, criu) {
-            (Some(p), Some(criu)) => {
+        let waited = std::time::Instant::now();
+        gate.wait()?;
+        clock.add("wait_verify", waited.elapsed().as_secs_f64() * 1e3);
+        clock.restart();
+        let pid = match (&m.procs, criu, imgs) {
+            (Some(p), Some(criu), Some(imgs)) => {
                 let log =
                     self.log_dir(name)?.join(format!("fork-{}-{}-restore.log", m.sandbox, p.id));
                 let paths = cgroup_paths(&cg);
                 let cgroups = std::iter::once(paths.v2).chain(paths.v1).collect();
-                // The branch's own hard links: a prune of the source cannot pull the image
-                // away in the middle of the restore.
-                let mut opts = self.restore_opts(
-                    &branch.proc_dir(p.id),
-                    log,
-                    &rootfs,
-                    cgroups,
-                    &src.profile,
-                    src.net,
-                );
+                let mut opts = self.restore_opts(imgs, log, rootfs, cgroups, &src.profile, src.net);
                 opts.external.extend(self.masked_external(name, &src.profile)?);
                 let net = self.restore_net(name, src.net, &src.profile, &mut opts)?;
                 let r = criu.restore_with(&opts, |n| {
@@ -383,15 +441,51 @@ impl Checkpointer {
             }
         };
         clock.mark("processes");
-        rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
-            sandbox: name.to_owned(),
-            message: format!("the restored init {pid} died right after the restore"),
-        })?;
-        rec.init_pid = pid;
-        rec.created_at = now_ms() / 1000;
-        self.rt.update(rec.clone()).map_err(sandbox_err(name))?;
-        clock.mark("record");
         Ok((pid, clock.into_stages()))
+    }
+}
+
+/// Hard links in `dir` (made here) to the image files of `p` in `src`.
+fn link_images(src: &Path, dir: &Path, p: &crate::manifest::ProcPart) -> Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(|e| CheckpointError::io("remove", dir, e))?;
+    }
+    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io("mkdir", dir, e))?;
+    for f in &p.files {
+        crate::manifest::check_image_name(&f.name)
+            .map_err(|why| CheckpointError::corrupt(src, why))?;
+        let (from, to) = (src.join(&f.name), dir.join(&f.name));
+        std::fs::hard_link(&from, &to).map_err(|e| CheckpointError::io("link", &to, e))?;
+    }
+    Ok(())
+}
+
+/// Whether a fork's source point verified, for the branches that wait on it before their
+/// processes are restored from its images.
+#[derive(Default)]
+pub(super) struct VerifyGate {
+    state: Mutex<Option<bool>>,
+    cv: std::sync::Condvar,
+}
+
+impl VerifyGate {
+    fn open(&self, ok: bool) {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = Some(ok);
+        self.cv.notify_all();
+    }
+
+    /// Wait for the verdict: Ok when the point checked out.
+    fn wait(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        while st.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        match *st {
+            Some(true) => Ok(()),
+            _ => Err(CheckpointError::Invalid(
+                "the source point did not verify; no processes were restored".into(),
+            )),
+        }
     }
 }
 

@@ -209,8 +209,9 @@ pub struct Stage {
 pub struct ForkOptions {
     /// The branches get the point's files and a fresh init, not its processes.
     pub fs_only: bool,
-    /// The caller has just verified the point (one it materialized from a remote store and
-    /// checked with [`Store::verify_and_sync`]): its images are not hashed a second time.
+    /// The caller has just verified the point: its images are not hashed a second time.
+    /// Otherwise they are hashed beside the branches' first stages, and every branch waits
+    /// for that before its processes are restored.
     pub verified: bool,
 }
 

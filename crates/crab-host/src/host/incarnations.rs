@@ -25,6 +25,8 @@ impl Host {
         progress: Arc<dyn Progress>,
         rewind_log: bool,
     ) -> Result<Outcome, HostError> {
+        // Exports (the background lane) pause while the caller waits for this (a wake too).
+        let _hold = self.engine.hold_background();
         let t0 = std::time::Instant::now();
         let h = self.clone();
         let n = name.clone();
@@ -96,6 +98,7 @@ impl Host {
         req: crab_common::api::ForkRequest,
         progress: Arc<dyn Progress>,
     ) -> Result<Outcome, HostError> {
+        let _hold = self.engine.hold_background();
         let h = self.clone();
         let n = name.clone();
         // Bad branch settings are refused before anything is made.
@@ -142,6 +145,8 @@ impl Host {
             None => (req.source.clone(), None),
         };
         crab_common::names::validate("sandbox", &sb)?;
+        // Exports (the background lane) pause while the caller waits for this.
+        let _hold = self.engine.hold_background();
         let t0 = std::time::Instant::now();
         let mut clock = crab_common::stats::StageClock::starting(t0);
         progress.stage("load_point", None);
@@ -172,66 +177,73 @@ impl Host {
         };
         // Remote points live in a store of their own, never in a local sandbox's.
         let store = self.checkpointer.remote_store(&sb)?;
-        let (repo, rec2, fs_only) = (t.repo.clone(), rec.clone(), req.fs_only);
-        let state = self.state().clone();
-        let handle = tokio::runtime::Handle::current();
-        let grant2 = grant.clone();
-        let mat_store = store.clone();
+        let fs_only = req.fs_only;
+        let mut fetch_ms = 0.0;
         progress.stage("materialize", None);
-        let mat = tokio::task::spawn_blocking(move || {
-            let disk_limit = grant2.limits.disk_bytes;
-            let check = move |m: &crab_checkpoint::Manifest| {
-                crate::remote::admit_meta(&m.sandbox_meta, &grant2).map(drop).map_err(|refusal| {
-                    crab_remote::RemoteError::Refused {
-                        point: format!("{}@{}", m.sandbox, m.id),
+        // A local copy that fails its check in the fork (its images' SHA-256s are hashed there,
+        // beside the branches' first stages) is discarded and fetched once more.
+        let mut attempt = 0;
+        let (mat, branches) = loop {
+            attempt += 1;
+            let mat = self.materialize_remote(&t.repo, &rec, &store, fs_only, &grant).await?;
+            let mut template = crate::remote::admit_meta(&mat.manifest.sandbox_meta, &grant)
+                .map_err(|refusal| {
+                    remote_error(crab_remote::RemoteError::Refused {
+                        point: format!("{}@{}", rec.sandbox, rec.point),
                         refusal,
-                    }
-                })
-            };
-            let admission = crab_remote::local::Admission { check: &check, disk_limit };
-            handle.block_on(crab_remote::local::materialize(
-                &repo, &state, &mat_store, &rec2, fs_only, &admission,
-            ))
-        })
-        .await
-        .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
-        .map_err(remote_error)?;
-        let mut template =
-            crate::remote::admit_meta(&mat.manifest.sandbox_meta, &grant).map_err(|refusal| {
-                remote_error(crab_remote::RemoteError::Refused {
-                    point: format!("{}@{}", rec.sandbox, rec.point),
-                    refusal,
-                })
-            })?;
-        template.image_config = crab_sandbox::image::defaults_of(self.state(), &template.image);
-        clock.restart();
-        for (stage, ms) in &mat.stages {
-            clock.add(format!("materialize_{stage}"), *ms);
-        }
-        let fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let h = self.clone();
-        let (pid, count, names, fs_only) =
-            (rec.point.clone(), req.count, req.names.clone(), req.fs_only);
-        let branches = blocking(move || {
-            // The materialization verified the images it wrote (or found) and checked them
-            // against the default profile; the branches are built from the host's grant
-            // (`template`), never the point's meta.
-            let opts = crab_checkpoint::ForkOptions { fs_only, verified: true };
-            let b = h.checkpointer.fork_remote(
-                &store,
-                &pid,
-                count,
-                names,
-                opts,
-                &template,
-                progress.as_ref(),
-            )?;
-            for x in &b {
-                h.attach(&x.sandbox);
+                    })
+                })?;
+            template.image_config = crab_sandbox::image::defaults_of(self.state(), &template.image);
+            if attempt == 1 {
+                clock.restart();
+                for (stage, ms) in &mat.stages {
+                    clock.add(format!("materialize_{stage}"), *ms);
+                }
+                fetch_ms = t0.elapsed().as_secs_f64() * 1e3;
             }
-            Ok(b)
-        })
-        .await?;
+            let h = self.clone();
+            let (pid, count, names) = (rec.point.clone(), req.count, req.names.clone());
+            let (fork_store, progress) = (store.clone(), progress.clone());
+            let forked = blocking(move || {
+                // The branches are built from the host's grant (`template`), never the point's
+                // meta; the materialization checked the images against the default profile.
+                let opts = crab_checkpoint::ForkOptions { fs_only, verified: false };
+                let b = h.checkpointer.fork_remote(
+                    &fork_store,
+                    &pid,
+                    count,
+                    names,
+                    opts,
+                    &template,
+                    progress.as_ref(),
+                )?;
+                for x in &b {
+                    h.attach(&x.sandbox);
+                }
+                Ok(b)
+            })
+            .await;
+            match forked {
+                Ok(b) => {
+                    // The branches' origin points flushed the pool (their images are links to
+                    // the copy's); a copy without processes was flushed by the branches'
+                    // snapshots of its filesystem.
+                    crab_remote::local::mark_flushed(&store, &rec.point);
+                    break (mat, b);
+                }
+                Err(e) if e.0.code == crab_common::ErrorCode::CorruptCheckpoint => {
+                    let id = mat.manifest.id;
+                    if let Ok(local) = store.load(id) {
+                        tracing::warn!(point = %req.source, error = %e.0.message, "the local copy of a remote point failed its check; discarding it");
+                        crab_remote::local::discard(&store, &local);
+                    }
+                    if mat.fetched || attempt > 1 {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        };
         clock.mark("fork");
         // The first branch's own split (the branches run side by side).
         if let Some(b) = branches.first() {
@@ -266,6 +278,40 @@ impl Host {
             stages: clock.into_stages(),
             branches,
         })))
+    }
+
+    /// Make remote point `rec` local in `store` (a store of remote points), admitted by
+    /// `grant`: see [`crab_remote::local::materialize`].
+    pub(crate) async fn materialize_remote(
+        self: &Arc<Self>,
+        repo: &Arc<crab_remote::Repo>,
+        rec: &crab_remote::PointRecord,
+        store: &Arc<crab_checkpoint::Store>,
+        fs_only: bool,
+        grant: &crate::remote::Grant,
+    ) -> Result<crab_remote::local::Materialized, HostError> {
+        let (repo, rec2, mat_store) = (repo.clone(), rec.clone(), store.clone());
+        let state = self.state().clone();
+        let handle = tokio::runtime::Handle::current();
+        let grant2 = grant.clone();
+        tokio::task::spawn_blocking(move || {
+            let disk_limit = grant2.limits.disk_bytes;
+            let check = move |m: &crab_checkpoint::Manifest| {
+                crate::remote::admit_meta(&m.sandbox_meta, &grant2).map(drop).map_err(|refusal| {
+                    crab_remote::RemoteError::Refused {
+                        point: format!("{}@{}", m.sandbox, m.id),
+                        refusal,
+                    }
+                })
+            };
+            let admission = crab_remote::local::Admission { check: &check, disk_limit };
+            handle.block_on(crab_remote::local::materialize(
+                &repo, &state, &mat_store, &rec2, fs_only, &admission,
+            ))
+        })
+        .await
+        .map_err(|e| HostError::internal(format!("materializing a remote point panicked: {e}")))?
+        .map_err(remote_error)
     }
 }
 
@@ -313,29 +359,7 @@ impl Host {
                 userns: target.profile.userns,
             };
             let store = self.checkpointer().remote_store(&sb)?;
-            let (repo, state, mat_store) = (t.repo.clone(), self.state().clone(), store.clone());
-            let handle = tokio::runtime::Handle::current();
-            let grant2 = grant.clone();
-            let mat = tokio::task::spawn_blocking(move || {
-                let disk_limit = grant2.limits.disk_bytes;
-                let check = move |m: &crab_checkpoint::Manifest| {
-                    crate::remote::admit_meta(&m.sandbox_meta, &grant2).map(drop).map_err(
-                        |refusal| crab_remote::RemoteError::Refused {
-                            point: format!("{}@{}", m.sandbox, m.id),
-                            refusal,
-                        },
-                    )
-                };
-                let admission = crab_remote::local::Admission { check: &check, disk_limit };
-                handle.block_on(crab_remote::local::materialize(
-                    &repo, &state, &mat_store, &rec, fs_only, &admission,
-                ))
-            })
-            .await
-            .map_err(|e| {
-                HostError::internal(format!("materializing a remote point panicked: {e}"))
-            })?
-            .map_err(remote_error)?;
+            let mat = self.materialize_remote(&t.repo, &rec, &store, fs_only, &grant).await?;
             (store, mat.conversation.map(|log| (log, mat.manifest.conversation_offset)))
         } else {
             (self.checkpointer().store(&sb)?, None)
@@ -350,6 +374,11 @@ impl Host {
             h.policy().clear(&n);
             let r = r?;
             h.set_life(&n, crab_common::life::Life::Running)?;
+            if remote {
+                // Its origin point flushed the pool (a point without processes: the snapshot
+                // of its files did).
+                crab_remote::local::mark_flushed(&store, &p);
+            }
             Ok((r, offset))
         })
         .await?;

@@ -249,11 +249,7 @@ impl Host {
         )
         .map_err(|e| HostError::internal(format!("configuring the LLM proxy: {e}")))?;
         let remote = match &opts.remote {
-            Some(o) => Some(Arc::new(RemoteTier::open(&opts.state, o).await.map_err(|e| {
-                let mut h = remote_error(e);
-                h.0.message = format!("opening the remote store {}: {}", o.url, h.0.message);
-                h
-            })?)),
+            Some(o) => Some(Arc::new(RemoteTier::open(&opts.state, o).await?)),
             None => None,
         };
         let host = Arc::new(Host {
@@ -282,6 +278,7 @@ impl Host {
         if let Some(t) = &host.remote {
             tracing::info!(url = t.repo.url(), "exporting restore points to the remote store");
             tokio::spawn(t.clone().run(Arc::downgrade(&host)));
+            tokio::spawn(t.follower.clone().run(Arc::downgrade(&host)));
             // A restore from the remote compares CRIU's version: asked now, not on the first
             // restore's path.
             tokio::task::spawn_blocking(criu_version);
@@ -546,11 +543,7 @@ impl Host {
             }
             Action::ForkLive { name, req } => self.fork_live(name, req).await,
             Action::Pause { name } => self.pause(name).await,
-            Action::Park { name } => {
-                let o = self.park(name, None).await?;
-                self.parking.parked();
-                Ok(o)
-            }
+            Action::Park { name } => self.park(name, None).await,
             Action::Wake { name } => self.wake(name).await,
             Action::Resume { name, ensure, timeout } => self.resume(name, ensure, timeout).await,
             Action::Kill { name } => self.kill(name).await,
@@ -636,6 +629,7 @@ impl Host {
                     .map_err(remote_error)?;
                 Ok(Outcome::RemoteChecked(r))
             }
+            Action::Follow(req) => Ok(Outcome::Follow(self.tier()?.follower.change(&req)?)),
             Action::RemotePrune { keep_last } => {
                 let t = self.tier()?;
                 Ok(Outcome::RemotePruned(t.repo.prune(keep_last).await.map_err(remote_error)?))

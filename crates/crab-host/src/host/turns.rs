@@ -132,6 +132,12 @@ impl Host {
             // nothing is skipped that changed meanwhile.
             return Ok(ReadyTicket::published(""));
         }
+        // A sandbox parked (by hand, or still parked from the last boundary): nothing ran in
+        // it since its park point, which is this turn's point too — no dump of a sandbox
+        // without processes, no wake.
+        if let Some(point) = self.parked_at(&b.sandbox) {
+            return Ok(ReadyTicket::published(point));
+        }
         let h = self.clone();
         let name = b.sandbox.clone();
         let d = blocking(move || Ok(h.decide(&name))).await?;

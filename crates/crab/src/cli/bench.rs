@@ -154,6 +154,10 @@ pub(super) enum BenchCmd {
         /// download the whole tree: tens of seconds per call).
         #[arg(long)]
         no_bare: bool,
+        /// A `crab` binary of an earlier build (with its `crab-nsexec` beside it): the S3
+        /// receiving hosts with the image also run it, interleaved, for a before/after.
+        #[arg(long)]
+        baseline_bin: Option<std::path::PathBuf>,
     },
     /// E2B's `/health` for one sandbox with 1 sandbox on the host vs N, beside what the old
     /// front door asked the host for the same answer (every sandbox listed). Needs a daemon
@@ -564,6 +568,7 @@ pub(super) async fn run(
             mib,
             s3_script,
             no_bare,
+            baseline_bin,
         } => {
             let opts = crab_bench::remote_restore::RemoteRestoreOptions {
                 image,
@@ -573,6 +578,7 @@ pub(super) async fn run(
                 mib,
                 s3_script,
                 no_bare,
+                baseline_bin,
             };
             eprintln!("bench remote-restore: {rounds} rounds, {fork_rounds} fork rounds of {fork_count} ...");
             let r = crab_bench::remote_restore::run(client, &opts).await?;
@@ -588,9 +594,11 @@ pub(super) async fn run(
                 .into_iter()
                 .chain(r.remotes.iter().flat_map(|b| {
                     let scheme = b.url.split(':').next().unwrap_or("?");
-                    let host = match (b.with_image, b.warm) {
-                        (true, true) => "warm image",
-                        (true, false) => "fresh image",
+                    let host = match (b.with_image, b.warm, b.standby, b.baseline) {
+                        (true, _, true, _) => "standby following it",
+                        (true, _, _, true) => "fresh image, baseline build",
+                        (true, true, _, _) => "warm image",
+                        (true, false, _, _) => "fresh image",
                         _ => "bare",
                     };
                     [
@@ -608,7 +616,12 @@ pub(super) async fn run(
                     println!(
                         "{} ({} host): {} of the restores patched the local image; image hash once per host: p50 {:.0} ms",
                         b.url,
-                        if b.warm { "warm" } else { "fresh" },
+                        match (b.warm, b.standby, b.baseline) {
+                            (_, true, _) => "standby",
+                            (_, _, true) => "baseline build, fresh",
+                            (true, _, _) => "warm",
+                            _ => "fresh",
+                        },
                         b.patched_from_image,
                         b.image_hash_ms.p50
                     );
@@ -633,6 +646,16 @@ pub(super) async fn run(
                     r.s3_create_vs_local_fork1,
                     r.s3_fork_vs_local_fork
                 );
+                println!(
+                    "failover on a standby following the sandbox: create / local restore {:.2}x (budget 1.2x), fork {n} / local fork {n} {:.2}x",
+                    r.s3_standby_create_vs_local_restore, r.s3_standby_fork_vs_local_fork
+                );
+                if r.options.baseline_bin.is_some() {
+                    println!(
+                        "baseline build on the receiving hosts: s3 create / local restore {:.2}x, s3 fork {n} / local fork {n} {:.2}x",
+                        r.baseline_s3_create_vs_local_restore, r.baseline_s3_fork_vs_local_fork
+                    );
+                }
                 println!(
                     "load before {} after {}; also running: {}",
                     r.load_before,

@@ -60,6 +60,14 @@ pub(super) struct DaemonArgs {
     /// Key file (64 hex digits) encrypting the remote store at rest.
     #[arg(long, requires = "remote")]
     remote_key: Option<std::path::PathBuf>,
+    /// Standby: keep the newest remote point of this sandbox materialized here as it is
+    /// exported elsewhere, so a failover restore is local (repeatable; added to the saved
+    /// follow set, see `crab remote follow`).
+    #[arg(long = "follow", value_name = "SANDBOX", requires = "remote")]
+    follow: Vec<String>,
+    /// Standby for every sandbox of the remote store that does not run on this host.
+    #[arg(long, requires = "remote")]
+    follow_all: bool,
     /// Serve the E2B-compatible API (REST + envd) here, e.g. 127.0.0.1:3000 (loopback only
     /// unless --e2b-allow-remote); point E2B_API_URL and E2B_SANDBOX_URL at it.
     #[arg(long, env = "CRAB_E2B_LISTEN", requires = "e2b_keys")]
@@ -183,6 +191,8 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         url,
         key_file: a.remote_key,
         bandwidth_bps: a.remote_bandwidth,
+        follow: a.follow,
+        follow_all: a.follow_all,
     });
     let e2b = match (a.e2b_listen, a.e2b_keys) {
         (Some(listen), Some(keys)) => {

@@ -1,4 +1,4 @@
-//! `crab remote …` (ls, check, prune, key-gen) and the `--from-remote` paths of `crab sandbox
+//! `crab remote …` (ls, check, prune, follow, key-gen) and the `--from-remote` paths of `crab sandbox
 //! create` and `crab fork`: the durable tier as the daemon's `--remote` sees it.
 
 use std::process::ExitCode;
@@ -24,6 +24,21 @@ pub(super) enum RemoteCmd {
         /// Points to keep per sandbox (≥ 1).
         #[arg(long)]
         keep_last: usize,
+    },
+    /// Standby: keep the newest remote points of these sandboxes (or, with --all, of every
+    /// sandbox not running here) materialized on this host, so a failover (`crab sandbox
+    /// create --from-remote SB`) is a local restore. Without arguments: what is followed and
+    /// held.
+    Follow {
+        /// Sandboxes to follow (or, with --stop, to stop following).
+        sandboxes: Vec<String>,
+        /// Follow every sandbox of the remote store that does not run on this host (with
+        /// --stop: stop doing so).
+        #[arg(long)]
+        all: bool,
+        /// Stop following the named sandboxes (or, with --all, every sandbox).
+        #[arg(long)]
+        stop: bool,
     },
     /// Write a new random key file for `crab daemon --remote-key FILE` (mode 0600).
     KeyGen {
@@ -102,6 +117,50 @@ pub(super) async fn run(client: &Client, c: RemoteCmd, json: bool) -> Result<Exi
                     human_bytes(r.freed_bytes)
                 );
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        RemoteCmd::Follow { sandboxes, all, stop } => {
+            if stop && sandboxes.is_empty() && !all {
+                return Err(ApiError::invalid(
+                    "--stop names nothing to stop following",
+                    "crab remote follow --stop SB… (or --stop --all)",
+                ));
+            }
+            let body = serde_json::json!({
+                "sandboxes": sandboxes,
+                "all": if all { Some(!stop) } else { None },
+                "stop": stop,
+            });
+            let r: crab_host::follow::FollowReport =
+                client.call(Method::POST, "/v1/remote/follow", Some(&body)).await?;
+            if json {
+                print_json(&r);
+                return Ok(ExitCode::SUCCESS);
+            }
+            if r.all {
+                println!("following every sandbox of the remote store not running here");
+            }
+            let rows: Vec<Vec<String>> = r
+                .sandboxes
+                .iter()
+                .map(|s| {
+                    let state = match (&s.error, &s.point, &s.remote_point) {
+                        (Some(e), _, _) => format!("error: {e}"),
+                        (None, Some(p), Some(rp)) if p == rp => "up to date".into(),
+                        (None, _, Some(_)) => "fetching".into(),
+                        (None, _, None) => "no remote point yet".into(),
+                    };
+                    vec![
+                        s.sandbox.clone(),
+                        s.point.clone().unwrap_or_else(|| "-".into()),
+                        s.remote_point.clone().unwrap_or_else(|| "-".into()),
+                        s.materialized_at_ms.map_or("-".into(), |t| age(t / 1000)),
+                        s.materialize_ms.map_or("-".into(), |ms| format!("{ms:.0} ms")),
+                        state,
+                    ]
+                })
+                .collect();
+            table(&["SANDBOX", "HELD", "REMOTE NEWEST", "FETCHED", "TOOK", "STATE"], &rows);
             Ok(ExitCode::SUCCESS)
         }
         RemoteCmd::KeyGen { path } => {

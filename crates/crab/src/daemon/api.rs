@@ -116,6 +116,7 @@ pub fn router(d: Arc<Host>, max_upload: u64) -> Router {
         .route("/v1/remote/prune", post(remote::prune))
         .route("/v1/remote/wait", get(remote::wait))
         .route("/v1/remote/restore", post(remote::restore))
+        .route("/v1/remote/follow", get(remote::follow_status).post(remote::follow))
         .fallback(not_found)
         .layer(axum::Extension(UploadLimit(max_upload)))
         .with_state(d)

@@ -1,4 +1,4 @@
-//! The routes behind `crab remote ls|check|prune|wait` and create/fork `--from-remote`: each
+//! The routes behind `crab remote ls|check|prune|wait|follow` and create/fork `--from-remote`: each
 //! parses its request into a host remote action and renders the outcome (the exporter and the
 //! export states live in `crab_host::remote`).
 
@@ -11,6 +11,7 @@ use axum::extract::{Query, State};
 use axum::response::Response;
 use serde::Deserialize;
 
+use crab_host::follow::FollowRequest;
 use crab_host::remote::FromRemote;
 use crab_host::{Action, Host};
 
@@ -53,6 +54,19 @@ pub struct WaitQuery {
 pub async fn wait(State(h): State<Arc<Host>>, Query(q): Query<WaitQuery>) -> Response {
     let timeout = Duration::from_secs(q.timeout_s.unwrap_or(600));
     render(h.execute(Action::RemoteWait { sandbox: q.sandbox, point: q.point, timeout }).await)
+}
+
+/// `GET /v1/remote/follow`: what this host follows and holds.
+pub async fn follow_status(State(h): State<Arc<Host>>) -> Response {
+    render(h.execute(Action::Follow(FollowRequest::default())).await)
+}
+
+/// `POST /v1/remote/follow {"sandboxes": [..], "all": bool, "stop": bool}`.
+pub async fn follow(State(h): State<Arc<Host>>, body: Bytes) -> Response {
+    match parse::<FollowRequest>(&body) {
+        Ok(req) => render(h.execute(Action::Follow(req)).await),
+        Err(e) => err(e),
+    }
 }
 
 /// `POST /v1/remote/restore[?progress=true]`: build sandboxes from a remote point (create =

@@ -383,6 +383,27 @@ struct ArmRun {
     hash_ms: f64,
 }
 
+/// Flush the pool at `pool` and wait for btrfs to finish deleting removed subvolumes.
+async fn settle(pool: PathBuf) -> Result<(), ApiError> {
+    blocking("settle the pool", move || {
+        for args in [&["sync", "-f"][..], &["btrfs", "subvolume", "sync"][..]] {
+            let st = Command::new(args[0]).args(&args[1..]).arg(&pool).status();
+            match st {
+                Ok(s) if s.success() => {}
+                other => {
+                    return Err(ApiError::internal(format!(
+                        "{} {}: {other:?}",
+                        args.join(" "),
+                        pool.display()
+                    )))
+                }
+            }
+        }
+        Ok(())
+    })
+    .await?
+}
+
 /// A receiving host: its remote, whether it has the image, whether it is warm, whether it
 /// is a standby following the sandbox, and the binary it runs (None: this build).
 #[derive(Debug, Clone)]
@@ -444,21 +465,17 @@ async fn remote_arm(
         // A node that holds the image has it on disk: without this flush the first btrfs
         // snapshot of the just-imported image (the patch's base) waits for its ≈ 500 MB of
         // writeback, seconds that belong to the import, not to a restore.
-        let pool = b.state().join("pool");
-        blocking("flush the imported image", move || {
-            let st = Command::new("sync").arg("-f").arg(&pool).status();
-            match st {
-                Ok(s) if s.success() => Ok(()),
-                other => Err(ApiError::internal(format!("sync -f {}: {other:?}", pool.display()))),
-            }
-        })
-        .await??;
+        settle(b.state().join("pool")).await?;
         if v.warm {
             // The idle exporter loaded the index before it hashed the image (same idle pass).
             let w = "warmup";
             b.cli(&["sandbox", "create", &opts.image, "--name", w]).await?;
             b.cli(&["checkpoint", w, "--kind", "full"]).await?;
             b.cli(&["sandbox", "rm", "--force", w]).await?;
+            // What the warm-up left to the kernel (its dump's writeback, the removed
+            // sandbox's subvolumes, which btrfs deletes in the background) is done before
+            // the measured call, as on a host whose last restore was not a moment ago.
+            settle(b.state().join("pool")).await?;
         }
     }
     let mut source = source.to_string();

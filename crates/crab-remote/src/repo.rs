@@ -97,10 +97,26 @@ pub struct Repo {
     pub(crate) cache_dirty: std::sync::atomic::AtomicBool,
     /// Blobs [`Repo::prefetch`] just downloaded, decoded and verified, held for the read that
     /// asked for them so it neither reads them back from the cache nor decodes them twice.
-    hot: Mutex<HotBlobs>,
+    hot: Arc<Mutex<HotBlobs>>,
     /// Blobs downloaded from the store (not served by a cache) since the repository opened.
-    downloaded: std::sync::atomic::AtomicU64,
+    downloaded: Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// What downloading blobs into the cache needs, owned: a download that feeds writes runs as
+/// a task of its own beside them (`Repo::feed` in `tree.rs`).
+#[derive(Clone)]
+pub(crate) struct Fetcher {
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    url: String,
+    key: Option<Key>,
+    cache_dir: PathBuf,
+    hot: Arc<Mutex<HotBlobs>>,
+    downloaded: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Runs of wanted blobs, each one ranged read of a pack.
+pub(crate) type Runs = Vec<(Id, Vec<IndexEntry>)>;
 
 /// Plaintext of prefetched blobs; each is taken by its first read, at most [`HOT_MAX`]
 /// bytes are held, and [`Repo::drop_prefetched`] forgets what no read took.
@@ -184,8 +200,8 @@ impl Repo {
             file_cache: Mutex::new(HashMap::new()),
             part_cache: Mutex::new(HashMap::new()),
             cache_dirty: std::sync::atomic::AtomicBool::new(false),
-            hot: Mutex::new(HotBlobs::default()),
-            downloaded: std::sync::atomic::AtomicU64::new(0),
+            hot: Arc::new(Mutex::new(HotBlobs::default())),
+            downloaded: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         };
         let config = match repo.read_config().await? {
             Some(c) => c,
@@ -266,11 +282,7 @@ impl Repo {
     }
 
     pub(crate) fn object_name(&self, rel: &str) -> String {
-        if self.prefix.is_empty() {
-            rel.to_string()
-        } else {
-            format!("{}/{rel}", self.prefix)
-        }
+        object_name(&self.prefix, rel)
     }
 
     fn path(&self, rel: &str) -> Path {
@@ -340,6 +352,11 @@ impl Repo {
 
     /// Object names (relative to the repository) under `dir`, with their sizes.
     pub(crate) async fn list(&self, dir: &str) -> Result<Vec<(String, u64)>> {
+        Ok(self.list_meta(dir).await?.into_iter().map(|(n, size, _)| (n, size)).collect())
+    }
+
+    /// Objects under `dir`, sorted by name: name, size and when the store last wrote it.
+    async fn list_meta(&self, dir: &str) -> Result<Vec<(String, u64, i64)>> {
         let base = self.object_name(dir);
         let metas: Vec<object_store::ObjectMeta> = self
             .store
@@ -348,8 +365,13 @@ impl Repo {
             .await
             .map_err(self.store_err("list", dir))?;
         let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
-        let mut out: Vec<(String, u64)> =
-            metas.into_iter().map(|m| (m.location.as_ref()[strip..].to_string(), m.size)).collect();
+        let mut out: Vec<(String, u64, i64)> = metas
+            .into_iter()
+            .map(|m| {
+                let name = m.location.as_ref()[strip..].to_string();
+                (name, m.size, m.last_modified.timestamp_millis())
+            })
+            .collect();
         out.sort();
         Ok(out)
     }
@@ -474,20 +496,19 @@ impl Repo {
     // ---- blobs through the cache ----
 
     fn cache_path(&self, id: &Id) -> PathBuf {
-        self.cache_dir.join("blobs").join(id.fanout())
+        cache_path(&self.cache_dir, id)
     }
 
-    fn cache_put(&self, id: &Id, stored: &[u8]) {
-        let path = self.cache_path(id);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let res = path
-            .parent()
-            .map_or(Ok(()), std::fs::create_dir_all)
-            .and_then(|()| std::fs::write(&tmp, stored))
-            .and_then(|()| std::fs::rename(&tmp, &path));
-        if let Err(e) = res {
-            tracing::warn!(path = %path.display(), error = %e, "could not write the remote blob cache");
-            let _ = std::fs::remove_file(&tmp);
+    /// The owned handle a download task needs.
+    pub(crate) fn fetcher(&self) -> Fetcher {
+        Fetcher {
+            store: self.store.clone(),
+            prefix: self.prefix.clone(),
+            url: self.url.clone(),
+            key: self.key.clone(),
+            cache_dir: self.cache_dir.clone(),
+            hot: self.hot.clone(),
+            downloaded: self.downloaded.clone(),
         }
     }
 
@@ -517,40 +538,24 @@ impl Repo {
             }
         }
         let rel = format!("packs/{}", e.pack.fanout());
-        let stored = self.get_range(&rel, e.offset, e.length, what).await?;
+        let f = self.fetcher();
+        let stored = f.get_range(&rel, e.offset, e.length, what).await?;
         let plain = self.decode_blob(&e, &stored, &self.object_name(&rel))?;
         self.downloaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.cache_put(id, &stored);
+        cache_put(&self.cache_dir, id, &stored);
         Ok(plain)
-    }
-
-    async fn get_range(&self, rel: &str, offset: u64, length: u64, what: &str) -> Result<Bytes> {
-        let range = offset
-            ..offset
-                .checked_add(length)
-                .ok_or_else(|| RemoteError::corrupt(rel, "range overflows"))?;
-        match self.store.get_range(&self.path(rel), range).await {
-            Ok(b) if b.len() as u64 == length => Ok(b),
-            Ok(b) => Err(RemoteError::corrupt(
-                self.object_name(rel),
-                format!("{} bytes at {offset}, index says {length} (truncated pack)", b.len()),
-            )),
-            Err(object_store::Error::NotFound { .. }) => {
-                Err(RemoteError::Missing { object: self.object_name(rel), what: what.to_string() })
-            }
-            Err(e) => Err(RemoteError::Store {
-                remote: self.url.clone(),
-                op: "get",
-                object: self.object_name(rel),
-                source: Box::new(e),
-            }),
-        }
     }
 
     /// Download the blobs of `ids` that the cache lacks: one ranged read per run of wanted
     /// blobs in a pack (runs split where more than `PREFETCH_GAP` unwanted bytes lie between),
     /// `PREFETCH_PARALLEL` reads at a time.
     pub(crate) async fn prefetch(&self, ids: &[Id], what: &str) -> Result<()> {
+        let runs = self.runs(ids, what)?;
+        self.fetcher().fetch(runs, what).await
+    }
+
+    /// The ranged reads fetching the blobs of `ids` that neither memory nor the cache holds.
+    pub(crate) fn runs(&self, ids: &[Id], what: &str) -> Result<Runs> {
         let mut by_pack: HashMap<Id, Vec<IndexEntry>> = HashMap::new();
         let mut seen = HashSet::new();
         for id in ids {
@@ -566,7 +571,7 @@ impl Repo {
             })?;
             by_pack.entry(e.pack).or_default().push(e);
         }
-        let mut runs: Vec<(Id, Vec<IndexEntry>)> = Vec::new();
+        let mut runs: Runs = Vec::new();
         for (pack, mut entries) in by_pack {
             entries.sort_by_key(|e| e.offset);
             let mut run: Vec<IndexEntry> = Vec::new();
@@ -581,64 +586,7 @@ impl Repo {
                 runs.push((pack, run));
             }
         }
-        let mut fetches =
-            futures::stream::iter(runs.into_iter().map(|(pack, entries)| async move {
-                let start = entries.iter().map(|e| e.offset).min().unwrap_or(0);
-                let end = entries.iter().map(|e| e.offset + e.length).max().unwrap_or(0);
-                let rel = format!("packs/{}", pack.fanout());
-                let bytes = self.get_range(&rel, start, end - start, what).await?;
-                // Decode here so a corrupt pack is reported now, naming it; the read that asks
-                // for a blob takes its plaintext from memory. On the blocking pool: the other
-                // reads (and the walk of another part beside this one) go on meanwhile.
-                let (key, object) = (self.key.clone(), self.object_name(&rel));
-                let decoded = tokio::task::spawn_blocking(move || {
-                    entries
-                        .into_iter()
-                        .map(|e| {
-                            let s = (e.offset - start) as usize;
-                            let stored = bytes.slice(s..s + e.length as usize);
-                            decode_with(key.as_ref(), &e, &stored, &object)
-                                .map(|plain| (e, stored, plain))
-                        })
-                        .collect::<Result<Vec<_>>>()
-                })
-                .await
-                .map_err(|e| RemoteError::Io {
-                    op: "decode blobs",
-                    path: PathBuf::from(&rel),
-                    source: std::io::Error::other(e.to_string()),
-                })??;
-                self.downloaded
-                    .fetch_add(decoded.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                for (e, stored, plain) in decoded {
-                    // File content held in memory is not written to the on-disk cache too
-                    // (written once, into its file); trees, read again by later restores, are.
-                    let held = self.put_hot(e.id, plain);
-                    if !held || e.kind == BlobKind::Tree {
-                        self.cache_put(&e.id, &stored);
-                    }
-                }
-                Ok::<(), RemoteError>(())
-            }))
-            .buffer_unordered(PREFETCH_PARALLEL);
-        while let Some(r) = fetches.next().await {
-            r?;
-        }
-        Ok(())
-    }
-
-    /// Hold a prefetched blob in memory (up to `HOT_MAX`); whether it is held.
-    fn put_hot(&self, id: Id, plain: Vec<u8>) -> bool {
-        let mut hot = lock(&self.hot);
-        if hot.blobs.contains_key(&id) {
-            return true;
-        }
-        if hot.bytes + plain.len() <= HOT_MAX {
-            hot.bytes += plain.len();
-            hot.blobs.insert(id, plain);
-            return true;
-        }
-        false
+        Ok(runs)
     }
 
     /// A prefetched blob, kept until [`Repo::drop_prefetched`] (a chunk may be read more than
@@ -763,15 +711,17 @@ impl Repo {
 
     /// Point `point` of `sandbox` (the newest when `None`; ids may be abbreviated `c7` / `7`).
     ///
-    /// One listing and one record read: a sandbox's point ids (`c<digits>`) grow with every
-    /// point its host makes, so the newest is the largest id. Records whose names are not such
-    /// ids (none written by Crab) are looked at only when no id-named record qualifies.
+    /// One listing and one record read: the newest is the record the store wrote last (its
+    /// own clock, not a host's), ties going to the larger id (`c<digits>` ids grow with every
+    /// point a host makes; a sandbox removed and made again starts them over, so the id alone
+    /// does not order incarnations). Records whose names are not such ids (none written by
+    /// Crab) are looked at only when no id-named record qualifies.
     pub async fn load_point(&self, sandbox: &str, point: Option<&str>) -> Result<PointRecord> {
         let dir = format!("points/{sandbox}");
         let want = point.map(normalize_point);
-        let mut best: Option<(u128, String)> = None;
+        let mut best: Option<((i64, u128), String)> = None;
         let mut odd = false;
-        for (name, _) in self.list(&dir).await? {
+        for (name, _, written) in self.list_meta(&dir).await? {
             let id = name.rsplit('/').next().unwrap_or_default();
             let n = match id.strip_prefix('c').map(|d| (d, d.parse::<u128>())) {
                 Some((d, Ok(n))) if !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()) => n,
@@ -782,10 +732,10 @@ impl Repo {
             };
             let take = match &want {
                 Some(w) => normalize_point(id) == *w,
-                None => best.as_ref().is_none_or(|(b, _)| n > *b),
+                None => best.as_ref().is_none_or(|(b, _)| (written, n) > *b),
             };
             if take {
-                best = Some((n, name));
+                best = Some(((written, n), name));
             }
         }
         let found = match best {
@@ -969,6 +919,130 @@ impl<'a> Packer<'a> {
         }
         Ok((self.uploaded, self.packs))
     }
+}
+
+impl Fetcher {
+    /// Download `runs` (`PREFETCH_PARALLEL` reads at a time), decode and verify each blob,
+    /// and hold it in memory (up to [`HOT_MAX`]) or the on-disk cache.
+    pub(crate) async fn fetch(&self, runs: Runs, what: &str) -> Result<()> {
+        let mut fetches =
+            futures::stream::iter(runs.into_iter().map(|(pack, entries)| async move {
+                let start = entries.iter().map(|e| e.offset).min().unwrap_or(0);
+                let end = entries.iter().map(|e| e.offset + e.length).max().unwrap_or(0);
+                let rel = format!("packs/{}", pack.fanout());
+                let bytes = self.get_range(&rel, start, end - start, what).await?;
+                // Decode here so a corrupt pack is reported now, naming it; the read that asks
+                // for a blob takes its plaintext from memory. On the blocking pool: the other
+                // reads (and the walk of another part beside this one) go on meanwhile.
+                let (key, object) = (self.key.clone(), object_name(&self.prefix, &rel));
+                let decoded = tokio::task::spawn_blocking(move || {
+                    entries
+                        .into_iter()
+                        .map(|e| {
+                            let s = (e.offset - start) as usize;
+                            let stored = bytes.slice(s..s + e.length as usize);
+                            decode_with(key.as_ref(), &e, &stored, &object)
+                                .map(|plain| (e, stored, plain))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .await
+                .map_err(|e| RemoteError::Io {
+                    op: "decode blobs",
+                    path: PathBuf::from(&rel),
+                    source: std::io::Error::other(e.to_string()),
+                })??;
+                self.downloaded
+                    .fetch_add(decoded.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                for (e, stored, plain) in decoded {
+                    // File content held in memory is not written to the on-disk cache too
+                    // (written once, into its file); trees, read again by later restores, are.
+                    let held = put_hot(&self.hot, e.id, plain);
+                    if !held || e.kind == BlobKind::Tree {
+                        cache_put(&self.cache_dir, &e.id, &stored);
+                    }
+                }
+                Ok::<(), RemoteError>(())
+            }))
+            .buffer_unordered(PREFETCH_PARALLEL);
+        while let Some(r) = fetches.next().await {
+            r?;
+        }
+        Ok(())
+    }
+
+    async fn get_range(&self, rel: &str, offset: u64, length: u64, what: &str) -> Result<Bytes> {
+        let object = || object_name(&self.prefix, rel);
+        let range = offset
+            ..offset
+                .checked_add(length)
+                .ok_or_else(|| RemoteError::corrupt(rel, "range overflows"))?;
+        match self.store.get_range(&Path::from(object()), range).await {
+            Ok(b) if b.len() as u64 == length => Ok(b),
+            Ok(b) => Err(RemoteError::corrupt(
+                object(),
+                format!("{} bytes at {offset}, index says {length} (truncated pack)", b.len()),
+            )),
+            Err(object_store::Error::NotFound { .. }) => {
+                Err(RemoteError::Missing { object: object(), what: what.to_string() })
+            }
+            Err(e) => Err(RemoteError::Store {
+                remote: self.url.clone(),
+                op: "get",
+                object: object(),
+                source: Box::new(e),
+            }),
+        }
+    }
+
+    /// Forget blob `id` held in memory (its last reader took it).
+    pub(crate) fn forget(&self, id: &Id) {
+        let mut hot = lock(&self.hot);
+        if let Some(b) = hot.blobs.remove(id) {
+            hot.bytes -= b.len();
+        }
+    }
+}
+
+/// `rel` under the repository's `prefix`.
+fn object_name(prefix: &str, rel: &str) -> String {
+    if prefix.is_empty() {
+        rel.to_string()
+    } else {
+        format!("{prefix}/{rel}")
+    }
+}
+
+fn cache_path(cache_dir: &std::path::Path, id: &Id) -> PathBuf {
+    cache_dir.join("blobs").join(id.fanout())
+}
+
+fn cache_put(cache_dir: &std::path::Path, id: &Id, stored: &[u8]) {
+    let path = cache_path(cache_dir, id);
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let res = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::write(&tmp, stored))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = res {
+        tracing::warn!(path = %path.display(), error = %e, "could not write the remote blob cache");
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// Hold a prefetched blob in `hot` (up to `HOT_MAX`); whether it is held.
+fn put_hot(hot: &Mutex<HotBlobs>, id: Id, plain: Vec<u8>) -> bool {
+    let mut hot = lock(hot);
+    if hot.blobs.contains_key(&id) {
+        return true;
+    }
+    if hot.bytes + plain.len() <= HOT_MAX {
+        hot.bytes += plain.len();
+        hot.blobs.insert(id, plain);
+        return true;
+    }
+    false
 }
 
 /// Decode blob `e` from its stored bytes (`key`: the repository's, when encrypted): open,

@@ -29,7 +29,7 @@ use crate::format::{
     XATTR_MAX_TOTAL, XATTR_MAX_VALUE, XATTR_PREFIX,
 };
 use crate::id::Id;
-use crate::repo::{Packer, Repo};
+use crate::repo::{Fetcher, Packer, Repo};
 
 /// Cache key of a file's content.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -66,6 +66,75 @@ fn dev_major_minor(rdev: u64) -> (u64, u64) {
 /// A directory being restored: its path, entries, next index, its own entry (applied once
 /// its children are done) and its tree id.
 type RestoreFrame = (PathBuf, Vec<Entry>, usize, Option<Entry>, Id);
+
+/// Decoded bytes of file content a restore downloads per step, ahead of its writes.
+pub const FEED_WINDOW: u64 = 16 << 20;
+/// Steps downloaded ahead of the one being written.
+const FEED_AHEAD: usize = 3;
+
+/// The file content of one tree restore, downloaded by a task of its own a few windows
+/// ahead of the writes (which wait only for the window they need), each blob forgotten once
+/// its last file is written: download and writes overlap, and memory stays a few windows.
+struct Feed {
+    /// Per chunk of the writes, in their order: its id and the window that fetches it.
+    order: Vec<(Id, usize)>,
+    /// Position of each fetched id's last use (then it is forgotten).
+    last_use: HashMap<Id, usize>,
+    /// Next position the writes consume.
+    cursor: usize,
+    /// Windows downloaded (`usize::MAX`: the download failed).
+    ready: tokio::sync::watch::Receiver<usize>,
+    /// The newest window the writes waited for (the download stays `FEED_AHEAD` ahead).
+    writing: tokio::sync::watch::Sender<usize>,
+    failed: std::sync::Arc<std::sync::Mutex<Option<RemoteError>>>,
+    fetcher: Fetcher,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Feed {
+    /// Wait until the next `n` chunks of the writes are downloaded.
+    async fn want(&mut self, n: usize) -> Result<()> {
+        let end = (self.cursor + n).min(self.order.len());
+        let Some(need) = self.order[self.cursor..end].iter().map(|(_, w)| *w).max() else {
+            return Ok(());
+        };
+        // The download keeps `FEED_AHEAD` windows beyond the one needed now (a file larger
+        // than a window needs several at once).
+        self.writing.send_if_modified(|w| {
+            let moved = *w < need;
+            *w = (*w).max(need);
+            moved
+        });
+        let got = self.ready.wait_for(|r| *r > need).await.map(|r| *r);
+        if matches!(got, Ok(r) if r != usize::MAX) {
+            return Ok(());
+        }
+        let err = crab_common::sync::lock(&self.failed).take();
+        Err(err.unwrap_or_else(|| RemoteError::Io {
+            op: "download file content",
+            path: PathBuf::new(),
+            source: std::io::Error::other("the download task ended early"),
+        }))
+    }
+
+    /// The next `n` chunks were written: forget those no later file reads.
+    fn took(&mut self, n: usize) {
+        let end = (self.cursor + n).min(self.order.len());
+        for p in self.cursor..end {
+            let id = self.order[p].0;
+            if self.last_use.get(&id) == Some(&p) {
+                self.fetcher.forget(&id);
+            }
+        }
+        self.cursor = end;
+    }
+}
 
 struct ExportFrame {
     abs: PathBuf,
@@ -769,6 +838,97 @@ impl Repo {
         Ok(stats)
     }
 
+    /// The content chunks restoring tree `root` writes, in the order it writes them (the walk
+    /// of [`Repo::restore_tree_in`]; its trees are local by then).
+    async fn data_in_write_order(&self, root: &Id, what: &str) -> Result<Vec<Id>> {
+        let mut out = Vec::new();
+        let mut stack: Vec<(Id, Vec<Entry>, usize)> =
+            vec![(*root, self.tree(root, what).await?.entries, 0)];
+        let mut open: HashSet<Id> = HashSet::from([*root]);
+        while let Some((id, entries, next)) = stack.last_mut() {
+            let Some(e) = entries.get(*next) else {
+                open.remove(id);
+                stack.pop();
+                continue;
+            };
+            *next += 1;
+            match (e.kind, &e.content, &e.link_hex, e.subtree) {
+                (EntryKind::Dir, _, _, Some(sub)) => {
+                    if !open.insert(sub) {
+                        return Err(RemoteError::corrupt(
+                            format!("tree {id}"),
+                            "a tree contains itself",
+                        ));
+                    }
+                    let children = self.tree(&sub, what).await?.entries;
+                    stack.push((sub, children, 0));
+                }
+                (EntryKind::File, Some(c), None, _) => out.extend_from_slice(&c.chunks),
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// Start downloading `order` (chunks in write order) in windows of [`FEED_WINDOW`]
+    /// decoded bytes, skipping what memory or the cache holds.
+    fn feed(&self, order: Vec<Id>, what: &str) -> Result<Feed> {
+        let mut first: HashMap<Id, usize> = HashMap::new();
+        let mut windows: Vec<Vec<Id>> = vec![Vec::new()];
+        let mut bytes = 0u64;
+        let mut tagged = Vec::with_capacity(order.len());
+        for id in order {
+            let w = match first.get(&id) {
+                Some(w) => *w,
+                None => {
+                    let len = self.lookup(&id).map_or(0, |e| e.raw_length);
+                    if bytes > 0 && bytes.saturating_add(len) > FEED_WINDOW {
+                        windows.push(Vec::new());
+                        bytes = 0;
+                    }
+                    bytes = bytes.saturating_add(len);
+                    let w = windows.len() - 1;
+                    windows[w].push(id);
+                    first.insert(id, w);
+                    w
+                }
+            };
+            tagged.push((id, w));
+        }
+        let mut fetched: HashSet<Id> = HashSet::new();
+        let mut steps = Vec::with_capacity(windows.len());
+        for ids in &windows {
+            let runs = self.runs(ids, what)?;
+            fetched.extend(runs.iter().flat_map(|(_, es)| es.iter().map(|e| e.id)));
+            steps.push(runs);
+        }
+        let last_use: HashMap<Id, usize> = tagged
+            .iter()
+            .enumerate()
+            .filter(|(_, (id, _))| fetched.contains(id))
+            .map(|(p, (id, _))| (*id, p))
+            .collect();
+        let (ready_tx, ready) = tokio::sync::watch::channel(0usize);
+        let (writing, mut writing_rx) = tokio::sync::watch::channel(0usize);
+        let failed = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let fetcher = self.fetcher();
+        let (f, fail, what) = (fetcher.clone(), failed.clone(), what.to_string());
+        let task = tokio::spawn(async move {
+            for (k, runs) in steps.into_iter().enumerate() {
+                if writing_rx.wait_for(|w| k < w + FEED_AHEAD).await.is_err() {
+                    return;
+                }
+                if let Err(e) = f.fetch(runs, &what).await {
+                    *crab_common::sync::lock(&fail) = Some(e);
+                    let _ = ready_tx.send(usize::MAX);
+                    return;
+                }
+                let _ = ready_tx.send(k + 1);
+            }
+        });
+        Ok(Feed { order: tagged, last_use, cursor: 0, ready, writing, failed, fetcher, task })
+    }
+
     /// Materialize tree `root` into the existing, empty directory `dest`.
     pub(crate) async fn restore_tree(
         &self,
@@ -788,8 +948,9 @@ impl Repo {
         links_root: &Path,
         what: &str,
     ) -> Result<TreeStats> {
-        let (_, data) = self.tree_blobs(root, what).await?;
-        self.prefetch(&data, what).await?;
+        self.tree_blobs(root, what).await?;
+        let order = self.data_in_write_order(root, what).await?;
+        let mut feed = self.feed(order, what)?;
         let mut stats = TreeStats::default();
         // (directory, its entries, next index, entry to apply to it once done)
         let mut stack: Vec<RestoreFrame> =
@@ -824,7 +985,13 @@ impl Repo {
                     continue;
                 }
                 _ => {
+                    let chunks = match (e.kind, &e.content, &e.link_hex) {
+                        (EntryKind::File, Some(c), None) => c.chunks.len(),
+                        _ => 0,
+                    };
+                    feed.want(chunks).await?;
                     self.create_leaf(&path, &e, &object, what, links_root, &mut stats).await?;
+                    feed.took(chunks);
                 }
             }
         }

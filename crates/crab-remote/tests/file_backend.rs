@@ -157,6 +157,58 @@ async fn point_round_trips_through_a_fresh_cache() {
     assert_eq!(check.points, 1);
 }
 
+/// A tree of many download windows (`FEED_WINDOW`): a file larger than a window, the same
+/// content in two files far apart (its chunks are read twice, downloaded once), hard links;
+/// the restore downloads ahead of its writes and comes back byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_of_many_download_windows_restores_exactly() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let window = crab_remote::tree::FEED_WINDOW as usize;
+    std::fs::create_dir_all(root.join("a/deep/er")).expect("mkdir");
+    std::fs::create_dir_all(root.join("z")).expect("mkdir");
+    std::fs::write(root.join("a/huge.bin"), noise(21, window + window / 2 + 7)).expect("write");
+    for i in 0..6u64 {
+        std::fs::write(root.join(format!("a/deep/er/f{i}")), noise(30 + i, window / 3))
+            .expect("write");
+    }
+    let twin = noise(40, window / 2);
+    std::fs::write(root.join("a/twin"), &twin).expect("write");
+    std::fs::write(root.join("z/twin"), &twin).expect("write");
+    std::fs::hard_link(root.join("a/deep/er/f0"), root.join("z/link")).expect("link");
+    let repo = fx.repo("cache-a").await;
+    repo.export_point(&fx.source("c000001", &root)).await.expect("export");
+    let other = fx.repo("cache-b").await;
+    let rec = other.load_point("sb1", None).await.expect("load");
+    let out = fx.path("out");
+    std::fs::create_dir(&out).expect("mkdir");
+    other
+        .import_point(&rec, &ImportTarget { fs_dir: Some(out.clone()), procs_dir: None })
+        .await
+        .expect("import");
+    assert_eq!(describe(&root), describe(&out));
+    assert_eq!(ino(&out.join("a/deep/er/f0")).0, ino(&out.join("z/link")).0);
+}
+
+/// A sandbox removed and made again starts its point ids over: the newest point is the one
+/// the store wrote last, not the largest id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_newest_point_is_the_last_written_not_the_largest_id() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let repo = fx.repo("cache-a").await;
+    for p in ["c000001", "c000009"] {
+        repo.export_point(&fx.source(p, &root)).await.expect("export");
+    }
+    assert_eq!(repo.load_point("sb1", None).await.expect("newest").point, "c000009");
+    // The store's clock orders records written in different milliseconds.
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    repo.export_point(&fx.source("c000002", &root)).await.expect("export");
+    let other = fx.repo("cache-b").await;
+    assert_eq!(other.load_point("sb1", None).await.expect("newest").point, "c000002");
+    assert_eq!(other.load_point("sb1", Some("9")).await.expect("by id").point, "c000009");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unchanged_tree_uploads_only_a_manifest() {
     let fx = Fixture::new();

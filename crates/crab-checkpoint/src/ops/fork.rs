@@ -145,6 +145,8 @@ impl Checkpointer {
             let verifier = to_verify.as_ref().map(|vm| {
                 let (store, gate) = (&store, &gate);
                 s.spawn(move || {
+                    // Opened (closed) even if the hashing panics: no branch waits forever.
+                    let _shut = GateGuard(gate);
                     let r = store.verify(vm);
                     gate.open(r.is_ok());
                     r
@@ -469,8 +471,12 @@ pub(super) struct VerifyGate {
 }
 
 impl VerifyGate {
+    /// Give the verdict (the first one given stands).
     fn open(&self, ok: bool) {
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = Some(ok);
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.is_none() {
+            *st = Some(ok);
+        }
         self.cv.notify_all();
     }
 
@@ -486,6 +492,15 @@ impl VerifyGate {
                 "the source point did not verify; no processes were restored".into(),
             )),
         }
+    }
+}
+
+/// Says "did not verify" when dropped before a verdict (a panicking verifier).
+struct GateGuard<'a>(&'a VerifyGate);
+
+impl Drop for GateGuard<'_> {
+    fn drop(&mut self) {
+        self.0.open(false);
     }
 }
 

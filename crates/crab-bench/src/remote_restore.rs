@@ -387,7 +387,11 @@ struct ArmRun {
 async fn settle(pool: PathBuf) -> Result<(), ApiError> {
     blocking("settle the pool", move || {
         for args in [&["sync", "-f"][..], &["btrfs", "subvolume", "sync"][..]] {
-            let st = Command::new(args[0]).args(&args[1..]).arg(&pool).status();
+            let st = Command::new(args[0])
+                .args(&args[1..])
+                .arg(&pool)
+                .stdout(std::process::Stdio::null())
+                .status();
             match st {
                 Ok(s) if s.success() => {}
                 other => {

@@ -61,8 +61,11 @@ impl Lane {
     }
 
     fn republish(&self) {
-        let busy = self.sched_busy.load(Ordering::SeqCst) || self.holds.load(Ordering::SeqCst) > 0;
+        // Read under the channel's lock: of two racing republishes, the later one to take it
+        // sees the newer counts (a dropped hold cannot be overwritten by a stale "busy").
         self.busy.send_if_modified(|b| {
+            let busy =
+                self.sched_busy.load(Ordering::SeqCst) || self.holds.load(Ordering::SeqCst) > 0;
             let changed = *b != busy;
             *b = busy;
             changed

@@ -176,17 +176,7 @@ async fn a_tree_of_many_download_windows_restores_exactly() {
     std::fs::write(root.join("a/twin"), &twin).expect("write");
     std::fs::write(root.join("z/twin"), &twin).expect("write");
     std::fs::hard_link(root.join("a/deep/er/f0"), root.join("z/link")).expect("link");
-    let repo = fx.repo("cache-a").await;
-    repo.export_point(&fx.source("c000001", &root)).await.expect("export");
-    let other = fx.repo("cache-b").await;
-    let rec = other.load_point("sb1", None).await.expect("load");
-    let out = fx.path("out");
-    std::fs::create_dir(&out).expect("mkdir");
-    other
-        .import_point(&rec, &ImportTarget { fs_dir: Some(out.clone()), procs_dir: None })
-        .await
-        .expect("import");
-    assert_eq!(describe(&root), describe(&out));
+    let out = export_and_import_fs(&fx, &root, "out").await;
     assert_eq!(ino(&out.join("a/deep/er/f0")).0, ino(&out.join("z/link")).0);
 }
 
@@ -308,6 +298,23 @@ fn pack_files(fx: &Fixture) -> Vec<PathBuf> {
         }
     }
     out.sort_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0));
+    out
+}
+
+/// Export `root` as point c1 of sb1 through cache `cache-a`, import its filesystem through a
+/// fresh cache into `out`, and check it came back byte for byte; returns `out`.
+async fn export_and_import_fs(fx: &Fixture, root: &Path, out: &str) -> PathBuf {
+    let repo = fx.repo("cache-a").await;
+    repo.export_point(&fx.source("c000001", root)).await.expect("export");
+    let other = fx.repo("cache-b").await;
+    let rec = other.load_point("sb1", None).await.expect("load");
+    let out = fx.path(out);
+    std::fs::create_dir(&out).expect("mkdir");
+    other
+        .import_point(&rec, &ImportTarget { fs_dir: Some(out.clone()), procs_dir: None })
+        .await
+        .expect("import");
+    assert_eq!(describe(root), describe(&out));
     out
 }
 
@@ -531,18 +538,7 @@ async fn hard_links_and_user_xattrs_come_back_and_other_namespaces_do_not() {
     xattr::set(root.join("etc"), "user.crab.dir", b"on a directory").expect("dir xattr");
     // Root only: a namespace the remote must not carry.
     let trusted = xattr::set(root.join("etc/linked"), "trusted.crab", b"dropped").is_ok();
-    let repo = fx.repo("cache-a").await;
-    repo.export_point(&fx.source("c000001", &root)).await.expect("export");
-
-    let other = fx.repo("cache-b").await;
-    let rec = other.load_point("sb1", None).await.expect("load");
-    let out = fx.path("out-fs");
-    std::fs::create_dir(&out).expect("mkdir");
-    other
-        .import_point(&rec, &ImportTarget { fs_dir: Some(out.clone()), procs_dir: None })
-        .await
-        .expect("import");
-    assert_eq!(describe(&root), describe(&out));
+    let out = export_and_import_fs(&fx, &root, "out-fs").await;
     let (a, b) = (ino(&out.join("etc/linked")), ino(&out.join("etc/sub/also-linked")));
     assert_eq!(a.0, b.0, "the two names share one inode");
     assert_eq!(a.1, 2);
@@ -558,5 +554,7 @@ async fn hard_links_and_user_xattrs_come_back_and_other_namespaces_do_not() {
         assert_eq!(xattr::get(out.join("etc/linked"), "trusted.crab").expect("get"), None);
     }
     // The point's tree restored onto a copy of an older tree keeps the links too.
+    let other = fx.repo("cache-b").await;
+    let rec = other.load_point("sb1", None).await.expect("load");
     assert_eq!(other.local_tree_id(&out).await.expect("hash"), rec.fs.expect("fs"));
 }

@@ -32,6 +32,7 @@ use crab_checkpoint::{BtrfsSnapshots, Store};
 use crab_client::{Client, Method};
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
+use crab_remote::local::image_stamp_path;
 use crab_remote::{Repo, RepoOptions};
 use crab_testkit::daemon::OtherDaemon;
 
@@ -443,17 +444,13 @@ async fn remote_arm(
         b.cli(&["image", "import", &opts.image, &image.display().to_string()]).await?;
         // The idle exporter hashes new images within a few seconds: the image and each of
         // its user-namespace copies (a point of a user-namespaced sandbox is made of one).
-        let stamps = b.state().join("remote-cache/images");
+        let cache = b.state().join("remote-cache");
         let state_b = StateDir::new(b.state());
         let t = Instant::now();
         let hashed = || {
             let copies = crab_sandbox::shift::current_copies(&state_b, &opts.image);
-            stamps.join(format!("{}.json", opts.image)).exists()
-                && copies.iter().all(|(r, _)| {
-                    stamps
-                        .join(format!("{}@{}:{}:{}.json", opts.image, r.uid, r.gid, r.count))
-                        .exists()
-                })
+            let stamp = |userns| image_stamp_path(&cache, &opts.image, userns).exists();
+            stamp(None) && copies.iter().all(|(r, _)| stamp(Some(*r)))
         };
         while !hashed() {
             if t.elapsed().as_secs() > 120 {

@@ -585,6 +585,20 @@ pub async fn local_image_tree(repo: &Repo, state: &StateDir, name: &str) -> Resu
     local_image_tree_for(repo, state, name, None).await
 }
 
+/// Where the repository cache in `cache_dir` keeps the tree id of image `name` (or of its
+/// copy shifted into `userns`): `<cache>/images/NAME[@UID:GID:COUNT].json`.
+pub fn image_stamp_path(
+    cache_dir: &Path,
+    name: &str,
+    userns: Option<crab_common::api::IdRange>,
+) -> PathBuf {
+    let file = match userns {
+        None => format!("{name}.json"),
+        Some(r) => format!("{name}@{}:{}:{}.json", r.uid, r.gid, r.count),
+    };
+    cache_dir.join("images").join(file)
+}
+
 /// [`local_image_tree`] of the image's copy shifted into `userns` (`<cache>/images/NAME@UID:GID:COUNT.json`).
 pub async fn local_image_tree_for(
     repo: &Repo,
@@ -596,10 +610,6 @@ pub async fn local_image_tree_for(
         return Ok(None);
     }
     let Some(dir) = image_dir(state, name, userns) else { return Ok(None) };
-    let cache_name = match userns {
-        None => name.to_string(),
-        Some(r) => format!("{name}@{}:{}:{}", r.uid, r.gid, r.count),
-    };
     let (Ok(meta), Ok(record)) = (std::fs::metadata(&dir), std::fs::read(state.image_record(name)))
     else {
         return Ok(None);
@@ -610,7 +620,7 @@ pub async fn local_image_tree_for(
         ctime_ns: meta.ctime().saturating_mul(1_000_000_000).saturating_add(meta.ctime_nsec()),
         tree: Id([0; 32]),
     };
-    let path = repo.cache_dir().join("images").join(format!("{cache_name}.json"));
+    let path = image_stamp_path(repo.cache_dir(), name, userns);
     let cached = || {
         std::fs::read(&path)
             .ok()

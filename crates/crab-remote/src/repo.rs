@@ -78,12 +78,7 @@ pub struct LockGuard {
 /// A content-addressed repository on an object store.
 #[derive(Debug)]
 pub struct Repo {
-    url: String,
-    store: Arc<dyn ObjectStore>,
-    prefix: String,
     pub(crate) config: Config,
-    key: Option<Key>,
-    cache_dir: PathBuf,
     bandwidth_bps: Option<u64>,
     throttle_next: Mutex<Option<Instant>>,
     index: Mutex<IndexState>,
@@ -95,23 +90,24 @@ pub struct Repo {
     /// Whether the two caches above gained entries since they were last saved
     /// (`crate::cache`: they outlive the daemon in `<cache>/export-cache.json`).
     pub(crate) cache_dirty: std::sync::atomic::AtomicBool,
-    /// Blobs [`Repo::prefetch`] just downloaded, decoded and verified, held for the read that
-    /// asked for them so it neither reads them back from the cache nor decodes them twice.
-    hot: Arc<Mutex<HotBlobs>>,
-    /// Blobs downloaded from the store (not served by a cache) since the repository opened.
-    downloaded: Arc<std::sync::atomic::AtomicU64>,
+    /// The store, its key and the local caches (every read and write goes through these;
+    /// a download task of its own gets a clone).
+    fetcher: Fetcher,
 }
 
-/// What downloading blobs into the cache needs, owned: a download that feeds writes runs as
-/// a task of its own beside them (`Repo::feed` in `tree.rs`).
-#[derive(Clone)]
+/// The store, its key and the local caches, owned: a download that feeds writes runs as a task
+/// of its own beside them (`Repo::feed` in `tree.rs`) with a clone.
+#[derive(Debug, Clone)]
 pub(crate) struct Fetcher {
     store: Arc<dyn ObjectStore>,
     prefix: String,
     url: String,
     key: Option<Key>,
     cache_dir: PathBuf,
+    /// Blobs [`Repo::prefetch`] just downloaded, decoded and verified, held for the read that
+    /// asks for them so it neither reads them back from the cache nor decodes them twice.
     hot: Arc<Mutex<HotBlobs>>,
+    /// Blobs downloaded from the store (not served by a cache) since the repository opened.
     downloaded: Arc<std::sync::atomic::AtomicU64>,
 }
 
@@ -181,10 +177,16 @@ impl Repo {
         let key = opts.key_file.as_deref().map(Key::load).transpose()?;
         std::fs::create_dir_all(&opts.cache_dir)
             .map_err(RemoteError::io("create cache directory", &opts.cache_dir))?;
-        let mut repo = Repo {
-            url: url.to_string(),
+        let fetcher = Fetcher {
             store,
             prefix,
+            url: url.to_string(),
+            key,
+            cache_dir: opts.cache_dir,
+            hot: Arc::new(Mutex::new(HotBlobs::default())),
+            downloaded: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        };
+        let mut repo = Repo {
             config: Config {
                 repo_id: String::new(),
                 created_at_ms: 0,
@@ -192,16 +194,13 @@ impl Repo {
                 zstd_level: 3,
                 encryption: None,
             },
-            key,
-            cache_dir: opts.cache_dir,
             bandwidth_bps: opts.bandwidth_bps.filter(|&b| b > 0),
             throttle_next: Mutex::new(None),
             index: Mutex::new(IndexState::default()),
             file_cache: Mutex::new(HashMap::new()),
             part_cache: Mutex::new(HashMap::new()),
             cache_dirty: std::sync::atomic::AtomicBool::new(false),
-            hot: Arc::new(Mutex::new(HotBlobs::default())),
-            downloaded: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            fetcher,
         };
         let config = match repo.read_config().await? {
             Some(c) => c,
@@ -211,7 +210,7 @@ impl Repo {
                     created_at_ms: now_ms(),
                     chunker: ChunkerParams::default(),
                     zstd_level: 3,
-                    encryption: repo.key.as_ref().map(|k| EncryptionInfo {
+                    encryption: repo.fetcher.key.as_ref().map(|k| EncryptionInfo {
                         cipher: "xchacha20poly1305".into(),
                         key_check: k.check_value(),
                     }),
@@ -237,7 +236,7 @@ impl Repo {
                 format!("chunker parameters {c:?}"),
             ));
         }
-        match (&config.encryption, &repo.key) {
+        match (&config.encryption, &repo.fetcher.key) {
             (None, None) => {}
             (Some(_), None) => {
                 return Err(RemoteError::Key(format!(
@@ -268,12 +267,12 @@ impl Repo {
 
     /// The URL it was opened with.
     pub fn url(&self) -> &str {
-        &self.url
+        &self.fetcher.url
     }
 
     /// The local blob cache directory.
     pub fn cache_dir(&self) -> &std::path::Path {
-        &self.cache_dir
+        &self.fetcher.cache_dir
     }
 
     /// The repository's config.
@@ -282,7 +281,7 @@ impl Repo {
     }
 
     pub(crate) fn object_name(&self, rel: &str) -> String {
-        object_name(&self.prefix, rel)
+        object_name(&self.fetcher.prefix, rel)
     }
 
     fn path(&self, rel: &str) -> Path {
@@ -296,7 +295,7 @@ impl Repo {
     ) -> impl FnOnce(object_store::Error) -> RemoteError + '_ {
         let object = self.object_name(rel);
         move |source| RemoteError::Store {
-            remote: self.url.clone(),
+            remote: self.fetcher.url.clone(),
             op,
             object,
             source: Box::new(source),
@@ -321,7 +320,7 @@ impl Repo {
     pub(crate) async fn put(&self, rel: &str, bytes: Vec<u8>, mode: PutMode) -> Result<bool> {
         self.throttle(bytes.len()).await;
         let opts = PutOptions { mode, ..Default::default() };
-        match self.store.put_opts(&self.path(rel), PutPayload::from(bytes), opts).await {
+        match self.fetcher.store.put_opts(&self.path(rel), PutPayload::from(bytes), opts).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
             Err(e) => Err(self.store_err("put", rel)(e)),
@@ -329,7 +328,7 @@ impl Repo {
     }
 
     pub(crate) async fn get_opt(&self, rel: &str) -> Result<Option<Bytes>> {
-        match self.store.get(&self.path(rel)).await {
+        match self.fetcher.store.get(&self.path(rel)).await {
             Ok(r) => Ok(Some(r.bytes().await.map_err(self.store_err("get", rel))?)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.store_err("get", rel)(e)),
@@ -344,7 +343,7 @@ impl Repo {
     }
 
     pub(crate) async fn delete(&self, rel: &str) -> Result<()> {
-        match self.store.delete(&self.path(rel)).await {
+        match self.fetcher.store.delete(&self.path(rel)).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.store_err("delete", rel)(e)),
         }
@@ -359,12 +358,13 @@ impl Repo {
     async fn list_meta(&self, dir: &str) -> Result<Vec<(String, u64, i64)>> {
         let base = self.object_name(dir);
         let metas: Vec<object_store::ObjectMeta> = self
+            .fetcher
             .store
             .list(Some(&Path::from(base)))
             .try_collect()
             .await
             .map_err(self.store_err("list", dir))?;
-        let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
+        let strip = if self.fetcher.prefix.is_empty() { 0 } else { self.fetcher.prefix.len() + 1 };
         let mut out: Vec<(String, u64, i64)> = metas
             .into_iter()
             .map(|m| {
@@ -379,7 +379,7 @@ impl Repo {
     pub(crate) fn seal_meta<T: Serialize>(&self, kind: &str, body: &T) -> Result<Vec<u8>> {
         let json = serde_json::to_vec_pretty(body)
             .map_err(|e| RemoteError::corrupt(kind, format!("encode: {e}")))?;
-        let payload = match &self.key {
+        let payload = match &self.fetcher.key {
             Some(k) => k.seal(&json)?,
             None => json,
         };
@@ -395,7 +395,7 @@ impl Repo {
         let object = self.object_name(rel);
         let payload = unframe(kind, bytes, &object)?;
         let plain;
-        let json = match &self.key {
+        let json = match &self.fetcher.key {
             Some(k) => {
                 plain = k.open(payload, &object)?;
                 &plain[..]
@@ -407,14 +407,14 @@ impl Repo {
 
     /// The id a blob with this plaintext has in this repository.
     pub(crate) fn blob_id(&self, plain: &[u8]) -> Id {
-        blob_id_with(self.key.as_ref(), plain)
+        blob_id_with(self.fetcher.key.as_ref(), plain)
     }
 
     pub(crate) fn encode_blob(&self, plain: &[u8]) -> Result<Vec<u8>> {
         let z = zstd::bulk::compress(plain, self.config.zstd_level).map_err(|e| {
             RemoteError::Io { op: "zstd compress", path: PathBuf::new(), source: e }
         })?;
-        match &self.key {
+        match &self.fetcher.key {
             Some(k) => k.seal(&z),
             None => Ok(z),
         }
@@ -427,7 +427,7 @@ impl Repo {
         stored: &[u8],
         object: &str,
     ) -> Result<Vec<u8>> {
-        decode_with(self.key.as_ref(), e, stored, object)
+        decode_with(self.fetcher.key.as_ref(), e, stored, object)
     }
 
     // ---- index ----
@@ -496,20 +496,12 @@ impl Repo {
     // ---- blobs through the cache ----
 
     fn cache_path(&self, id: &Id) -> PathBuf {
-        cache_path(&self.cache_dir, id)
+        cache_path(&self.fetcher.cache_dir, id)
     }
 
-    /// The owned handle a download task needs.
-    pub(crate) fn fetcher(&self) -> Fetcher {
-        Fetcher {
-            store: self.store.clone(),
-            prefix: self.prefix.clone(),
-            url: self.url.clone(),
-            key: self.key.clone(),
-            cache_dir: self.cache_dir.clone(),
-            hot: self.hot.clone(),
-            downloaded: self.downloaded.clone(),
-        }
+    /// The downloads' handle (cloned by a download task of its own).
+    pub(crate) fn fetcher(&self) -> &Fetcher {
+        &self.fetcher
     }
 
     /// Blob `id`, from the local cache or its pack. `what` says who needs it (for errors).
@@ -538,11 +530,10 @@ impl Repo {
             }
         }
         let rel = format!("packs/{}", e.pack.fanout());
-        let f = self.fetcher();
-        let stored = f.get_range(&rel, e.offset, e.length, what).await?;
+        let stored = self.fetcher.get_range(&rel, e.offset, e.length, what).await?;
         let plain = self.decode_blob(&e, &stored, &self.object_name(&rel))?;
-        self.downloaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        cache_put(&self.cache_dir, id, &stored);
+        self.fetcher.downloaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        cache_put(&self.fetcher.cache_dir, id, &stored);
         Ok(plain)
     }
 
@@ -551,7 +542,7 @@ impl Repo {
     /// `PREFETCH_PARALLEL` reads at a time.
     pub(crate) async fn prefetch(&self, ids: &[Id], what: &str) -> Result<()> {
         let runs = self.runs(ids, what)?;
-        self.fetcher().fetch(runs, what).await
+        self.fetcher.fetch(runs, what).await
     }
 
     /// The ranged reads fetching the blobs of `ids` that neither memory nor the cache holds.
@@ -560,7 +551,7 @@ impl Repo {
         let mut seen = HashSet::new();
         for id in ids {
             if !seen.insert(*id)
-                || lock(&self.hot).blobs.contains_key(id)
+                || lock(&self.fetcher.hot).blobs.contains_key(id)
                 || self.cache_path(id).exists()
             {
                 continue;
@@ -592,18 +583,18 @@ impl Repo {
     /// A prefetched blob, kept until [`Repo::drop_prefetched`] (a chunk may be read more than
     /// once: two files of one content).
     fn hot_blob(&self, id: &Id) -> Option<Vec<u8>> {
-        lock(&self.hot).blobs.get(id).cloned()
+        lock(&self.fetcher.hot).blobs.get(id).cloned()
     }
 
     /// How many blobs this handle downloaded from the store (cache hits not counted).
     pub fn blobs_downloaded(&self) -> u64 {
-        self.downloaded.load(std::sync::atomic::Ordering::Relaxed)
+        self.fetcher.downloaded.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Forget the prefetched blobs held in memory (file content among them was not written
     /// to the on-disk cache: a later read fetches it again).
     pub fn drop_prefetched(&self) {
-        *lock(&self.hot) = HotBlobs::default();
+        *lock(&self.fetcher.hot) = HotBlobs::default();
     }
 
     // ---- locks ----
@@ -639,7 +630,7 @@ impl Repo {
             if exclusive || theirs.exclusive {
                 self.unlock(guard).await;
                 return Err(RemoteError::Locked {
-                    remote: self.url.clone(),
+                    remote: self.fetcher.url.clone(),
                     holder: format!(
                         "{} lock of {} pid {} ({} s old)",
                         if theirs.exclusive { "an exclusive (prune)" } else { "a shared (export)" },
@@ -687,9 +678,7 @@ impl Repo {
             let mut parts = name.split('/');
             if let (Some("points"), Some(sb), Some(_)) = (parts.next(), parts.next(), parts.next())
             {
-                if crab_common::names::validate("sandbox", sb).is_ok()
-                    && out.last().map(String::as_str) != Some(sb)
-                {
+                if crab_common::names::validate("sandbox", sb).is_ok() {
                     out.push(sb.to_string());
                 }
             }

@@ -911,7 +911,7 @@ impl Repo {
         let (ready_tx, ready) = tokio::sync::watch::channel(0usize);
         let (writing, mut writing_rx) = tokio::sync::watch::channel(0usize);
         let failed = std::sync::Arc::new(std::sync::Mutex::new(None));
-        let fetcher = self.fetcher();
+        let fetcher = self.fetcher().clone();
         let (f, fail, what) = (fetcher.clone(), failed.clone(), what.to_string());
         let task = tokio::spawn(async move {
             for (k, runs) in steps.into_iter().enumerate() {

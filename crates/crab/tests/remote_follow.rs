@@ -33,6 +33,15 @@ fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Host A on `remote`, running a sandbox (named after `tag`) with a `sleep 4243` in it.
+fn source_host(tmp: &Path, remote: &str, tag: &str) -> (OtherDaemon, String) {
+    let a = host(tmp, "host-a", remote, &[]);
+    let sb = unique(tag);
+    a.crab_ok(&["sandbox", "create", "debian", "--name", &sb]);
+    a.crab_ok(&["exec", &sb, "--", "sh", "-c", "nohup sleep 4243 >/dev/null 2>&1 &"]);
+    (a, sb)
+}
+
 /// A durable `full` point of `sb` on `a` after writing `text` to /root/state.txt.
 fn durable_point(a: &OtherDaemon, sb: &str, text: &str) -> String {
     a.crab_ok(&["exec", sb, "--", "sh", "-c", &format!("echo {text} > /root/state.txt")]);
@@ -75,10 +84,7 @@ fn a_standby_holds_the_newest_point_and_fails_over_to_a_local_fork() {
     require_root!();
     let tmp = tempfile::tempdir_in("/var/tmp").unwrap();
     let remote = format!("file://{}", tmp.path().join("remote").display());
-    let a = host(tmp.path(), "host-a", &remote, &[]);
-    let sb = unique("t-follow");
-    a.crab_ok(&["sandbox", "create", "debian", "--name", &sb]);
-    a.crab_ok(&["exec", &sb, "--", "sh", "-c", "nohup sleep 4243 >/dev/null 2>&1 &"]);
+    let (a, sb) = source_host(tmp.path(), &remote, "t-follow");
     let p1 = durable_point(&a, &sb, "one");
 
     let b = host(tmp.path(), "host-b", &remote, &["--follow", &sb]);
@@ -116,10 +122,7 @@ fn a_local_copy_that_may_be_torn_or_no_longer_matches_is_fetched_again() {
     require_root!();
     let tmp = tempfile::tempdir_in("/var/tmp").unwrap();
     let remote = format!("file://{}", tmp.path().join("remote").display());
-    let a = host(tmp.path(), "host-a", &remote, &[]);
-    let sb = unique("t-copy");
-    a.crab_ok(&["sandbox", "create", "debian", "--name", &sb]);
-    a.crab_ok(&["exec", &sb, "--", "sh", "-c", "nohup sleep 4243 >/dev/null 2>&1 &"]);
+    let (a, sb) = source_host(tmp.path(), &remote, "t-copy");
     let p = durable_point(&a, &sb, "kept");
     let b = OtherDaemon::start(
         &tmp.path().join("host-b"),

@@ -18,6 +18,12 @@
 //! p50/p95/p99), wall time, correctness (each turn's command finds the resident process alive
 //! with at least 90 % of its memory: it survived every park and wake), and the bytes of the
 //! mode's restore points.
+//!
+//! With `--stream` the answers are SSE streams: a turn's recorded latency splits into the time
+//! to the head and the generation of the step's output (its thought and action, four
+//! characters a token, at `--stream-tps`, leaving the head at least 300 ms); the overhead is
+//! measured at the answer's end (what an agent acting on a whole answer sees) and, apart, at
+//! its first byte.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -32,7 +38,7 @@ use crab_common::api::SandboxInfo;
 use crab_common::paths::StateDir;
 use crab_common::ApiError;
 use crab_testkit::daemon::OtherDaemon;
-use crab_testkit::upstream::{StubConfig, StubUpstream, DELAY_HEADER};
+use crab_testkit::upstream::{StubConfig, StubUpstream, DELAY_HEADER, STREAM_MS_HEADER};
 
 use crate::replay::llm::post_json;
 use crate::replay::sandbox::exec;
@@ -54,6 +60,8 @@ pub struct DensityMemoryOptions {
     pub resident_mb: u64,
     /// The timer baseline's idle time before a pause, s.
     pub idle_s: f64,
+    /// Answers stream, generated at this many tokens per second (`None`: whole answers).
+    pub stream: Option<f64>,
     /// The image the sandboxes are made of (imported from the main daemon's state).
     pub image: String,
     /// The main daemon's state directory (where the image's tree is).
@@ -81,6 +89,8 @@ pub struct ModeReport {
     pub per_gib_mean: f64,
     /// Agent-visible overhead per turn, ms.
     pub exposed_ms: Summary,
+    /// Of streamed answers: the first byte's delay beyond the upstream's, ms.
+    pub first_byte_ms: Option<Summary>,
     /// Wall time of the mode's run, s.
     pub wall_s: f64,
     /// Turns whose heartbeat check passed / all.
@@ -100,6 +110,8 @@ pub struct DensityMemoryReport {
     pub modes: Vec<ModeReport>,
     /// Load average before and after.
     pub load: (String, String),
+    /// Answers streamed at this many tokens per second (`None`: whole answers).
+    pub stream_tps: Option<f64>,
 }
 
 fn load_avg() -> String {
@@ -111,10 +123,24 @@ fn load_avg() -> String {
 /// Run it.
 pub async fn run(opts: &DensityMemoryOptions) -> Result<DensityMemoryReport, ApiError> {
     let trajs = load_all(&opts.traces, 0).map_err(|e| ApiError::invalid(e.to_string(), ""))?;
-    let lat: Vec<Vec<f64>> = trajs
+    // Per turn: (recorded latency, its generation when answers stream), s.
+    let lat: Vec<Vec<(f64, f64)>> = trajs
         .iter()
-        .map(|t| t.steps.iter().filter_map(|s| s.llm_latency_s).collect::<Vec<_>>())
-        .filter(|v: &Vec<f64>| v.len() >= opts.turns)
+        .map(|t| {
+            t.steps
+                .iter()
+                .filter_map(|s| {
+                    let l = s.llm_latency_s?;
+                    let chars = s.thought_chars.unwrap_or(0) + s.action.len() as u64;
+                    let gen = match opts.stream {
+                        Some(tps) if tps > 0.0 => (chars as f64 / 4.0 / tps).min(l - 0.3).max(0.0),
+                        _ => 0.0,
+                    };
+                    Some((l, gen))
+                })
+                .collect::<Vec<_>>()
+        })
+        .filter(|v: &Vec<(f64, f64)>| v.len() >= opts.turns)
         .take(opts.sandboxes)
         .collect();
     if lat.len() < opts.sandboxes {
@@ -153,14 +179,14 @@ pub async fn run(opts: &DensityMemoryOptions) -> Result<DensityMemoryReport, Api
         }
     }
     drop(stub);
-    Ok(DensityMemoryReport { modes, load: (before, load_avg()) })
+    Ok(DensityMemoryReport { modes, load: (before, load_avg()), stream_tps: opts.stream })
 }
 
 async fn one_mode(
     d: &OtherDaemon,
     client: &Client,
     opts: &DensityMemoryOptions,
-    lat: &[Vec<f64>],
+    lat: &[Vec<(f64, f64)>],
     mode: &str,
     scale: f64,
 ) -> Result<ModeReport, ApiError> {
@@ -245,18 +271,29 @@ async fn one_mode(
         let (c, n, lats, port, last) =
             (client.clone(), n.clone(), lat[i].clone(), d.port, last_call.clone());
         let turns = opts.turns;
+        let stream = opts.stream.is_some();
         let want_kb = opts.resident_mb * 1024 * 9 / 10;
         agents.push(tokio::spawn(async move {
             let mut exposed = Vec::new();
+            let mut first = Vec::new();
             let mut correct = 0usize;
-            for (t, l) in lats.iter().take(turns).enumerate() {
+            for (t, (l, gen)) in lats.iter().take(turns).enumerate() {
                 let delay_ms = (l * scale * 1e3).round() as u64;
+                let gen_ms = (gen * scale * 1e3).round() as u64;
                 let url = format!("http://127.0.0.1:{port}/s/{n}/v1/chat/completions");
-                let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": format!("{n} turn {t}")}]});
-                let delay = delay_ms.to_string();
+                let body = serde_json::json!({"model": "m", "stream": stream, "messages": [{"role": "user", "content": format!("{n} turn {t}")}]});
+                let (head, spread) = (delay_ms.saturating_sub(gen_ms).to_string(), gen_ms.to_string());
+                let mut headers = vec![(DELAY_HEADER, head.as_str())];
+                if stream {
+                    headers.push((STREAM_MS_HEADER, spread.as_str()));
+                }
                 let t0 = Instant::now();
-                let a = post_json(&url, &[(DELAY_HEADER, delay.as_str())], &body).await?;
+                let a = post_json(&url, &headers, &body).await?;
                 let answered = t0.elapsed().as_secs_f64() * 1e3;
+                if stream {
+                    let head_ms = (a.head - t0).as_secs_f64() * 1e3;
+                    first.push((head_ms - delay_ms.saturating_sub(gen_ms) as f64).max(0.0));
+                }
                 if a.status != 200 {
                     return Err(ApiError::internal(format!("{n} turn {t}: the proxy answered {}", a.status)));
                 }
@@ -271,16 +308,18 @@ async fn one_mode(
                     correct += 1;
                 }
             }
-            Ok::<_, ApiError>((exposed, correct))
+            Ok::<_, ApiError>((exposed, first, correct))
         }));
     }
     let mut exposed = Vec::new();
+    let mut first = Vec::new();
     let mut correct = 0;
     let mut failed = None;
     for a in agents {
         match a.await {
-            Ok(Ok((e, c))) => {
+            Ok(Ok((e, f, c))) => {
                 exposed.extend(e);
+                first.extend(f);
                 correct += c;
             }
             Ok(Err(e)) => failed = Some(e),
@@ -318,6 +357,7 @@ async fn one_mode(
         per_gib_peak: per_gib(peak),
         per_gib_mean: per_gib(mean),
         exposed_ms: Summary::of(&exposed),
+        first_byte_ms: opts.stream.map(|_| Summary::of(&first)),
         wall_s,
         correct,
         parks: top1.0 - top0.0,
@@ -374,6 +414,20 @@ impl DensityMemoryReport {
                 m.exposed_ms.p50, m.exposed_ms.p95, m.exposed_ms.p99, m.wall_s, m.correct, m.turns,
                 m.parks, m.wakes, m.point_bytes as f64 / 1048576.0
             ));
+        }
+        if let Some(tps) = self.stream_tps {
+            s.push_str(&format!(
+                "answers streamed at {tps} tokens/s; first-byte delay p50/p95/p99 ms:"
+            ));
+            for m in &self.modes {
+                if let Some(f) = &m.first_byte_ms {
+                    s.push_str(&format!(
+                        " {} {:.2} {:.1}/{:.1}/{:.1};",
+                        m.mode, m.scale, f.p50, f.p95, f.p99
+                    ));
+                }
+            }
+            s.push('\n');
         }
         s.push_str(&format!("load average before {}, after {}\n", self.load.0, self.load.1));
         s

@@ -115,6 +115,10 @@ pub trait BoundaryTicket: Send + Sync + 'static {
     fn promote(&self);
     /// How long a response was held on this checkpoint (zero when not held).
     fn record_exposed(&self, _held: Duration) {}
+    /// The answer this checkpoint gated is complete: its last byte came `head_to_end` after its
+    /// head arrived (a stream's generation time; about zero for a buffered answer). The host's
+    /// parking learns from it whether the head comes early enough to start a wake.
+    fn answer_done(&self, _head_to_end: Duration) {}
     /// Where a wait on this (settled) checkpoint went: the gate waited from `gate_start` until
     /// it woke at `woke`; `(stage, ms)` adding up to the wait (empty when unknown).
     fn held_breakdown(&self, _gate_start: Instant, _woke: Instant) -> Vec<(String, f64)> {
@@ -220,6 +224,9 @@ impl BoundaryTicket for ReportingTicket {
     fn record_exposed(&self, held: Duration) {
         self.inner.record_exposed(held);
     }
+    fn answer_done(&self, head_to_end: Duration) {
+        self.inner.answer_done(head_to_end);
+    }
     fn held_breakdown(&self, gate_start: Instant, woke: Instant) -> Vec<(String, f64)> {
         self.inner.held_breakdown(gate_start, woke)
     }
@@ -298,6 +305,11 @@ impl BoundaryTicket for DeferredTicket {
     fn record_exposed(&self, held: Duration) {
         if let Some(t) = self.get() {
             t.record_exposed(held);
+        }
+    }
+    fn answer_done(&self, head_to_end: Duration) {
+        if let Some(t) = self.get() {
+            t.answer_done(head_to_end);
         }
     }
     fn held_breakdown(&self, gate_start: Instant, woke: Instant) -> Vec<(String, f64)> {

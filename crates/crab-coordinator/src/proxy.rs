@@ -812,6 +812,7 @@ impl Coordinator {
                 return error_response(StatusCode::GATEWAY_TIMEOUT, ErrorCode::Timeout, msg, "");
             }
         };
+        let head_at = Instant::now();
         let (rparts, rbody) = resp.into_parts();
         let is_stream = rparts
             .headers
@@ -870,6 +871,7 @@ impl Coordinator {
                     );
                 }
             };
+            ticket.answer_done(head_at.elapsed());
             rec.complete = true;
             rec.set_response_body(&bytes);
             rec.held_ms = gi.held.as_secs_f64() * 1e3;
@@ -896,6 +898,7 @@ impl Coordinator {
         let pslot = slot.clone();
         let idle = self.cfg.stream_idle_timeout;
         let up_name = format!("upstream {} ({})", upstream.provider, upstream.url);
+        let pticket = ticket.clone();
         tokio::spawn(async move {
             let mut body = rbody;
             let mut buf = Vec::new();
@@ -928,6 +931,9 @@ impl Coordinator {
                         break;
                     }
                 }
+            }
+            if complete {
+                pticket.answer_done(head_at.elapsed());
             }
             let gi = gate_rx.await.unwrap_or_default();
             rec.complete = complete;

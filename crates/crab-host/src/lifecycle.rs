@@ -313,10 +313,13 @@ impl Host {
                 crate::host::full_point(&taken, "park")?
             }
         };
+        let rt = self.runtime().clone();
+        let n = name.clone();
+        let held = blocking(move || Ok(rt.cgroup(&n).memory_bytes().unwrap_or(0))).await?;
         self.halt(&name).await?;
         self.set_life(&name, Life::Parked { point: point.clone() })?;
         // Counted here, where it parks (parking a parked sandbox answers above, uncounted).
-        self.parking.parked();
+        self.parking.parked(&name, held);
         tracing::info!(sandbox = %name, %point, "parked");
         Ok(Outcome::Lifecycle(Lifecycle {
             sandbox: name,
@@ -348,7 +351,8 @@ impl Host {
     /// The turn-boundary decision (`crab daemon --memory-budget`), once the turn's point
     /// `point` of `name` is published and its agent waits for the LLM: park when the running
     /// sandboxes' memory exceeds the budget and this sandbox's expected wait (its own history)
-    /// exceeds the expected wake cost by the policy's margin — from `point` when that holds its
+    /// exceeds the expected wake cost by the policy's margin, and no client is connected to it
+    /// (a running command's stream, a followed output) — from `point` when that holds its
     /// processes, else after a full dump when the wait pays for that too. Never fails: a park
     /// that does not happen leaves the sandbox running, as it was.
     pub(crate) async fn maybe_park(
@@ -376,6 +380,11 @@ impl Host {
         if in_use <= pol.budget_bytes {
             return;
         }
+        let clients = self.clients.count(name);
+        if clients > 0 {
+            tracing::info!(sandbox = %name, clients, "not parked: clients are connected to it");
+            return;
+        }
         let holds = self
             .checkpointer()
             .store(name)
@@ -400,7 +409,16 @@ impl Host {
                 return;
             }
         };
-        // Wake it ahead of the answer: by the expected wait (three in four answers come
+        // Answers that stream on long enough after their head (nine in ten outlast twice the
+        // wake cost): the head wakes it (the gate promotes the ticket), and the restore
+        // overlaps the rest of the answer — it stays parked until the model starts writing.
+        if parked_at.is_some()
+            && self.parking.answer_lead_ms(name).is_some_and(|lead| lead >= 2.0 * cost)
+        {
+            self.parking.head_parked();
+            return;
+        }
+        // Else wake it ahead of the answer: by the expected wait (three in four answers come
         // later) less twice the wake cost, it is back before the agent can notice; an answer
         // that comes sooner wakes it itself.
         let lead = std::time::Duration::from_secs_f64((wait - 2.0 * cost).max(0.0) / 1e3);
@@ -480,12 +498,12 @@ impl Host {
             .await;
         match r {
             Ok(_) => {
-                self.parking().woke(t0.elapsed());
+                self.parking().woke(name, t0.elapsed());
                 tracing::info!(sandbox = %name, %point, ms = t0.elapsed().as_secs_f64() * 1e3, "woke");
                 Ok(Some(point))
             }
             Err(e) => {
-                self.parking().wake_failed();
+                self.parking().wake_failed(name);
                 if let Err(e2) = self.set_life(name, Life::Stopped) {
                     tracing::warn!(sandbox = %name, error = %e2, "could not record the failed wake");
                 }

@@ -23,6 +23,8 @@ pub struct Parking {
 #[derive(Debug, Default)]
 struct Inner {
     parks: u64,
+    /// Memory each parked sandbox held when it parked, bytes (what parking freed).
+    freed: HashMap<String, u64>,
     wakes: u64,
     wake_failures: u64,
     wake_ms: Latencies,
@@ -30,10 +32,54 @@ struct Inner {
     recent_wakes: VecDeque<f64>,
     /// Per sandbox, its newest LLM waits (boundary to answer), ms.
     waits: HashMap<String, VecDeque<f64>>,
+    /// Per sandbox, how long its newest answers took from their head to their end, ms (a
+    /// stream's generation time; about zero for buffered answers).
+    leads: HashMap<String, VecDeque<f64>>,
+    /// Parks whose wake was left to the answer's head (no wake ahead of it).
+    head_parks: u64,
     /// Answers held until their sandbox woke.
     answer_wakes: u64,
     /// Wakes started ahead of the answer (at the expected wait less the wake cost).
     prewakes: u64,
+}
+
+/// The clients connected to each sandbox now: a command's output stream, an attached
+/// session, a followed background process's output. The policy never parks a sandbox that has
+/// one — halting it would cut them off (a command the agent left running while it waits for
+/// the LLM, a harness following a server's log).
+#[derive(Debug, Default)]
+pub struct Clients(Mutex<HashMap<String, usize>>);
+
+/// One connected client of a sandbox; dropping it disconnects it.
+#[derive(Debug)]
+pub struct Client {
+    clients: std::sync::Arc<Clients>,
+    sandbox: String,
+}
+
+impl Clients {
+    /// A client of `sandbox` connects.
+    pub fn connect(self: &std::sync::Arc<Self>, sandbox: &str) -> Client {
+        *lock(&self.0).entry(sandbox.to_string()).or_default() += 1;
+        Client { clients: self.clone(), sandbox: sandbox.to_string() }
+    }
+
+    /// How many clients `sandbox` has now.
+    pub fn count(&self, sandbox: &str) -> usize {
+        lock(&self.0).get(sandbox).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let mut g = lock(&self.clients.0);
+        if let Some(n) = g.get_mut(&self.sandbox) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                g.remove(&self.sandbox);
+            }
+        }
+    }
 }
 
 /// When the engine parks a sandbox at a turn boundary (`crab daemon --memory-budget`).
@@ -62,6 +108,9 @@ pub struct ParkingStats {
     pub parked: usize,
     /// Parks since the daemon started.
     pub parks: u64,
+    /// Memory the sandboxes parked now held when they parked (parked since the daemon
+    /// started), bytes.
+    pub freed_bytes: u64,
     /// Wakes since the daemon started.
     pub wakes: u64,
     /// Wakes whose restore failed (the sandbox was left stopped).
@@ -72,18 +121,24 @@ pub struct ParkingStats {
     pub answer_wakes: u64,
     /// Wakes the host started ahead of the answer (the sandbox was back before it came).
     pub prewakes: u64,
+    /// Parks whose wake was left to the answer's head: the sandbox's answers stream long
+    /// enough after it for the wake to finish first, so no wake ahead of it was scheduled.
+    pub head_parks: u64,
 }
 
 impl Parking {
-    /// A sandbox was parked.
-    pub fn parked(&self) {
-        lock(&self.inner).parks += 1;
+    /// `sandbox` parked, freeing the `bytes` of memory it held.
+    pub fn parked(&self, sandbox: &str, bytes: u64) {
+        let mut g = lock(&self.inner);
+        g.parks += 1;
+        g.freed.insert(sandbox.to_string(), bytes);
     }
 
-    /// A sandbox woke, its restore taking `took`.
-    pub fn woke(&self, took: Duration) {
+    /// `sandbox` woke, its restore taking `took`.
+    pub fn woke(&self, sandbox: &str, took: Duration) {
         let ms = took.as_secs_f64() * 1e3;
         let mut g = lock(&self.inner);
+        g.freed.remove(sandbox);
         g.wakes += 1;
         g.wake_ms.record_ms(ms);
         if g.recent_wakes.len() == HISTORY {
@@ -112,9 +167,41 @@ impl Parking {
         w.push_back(ms);
     }
 
+    /// `sandbox`'s newest answer ended `ms` after its head arrived.
+    pub fn record_lead(&self, sandbox: &str, ms: f64) {
+        let mut g = lock(&self.inner);
+        let w = g.leads.entry(sandbox.to_string()).or_default();
+        if w.len() == HISTORY {
+            w.pop_front();
+        }
+        w.push_back(ms);
+    }
+
+    /// How long `sandbox`'s answers can be expected to go on after their head: the 10th
+    /// percentile of its newest [`HISTORY`] (nine in ten were longer), once it has shown
+    /// [`MIN_WAITS`] of them. A streamed answer's head comes when the model starts writing; a
+    /// wake started then is back before the end when this exceeds the wake cost.
+    pub fn answer_lead_ms(&self, sandbox: &str) -> Option<f64> {
+        let g = lock(&self.inner);
+        let mut v: Vec<f64> = g.leads.get(sandbox)?.iter().copied().collect();
+        if v.len() < MIN_WAITS {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(crab_common::stats::percentile(&v, 0.10))
+    }
+
+    /// A park left its wake to the answer's head.
+    pub fn head_parked(&self) {
+        lock(&self.inner).head_parks += 1;
+    }
+
     /// Forget `sandbox` (removed).
     pub fn forget(&self, sandbox: &str) {
-        lock(&self.inner).waits.remove(sandbox);
+        let mut g = lock(&self.inner);
+        g.waits.remove(sandbox);
+        g.leads.remove(sandbox);
+        g.freed.remove(sandbox);
     }
 
     /// The wait `sandbox`'s agent can be expected to leave it idle: the 25th percentile of its
@@ -147,9 +234,11 @@ impl Parking {
         crab_common::stats::percentile(&v, 0.5)
     }
 
-    /// A wake's restore failed.
-    pub fn wake_failed(&self) {
-        lock(&self.inner).wake_failures += 1;
+    /// `sandbox`'s wake failed (it is stopped: its memory stays free).
+    pub fn wake_failed(&self, sandbox: &str) {
+        let mut g = lock(&self.inner);
+        g.freed.remove(sandbox);
+        g.wake_failures += 1;
     }
 
     /// The counters, with `parked` sandboxes parked now.
@@ -158,11 +247,13 @@ impl Parking {
         ParkingStats {
             parked,
             parks: g.parks,
+            freed_bytes: g.freed.values().sum(),
             wakes: g.wakes,
             wake_failures: g.wake_failures,
             wake_ms: g.wake_ms.summary(),
             answer_wakes: g.answer_wakes,
             prewakes: g.prewakes,
+            head_parks: g.head_parks,
         }
     }
 }
@@ -192,12 +283,48 @@ mod tests {
     }
 
     #[test]
+    fn the_answer_lead_is_a_low_quantile_of_its_own_answers() {
+        let p = Parking::default();
+        p.record_lead("a", 900.0);
+        p.record_lead("a", 1200.0);
+        assert_eq!(p.answer_lead_ms("a"), None, "two answers are not enough");
+        p.record_lead("a", 40.0);
+        let l = p.answer_lead_ms("a").unwrap();
+        assert!(l < 900.0, "a short answer pulls it down: {l}");
+        assert_eq!(p.answer_lead_ms("b"), None, "no prior from other sandboxes");
+        for _ in 0..HISTORY {
+            p.record_lead("a", 2000.0);
+        }
+        assert_eq!(p.answer_lead_ms("a"), Some(2000.0), "old answers age out");
+        p.forget("a");
+        assert_eq!(p.answer_lead_ms("a"), None);
+    }
+
+    #[test]
+    fn clients_are_counted_until_they_go() {
+        let c = std::sync::Arc::new(Clients::default());
+        let a = c.connect("a");
+        let a2 = c.connect("a");
+        let b = c.connect("b");
+        assert_eq!((c.count("a"), c.count("b"), c.count("z")), (2, 1, 0));
+        drop(a);
+        assert_eq!(c.count("a"), 1);
+        drop((a2, b));
+        assert_eq!((c.count("a"), c.count("b")), (0, 0));
+        assert!(lock(&c.0).is_empty(), "nothing kept for sandboxes without clients");
+    }
+
+    #[test]
     fn the_wake_cost_is_measured_once_there_are_wakes() {
         let p = Parking::default();
         assert_eq!(p.wake_cost_ms(), DEFAULT_WAKE_MS);
-        p.woke(Duration::from_millis(40));
-        p.woke(Duration::from_millis(60));
-        p.woke(Duration::from_millis(50));
+        p.parked("a", 300);
+        p.parked("b", 200);
+        assert_eq!(p.stats(2).freed_bytes, 500);
+        p.woke("a", Duration::from_millis(40));
+        assert_eq!(p.stats(1).freed_bytes, 200, "a woke: its memory is back in use");
+        p.woke("b", Duration::from_millis(60));
+        p.woke("c", Duration::from_millis(50));
         assert!((p.wake_cost_ms() - 50.0).abs() < 1.0, "{}", p.wake_cost_ms());
         assert_eq!(p.stats(2).wakes, 3);
     }

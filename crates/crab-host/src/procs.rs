@@ -72,7 +72,13 @@ impl Host {
         let (n, i) = (name.clone(), id.clone());
         blocking(&self.runtime, move |rt| procs::info(rt, &n, &i)).await?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
-        tokio::spawn(procs::output(self.runtime.clone(), name, id, offsets, follow, tx));
+        // A follower is a client of the sandbox until its stream ends.
+        let client = self.clients.connect(&name);
+        let rt = self.runtime.clone();
+        tokio::spawn(async move {
+            procs::output(rt, name, id, offsets, follow, tx).await;
+            drop(client);
+        });
         Ok(Outcome::Exec(rx))
     }
 

@@ -208,6 +208,13 @@ pub struct PointRecord {
     pub conversation: Option<Content>,
     /// The image the sandbox was created from.
     pub image: Option<ImageRef>,
+    /// The tree objects a restore over `image` reads (both sides of every directory that
+    /// differs from the image's, then every tree of the directories the image lacks), top
+    /// levels first, at most [`crate::tree::WALK_HINT_MAX`]: fetched at once instead of one
+    /// round trip per level. Only a hint (ids the index does not list as trees are
+    /// ignored); absent from older records and points without an image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub walk: Option<Vec<Id>>,
     /// Logical size of the point (files + images + log), bytes.
     pub size_bytes: u64,
     /// Bytes this export uploaded (new packs, index, this record).

@@ -105,6 +105,7 @@ mod tests {
             criu_version: Some("4.2.1".into()),
             conversation: None,
             image: None,
+            walk: None,
             size_bytes: 0,
             uploaded_bytes: 0,
         }

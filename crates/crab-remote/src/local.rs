@@ -6,6 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use futures::FutureExt;
+
 use crab_checkpoint::{Manifest, Store};
 use crab_common::paths::StateDir;
 
@@ -336,7 +338,25 @@ async fn materialize_inner(
     let mut stages = crab_common::stats::StageClock::starting(std::time::Instant::now());
     repo.refresh_index().await?;
     stages.mark("index");
-    let bytes = repo.read_content(&rec.manifest, &format!("{what} manifest")).await?;
+    // The trees the filesystem's walk reads (the exporter's list of them) are fetched from
+    // now on, all at once — not one round trip per level —, beside the manifest and the rest
+    // (a shared future: whoever polls it moves it on; the filesystem's part waits for it);
+    // the process images' root tree beside the manifest.
+    let (manifest_what, trees_what) = (format!("{what} manifest"), format!("{what} trees"));
+    let fs_trees: Vec<Id> = rec.walk.iter().flatten().copied().collect();
+    let fs_trees_fetch = repo.prefetch_trees(&fs_trees, &trees_what).boxed().shared();
+    let procs_root: Vec<Id> = rec.procs.into_iter().filter(|_| !fs_only).collect();
+    let head = async {
+        futures::join!(
+            repo.read_content(&rec.manifest, &manifest_what),
+            repo.prefetch_trees(&procs_root, &trees_what)
+        )
+        .0
+    };
+    let bytes = match futures::future::select(std::pin::pin!(head), fs_trees_fetch.clone()).await {
+        futures::future::Either::Left((bytes, _)) => bytes?,
+        futures::future::Either::Right(((), head)) => head.await?,
+    };
     let mut m = crab_checkpoint::manifest::decode(&bytes, &mpath)
         .map_err(|e| RemoteError::corrupt(&object, e.to_string()))?;
     check_remote_manifest(&m, rec, &object)?;
@@ -360,6 +380,7 @@ async fn materialize_inner(
     // waits).
     let fs_part = async {
         let t = std::time::Instant::now();
+        fs_trees_fetch.await;
         let fs_job = match (&m.fs, &rec.fs) {
             (Some(fs), Some(tree)) if !store.fs_path(fs.id).exists() => {
                 let base = match &rec.image {

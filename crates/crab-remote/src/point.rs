@@ -158,6 +158,20 @@ impl Repo {
         let manifest = self.export_bytes(&mut packer, &src.manifest).await?;
         let (new_blobs, dedup_blobs) = (packer.new_blobs, packer.dedup_blobs);
         let (uploaded, packs) = packer.finish().await?;
+        // The trees a restore over the image reads, so that it fetches them at once. Only a
+        // hint: without it a restore walks level by level, as for older records.
+        let walk = match (&image, fs) {
+            (Some(img), Some(fs)) => {
+                match self.walk_hint(&img.tree, &fs, &format!("{} walk", src.sandbox)).await {
+                    Ok(w) => Some(w),
+                    Err(e) => {
+                        tracing::warn!(sandbox = src.sandbox, point = src.point, error = %e, "no restore walk recorded");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let record = PointRecord {
             sandbox: src.sandbox.clone(),
             point: src.point.clone(),
@@ -172,6 +186,7 @@ impl Repo {
             criu_version: src.criu_version.clone(),
             conversation,
             image: image.clone(),
+            walk,
             size_bytes: stats.logical_bytes
                 + src.conversation.as_ref().map_or(0, |c| c.len() as u64)
                 + src.manifest.len() as u64,

@@ -24,13 +24,19 @@ use crate::format::{
     LockRecord, PointRecord, MAX_BLOB,
 };
 use crate::id::Id;
+use crate::tree::WALK_HINT_MAX;
 
 /// A pack is cut once it holds this many stored bytes.
 pub const PACK_TARGET: usize = 8 * 1024 * 1024;
 /// Unwanted bytes between two wanted blobs of a pack above which they are fetched apart.
 pub const PREFETCH_GAP: u64 = 1 << 20;
+/// The same for trees fetched ahead ([`Repo::prefetch_trees`]): a few small trees scattered
+/// among an image's packs are read apart, not with the file content between them.
+pub const TREE_GAP: u64 = 64 << 10;
 /// Ranged reads in flight at once while prefetching.
 pub const PREFETCH_PARALLEL: usize = 8;
+/// Most bytes of trees a point record's walk hint fetches ([`Repo::prefetch_trees`]).
+pub const WALK_HINT_BYTES: u64 = 64 << 20;
 /// A lock older than this is ignored (its holder is presumed dead).
 pub const LOCK_STALE_MS: u64 = 3600 * 1000;
 
@@ -109,6 +115,8 @@ pub(crate) struct Fetcher {
     hot: Arc<Mutex<HotBlobs>>,
     /// Blobs downloaded from the store (not served by a cache) since the repository opened.
     downloaded: Arc<std::sync::atomic::AtomicU64>,
+    /// Of those, tree blobs.
+    trees_downloaded: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Runs of wanted blobs, each one ranged read of a pack.
@@ -185,6 +193,7 @@ impl Repo {
             cache_dir: opts.cache_dir,
             hot: Arc::new(Mutex::new(HotBlobs::default())),
             downloaded: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            trees_downloaded: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         };
         let mut repo = Repo {
             config: Config {
@@ -532,7 +541,7 @@ impl Repo {
         let rel = format!("packs/{}", e.pack.fanout());
         let stored = self.fetcher.get_range(&rel, e.offset, e.length, what).await?;
         let plain = self.decode_blob(&e, &stored, &self.object_name(&rel))?;
-        self.fetcher.downloaded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.fetcher.count(std::iter::once(&e));
         cache_put(&self.fetcher.cache_dir, id, &stored);
         Ok(plain)
     }
@@ -541,12 +550,40 @@ impl Repo {
     /// blobs in a pack (runs split where more than `PREFETCH_GAP` unwanted bytes lie between),
     /// `PREFETCH_PARALLEL` reads at a time.
     pub(crate) async fn prefetch(&self, ids: &[Id], what: &str) -> Result<()> {
-        let runs = self.runs(ids, what)?;
+        let runs = self.runs(ids, PREFETCH_GAP, what)?;
         self.fetcher.fetch(runs, what).await
     }
 
+    /// Fetch at once the trees a point record names for its restore
+    /// ([`crate::format::PointRecord::walk`], plus the process images' root): untrusted, so
+    /// only ids the index lists as trees are fetched, at most [`WALK_HINT_MAX`] of them and
+    /// [`WALK_HINT_BYTES`] in all; a failure is left to the walk that reads them (it names
+    /// the object).
+    pub async fn prefetch_trees(&self, ids: &[Id], what: &str) {
+        let mut bytes = 0u64;
+        let wanted: Vec<Id> = ids
+            .iter()
+            .take(WALK_HINT_MAX)
+            .filter(|id| {
+                self.lookup(id).is_some_and(|e| {
+                    bytes = bytes.saturating_add(e.raw_length);
+                    e.kind == BlobKind::Tree && bytes <= WALK_HINT_BYTES
+                })
+            })
+            .copied()
+            .collect();
+        let fetched = match self.runs(&wanted, TREE_GAP, what) {
+            Ok(runs) => self.fetcher.fetch(runs, what).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = fetched {
+            tracing::debug!(error = %e, "prefetching a point's trees failed; its walk reads them");
+        }
+    }
+
     /// The ranged reads fetching the blobs of `ids` that neither memory nor the cache holds.
-    pub(crate) fn runs(&self, ids: &[Id], what: &str) -> Result<Runs> {
+    /// `gap`: unwanted bytes between two wanted blobs above which they are read apart.
+    pub(crate) fn runs(&self, ids: &[Id], gap: u64, what: &str) -> Result<Runs> {
         let mut by_pack: HashMap<Id, Vec<IndexEntry>> = HashMap::new();
         let mut seen = HashSet::new();
         for id in ids {
@@ -568,7 +605,7 @@ impl Repo {
             let mut run: Vec<IndexEntry> = Vec::new();
             for e in entries {
                 let end = run.last().map(|l| l.offset + l.length);
-                if end.is_some_and(|end| e.offset > end + PREFETCH_GAP) {
+                if end.is_some_and(|end| e.offset > end.saturating_add(gap)) {
                     runs.push((pack, std::mem::take(&mut run)));
                 }
                 run.push(e);
@@ -589,6 +626,11 @@ impl Repo {
     /// How many blobs this handle downloaded from the store (cache hits not counted).
     pub fn blobs_downloaded(&self) -> u64 {
         self.fetcher.downloaded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many of [`Repo::blobs_downloaded`] were trees.
+    pub fn trees_downloaded(&self) -> u64 {
+        self.fetcher.trees_downloaded.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Forget the prefetched blobs held in memory (file content among them was not written
@@ -849,6 +891,11 @@ impl<'a> Packer<'a> {
             return Ok(id);
         }
         let stored = self.repo.encode_blob(plain)?;
+        if kind == BlobKind::Tree {
+            // Kept here too: the walk an export records for its restore
+            // (`Repo::walk_hint`) reads this export's trees and those of earlier ones.
+            cache_put(&self.repo.fetcher.cache_dir, &id, &stored);
+        }
         self.open.push(IndexEntry {
             id,
             kind,
@@ -941,8 +988,7 @@ impl Fetcher {
                     path: PathBuf::from(&rel),
                     source: std::io::Error::other(e.to_string()),
                 })??;
-                self.downloaded
-                    .fetch_add(decoded.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                self.count(decoded.iter().map(|(e, _, _)| e));
                 for (e, stored, plain) in decoded {
                     // File content held in memory is not written to the on-disk cache too
                     // (written once, into its file); trees, read again by later restores, are.
@@ -958,6 +1004,17 @@ impl Fetcher {
             r?;
         }
         Ok(())
+    }
+
+    /// Count downloaded blobs (and the trees among them).
+    fn count<'e>(&self, blobs: impl Iterator<Item = &'e IndexEntry>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        for e in blobs {
+            self.downloaded.fetch_add(1, Relaxed);
+            if e.kind == BlobKind::Tree {
+                self.trees_downloaded.fetch_add(1, Relaxed);
+            }
+        }
     }
 
     async fn get_range(&self, rel: &str, offset: u64, length: u64, what: &str) -> Result<Bytes> {

@@ -31,6 +31,10 @@ use crate::format::{
 use crate::id::Id;
 use crate::repo::{Fetcher, Packer, Repo};
 
+/// Most tree ids a point record names for its restore to fetch at once
+/// ([`crate::format::PointRecord::walk`]; ≈ 70 bytes each in the record).
+pub const WALK_HINT_MAX: usize = 1024;
+
 /// Cache key of a file's content.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FileKey {
@@ -568,8 +572,13 @@ impl Repo {
     /// anything is written. A subtree referenced by several entries counts once per reference
     /// (each is written), computed once per id; sums saturate.
     pub(crate) async fn tree_write_bytes(&self, root: &Id, what: &str) -> Result<u64> {
+        Ok(self.tree_walk(root, what).await?.0)
+    }
+
+    /// [`Repo::tree_write_bytes`], and the tree objects it read (level by level).
+    async fn tree_walk(&self, root: &Id, what: &str) -> Result<(u64, Vec<Id>)> {
         // Fetch every tree object level by level (one prefetch per level).
-        self.tree_blobs(root, what).await?;
+        let (trees, _) = self.tree_blobs(root, what).await?;
         let mut memo: HashMap<Id, u64> = HashMap::new();
         // (tree, its entries, next entry, bytes so far)
         let mut stack: Vec<(Id, Vec<Entry>, usize, u64)> =
@@ -604,7 +613,7 @@ impl Repo {
                 stack.push((sub, entries, 0, 0));
             }
         }
-        Ok(memo.get(root).copied().unwrap_or(0))
+        Ok((memo.get(root).copied().unwrap_or(0), trees))
     }
 
     /// [`Repo::tree_write_bytes`] of turning a copy of tree `base` into tree `target` (what
@@ -616,12 +625,31 @@ impl Repo {
         target: &Id,
         what: &str,
     ) -> Result<u64> {
+        Ok(self.patch_walk(base, target, what).await?.0)
+    }
+
+    /// The tree objects [`Repo::patch_tree`] from `base` to `target` reads, top levels
+    /// first, at most [`WALK_HINT_MAX`]: an exporter records them in the point
+    /// ([`crate::format::PointRecord::walk`]) so that a restore fetches them at once instead
+    /// of one round trip per level.
+    pub(crate) async fn walk_hint(&self, base: &Id, target: &Id, what: &str) -> Result<Vec<Id>> {
+        let mut trees = self.patch_walk(base, target, what).await?.1;
+        trees.truncate(WALK_HINT_MAX);
+        Ok(trees)
+    }
+
+    /// [`Repo::patch_write_bytes`], and the tree objects it read: both sides of every level
+    /// that differs, level by level, then every tree of the directories `base` lacks.
+    async fn patch_walk(&self, base: &Id, target: &Id, what: &str) -> Result<(u64, Vec<Id>)> {
         let mut total = 0u64;
+        let mut read: Vec<Id> = Vec::new();
+        let mut whole: Vec<Id> = Vec::new();
         let mut level = vec![(*base, *target)];
         while !level.is_empty() {
             level.retain(|(b, t)| b != t);
             let ids: Vec<Id> = level.iter().flat_map(|(b, t)| [*b, *t]).collect();
             self.prefetch(&ids, what).await?;
+            read.extend_from_slice(&ids);
             let mut next = Vec::new();
             for (b, t) in std::mem::take(&mut level) {
                 let (old, new) = (self.tree(&b, what).await?, self.tree(&t, what).await?);
@@ -640,7 +668,9 @@ impl Repo {
                             }
                         }
                         (_, EntryKind::Dir, Some(ns)) => {
-                            total = total.saturating_add(self.tree_write_bytes(&ns, what).await?)
+                            let (n, trees) = self.tree_walk(&ns, what).await?;
+                            total = total.saturating_add(n);
+                            whole.extend(trees);
                         }
                         (Some(o), EntryKind::File, _)
                             if o.kind == EntryKind::File
@@ -655,7 +685,10 @@ impl Repo {
             }
             level = next;
         }
-        Ok(total)
+        let mut seen = HashSet::new();
+        read.extend(whole);
+        read.retain(|id| seen.insert(*id));
+        Ok((total, read))
     }
 
     /// Create the non-directory entry `e` at `path` (which must not exist) and apply its
@@ -898,7 +931,7 @@ impl Repo {
         let mut fetched: HashSet<Id> = HashSet::new();
         let mut steps = Vec::with_capacity(windows.len());
         for ids in &windows {
-            let runs = self.runs(ids, what)?;
+            let runs = self.runs(ids, crate::repo::PREFETCH_GAP, what)?;
             fetched.extend(runs.iter().flat_map(|(_, es)| es.iter().map(|e| e.id)));
             steps.push(runs);
         }

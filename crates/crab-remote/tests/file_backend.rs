@@ -522,6 +522,75 @@ async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_diff
     assert!(patched_blobs + 3 <= full_blobs, "patched {patched_blobs} blobs, full {full_blobs}");
 }
 
+/// The exporter records the trees a restore over the image reads (both sides of each level
+/// that differs, every tree of a new directory): fetched at once, they leave the patch no tree
+/// to download, and they are no more than a restore without them downloads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_recorded_walk_is_every_tree_a_patch_reads_and_no_more() {
+    let fx = Fixture::new();
+    let image = setup(&fx);
+    let point = fx.path("point");
+    assert!(std::process::Command::new("cp")
+        .args(["-a", image.to_str().expect("utf8"), point.to_str().expect("utf8")])
+        .status()
+        .expect("cp")
+        .success());
+    std::fs::write(point.join("etc/sub/mid.bin"), noise(3, 300 * 1024)).expect("write");
+    std::fs::create_dir_all(point.join("new/deeper/still")).expect("mkdir");
+    std::fs::write(point.join("new/deeper/still/file"), b"new").expect("write");
+    let repo = fx.repo("cache-a").await;
+    let mut src = fx.source("c000001", &point);
+    src.image = Some(("img".into(), image.clone()));
+    repo.export_point(&src).await.expect("export");
+
+    let patch = |cache: &'static str, hint: bool| {
+        let (fx, image, point) = (&fx, &image, &point);
+        async move {
+            let other = fx.repo(cache).await;
+            let rec = other.load_point("sb1", None).await.expect("load");
+            let walk = rec.walk.clone().expect("the export records a walk");
+            other.refresh_index().await.expect("index");
+            if hint {
+                other.prefetch_trees(&walk, "test").await;
+            }
+            let hinted = other.trees_downloaded();
+            let dest = fx.path(&format!("patched-{cache}"));
+            assert!(std::process::Command::new("cp")
+                .args(["-a", image.to_str().expect("utf8"), dest.to_str().expect("utf8")])
+                .status()
+                .expect("cp")
+                .success());
+            let (base, target) = (rec.image.expect("image").tree, rec.fs.expect("fs"));
+            other.patch_tree_into(&base, &target, &dest).await.expect("patch");
+            assert_eq!(describe(point), describe(&dest));
+            (walk, hinted, other.trees_downloaded(), other.blobs_downloaded())
+        }
+    };
+    let (walk, hinted, trees, blobs) = patch("cache-b", true).await;
+    // root, etc, etc/sub on both sides, then new, new/deeper, new/deeper/still.
+    assert_eq!(walk.len(), 9, "{walk:?}");
+    assert_eq!(hinted, walk.len() as u64, "the hint fetched its trees");
+    assert_eq!(trees, hinted, "the patch found every tree it read already fetched");
+    let (_, none, trees_plain, blobs_plain) = patch("cache-c", false).await;
+    assert_eq!(none, 0);
+    assert_eq!(trees_plain, trees, "the hint named no tree the patch does not read");
+    assert_eq!(blobs_plain, blobs);
+
+    // The list is untrusted: ids the index does not list, data blobs, and whatever lies past
+    // `WALK_HINT_MAX` are not fetched.
+    let other = fx.repo("cache-d").await;
+    let rec = other.load_point("sb1", None).await.expect("load");
+    other.refresh_index().await.expect("index");
+    let root = rec.fs.expect("fs");
+    let mut hostile = vec![crab_remote::Id([7; 32])];
+    hostile.extend(rec.manifest.chunks.iter().copied());
+    hostile.extend(std::iter::repeat_n(root, crab_remote::tree::WALK_HINT_MAX));
+    hostile.extend(walk);
+    other.prefetch_trees(&hostile, "test").await;
+    assert_eq!(other.trees_downloaded(), 1, "the root, once");
+    assert_eq!(other.blobs_downloaded(), 1, "no data blob");
+}
+
 /// `(inode, nlink)` of a path.
 fn ino(p: &Path) -> (u64, u64) {
     let m = std::fs::symlink_metadata(p).expect("stat");

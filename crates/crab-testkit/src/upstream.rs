@@ -29,6 +29,9 @@ fn full(b: impl Into<Bytes>) -> ProxyBody {
 
 /// Request header overriding the stub's head delay for one request, in milliseconds.
 pub const DELAY_HEADER: &str = "x-stub-delay-ms";
+/// Request header: a streamed answer's events spread over this many ms after its head (the
+/// model generating its output).
+pub const STREAM_MS_HEADER: &str = "x-stub-stream-ms";
 /// Request header overriding the stub's status for one request.
 pub const STATUS_HEADER: &str = "x-stub-status";
 
@@ -203,6 +206,7 @@ async fn answer(st: Arc<StubState>, req: Request<Incoming>) -> Response<ProxyBod
     if let Some(ms) = header(DELAY_HEADER) {
         cfg.delay = Duration::from_millis(ms);
     }
+    let spread = header(STREAM_MS_HEADER).map(Duration::from_millis);
     if let Some(s) = header(STATUS_HEADER) {
         cfg.status = u16::try_from(s).unwrap_or(500);
     }
@@ -215,7 +219,7 @@ async fn answer(st: Arc<StubState>, req: Request<Incoming>) -> Response<ProxyBod
         Response::new(full(format!("{{\"input_tokens\":{}}}", body.len() / 4)))
     } else if json.get("stream").and_then(|v| v.as_bool()) == Some(true) {
         let chunks = stream_chunks(cfg.stream_events);
-        let gap = cfg.chunk_delay;
+        let gap = spread.map_or(cfg.chunk_delay, |d| d / chunks.len().max(1) as u32);
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         tokio::spawn(async move {
             for c in chunks {

@@ -135,7 +135,8 @@ fn only_a_running_sandbox_parks() {
 /// at a turn boundary once its agent has shown waits longer than the wake cost by the margin;
 /// it wakes ahead of the expected answer, and an answer that comes first is released only after
 /// the wake, so the agent never finds it parked: its next command sees its processes as they
-/// were. A `--no-park` sandbox beside it never parks.
+/// were. A `--no-park` sandbox beside it never parks, nor does one running a command through
+/// the LLM wait (a client is connected to it: parking would cut the command off).
 #[test]
 fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
     require_root!();
@@ -155,9 +156,11 @@ fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
     let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
     d.crab_ok(&["image", "import", "debian", img.to_str().unwrap()]);
     let (name, keep) = (common::unique("t-park-llm"), common::unique("t-park-never"));
+    let busy = common::unique("t-park-busy");
     d.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
     d.crab_ok(&["sandbox", "create", "debian", "--name", &keep, "--no-park"]);
-    for sb in [&name, &keep] {
+    d.crab_ok(&["sandbox", "create", "debian", "--name", &busy]);
+    for sb in [&name, &keep, &busy] {
         d.crab_ok(&["exec", sb, "--", "sh", "-c",
             "nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &"]);
     }
@@ -186,38 +189,125 @@ fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
                 .unwrap()
         })
     };
-    let mut seen_parked = false;
-    for i in 0..6 {
-        let (a, b) = (turn(&name, i), turn(&keep, i));
-        while !a.is_finished() {
-            if state_of(&name) == "parked" {
-                seen_parked = true;
+    // A command that runs through every turn's wait (until the file appears).
+    std::thread::scope(|s| {
+        let running = s.spawn(|| {
+            d.crab(&[
+                "exec",
+                &busy,
+                "--",
+                "sh",
+                "-c",
+                "while [ ! -e /tmp/done ]; do sleep 0.1; done; cat /tmp/count",
+            ])
+        });
+        let mut seen_parked = false;
+        for i in 0..6 {
+            let (a, b, c) = (turn(&name, i), turn(&keep, i), turn(&busy, i));
+            while !a.is_finished() || !c.is_finished() {
+                if state_of(&name) == "parked" {
+                    seen_parked = true;
+                }
+                assert_ne!(state_of(&keep), "parked", "a --no-park sandbox parked");
+                assert_ne!(state_of(&busy), "parked", "a sandbox running a command parked");
+                std::thread::sleep(std::time::Duration::from_millis(100));
             }
-            assert_ne!(state_of(&keep), "parked", "a --no-park sandbox parked");
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            assert!(c.join().unwrap().status.success());
+            let out = a.join().unwrap();
+            assert!(
+                out.status.success() && String::from_utf8_lossy(&out.stdout).contains("sha256"),
+                "turn {i}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(b.join().unwrap().status.success());
+            // The answer is out: the sandbox runs, its counter goes on.
+            assert_eq!(state_of(&name), "running", "turn {i}: the answer reached a parked sandbox");
+            let c = |sb: &str| -> u32 {
+                let o = d.crab(&["exec", sb, "--", "cat", "/tmp/count"]);
+                String::from_utf8_lossy(&o.stdout).trim().parse().unwrap_or(0)
+            };
+            let c0 = c(&name);
+            assert!(wait_until(5.0, || c(&name) > c0), "turn {i}: the counter stopped");
         }
-        let out = a.join().unwrap();
-        assert!(
-            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("sha256"),
-            "turn {i}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(b.join().unwrap().status.success());
-        // The answer is out: the sandbox runs, its counter goes on.
-        assert_eq!(state_of(&name), "running", "turn {i}: the answer reached a parked sandbox");
-        let c = |sb: &str| -> u32 {
-            let o = d.crab(&["exec", sb, "--", "cat", "/tmp/count"]);
-            String::from_utf8_lossy(&o.stdout).trim().parse().unwrap_or(0)
-        };
-        let c0 = c(&name);
-        assert!(wait_until(5.0, || c(&name) > c0), "turn {i}: the counter stopped");
-    }
-    assert!(seen_parked, "never parked while its agent waited");
+        assert!(seen_parked, "never parked while its agent waited");
+        d.crab_ok(&["exec", &busy, "--", "touch", "/tmp/done"]);
+        let out = running.join().unwrap();
+        assert!(out.status.success(), "the long command was cut off: {out:?}");
+    });
     let top = d.json(&["top", "--once"]);
     let p = &top["parking"];
     // Woken by its answer, or ahead of it (at the expected wait less the wake cost).
     let woke = p["answer_wakes"].as_u64().unwrap() + p["prewakes"].as_u64().unwrap();
     assert!(p["parks"].as_u64().unwrap() >= 1 && woke >= 1, "{p}");
+    assert_eq!(p["wake_failures"], 0, "{p}");
+    drop(stub);
+}
+
+/// Answers that stream on well past their head: once the sandbox has shown that, the engine
+/// parks it without a wake ahead of the answer — the answer's head wakes it (the restore
+/// overlaps the rest of the stream) — and the agent still gets the whole answer with the
+/// sandbox running.
+#[test]
+fn a_streamed_answer_wakes_it_at_its_head() {
+    require_root!();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let stub = rt
+        .block_on(crab_testkit::upstream::StubUpstream::start(crab_testkit::upstream::StubConfig {
+            delay: std::time::Duration::from_millis(1200),
+            ..Default::default()
+        }))
+        .unwrap();
+    let dir = std::path::PathBuf::from("/var/lib").join(common::unique("crab-park-stream"));
+    let d = common::OtherDaemon::start(
+        &dir,
+        &["--pool-size", "4G", "--memory-budget", "1", "--upstream-openai", &stub.url()],
+        &[],
+    );
+    let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
+    d.crab_ok(&["image", "import", "debian", img.to_str().unwrap()]);
+    let name = common::unique("t-park-stream");
+    d.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
+    d.crab_ok(&["exec", &name, "--", "sh", "-c",
+        "nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &"]);
+    let url = format!("http://127.0.0.1:{}/s/{name}/v1/chat/completions", d.port);
+    let c = |sb: &str| -> u32 {
+        let o = d.crab(&["exec", sb, "--", "cat", "/tmp/count"]);
+        String::from_utf8_lossy(&o.stdout).trim().parse().unwrap_or(0)
+    };
+    for i in 0..7 {
+        let body = format!(
+            r#"{{"model":"m","stream":true,"messages":[{{"role":"user","content":"turn {i}"}}]}}"#
+        );
+        // Generated over 1.5 s after the head: far longer than a wake.
+        let out = std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "-N",
+                "-m",
+                "60",
+                "-H",
+                "content-type: application/json",
+                "-H",
+                "x-stub-stream-ms: 1500",
+                "-d",
+                &body,
+                &url,
+            ])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && text.contains("[DONE]"), "turn {i}: {text}");
+        let v = d.json(&["sandbox", "ls"]);
+        let me =
+            v.as_array().unwrap().iter().find(|s| s["name"] == name.as_str()).cloned().unwrap();
+        assert_eq!(me["state"], "running", "turn {i}: the answer reached a parked sandbox");
+        let c0 = c(&name);
+        assert!(wait_until(5.0, || c(&name) > c0), "turn {i}: the counter stopped");
+    }
+    let top = d.json(&["top", "--once"]);
+    let p = &top["parking"];
+    assert!(p["head_parks"].as_u64().unwrap() >= 1, "never left a wake to the answer's head: {p}");
+    assert!(p["answer_wakes"].as_u64().unwrap() >= p["head_parks"].as_u64().unwrap(), "{p}");
     assert_eq!(p["wake_failures"], 0, "{p}");
     drop(stub);
 }

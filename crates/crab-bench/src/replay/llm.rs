@@ -272,6 +272,8 @@ pub struct HttpAnswer {
     pub held: Option<crab_common::stats::Breakdown>,
     /// Body.
     pub body: Bytes,
+    /// When the answer's head arrived (its body was read after).
+    pub head: std::time::Instant,
 }
 
 /// POST a JSON body to an `http://host:port/path` URL (one connection per request).
@@ -312,6 +314,7 @@ pub async fn post_json(
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| ApiError::internal(format!("building request to {url}: {e}")))?;
     let resp = send.send_request(req).await.map_err(|e| upstream(format!("POST {url}: {e}")))?;
+    let head = std::time::Instant::now();
     let status = resp.status().as_u16();
     let llm_ms = resp
         .headers()
@@ -329,7 +332,7 @@ pub async fn post_json(
         .await
         .map_err(|e| upstream(format!("reading answer of {url}: {e}")))?
         .to_bytes();
-    Ok(HttpAnswer { status, llm_ms, held, body })
+    Ok(HttpAnswer { status, llm_ms, held, body, head })
 }
 
 #[cfg(test)]

@@ -125,6 +125,8 @@ pub struct Host {
     pub(crate) build_jobs: crate::build_jobs::Jobs,
     /// Parks and wakes (`crab top`).
     pub(crate) parking: crate::parking::Parking,
+    /// Clients connected to each sandbox now (the policy never parks one that has any).
+    pub(crate) clients: Arc<crate::parking::Clients>,
     /// When the engine parks sandboxes at turn boundaries.
     pub(crate) park_policy: Option<crate::parking::ParkPolicy>,
 }
@@ -269,6 +271,7 @@ impl Host {
             label_lock: Mutex::new(()),
             firing: Mutex::new(std::collections::HashSet::new()),
             parking: crate::parking::Parking::default(),
+            clients: Arc::default(),
             park_policy: opts.park,
             pulls: opts.pulls.clone(),
             pull_lock: tokio::sync::Mutex::new(()),
@@ -510,13 +513,23 @@ impl Host {
                     None => None,
                 };
                 let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(crab_sandbox::exec::run(self.runtime.clone(), name, req, tx, session));
+                let client = self.clients.connect(&name);
+                let rt = self.runtime.clone();
+                tokio::spawn(async move {
+                    crab_sandbox::exec::run(rt, name, req, tx, session).await;
+                    drop(client);
+                });
                 Ok(Outcome::Exec(rx))
             }
             Action::ExecAttach { name, session } => {
                 self.runtime.record(&name)?;
                 let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(crab_sandbox::exec::attach(self.runtime.clone(), name, session, tx));
+                let client = self.clients.connect(&name);
+                let rt = self.runtime.clone();
+                tokio::spawn(async move {
+                    crab_sandbox::exec::attach(rt, name, session, tx).await;
+                    drop(client);
+                });
                 Ok(Outcome::Exec(rx))
             }
             Action::ExecStdin { name, session, data, eof } => {

@@ -349,6 +349,12 @@ impl BoundaryTicket for ParkTicket {
         self.inner.record_exposed(held);
     }
 
+    fn answer_done(&self, head_to_end: std::time::Duration) {
+        if let Some(h) = self.host.upgrade() {
+            h.parking.record_lead(&self.sandbox, head_to_end.as_secs_f64() * 1e3);
+        }
+    }
+
     fn held_breakdown(
         &self,
         gate_start: std::time::Instant,

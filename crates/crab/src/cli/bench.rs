@@ -204,6 +204,14 @@ pub(super) enum BenchCmd {
         /// The timer baseline's idle time before it parks a sandbox, s.
         #[arg(long, default_value_t = 10.0)]
         idle_s: f64,
+        /// Answers stream (SSE): each turn's recorded latency splits into the time to the
+        /// first byte and the generation of its output (the step's thought and action, four
+        /// characters a token, at --stream-tps).
+        #[arg(long)]
+        stream: bool,
+        /// Tokens per second a streamed answer is generated at.
+        #[arg(long, default_value_t = 50.0)]
+        stream_tps: f64,
         /// Image of the sandboxes.
         #[arg(long, default_value = "debian")]
         image: String,
@@ -354,6 +362,8 @@ pub(super) async fn run(
             llm_scale,
             resident_mb,
             idle_s,
+            stream,
+            stream_tps,
             image,
         } => {
             if !memory {
@@ -363,7 +373,8 @@ pub(super) async fn run(
                 ));
             }
             eprintln!(
-                "bench density --memory: {sandboxes} sandboxes x {turns} turns, scales {llm_scale:?}; load average {}",
+                "bench density --memory: {sandboxes} sandboxes x {turns} turns, scales {llm_scale:?}, {}; load average {}",
+                if stream { format!("streamed answers at {stream_tps} tokens/s") } else { "whole answers".to_string() },
                 std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
             );
             let opts = crab_bench::density_memory::DensityMemoryOptions {
@@ -373,6 +384,7 @@ pub(super) async fn run(
                 scales: llm_scale,
                 resident_mb,
                 idle_s,
+                stream: stream.then_some(stream_tps),
                 image,
                 main_state: state.root().to_path_buf(),
             };

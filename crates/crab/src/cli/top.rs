@@ -118,14 +118,19 @@ pub(super) async fn run(client: &Client, a: TopArgs, json: bool) -> Result<ExitC
                 && (pk["parks"].as_u64().unwrap_or(0) > 0 || pk["parked"].as_u64().unwrap_or(0) > 0)
             {
                 let f = |x: &serde_json::Value| format!("{:.1}", x.as_f64().unwrap_or(f64::NAN));
+                let mib = pk["freed_bytes"].as_u64().unwrap_or(0) as f64 / 1048576.0;
                 println!(
-                    "\nparked {}  parks {}  wakes {} (failed {})  wake ms p50 {} p95 {}",
+                    "\nparked {} ({mib:.0} MiB freed)  parks {}  wakes {} (failed {})  wake ms p50 {} p95 {}",
                     pk["parked"],
                     pk["parks"],
                     pk["wakes"],
                     pk["wake_failures"],
                     f(&pk["wake_ms"]["p50"]),
                     f(&pk["wake_ms"]["p95"]),
+                );
+                println!(
+                    "wakes ahead of the answer {}  parks waking at the answer's head {}  answers held for a wake {}",
+                    pk["prewakes"], pk["head_parks"], pk["answer_wakes"],
                 );
             }
         }

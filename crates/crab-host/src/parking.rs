@@ -141,10 +141,7 @@ impl Parking {
         g.freed.remove(sandbox);
         g.wakes += 1;
         g.wake_ms.record_ms(ms);
-        if g.recent_wakes.len() == HISTORY {
-            g.recent_wakes.pop_front();
-        }
-        g.recent_wakes.push_back(ms);
+        remember(&mut g.recent_wakes, ms);
     }
 
     /// A wake started ahead of the answer.
@@ -159,22 +156,12 @@ impl Parking {
 
     /// `sandbox`'s agent waited `ms` for an LLM answer.
     pub fn record_wait(&self, sandbox: &str, ms: f64) {
-        let mut g = lock(&self.inner);
-        let w = g.waits.entry(sandbox.to_string()).or_default();
-        if w.len() == HISTORY {
-            w.pop_front();
-        }
-        w.push_back(ms);
+        remember(lock(&self.inner).waits.entry(sandbox.to_string()).or_default(), ms);
     }
 
     /// `sandbox`'s newest answer ended `ms` after its head arrived.
     pub fn record_lead(&self, sandbox: &str, ms: f64) {
-        let mut g = lock(&self.inner);
-        let w = g.leads.entry(sandbox.to_string()).or_default();
-        if w.len() == HISTORY {
-            w.pop_front();
-        }
-        w.push_back(ms);
+        remember(lock(&self.inner).leads.entry(sandbox.to_string()).or_default(), ms);
     }
 
     /// How long `sandbox`'s answers can be expected to go on after their head: the 10th
@@ -184,11 +171,7 @@ impl Parking {
     pub fn answer_lead_ms(&self, sandbox: &str) -> Option<f64> {
         let g = lock(&self.inner);
         let mut v: Vec<f64> = g.leads.get(sandbox)?.iter().copied().collect();
-        if v.len() < MIN_WAITS {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        Some(crab_common::stats::percentile(&v, 0.10))
+        (v.len() >= MIN_WAITS).then(|| quantile(&mut v, 0.10))
     }
 
     /// A park left its wake to the answer's head.
@@ -215,11 +198,7 @@ impl Parking {
             Some(w) if w.len() >= MIN_WAITS => w.iter().copied().collect(),
             _ => g.waits.values().flat_map(|w| w.iter().copied()).collect(),
         };
-        if v.len() < MIN_WAITS {
-            return None;
-        }
-        v.sort_by(f64::total_cmp);
-        Some(crab_common::stats::percentile(&v, 0.25))
+        (v.len() >= MIN_WAITS).then(|| quantile(&mut v, 0.25))
     }
 
     /// What a wake is expected to cost: the median of the newest wakes, else
@@ -230,8 +209,7 @@ impl Parking {
             return DEFAULT_WAKE_MS;
         }
         let mut v: Vec<f64> = g.recent_wakes.iter().copied().collect();
-        v.sort_by(f64::total_cmp);
-        crab_common::stats::percentile(&v, 0.5)
+        quantile(&mut v, 0.5)
     }
 
     /// `sandbox`'s wake failed (it is stopped: its memory stays free).
@@ -256,6 +234,20 @@ impl Parking {
             head_parks: g.head_parks,
         }
     }
+}
+
+/// Keep `ms` among the newest [`HISTORY`] of `h`.
+fn remember(h: &mut VecDeque<f64>, ms: f64) {
+    if h.len() == HISTORY {
+        h.pop_front();
+    }
+    h.push_back(ms);
+}
+
+/// The `p` quantile of `v` (sorted here).
+fn quantile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    crab_common::stats::percentile(v, p)
 }
 
 #[cfg(test)]

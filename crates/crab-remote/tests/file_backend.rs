@@ -471,11 +471,7 @@ async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_diff
     // The point's tree: the image with a changed file, a new file and directory, a removed
     // file, a removed directory, a file turned into a directory and a changed mode.
     let point = fx.path("point");
-    assert!(std::process::Command::new("cp")
-        .args(["-a", image.to_str().expect("utf8"), point.to_str().expect("utf8")])
-        .status()
-        .expect("cp")
-        .success());
+    copy_tree(&image, &point);
     std::fs::write(point.join("etc/sub/mid.bin"), noise(3, 300 * 1024)).expect("write");
     std::fs::create_dir_all(point.join("new/deeper")).expect("mkdir");
     std::fs::write(point.join("new/deeper/file"), b"new").expect("write");
@@ -500,11 +496,7 @@ async fn a_copy_of_the_image_is_patched_into_the_point_downloading_only_the_diff
     let (base, target) = (rec.image.expect("image").tree, rec.fs.expect("fs"));
     assert_eq!(other.local_tree_id(&image).await.expect("hash image"), base);
     let dest = fx.path("patched");
-    assert!(std::process::Command::new("cp")
-        .args(["-a", image.to_str().expect("utf8"), dest.to_str().expect("utf8")])
-        .status()
-        .expect("cp")
-        .success());
+    copy_tree(&image, &dest);
     other.patch_tree_into(&base, &target, &dest).await.expect("patch");
     assert_eq!(describe(&point), describe(&dest));
     assert_eq!(other.local_tree_id(&dest).await.expect("hash"), target);
@@ -530,11 +522,7 @@ async fn the_recorded_walk_is_every_tree_a_patch_reads_and_no_more() {
     let fx = Fixture::new();
     let image = setup(&fx);
     let point = fx.path("point");
-    assert!(std::process::Command::new("cp")
-        .args(["-a", image.to_str().expect("utf8"), point.to_str().expect("utf8")])
-        .status()
-        .expect("cp")
-        .success());
+    copy_tree(&image, &point);
     std::fs::write(point.join("etc/sub/mid.bin"), noise(3, 300 * 1024)).expect("write");
     std::fs::create_dir_all(point.join("new/deeper/still")).expect("mkdir");
     std::fs::write(point.join("new/deeper/still/file"), b"new").expect("write");
@@ -555,11 +543,7 @@ async fn the_recorded_walk_is_every_tree_a_patch_reads_and_no_more() {
             }
             let hinted = other.trees_downloaded();
             let dest = fx.path(&format!("patched-{cache}"));
-            assert!(std::process::Command::new("cp")
-                .args(["-a", image.to_str().expect("utf8"), dest.to_str().expect("utf8")])
-                .status()
-                .expect("cp")
-                .success());
+            copy_tree(image, &dest);
             let (base, target) = (rec.image.expect("image").tree, rec.fs.expect("fs"));
             other.patch_tree_into(&base, &target, &dest).await.expect("patch");
             assert_eq!(describe(point), describe(&dest));
@@ -589,6 +573,12 @@ async fn the_recorded_walk_is_every_tree_a_patch_reads_and_no_more() {
     other.prefetch_trees(&hostile, "test").await;
     assert_eq!(other.trees_downloaded(), 1, "the root, once");
     assert_eq!(other.blobs_downloaded(), 1, "no data blob");
+}
+
+/// `cp -a src dst`.
+fn copy_tree(src: &Path, dst: &Path) {
+    let (s, d) = (src.to_str().expect("utf8"), dst.to_str().expect("utf8"));
+    assert!(std::process::Command::new("cp").args(["-a", s, d]).status().expect("cp").success());
 }
 
 /// `(inode, nlink)` of a path.

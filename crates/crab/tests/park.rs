@@ -24,6 +24,30 @@ fn procs(sb: &Sandbox) -> u64 {
     sb.info()["processes"].as_u64().unwrap()
 }
 
+/// A daemon of the test's own that parks by its policy (`--memory-budget 1`: always over
+/// budget), its LLM a stub answering after `delay_ms`, with the debian image.
+fn policy_daemon(
+    rt: &tokio::runtime::Runtime,
+    delay_ms: u64,
+    tag: &str,
+) -> (crab_testkit::upstream::StubUpstream, common::OtherDaemon) {
+    let stub = rt
+        .block_on(crab_testkit::upstream::StubUpstream::start(crab_testkit::upstream::StubConfig {
+            delay: std::time::Duration::from_millis(delay_ms),
+            ..Default::default()
+        }))
+        .unwrap();
+    let dir = std::path::PathBuf::from("/var/lib").join(common::unique(tag));
+    let d = common::OtherDaemon::start(
+        &dir,
+        &["--pool-size", "4G", "--memory-budget", "1", "--upstream-openai", &stub.url()],
+        &[],
+    );
+    let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
+    d.crab_ok(&["image", "import", "debian", img.to_str().unwrap()]);
+    (stub, d)
+}
+
 /// A counter in a shell loop: its value lives only in that process's memory.
 fn start_counter(sb: &Sandbox) {
     sb.sh_ok("nohup sh -c 'n=0; while :; do n=$((n+1)); echo $n > /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &");
@@ -141,20 +165,7 @@ fn only_a_running_sandbox_parks() {
 fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
     require_root!();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let stub = rt
-        .block_on(crab_testkit::upstream::StubUpstream::start(crab_testkit::upstream::StubConfig {
-            delay: std::time::Duration::from_millis(1500),
-            ..Default::default()
-        }))
-        .unwrap();
-    let dir = std::path::PathBuf::from("/var/lib").join(common::unique("crab-park-policy"));
-    let d = common::OtherDaemon::start(
-        &dir,
-        &["--pool-size", "4G", "--memory-budget", "1", "--upstream-openai", &stub.url()],
-        &[],
-    );
-    let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
-    d.crab_ok(&["image", "import", "debian", img.to_str().unwrap()]);
+    let (stub, d) = policy_daemon(&rt, 1500, "crab-park-policy");
     let (name, keep) = (common::unique("t-park-llm"), common::unique("t-park-never"));
     let busy = common::unique("t-park-busy");
     d.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
@@ -251,20 +262,7 @@ fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
 fn a_streamed_answer_wakes_it_at_its_head() {
     require_root!();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let stub = rt
-        .block_on(crab_testkit::upstream::StubUpstream::start(crab_testkit::upstream::StubConfig {
-            delay: std::time::Duration::from_millis(1200),
-            ..Default::default()
-        }))
-        .unwrap();
-    let dir = std::path::PathBuf::from("/var/lib").join(common::unique("crab-park-stream"));
-    let d = common::OtherDaemon::start(
-        &dir,
-        &["--pool-size", "4G", "--memory-budget", "1", "--upstream-openai", &stub.url()],
-        &[],
-    );
-    let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
-    d.crab_ok(&["image", "import", "debian", img.to_str().unwrap()]);
+    let (stub, d) = policy_daemon(&rt, 1200, "crab-park-stream");
     let name = common::unique("t-park-stream");
     d.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
     d.crab_ok(&["exec", &name, "--", "sh", "-c",

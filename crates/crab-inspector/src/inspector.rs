@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -81,6 +81,8 @@ struct Reg {
     harness: Option<crate::harness::Harness>,
     /// Changes under harness paths were left out since the last turn that took a snapshot.
     harness_dirty: bool,
+    /// The sandbox's cgroup directory (its processes, for a new baseline after a repair).
+    cgroup_dir: PathBuf,
 }
 
 struct Loaded {
@@ -496,21 +498,7 @@ impl Inner {
             }
         };
         let handle = SandboxHandle { initial_processes: pids.len(), ..handle };
-        let rec = ProcRec {
-            sbx: key,
-            flags: 0,
-            born_epoch: 0,
-            died_epoch: 0,
-            ran_epoch: 0,
-            exec_epoch: 0,
-        };
-        for pid in &pids {
-            if let Err(e) = sm.procs.update(&pid.to_ne_bytes(), &rec.encode(), MapFlags::NO_EXIST) {
-                if e.kind() != libbpf_rs::ErrorKind::AlreadyExists {
-                    tracing::warn!(pid, error = %e, "could not record a baseline process");
-                }
-            }
-        }
+        record_baseline(&sm, key, &pids);
         self.sandboxes.insert(
             sandbox.to_string(),
             Reg {
@@ -520,6 +508,7 @@ impl Inner {
                 first_epoch: epoch,
                 harness: None,
                 harness_dirty: false,
+                cgroup_dir: dir.to_path_buf(),
             },
         );
         tracing::info!(sandbox, key, cgroup_id, level, "sandbox attached to the inspector");
@@ -599,6 +588,16 @@ impl Inner {
                 reg.carry.push(m.clone());
             }
             carry.push(m);
+            // Processes born while unregistered have no record: the next time one runs it
+            // would count as entering from outside (born in a later turn, which then could
+            // not be a file-only checkpoint). This verdict is full and its point holds them:
+            // they are the new baseline.
+            match procfs::cgroup_tree_pids(&reg.cgroup_dir) {
+                Ok(pids) => record_baseline(&reg.maps, key, &pids),
+                Err(e) => {
+                    tracing::warn!(sandbox, error = %e, "could not list the sandbox's processes after the repair")
+                }
+            }
         }
         let bss = &self.bss;
         let epoch_w = bss.sstate(key, SS_EPOCH);
@@ -819,6 +818,20 @@ fn mapped_file_checks(facts: &mut TurnFacts, idle: &[u32]) {
                     "pid {pid} maps a deleted file ({}) and this turn removed paths",
                     m.deleted[0]
                 ));
+            }
+        }
+    }
+}
+
+/// Records `pids` as processes that were there before the turns being tracked (born in no
+/// turn). Keeps any record BPF already made (`NO_EXIST`).
+fn record_baseline(sm: &SandboxMaps, key: u32, pids: &[u32]) {
+    let rec =
+        ProcRec { sbx: key, flags: 0, born_epoch: 0, died_epoch: 0, ran_epoch: 0, exec_epoch: 0 };
+    for pid in pids {
+        if let Err(e) = sm.procs.update(&pid.to_ne_bytes(), &rec.encode(), MapFlags::NO_EXIST) {
+            if e.kind() != libbpf_rs::ErrorKind::AlreadyExists {
+                tracing::warn!(pid, error = %e, "could not record a baseline process");
             }
         }
     }

@@ -287,10 +287,15 @@ impl Host {
     /// a restore point that holds them — `point` when the caller has one taken with nothing run
     /// since (the engine at a turn boundary), else a `full` point now — and its life `parked`
     /// with that point. Parking a parked sandbox answers its park point.
+    ///
+    /// With `idle_only` (the policy) it refuses while a client is connected; by hand it cuts
+    /// them off. Either way a call that needs the sandbox running and comes while the park is
+    /// in progress waits for it, then wakes the sandbox ([`Host::ensure_awake`]).
     pub(crate) async fn park(
         self: &Arc<Self>,
         name: String,
         point: Option<String>,
+        idle_only: bool,
     ) -> Result<Outcome, HostError> {
         let l = self.life_lock(&name);
         let _g = l.lock().await;
@@ -304,6 +309,13 @@ impl Host {
             }));
         }
         Status { life: &life, alive }.can_exec(&name, "park").map_err(conflict)?;
+        let _parking = self.clients.begin_park(&name, idle_only).map_err(|n| {
+            conflict(crab_common::ApiError::new(
+                crab_common::ErrorCode::Conflict,
+                format!("{name} has {n} client(s) connected (a command's stream, an attached session, a followed output)"),
+                "park it once they are done, or by hand: `crab sandbox park` cuts them off",
+            ))
+        })?;
         let point = match point {
             Some(p) => p,
             None => {
@@ -380,6 +392,7 @@ impl Host {
         if in_use <= pol.budget_bytes {
             return;
         }
+        // Checked again, atomically with marking the park in progress, by `park` itself.
         let clients = self.clients.count(name);
         if clients > 0 {
             tracing::info!(sandbox = %name, clients, "not parked: clients are connected to it");
@@ -398,7 +411,7 @@ impl Host {
         } else {
             return;
         };
-        let parked_at = match self.park(name.to_string(), from).await {
+        let parked_at = match self.park(name.to_string(), from, true).await {
             Ok(Outcome::Lifecycle(l)) => {
                 tracing::info!(sandbox = %name, expected_wait_ms = wait, wake_ms = cost, in_use, "parked at the turn boundary");
                 l.point
@@ -464,10 +477,16 @@ impl Host {
     /// Wake `name` if it is parked, before an action that needs it running: cheap when it is
     /// not (the in-memory record). The caller waits for the restore; it never sees the
     /// sandbox parked.
+    ///
+    /// A park in progress (its halt may be under way) is waited for through the lifecycle
+    /// lock it holds, then woken from: the caller holds a [`crate::parking::Client`] from
+    /// before this check, so a park that began after it saw the client (and, from the policy,
+    /// refused) — never both missed.
     pub(crate) async fn ensure_awake(self: &Arc<Self>, name: &str) -> Result<(), HostError> {
-        match self.runtime().record(name) {
-            Ok(r) if matches!(r.life, Life::Parked { .. }) => {}
-            _ => return Ok(()),
+        let parked =
+            self.runtime().record(name).is_ok_and(|r| matches!(r.life, Life::Parked { .. }));
+        if !parked && !self.clients.parking(name) {
+            return Ok(());
         }
         let l = self.life_lock(name);
         let _g = l.lock().await;

@@ -44,11 +44,20 @@ struct Inner {
 }
 
 /// The clients connected to each sandbox now: a command's output stream, an attached
-/// session, a followed background process's output. The policy never parks a sandbox that has
-/// one — halting it would cut them off (a command the agent left running while it waits for
-/// the LLM, a harness following a server's log).
+/// session, a followed background process's output, any call that needs it running while it
+/// runs. The policy never parks a sandbox that has one — halting it would cut them off (a
+/// command the agent left running while it waits for the LLM, a harness following a server's
+/// log). A park in progress is marked here under the same lock as the count, so a client that
+/// connects after the policy's check sees it and waits for the park, then wakes the sandbox.
 #[derive(Debug, Default)]
-pub struct Clients(Mutex<HashMap<String, usize>>);
+pub struct Clients(Mutex<HashMap<String, Conns>>);
+
+/// One sandbox's entry in [`Clients`].
+#[derive(Debug, Default)]
+struct Conns {
+    clients: usize,
+    parking: bool,
+}
 
 /// One connected client of a sandbox; dropping it disconnects it.
 #[derive(Debug)]
@@ -57,28 +66,66 @@ pub struct Client {
     sandbox: String,
 }
 
+/// A park in progress ([`Clients::begin_park`]); dropping it ends it.
+#[derive(Debug)]
+pub struct ParkInProgress {
+    clients: std::sync::Arc<Clients>,
+    sandbox: String,
+}
+
 impl Clients {
     /// A client of `sandbox` connects.
     pub fn connect(self: &std::sync::Arc<Self>, sandbox: &str) -> Client {
-        *lock(&self.0).entry(sandbox.to_string()).or_default() += 1;
+        lock(&self.0).entry(sandbox.to_string()).or_default().clients += 1;
         Client { clients: self.clone(), sandbox: sandbox.to_string() }
     }
 
     /// How many clients `sandbox` has now.
     pub fn count(&self, sandbox: &str) -> usize {
-        lock(&self.0).get(sandbox).copied().unwrap_or(0)
+        lock(&self.0).get(sandbox).map_or(0, |c| c.clients)
+    }
+
+    /// Mark a park of `sandbox` in progress — with `idle_only`, only if no client is
+    /// connected (else `Err(count)`).
+    pub fn begin_park(
+        self: &std::sync::Arc<Self>,
+        sandbox: &str,
+        idle_only: bool,
+    ) -> Result<ParkInProgress, usize> {
+        let mut g = lock(&self.0);
+        let c = g.entry(sandbox.to_string()).or_default();
+        if idle_only && c.clients > 0 {
+            return Err(c.clients);
+        }
+        c.parking = true;
+        Ok(ParkInProgress { clients: self.clone(), sandbox: sandbox.to_string() })
+    }
+
+    /// Whether a park of `sandbox` is in progress.
+    pub fn parking(&self, sandbox: &str) -> bool {
+        lock(&self.0).get(sandbox).is_some_and(|c| c.parking)
+    }
+
+    fn update(&self, sandbox: &str, f: impl FnOnce(&mut Conns)) {
+        let mut g = lock(&self.0);
+        if let Some(c) = g.get_mut(sandbox) {
+            f(c);
+            if c.clients == 0 && !c.parking {
+                g.remove(sandbox);
+            }
+        }
     }
 }
 
 impl Drop for Client {
     fn drop(&mut self) {
-        let mut g = lock(&self.clients.0);
-        if let Some(n) = g.get_mut(&self.sandbox) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                g.remove(&self.sandbox);
-            }
-        }
+        self.clients.update(&self.sandbox, |c| c.clients = c.clients.saturating_sub(1));
+    }
+}
+
+impl Drop for ParkInProgress {
+    fn drop(&mut self) {
+        self.clients.update(&self.sandbox, |c| c.parking = false);
     }
 }
 
@@ -304,6 +351,28 @@ mod tests {
         drop((a2, b));
         assert_eq!((c.count("a"), c.count("b")), (0, 0));
         assert!(lock(&c.0).is_empty(), "nothing kept for sandboxes without clients");
+    }
+
+    #[test]
+    fn a_park_and_a_client_always_see_each_other() {
+        let c = std::sync::Arc::new(Clients::default());
+        // A client first: the policy's park is refused, a park by hand is not.
+        let a = c.connect("a");
+        assert_eq!(c.begin_park("a", true).err(), Some(1));
+        assert!(!c.parking("a"), "a refused park left its mark");
+        let by_hand = c.begin_park("a", false).expect("a park by hand");
+        assert!(c.parking("a"));
+        drop((a, by_hand));
+        assert!(lock(&c.0).is_empty());
+        // The park first: a client connecting meanwhile sees it in progress, until it ends.
+        let p = c.begin_park("b", true).expect("no client yet");
+        let late = c.connect("b");
+        assert!(c.parking("b"), "the late client does not see the park");
+        drop(p);
+        assert!(!c.parking("b"));
+        assert_eq!(c.count("b"), 1);
+        drop(late);
+        assert!(lock(&c.0).is_empty(), "nothing kept once both are gone");
     }
 
     #[test]

@@ -359,6 +359,9 @@ impl Host {
     /// Do what a front door asked.
     pub async fn execute(self: &Arc<Self>, action: Action) -> Result<Outcome, HostError> {
         tracing::debug!(action = action.name(), "execute");
+        // A client from before the wake check until the action is done: a park cannot halt
+        // the sandbox under it (see `ensure_awake`).
+        let _client = action.needs_running().map(|name| self.clients.connect(name));
         if let Some(name) = action.needs_running() {
             self.ensure_awake(name).await?;
         }
@@ -556,7 +559,7 @@ impl Host {
             }
             Action::ForkLive { name, req } => self.fork_live(name, req).await,
             Action::Pause { name } => self.pause(name).await,
-            Action::Park { name } => self.park(name, None).await,
+            Action::Park { name } => self.park(name, None, false).await,
             Action::Wake { name } => self.wake(name).await,
             Action::Resume { name, ensure, timeout } => self.resume(name, ensure, timeout).await,
             Action::Kill { name } => self.kill(name).await,

@@ -152,6 +152,9 @@ pub struct RecoveryReport {
     pub removed: Vec<PathBuf>,
 }
 
+/// The file of [`Store::number_points_after`] in a store's directory: a decimal point number.
+const POINT_FLOOR: &str = "point-floor";
+
 #[derive(Debug, Default)]
 struct Counters {
     point: u64,
@@ -355,10 +358,37 @@ impl Store {
                 c.fs = c.fs.max(parse_seq(&name, FsId::PREFIX, "").unwrap_or(0));
             }
         }
+        // Numbered after the points an earlier sandbox of this name left in a remote store.
+        let floor = self.dir.join(POINT_FLOOR);
+        match std::fs::read_to_string(&floor) {
+            Ok(t) => match t.trim().parse::<u64>() {
+                Ok(n) => c.point = c.point.max(n),
+                Err(e) => {
+                    tracing::warn!(path = %floor.display(), error = %e, "ignoring an unreadable point floor")
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CheckpointError::io("read", &floor, e)),
+        }
         let mut guard = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         guard.point = guard.point.max(c.point);
         guard.proc = guard.proc.max(c.proc);
         guard.fs = guard.fs.max(c.fs);
+        Ok(())
+    }
+
+    /// Number this store's next points after `n` (`c<n+1>` on), persistently: the points an
+    /// earlier sandbox of this name left in a remote store keep their ids there. Never lowers
+    /// the numbering.
+    pub fn number_points_after(&self, n: u64) -> Result<()> {
+        let mut c = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        if n <= c.point {
+            return Ok(());
+        }
+        let path = self.dir.join(POINT_FLOOR);
+        crab_common::fsutil::write_atomic(&path, format!("{n}\n").as_bytes())
+            .map_err(|e| CheckpointError::io(e.op, &e.path, e.source))?;
+        c.point = n;
         Ok(())
     }
 

@@ -359,7 +359,9 @@ pub struct Durable {
 }
 
 /// (sandbox, point).
-type PointKey = (String, String);
+/// A point's identity: its sandbox, its id and when it was taken. The id alone is not one: a
+/// sandbox made again under a removed one's name numbers its points from `c000001` again.
+type PointKey = (String, String, u64);
 
 /// The host's remote tier.
 #[derive(Debug)]
@@ -431,6 +433,12 @@ pub fn remote_error(e: RemoteError) -> HostError {
             ApiError::new(ErrorCode::CheckpointNotFound, msg, "crab remote ls")
         }
         RemoteError::Locked { .. } => ApiError::new(ErrorCode::Conflict, msg, "retry later"),
+        RemoteError::PointTaken { .. } => ApiError::new(
+            ErrorCode::Conflict,
+            msg,
+            "give this sandbox a name of its own, or remove the other sandbox's points with \
+             `crab remote prune` if they are not wanted",
+        ),
         RemoteError::Preflight { .. } => {
             ApiError::new(ErrorCode::HostUnsupported, msg, "add --fs-only")
         }
@@ -499,16 +507,20 @@ impl RemoteTier {
         self.wake.notify_one();
     }
 
-    /// The export state of `sandbox`'s `point`.
-    pub fn state(&self, sandbox: &str, point: &str) -> PointState {
-        lock(&self.states)
-            .get(&(sandbox.to_string(), point.to_string()))
-            .map(|s| s.0.clone())
-            .unwrap_or(PointState::Local)
+    /// The export state of `sandbox`'s `point` taken at `created_at_ms` — with `None` (no
+    /// local point of that name), of whichever point of that name the remote holds.
+    pub fn state(&self, sandbox: &str, point: &str, created_at_ms: Option<u64>) -> PointState {
+        let states = lock(&self.states);
+        match created_at_ms {
+            Some(c) => states.get(&(sandbox.to_string(), point.to_string(), c)),
+            None => states.iter().find(|((s, p, _), _)| s == sandbox && p == point).map(|(_, v)| v),
+        }
+        .map(|s| s.0.clone())
+        .unwrap_or(PointState::Local)
     }
 
-    fn set(&self, sandbox: &str, point: &str, st: PointState, retry_at: Option<Instant>) {
-        lock(&self.states).insert((sandbox.to_string(), point.to_string()), (st, retry_at));
+    fn set(&self, key: PointKey, st: PointState, retry_at: Option<Instant>) {
+        lock(&self.states).insert(key, (st, retry_at));
         self.changed.send_modify(|n| *n += 1);
     }
 
@@ -522,7 +534,7 @@ impl RemoteTier {
             let Ok(store) = h.checkpointer().store(&name) else { continue };
             let Ok(points) = store.list() else { continue };
             for m in points {
-                let pending = match states.get(&(name.clone(), m.id.to_string())) {
+                let pending = match states.get(&(name.clone(), m.id.to_string(), m.created_at_ms)) {
                     None | Some((PointState::Local, _)) => true,
                     Some((PointState::Failed { .. }, at)) => at.is_none_or(|t| t <= now),
                     Some(_) => false,
@@ -541,8 +553,7 @@ impl RemoteTier {
             Ok(recs) => {
                 for r in recs {
                     self.set(
-                        &r.sandbox,
-                        &r.point,
+                        (r.sandbox, r.point, r.created_at_ms),
                         PointState::Durable { uploaded_bytes: r.uploaded_bytes },
                         None,
                     );
@@ -598,11 +609,12 @@ impl RemoteTier {
                 continue;
             };
             let (sb, point) = (store.sandbox().to_string(), m.id.to_string());
-            let attempts = match self.state(&sb, &point) {
+            let key: PointKey = (sb.clone(), point.clone(), m.created_at_ms);
+            let attempts = match self.state(&sb, &point, Some(m.created_at_ms)) {
                 PointState::Failed { attempts, .. } => attempts,
                 _ => 0,
             };
-            self.set(&sb, &point, PointState::Exporting, None);
+            self.set(key.clone(), PointState::Exporting, None);
             let src = crab_remote::local::export_source(h.state(), &store, &m);
             drop(h);
             let repo = self.repo.clone();
@@ -627,20 +639,14 @@ impl RemoteTier {
                         ms = rep.elapsed_ms,
                         "point exported"
                     );
-                    self.set(
-                        &sb,
-                        &point,
-                        PointState::Durable { uploaded_bytes: rep.uploaded_bytes },
-                        None,
-                    )
+                    self.set(key, PointState::Durable { uploaded_bytes: rep.uploaded_bytes }, None)
                 }
                 Err(e) => {
                     let attempts = attempts + 1;
                     let backoff = Duration::from_secs((1u64 << attempts.min(6)).min(60));
                     tracing::warn!(sandbox = sb, point, attempts, retry_in_s = backoff.as_secs(), error = %e, "export failed");
                     self.set(
-                        &sb,
-                        &point,
+                        key,
                         PointState::Failed { error: e.to_string(), attempts },
                         Some(Instant::now() + backoff),
                     );
@@ -649,18 +655,20 @@ impl RemoteTier {
         }
     }
 
-    /// Wait until `sandbox`'s `point` is durable (or `timeout`).
+    /// Wait until `sandbox`'s `point` (taken at `created_at_ms` when it is local) is durable
+    /// (or `timeout`).
     pub async fn wait_durable(
         &self,
         sandbox: &str,
         point: &str,
+        created_at_ms: Option<u64>,
         timeout: Duration,
     ) -> Result<Durable, HostError> {
         let mut rx = self.changed.subscribe();
         self.kick();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            match self.state(sandbox, point) {
+            match self.state(sandbox, point, created_at_ms) {
                 PointState::Durable { uploaded_bytes } => {
                     return Ok(Durable {
                         sandbox: sandbox.to_string(),

@@ -117,6 +117,20 @@ pub enum RemoteError {
         mismatch: String,
     },
 
+    /// The remote holds another point under this point's name (`points/<sandbox>/<id>`): one
+    /// of an earlier sandbox of the same name, or another host's. It is never overwritten.
+    #[error("the remote already holds {point} of another sandbox of that name (taken at {theirs_ms} ms since the epoch on {host:?}; this one at {ours_ms}); it is not overwritten")]
+    PointTaken {
+        /// `sandbox@point`.
+        point: String,
+        /// When the remote's point was taken.
+        theirs_ms: u64,
+        /// The host that exported it.
+        host: String,
+        /// When this point was taken.
+        ours_ms: u64,
+    },
+
     /// The point's process images would give their tasks more than the default profile
     /// (`crab_checkpoint::foreign`): refused before the point became local or anything ran.
     #[error("refusing {point}: {reason}")]

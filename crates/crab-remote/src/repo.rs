@@ -713,6 +713,19 @@ impl Repo {
         Ok(out)
     }
 
+    /// The highest point number the remote holds of `sandbox` (`c000007` → 7; one listing,
+    /// no record read).
+    pub async fn highest_point(&self, sandbox: &str) -> Result<Option<u64>> {
+        let prefix = format!("points/{sandbox}/");
+        Ok(self
+            .list(&format!("points/{sandbox}"))
+            .await?
+            .iter()
+            .filter_map(|(name, _)| name.strip_prefix(&prefix))
+            .filter_map(|p| normalize_point(p).parse::<u64>().ok())
+            .max())
+    }
+
     /// The sandboxes the remote holds points of (one listing, no record read).
     pub async fn point_sandboxes(&self) -> Result<Vec<String>> {
         let mut out: Vec<String> = Vec::new();
@@ -791,11 +804,30 @@ impl Repo {
         })
     }
 
+    /// Write `rec` at `points/<sandbox>/<point>`. A record already there is replaced only
+    /// when it is of the same point (an export retried, or repeated by a restarted host: same
+    /// time taken, same manifest) or unreadable; another point's is never overwritten
+    /// ([`RemoteError::PointTaken`]).
     pub(crate) async fn write_point(&self, rec: &PointRecord) -> Result<u64> {
+        let rel = format!("points/{}/{}", rec.sandbox, rec.point);
         let bytes = self.seal_meta("point", rec)?;
         let n = bytes.len() as u64;
-        self.put(&format!("points/{}/{}", rec.sandbox, rec.point), bytes, PutMode::Overwrite)
-            .await?;
+        if self.put(&rel, bytes.clone(), PutMode::Create).await? {
+            return Ok(n);
+        }
+        if let Some(old) = self.get_opt(&rel).await? {
+            if let Ok(theirs) = self.read_point(&rel, &old) {
+                if theirs.created_at_ms != rec.created_at_ms || theirs.manifest != rec.manifest {
+                    return Err(RemoteError::PointTaken {
+                        point: format!("{}@{}", rec.sandbox, rec.point),
+                        theirs_ms: theirs.created_at_ms,
+                        host: theirs.host.hostname,
+                        ours_ms: rec.created_at_ms,
+                    });
+                }
+            }
+        }
+        self.put(&rel, bytes, PutMode::Overwrite).await?;
         Ok(n)
     }
 }

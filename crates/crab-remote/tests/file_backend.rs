@@ -199,6 +199,33 @@ async fn the_newest_point_is_the_last_written_not_the_largest_id() {
     assert_eq!(other.load_point("sb1", Some("9")).await.expect("by id").point, "c000009");
 }
 
+/// A point record is never overwritten by another point of the same name (an earlier
+/// sandbox of that name, another host's): that export fails naming both, and the remote keeps
+/// the first. The same point exported again (a retry, a restarted host) is written again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_point_under_a_taken_name_is_refused_and_the_first_is_kept() {
+    let fx = Fixture::new();
+    let root = setup(&fx);
+    let repo = fx.repo("cache").await;
+    let first = repo.export_point(&fx.source("c000001", &root)).await.expect("export");
+    let again =
+        repo.export_point(&fx.source("c000001", &root)).await.expect("the same point again");
+    assert_eq!(again.record.created_at_ms, first.record.created_at_ms);
+    // A new sandbox of the same name: its own c000001, taken later.
+    let mut other = fx.source("c000001", &root);
+    other.created_at_ms += 5000;
+    other.manifest = b"manifest of the second sandbox's c000001\n".to_vec();
+    let err = fx.repo("cache-b").await.export_point(&other).await.expect_err("overwrote it");
+    assert!(matches!(err, RemoteError::PointTaken { .. }), "{err}");
+    assert!(err.to_string().contains("sb1@c000001"), "{err}");
+    let kept = fx.repo("cache-c").await.load_point("sb1", Some("c000001")).await.expect("load");
+    assert_eq!(kept.created_at_ms, first.record.created_at_ms, "the first point was replaced");
+    assert_eq!(kept.manifest, first.record.manifest);
+    // The remote's numbering, for the next sandbox of that name.
+    assert_eq!(repo.highest_point("sb1").await.expect("list"), Some(1));
+    assert_eq!(repo.highest_point("nobody").await.expect("list"), None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unchanged_tree_uploads_only_a_manifest() {
     let fx = Fixture::new();

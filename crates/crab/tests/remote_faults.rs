@@ -2,7 +2,8 @@
 //! the daemon killed with SIGKILL in the middle of an export, a remote that runs out of space
 //! and then has room again, and a prune on another host racing an export. In each: no
 //! published local point is lost, nothing half-written is listed as durable, exports retry
-//! and resume by themselves, and `crab remote check` passes afterwards.
+//! and resume by themselves, and `crab remote check` passes afterwards. And a sandbox made
+//! again under a removed one's name: its points are its own, the first one's stay.
 //!
 //! The sandboxes use an image with nothing but the daemon's init, and their data is a file of
 //! random bytes put into the sandbox's root from the host (there is no shell to write it
@@ -238,4 +239,39 @@ fn prune_on_another_host_during_an_export_never_breaks_it() {
         String::from_utf8_lossy(&pruned.stderr)
     );
     b.crab_ok(&["remote", "check"]);
+}
+
+#[test]
+fn a_sandbox_made_again_under_a_name_never_takes_the_remote_points_of_the_first() {
+    require_root!();
+    let tmp = tmpdir();
+    let remote = format!("file://{}", tmp.path().join("store").display());
+    std::fs::create_dir_all(tmp.path().join("store")).unwrap();
+    let d = host(tmp.path(), "host", &remote, &[]);
+    let sb = sandbox_with_data(&d);
+    let first = checkpoint(&d, &sb, "fs");
+    wait_for(60, "the first sandbox's point to be durable", || {
+        state_of(&d, &sb, &first) == "durable"
+    });
+    let record = |p: &str| -> serde_json::Value {
+        let v = d.json(&["remote", "ls", &sb]);
+        v.as_array().unwrap().iter().find(|r| r["point"] == p).cloned().unwrap_or_default()
+    };
+    let before = record(&first);
+    d.crab_ok(&["sandbox", "rm", "--force", &sb]);
+    // The same name again, in the same daemon's life and after a restart.
+    d.crab_ok(&["sandbox", "create", "empty", "--name", &sb]);
+    let second = checkpoint(&d, &sb, "fs");
+    assert_ne!(second, first, "the new sandbox took the removed one's point id");
+    wait_for(60, "the new sandbox's point to be durable", || {
+        state_of(&d, &sb, &second) == "durable"
+    });
+    assert_eq!(record(&first)["created_at_ms"], before["created_at_ms"], "overwritten");
+    assert_eq!(remote_points(&d, &sb), vec![first.clone(), second.clone()]);
+    d.restart();
+    let third = checkpoint(&d, &sb, "fs");
+    assert!(![first.as_str(), second.as_str()].contains(&third.as_str()), "{third}");
+    wait_for(60, "the third point to be durable", || state_of(&d, &sb, &third) == "durable");
+    assert_eq!(record(&first)["created_at_ms"], before["created_at_ms"], "overwritten");
+    d.crab_ok(&["remote", "check"]);
 }

@@ -136,6 +136,9 @@ use crab_common::sync::lock;
 /// Bit of `CAP_SYS_RESOURCE` in a capability mask.
 const CAP_SYS_RESOURCE: u32 = 24;
 
+/// How long a create waits for the remote's listing of its name ([`Host::number_after_remote`]).
+const REMOTE_NUMBERING_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Run a blocking call off the async threads.
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, HostError> + Send + 'static,
@@ -582,7 +585,10 @@ impl Host {
                     let views = points
                         .into_iter()
                         .map(|p| {
-                            let remote = h.remote.as_ref().map(|t| t.state(&name, &p.id));
+                            let remote = h
+                                .remote
+                                .as_ref()
+                                .map(|t| t.state(&name, &p.id, Some(p.created_at_ms)));
                             PointView { point: p, remote }
                         })
                         .collect();
@@ -652,7 +658,20 @@ impl Host {
             }
             Action::RemoteWait { sandbox, point, timeout } => {
                 let t = self.tier()?;
-                Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, timeout).await?))
+                // The local point of that name, if any: a point of an earlier sandbox of the
+                // same name that the remote holds is not this one.
+                let h = self.clone();
+                let (s, p) = (sandbox.clone(), point.clone());
+                let created = blocking(move || {
+                    // (No store is opened, so none is made, for a sandbox not on this host.)
+                    if h.runtime.record(&s).is_err() {
+                        return Ok(None);
+                    }
+                    Ok(h.checkpointer.store(&s).ok().and_then(|st| st.resolve(Some(&p)).ok()))
+                })
+                .await?
+                .map(|m| m.created_at_ms);
+                Ok(Outcome::Durable(t.wait_durable(&sandbox, &point, created, timeout).await?))
             }
             Action::FromRemote(req) => self.from_remote(req, Arc::new(NoProgress)).await,
             Action::Replace { name, source, remote, fs_only } => {
@@ -681,9 +700,49 @@ impl Host {
         req.image = self.resolve_image(&req.image).await?;
         let rt = self.runtime.clone();
         let info = blocking(move || Ok(rt.create(&req)?)).await?;
+        self.number_after_remote(&info.name).await;
         self.attach(&info.name);
         self.open_sandbox_proxy(&info.name).await;
         Ok(Outcome::Sandbox(Box::new(info)))
+    }
+
+    /// With a remote store: a new sandbox numbers its points after those an earlier sandbox
+    /// of its name left there, so its exports do not collide with them (the remote never
+    /// overwrites another point's record: such an export would fail). A remote that does not
+    /// answer within a few seconds is not waited for (a collision then shows as a failed
+    /// export).
+    async fn number_after_remote(&self, name: &str) {
+        let Some(t) = &self.remote else { return };
+        let highest = tokio::time::timeout(REMOTE_NUMBERING_WAIT, t.repo.highest_point(name)).await;
+        let n = match highest {
+            Ok(Ok(Some(n))) => n,
+            Ok(Ok(None)) => return,
+            Ok(Err(e)) => {
+                tracing::warn!(sandbox = name, error = %e, "cannot list the remote's points of this name; numbering from 1");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(
+                    sandbox = name,
+                    "the remote did not list its points of this name in time; numbering from 1"
+                );
+                return;
+            }
+        };
+        let numbered = match self.checkpointer.store(name) {
+            Ok(s) => s.number_points_after(n),
+            Err(e) => Err(e),
+        };
+        match numbered {
+            Ok(()) => tracing::info!(
+                sandbox = name,
+                after = n,
+                "points numbered after the remote's of this name"
+            ),
+            Err(e) => {
+                tracing::warn!(sandbox = name, error = %e, "cannot number points after the remote's")
+            }
+        }
     }
 
     pub(crate) async fn remove(

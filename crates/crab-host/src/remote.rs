@@ -358,7 +358,6 @@ pub struct Durable {
     pub uploaded_bytes: u64,
 }
 
-/// (sandbox, point).
 /// A point's identity: its sandbox, its id and when it was taken. The id alone is not one: a
 /// sandbox made again under a removed one's name numbers its points from `c000001` again.
 type PointKey = (String, String, u64);
@@ -436,8 +435,8 @@ pub fn remote_error(e: RemoteError) -> HostError {
         RemoteError::PointTaken { .. } => ApiError::new(
             ErrorCode::Conflict,
             msg,
-            "give this sandbox a name of its own, or remove the other sandbox's points with \
-             `crab remote prune` if they are not wanted",
+            "the point stays local: give sandboxes names that no other sandbox on the remote \
+             had (`crab remote ls` lists them)",
         ),
         RemoteError::Preflight { .. } => {
             ApiError::new(ErrorCode::HostUnsupported, msg, "add --fs-only")

@@ -22,7 +22,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import pytest
 
@@ -91,6 +91,17 @@ def reward(result: dict) -> object:
 
 def exception(result: dict) -> str:
     return json.dumps(result.get("exception_info") or "")
+
+
+@pytest.fixture(autouse=True)
+def no_task_images_left(daemon: Daemon) -> Iterator[None]:
+    """The images the adapter built for this test's tasks (``harbor-<task>-<digest>``, kept
+    for reuse across trials) are removed once it is done, so runs do not pile them up."""
+    before = {i["name"] for i in daemon.request("GET", "/v1/images")}
+    yield
+    for i in daemon.request("GET", "/v1/images"):
+        if i["name"].startswith("harbor-") and i["name"] not in before:
+            daemon.request("DELETE", f"/v1/images/{i['name']}")
 
 
 def harbor_sandboxes(d: Daemon, env_slug: str) -> List[str]:

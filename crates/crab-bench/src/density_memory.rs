@@ -13,7 +13,9 @@
 //! `--resident-mb` of touched memory, as a REPL the agent set up earlier) and replays one real
 //! trajectory's LLM latencies (× `--llm-scale`), a turn being: an LLM request through the
 //! proxy, then a command checking the resident process. Measured per mode: memory of the mode's
-//! sandboxes sampled every 100 ms (mean and peak → sandboxes per GiB), the agent-visible
+//! sandboxes sampled every 100 ms (mean and peak over the run; and per sandbox whose agent is
+//! still replaying — a sandbox whose agent is done is what a harness removes, and the run lasts
+//! as long as its longest trajectory — → sandboxes per GiB), the agent-visible
 //! overhead per turn (answer time beyond the upstream's delay, plus the command's time:
 //! p50/p95/p99), wall time, correctness (each turn's command finds the resident process alive
 //! with at least 90 % of its memory: it survived every park and wake), and the bytes of the
@@ -87,6 +89,12 @@ pub struct ModeReport {
     pub per_gib_peak: f64,
     /// Sandboxes per GiB at the mean.
     pub per_gib_mean: f64,
+    /// Memory per sandbox whose agent is still replaying its turns, MiB: the memory of those
+    /// sandboxes summed over the samples, over their count summed likewise (a sandbox whose
+    /// agent is done — a harness would remove it — is counted in neither).
+    pub mem_per_agent_mib: f64,
+    /// Sandboxes per GiB by that: 1024 / `mem_per_agent_mib`.
+    pub per_gib_agents: f64,
     /// Agent-visible overhead per turn, ms.
     pub exposed_ms: Summary,
     /// Of streamed answers: the first byte's delay beyond the upstream's, ms.
@@ -227,15 +235,29 @@ async fn one_mode(
     }
     let top0 = parking_counts(client).await?;
     let stop = Arc::new(AtomicBool::new(false));
-    // The sampler.
+    // The sampler: every sandbox's memory, and apart the memory and count of those whose
+    // agent still replays its turns.
     let samples: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let agent_samples: Arc<Mutex<(u64, u64)>> = Arc::default();
+    let active: Arc<Mutex<std::collections::HashSet<String>>> =
+        Arc::new(Mutex::new(names.iter().cloned().collect()));
     let sampler = {
-        let (c, names, stop, samples) =
-            (client.clone(), names.clone(), stop.clone(), samples.clone());
+        let (c, names, stop, samples, agent_samples, active) = (
+            client.clone(),
+            names.clone(),
+            stop.clone(),
+            samples.clone(),
+            agent_samples.clone(),
+            active.clone(),
+        );
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 if let Ok(m) = memory(&c, &names).await {
                     crab_common::sync::lock(&samples).push(m.values().sum());
+                    let live = crab_common::sync::lock(&active).clone();
+                    let mut a = crab_common::sync::lock(&agent_samples);
+                    a.0 += m.iter().filter(|(n, _)| live.contains(*n)).map(|(_, b)| b).sum::<u64>();
+                    a.1 += live.len() as u64;
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -268,8 +290,8 @@ async fn one_mode(
     let start = Instant::now();
     let mut agents = Vec::new();
     for (i, n) in names.iter().enumerate() {
-        let (c, n, lats, port, last) =
-            (client.clone(), n.clone(), lat[i].clone(), d.port, last_call.clone());
+        let (c, n, lats, port, last, active) =
+            (client.clone(), n.clone(), lat[i].clone(), d.port, last_call.clone(), active.clone());
         let turns = opts.turns;
         let stream = opts.stream.is_some();
         let want_kb = opts.resident_mb * 1024 * 9 / 10;
@@ -308,6 +330,7 @@ async fn one_mode(
                     correct += 1;
                 }
             }
+            crab_common::sync::lock(&active).remove(&n);
             Ok::<_, ApiError>((exposed, first, correct))
         }));
     }
@@ -347,6 +370,8 @@ async fn one_mode(
     let mean = if s.is_empty() { 0.0 } else { s.iter().sum::<u64>() as f64 / s.len() as f64 };
     let peak = s.iter().copied().max().unwrap_or(0) as f64;
     let per_gib = |b: f64| if b > 0.0 { opts.sandboxes as f64 / (b / 1073741824.0) } else { 0.0 };
+    let (agent_bytes, agent_count) = *crab_common::sync::lock(&agent_samples);
+    let per_agent = if agent_count > 0 { agent_bytes as f64 / agent_count as f64 } else { 0.0 };
     Ok(ModeReport {
         mode: mode.into(),
         scale,
@@ -356,6 +381,8 @@ async fn one_mode(
         mem_peak_mib: mib(peak),
         per_gib_peak: per_gib(peak),
         per_gib_mean: per_gib(mean),
+        mem_per_agent_mib: mib(per_agent),
+        per_gib_agents: if per_agent > 0.0 { 1073741824.0 / per_agent } else { 0.0 },
         exposed_ms: Summary::of(&exposed),
         first_byte_ms: opts.stream.map(|_| Summary::of(&first)),
         wall_s,
@@ -404,13 +431,14 @@ impl DensityMemoryReport {
     /// The table `crab bench density --memory` prints.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{:<6} {:>5} {:>4} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>6} {:>10}\n",
-            "mode", "scale", "sbx", "mean MiB", "peak MiB", "/GiB pk", "exp p50", "exp p95", "exp p99", "wall s", "correct", "parks", "wakes", "point MiB"
+            "{:<6} {:>5} {:>4} {:>10} {:>10} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>6} {:>10}\n",
+            "mode", "scale", "sbx", "mean MiB", "peak MiB", "/GiB pk", "MiB/agent", "/GiB", "exp p50", "exp p95", "exp p99", "wall s", "correct", "parks", "wakes", "point MiB"
         );
         for m in &self.modes {
             s.push_str(&format!(
-                "{:<6} {:>5.2} {:>4} {:>10.0} {:>10.0} {:>8.2} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>3}/{:<3} {:>8} {:>6} {:>10.1}\n",
+                "{:<6} {:>5.2} {:>4} {:>10.0} {:>10.0} {:>8.2} {:>9.0} {:>8.2} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>3}/{:<3} {:>8} {:>6} {:>10.1}\n",
                 m.mode, m.scale, m.sandboxes, m.mem_mean_mib, m.mem_peak_mib, m.per_gib_peak,
+                m.mem_per_agent_mib, m.per_gib_agents,
                 m.exposed_ms.p50, m.exposed_ms.p95, m.exposed_ms.p99, m.wall_s, m.correct, m.turns,
                 m.parks, m.wakes, m.point_bytes as f64 / 1048576.0
             ));

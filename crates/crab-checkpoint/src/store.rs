@@ -21,6 +21,10 @@
 //! restarted daemon recovering while the old one's last CRIU run ends): every operation holds
 //! the store's [`StoreLock`], and recovery skips a store whose lock is held, so it never
 //! discards another process's staged parts as leftovers.
+//!
+//! [`Store::verify`] hashes an image file once per process while the file stays unchanged (its
+//! inode, size and change times: `VERIFIED`), so waking a parked sandbox again from the same
+//! images does not read them twice.
 
 use std::collections::BTreeSet;
 use std::io::Read;
@@ -223,6 +227,14 @@ fn hash_reader(mut r: impl Read, path: &Path) -> Result<(u64, String)> {
 /// no further than `max + 1` bytes: `(bytes read, SHA-256 of them)`, or `None` when there is no
 /// such file. A size past `max` shows as `max + 1`.
 pub fn hash_regular_file(path: &Path, max: u64) -> Result<Option<(u64, String)>> {
+    let Some((f, _)) = open_regular(path)? else { return Ok(None) };
+    hash_reader(f.take(max.saturating_add(1)), path).map(Some)
+}
+
+/// `path` opened for reading when it is a regular file (`O_NOFOLLOW`: a symlink is refused;
+/// checked to be a regular file: no device or fifo is read), with its metadata; `None` when it
+/// does not exist.
+fn open_regular(path: &Path) -> Result<Option<(std::fs::File, std::fs::Metadata)>> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let f = match std::fs::OpenOptions::new()
         .read(true)
@@ -240,7 +252,81 @@ pub fn hash_regular_file(path: &Path, max: u64) -> Result<Option<(u64, String)>>
     if !meta.is_file() {
         return Err(CheckpointError::corrupt(path, "image file is not a regular file"));
     }
-    hash_reader(f.take(max.saturating_add(1)), path).map(Some)
+    Ok(Some((f, meta)))
+}
+
+/// What identifies an image file's bytes without reading them: its inode, size and change
+/// times. Any write, truncation, rename or attribute change through the kernel gives the
+/// inode a new `ctime`; a removed file's inode number reused by a new file comes with one too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(m: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt as _;
+        FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
+/// How long before a hash began a file must last have changed for the hash to be remembered:
+/// far above the kernel's timestamp granularity (a clock tick), so a change after the hash
+/// can never carry the same `ctime` as the one the hash saw.
+const SETTLED: std::time::Duration = std::time::Duration::from_millis(250);
+/// Hashes remembered at most (the map is emptied when full).
+const VERIFIED_MAX: usize = 16_384;
+
+/// The image files this process has hashed, by `(dev, inode)`: their stamp then and their
+/// `(size, SHA-256)`. Process images are immutable once published, and a parked sandbox is
+/// woken again and again from the same files (every turn's point shares the unchanged
+/// processes' images): a file whose stamp is unchanged since a hash of it is not read again.
+/// Bit rot under an unchanged stamp is btrfs's to catch (data checksums, `EIO` on read, which
+/// CRIU then reports).
+static VERIFIED: std::sync::LazyLock<Mutex<VerifiedFiles>> =
+    std::sync::LazyLock::new(Mutex::default);
+
+/// `(dev, inode)` → the file's stamp when it was hashed, and its SHA-256.
+type VerifiedFiles = std::collections::HashMap<(u64, u64), (FileStamp, String)>;
+
+/// [`hash_regular_file`] for a published image file, answered from [`VERIFIED`] when the file
+/// is unchanged since this process last hashed it.
+fn hash_image_file(path: &Path, max: u64) -> Result<Option<(u64, String)>> {
+    let Some((f, meta)) = open_regular(path)? else { return Ok(None) };
+    let stamp = FileStamp::of(&meta);
+    let key = (stamp.dev, stamp.ino);
+    if let Some((seen, sha)) = crab_common::sync::lock(&VERIFIED).get(&key) {
+        if *seen == stamp {
+            return Ok(Some((stamp.size, sha.clone())));
+        }
+    }
+    let began = std::time::SystemTime::now();
+    let (size, sha) = hash_reader(f.take(max.saturating_add(1)), path)?;
+    let after = std::fs::metadata(path).ok().map(|m| FileStamp::of(&m));
+    let changed_at = std::time::UNIX_EPOCH
+        + std::time::Duration::new(
+            u64::try_from(stamp.ctime.0).unwrap_or(0),
+            u32::try_from(stamp.ctime.1).unwrap_or(0),
+        );
+    let settled = began.duration_since(changed_at).is_ok_and(|d| d >= SETTLED);
+    if after == Some(stamp) && size == stamp.size && settled {
+        let mut g = crab_common::sync::lock(&VERIFIED);
+        if g.len() >= VERIFIED_MAX {
+            g.clear();
+        }
+        g.insert(key, (stamp, sha.clone()));
+    }
+    Ok(Some((size, sha)))
 }
 
 /// The size of `path`, a regular file (no symbolic link followed), with an empty hash; None
@@ -599,7 +685,7 @@ impl Store {
                 // A regular file of the directory itself (no symlink followed, no device
                 // read), hashed no further than one byte past its recorded size.
                 let found =
-                    if hash { hash_regular_file(&path, f.size)? } else { regular_size(&path)? };
+                    if hash { hash_image_file(&path, f.size)? } else { regular_size(&path)? };
                 let (size, sha) = match found {
                     Some(hashed) => hashed,
                     None => return Err(CheckpointError::corrupt(&path, "image file is missing")),
@@ -1012,5 +1098,40 @@ impl Drop for Staging<'_> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_image_file_is_hashed_again_once_it_changed_and_only_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("pages-1.img");
+        std::fs::write(&p, b"first bytes").unwrap();
+        // A file that changed just now is hashed but not remembered (its ctime could be the
+        // next change's too).
+        let first = hash_image_file(&p, 100).unwrap().unwrap();
+        assert_eq!(first, hash_file(&p).unwrap());
+        let key = {
+            use std::os::unix::fs::MetadataExt as _;
+            let m = std::fs::metadata(&p).unwrap();
+            (m.dev(), m.ino())
+        };
+        assert!(!crab_common::sync::lock(&VERIFIED).contains_key(&key), "remembered too soon");
+        std::thread::sleep(SETTLED + std::time::Duration::from_millis(50));
+        assert_eq!(hash_image_file(&p, 100).unwrap().unwrap(), first);
+        assert!(crab_common::sync::lock(&VERIFIED).contains_key(&key), "a settled file's hash");
+        assert_eq!(hash_image_file(&p, 100).unwrap().unwrap(), first);
+        // Same size, other bytes: a write changes the stamp, so the new bytes are hashed.
+        std::fs::write(&p, b"other bytes").unwrap();
+        let second = hash_image_file(&p, 100).unwrap().unwrap();
+        assert_eq!(second, hash_file(&p).unwrap());
+        assert_ne!(second.1, first.1, "a changed image file answered from the remembered hash");
+        // Too long for the manifest: never answered from memory as fitting.
+        std::thread::sleep(SETTLED + std::time::Duration::from_millis(50));
+        assert_eq!(hash_image_file(&p, 100).unwrap().unwrap(), second);
+        assert_eq!(hash_image_file(&p, 4).unwrap().unwrap().0, 11, "its real size");
     }
 }

@@ -427,8 +427,12 @@ fn a_tampered_inspector_map_makes_the_next_checkpoint_full() {
     crab_ok(&["checkpoint", &sb.name]);
     let id = sb.info()["cgroup_id"].as_u64().unwrap();
     assert_eq!(delete_from_cgmaps(id), 1, "the daemon's cgmap had no entry for {id}");
-    // Unseen by the inspector now: a file and a server.
-    sb.sh_ok("echo secret > /root/after && (sleep 1000 >/dev/null 2>&1 &)");
+    // Unseen by the inspector now: a file and a server — settled before the checkpoint (a
+    // background process still starting when the point is taken runs in the next turn, which
+    // is then rightly not `fs`).
+    sb.sh_ok(
+        "echo secret > /root/after && (sleep 1000 >/dev/null 2>&1 &) && until pgrep -x sleep >/dev/null; do sleep 0.05; done && sleep 0.3",
+    );
     let out = crab_ok(&["--json", "checkpoint", &sb.name]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["verdict"]["kind"], "full", "a tampered registration gave {v}");

@@ -311,8 +311,8 @@ fn hash_image_file(path: &Path, max: u64) -> Result<Option<(u64, String)>> {
         }
     }
     let began = std::time::SystemTime::now();
-    let (size, sha) = hash_reader(f.take(max.saturating_add(1)), path)?;
-    let after = std::fs::metadata(path).ok().map(|m| FileStamp::of(&m));
+    let (size, sha) = hash_reader((&f).take(max.saturating_add(1)), path)?;
+    let after = f.metadata().ok().map(|m| FileStamp::of(&m));
     let changed_at = std::time::UNIX_EPOCH
         + std::time::Duration::new(
             u64::try_from(stamp.ctime.0).unwrap_or(0),

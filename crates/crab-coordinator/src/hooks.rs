@@ -60,6 +60,10 @@ pub struct Boundary {
     pub provider: Provider,
     /// Request path (without the `/s/<sandbox>` prefix); empty for explicit turn marks.
     pub path: String,
+    /// Whether the request asks for a streamed answer (`"stream": true`): its head comes
+    /// before its end, early enough to time a parked sandbox's wake from.
+    #[serde(default)]
+    pub streams: bool,
 }
 
 /// Why a turn's checkpoint failed or could not start, as it crosses the seam between the proxy
@@ -113,6 +117,29 @@ pub trait BoundaryTicket: Send + Sync + 'static {
     fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>>;
     /// A response is waiting on this checkpoint: make it urgent.
     fn promote(&self);
+    /// Whether the checkpoint has settled, not counting what only the answer's end waits for
+    /// ([`BoundaryTicket::wait_ready`]); the same as `is_published` unless that is more.
+    fn is_checkpointed(&self) -> bool {
+        self.is_published()
+    }
+    /// Wait until the checkpoint is published, and for nothing else: a stream's head and body
+    /// go out after this, its end after [`BoundaryTicket::wait_ready`] too.
+    /// `wait_published` is this and then `wait_ready`.
+    fn wait_checkpoint(&self) -> BoxFuture<'_, Result<Published, HookError>> {
+        self.wait_published()
+    }
+    /// Whether the answer's end has nothing more to wait for.
+    fn is_ready(&self) -> bool {
+        true
+    }
+    /// What the answer's end waits for after the checkpoint (the host: a parked sandbox's
+    /// wake — its agent must never find it parked); nothing by default.
+    fn wait_ready(&self) -> BoxFuture<'_, Result<(), HookError>> {
+        Box::pin(async { Ok(()) })
+    }
+    /// A streamed answer's head was released and its end is still to come: the host times a
+    /// parked sandbox's wake from it.
+    fn head_released(&self) {}
     /// How long a response was held on this checkpoint (zero when not held).
     fn record_exposed(&self, _held: Duration) {}
     /// The answer this checkpoint gated is complete: its last byte came `head_to_end` after its
@@ -221,6 +248,29 @@ impl BoundaryTicket for ReportingTicket {
     fn promote(&self) {
         self.inner.promote();
     }
+    fn is_checkpointed(&self) -> bool {
+        self.inner.is_checkpointed()
+    }
+    fn wait_checkpoint(&self) -> BoxFuture<'_, Result<Published, HookError>> {
+        Box::pin(async move {
+            let r = self.inner.wait_checkpoint().await;
+            if let Err(e) = &r {
+                if !self.reported.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    self.hooks.checkpoint_failed(&self.sandbox, self.turn, e);
+                }
+            }
+            r
+        })
+    }
+    fn is_ready(&self) -> bool {
+        self.inner.is_ready()
+    }
+    fn wait_ready(&self) -> BoxFuture<'_, Result<(), HookError>> {
+        self.inner.wait_ready()
+    }
+    fn head_released(&self) {
+        self.inner.head_released();
+    }
     fn record_exposed(&self, held: Duration) {
         self.inner.record_exposed(held);
     }
@@ -275,6 +325,18 @@ impl DeferredTicket {
     fn get(&self) -> Option<Arc<dyn BoundaryTicket>> {
         self.inner.borrow().clone()
     }
+
+    /// The real ticket, once the boundary made it.
+    async fn settled(&self) -> Result<Arc<dyn BoundaryTicket>, HookError> {
+        let mut rx = self.inner.clone();
+        let t = match rx.wait_for(Option::is_some).await {
+            Ok(v) => v.clone(),
+            Err(_) => None,
+        };
+        t.ok_or_else(|| {
+            HookError::internal("the turn boundary's task ended without starting a checkpoint")
+        })
+    }
 }
 
 impl BoundaryTicket for DeferredTicket {
@@ -282,19 +344,24 @@ impl BoundaryTicket for DeferredTicket {
         self.get().is_some_and(|t| t.is_published())
     }
     fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
-        Box::pin(async move {
-            let mut rx = self.inner.clone();
-            let t = match rx.wait_for(Option::is_some).await {
-                Ok(v) => v.clone(),
-                Err(_) => None,
-            };
-            match t {
-                Some(t) => t.wait_published().await,
-                None => Err(HookError::internal(
-                    "the turn boundary's task ended without starting a checkpoint",
-                )),
-            }
-        })
+        Box::pin(async move { self.settled().await?.wait_published().await })
+    }
+    fn is_checkpointed(&self) -> bool {
+        self.get().is_some_and(|t| t.is_checkpointed())
+    }
+    fn wait_checkpoint(&self) -> BoxFuture<'_, Result<Published, HookError>> {
+        Box::pin(async move { self.settled().await?.wait_checkpoint().await })
+    }
+    fn is_ready(&self) -> bool {
+        self.get().is_none_or(|t| t.is_ready())
+    }
+    fn wait_ready(&self) -> BoxFuture<'_, Result<(), HookError>> {
+        Box::pin(async move { self.settled().await?.wait_ready().await })
+    }
+    fn head_released(&self) {
+        if let Some(t) = self.get() {
+            t.head_released();
+        }
     }
     fn promote(&self) {
         self.promoted.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -182,6 +182,21 @@ use crab_common::sync::lock;
 
 use crab_common::clock::now_ms;
 
+/// What a gate waits for: the answer's release whole ([`BoundaryTicket::wait_published`]), or
+/// a stream's head, its end held apart ([`BoundaryTicket::wait_checkpoint`]).
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    Ready,
+    Checkpoint,
+}
+
+/// Whether a turn request asks for a stream (`"stream": true`; anything else is whole).
+#[derive(serde::Deserialize)]
+struct StreamFlag {
+    #[serde(default)]
+    stream: Option<serde_json::Value>,
+}
+
 #[derive(Debug, Clone, Default)]
 struct GateInfo {
     held: Duration,
@@ -532,6 +547,7 @@ impl Coordinator {
         retry_header: bool,
         provider: Provider,
         path: &str,
+        streams: bool,
     ) -> Decision {
         let mut st = slot.turn.lock().await;
         if let Some(cursor) = st.replay_cursor {
@@ -587,7 +603,7 @@ impl Coordinator {
         let (me, bslot, bpath) = (self.clone(), slot.clone(), path.to_string());
         tokio::spawn(async move {
             let t0 = Instant::now();
-            let real = me.boundary(&bslot, turn, provider, &bpath).await;
+            let real = me.boundary(&bslot, turn, provider, &bpath, streams).await;
             deferred.settle(&tx, real, t0, Instant::now());
         });
         st.last_hash = Some(hash.to_string());
@@ -604,6 +620,7 @@ impl Coordinator {
         turn: u64,
         provider: Provider,
         path: &str,
+        streams: bool,
     ) -> Arc<dyn BoundaryTicket> {
         // The records the turn's point will reference (every one before this request) become
         // durable first: the point is published only after them (invariant 1).
@@ -623,6 +640,7 @@ impl Coordinator {
             conversation_offset,
             provider,
             path: path.to_string(),
+            streams,
         };
         {
             let mut s = slot.stats();
@@ -639,14 +657,27 @@ impl Coordinator {
         }
     }
 
-    async fn gate(&self, slot: &Slot, turn: u64, ticket: &Arc<dyn BoundaryTicket>) -> GateInfo {
+    async fn gate(
+        &self,
+        slot: &Slot,
+        turn: u64,
+        ticket: &Arc<dyn BoundaryTicket>,
+        until: Until,
+    ) -> GateInfo {
         let t0 = Instant::now();
-        let (held, res) = if ticket.is_published() {
-            (false, ticket.wait_published().await)
+        let settled = match until {
+            Until::Ready => ticket.is_published(),
+            Until::Checkpoint => ticket.is_checkpointed(),
+        };
+        let wait = || match until {
+            Until::Ready => ticket.wait_published(),
+            Until::Checkpoint => ticket.wait_checkpoint(),
+        };
+        let (held, res) = if settled {
+            (false, wait().await)
         } else {
             ticket.promote();
-            let r = match tokio::time::timeout(self.cfg.gate_timeout, ticket.wait_published()).await
-            {
+            let r = match tokio::time::timeout(self.cfg.gate_timeout, wait()).await {
                 Ok(r) => r,
                 Err(_) => {
                     let e = HookError::new(
@@ -751,6 +782,10 @@ impl Coordinator {
                 "send the provider's JSON request body",
             );
         }
+        let streams = serde_json::from_slice::<StreamFlag>(&body)
+            .ok()
+            .and_then(|f| f.stream)
+            .is_some_and(|v| v.as_bool() == Some(true));
         let hash = sha256_hex(&body);
         let retry_header = parts
             .headers
@@ -760,7 +795,7 @@ impl Coordinator {
             .is_some_and(|n| n > 0);
         let path = path_and_query.split('?').next().unwrap_or("").to_string();
         let (turn, ticket, retry) = match self
-            .decide(&slot, &hash, retry_header, provider, &path)
+            .decide(&slot, &hash, retry_header, provider, &path, streams)
             .await
         {
             Decision::Replay(rec) => {
@@ -794,7 +829,7 @@ impl Coordinator {
                     error_chain(&e)
                 );
                 slot.fail("upstream", &msg);
-                self.gate(&slot, turn, &ticket).await;
+                self.gate(&slot, turn, &ticket, Until::Ready).await;
                 return error_response(
                     StatusCode::BAD_GATEWAY,
                     ErrorCode::Upstream,
@@ -808,7 +843,7 @@ impl Coordinator {
                     upstream.provider, upstream.url, self.cfg.upstream_timeout
                 );
                 slot.fail("upstream", &msg);
-                self.gate(&slot, turn, &ticket).await;
+                self.gate(&slot, turn, &ticket, Until::Ready).await;
                 return error_response(StatusCode::GATEWAY_TIMEOUT, ErrorCode::Timeout, msg, "");
             }
         };
@@ -846,7 +881,8 @@ impl Coordinator {
             let idle = self.cfg.stream_idle_timeout;
             let collect =
                 async move { tokio::time::timeout(idle, Limited::new(rbody, max).collect()).await };
-            let (gi, collected) = tokio::join!(self.gate(&slot, turn, &ticket), collect);
+            let (gi, collected) =
+                tokio::join!(self.gate(&slot, turn, &ticket, Until::Ready), collect);
             let bytes = match collected {
                 Ok(Ok(c)) => c.to_bytes(),
                 Ok(Err(e)) => {
@@ -890,7 +926,10 @@ impl Coordinator {
             return resp;
         }
         // Stream: a pump task reads upstream into a channel from now on; the head is released
-        // after the gate; the log record is written before the body's end is.
+        // after the gate (the turn's checkpoint); the log record is written before the body's
+        // end is. While the ticket is not ready (its sandbox is parked: the wake is under way
+        // or timed from the head) the pump keeps the newest frame back, so whatever ends the
+        // answer (`[DONE]`, `message_stop`, the last chunk) goes out only once it is.
         let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(64);
         let (gate_tx, gate_rx) = oneshot::channel::<GateInfo>();
         let hold: BodyHold = hold;
@@ -904,6 +943,7 @@ impl Coordinator {
             let mut buf = Vec::new();
             let mut disconnected = false;
             let mut complete = false;
+            let mut kept: Option<Frame<Bytes>> = None;
             loop {
                 match tokio::time::timeout(idle, body.frame()).await {
                     Ok(None) => {
@@ -914,19 +954,32 @@ impl Coordinator {
                         if let Some(d) = frame.data_ref() {
                             buf.extend_from_slice(d);
                         }
-                        if !disconnected && tx.send(Ok(frame)).await.is_err() {
-                            disconnected = true;
+                        let out = if pticket.is_ready() {
+                            [kept.take(), Some(frame)]
+                        } else {
+                            [kept.replace(frame), None]
+                        };
+                        for f in out.into_iter().flatten() {
+                            if !disconnected && tx.send(Ok(f)).await.is_err() {
+                                disconnected = true;
+                            }
                         }
                     }
                     Ok(Some(Err(e))) => {
                         let msg = format!("{up_name} broke off its stream: {e}");
                         pslot.fail("upstream", &msg);
+                        if let Some(f) = kept.take() {
+                            let _ = tx.send(Ok(f)).await;
+                        }
                         let _ = tx.send(Err(msg.into())).await;
                         break;
                     }
                     Err(_) => {
                         let msg = format!("{up_name} stream was silent for {idle:?}");
                         pslot.fail("upstream", &msg);
+                        if let Some(f) = kept.take() {
+                            let _ = tx.send(Ok(f)).await;
+                        }
                         let _ = tx.send(Err(msg.into())).await;
                         break;
                     }
@@ -936,17 +989,34 @@ impl Coordinator {
                 pticket.answer_done(head_at.elapsed());
             }
             let gi = gate_rx.await.unwrap_or_default();
+            // The end waits for the sandbox to be ready (woken); a wake that fails left it
+            // stopped with its error (the agent's next call says so): the answer goes out.
+            let t_end = Instant::now();
+            let ended = if pticket.is_ready() {
+                Duration::ZERO
+            } else {
+                if let Err(e) = pticket.wait_ready().await {
+                    tracing::warn!(sandbox = %pslot.name, turn, error = %e, "the sandbox did not wake for its answer's end");
+                }
+                t_end.elapsed()
+            };
             rec.complete = complete;
             rec.client_disconnected = disconnected;
             rec.set_response_body(&buf);
-            rec.held_ms = gi.held.as_secs_f64() * 1e3;
+            rec.held_ms = (gi.held + ended).as_secs_f64() * 1e3;
             rec.checkpoint_error = gi.error.map(|e| e.to_string());
             rec.responded_at_ms = now_ms();
             me.append_log(&pslot, rec).await;
+            if let Some(f) = kept {
+                if !disconnected {
+                    let _ = tx.send(Ok(f)).await;
+                }
+            }
             drop(hold);
             drop(tx);
         });
-        let gi = self.gate(&slot, turn, &ticket).await;
+        let gi = self.gate(&slot, turn, &ticket, Until::Checkpoint).await;
+        ticket.head_released();
         let stages = gi.stages.clone();
         self.record_breakdown(&slot, &stages);
         let _ = gate_tx.send(gi);
@@ -1033,7 +1103,7 @@ impl Coordinator {
         let mut st = slot.turn.lock().await;
         st.turn += 1;
         let turn = st.turn;
-        let ticket = self.boundary(&slot, turn, Provider::OpenAi, "").await;
+        let ticket = self.boundary(&slot, turn, Provider::OpenAi, "", false).await;
         let ticket = ReportingTicket::wrap(ticket, self.hooks.clone(), sandbox, turn);
         st.ticket = Some(ticket.clone());
         st.last_hash = None;

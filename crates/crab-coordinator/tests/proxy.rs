@@ -34,6 +34,9 @@ enum Mode {
     Never,
     /// `on_boundary` itself fails (no checkpoint could be started).
     HookErr,
+    /// Published at once, its sandbox parked: ready (woken) this long after a stream's head
+    /// is released, or at once when a whole answer's gate promotes it.
+    Parked(Duration),
 }
 
 struct FakeTicket {
@@ -41,13 +44,42 @@ struct FakeTicket {
     promoted_at: Mutex<Option<Instant>>,
     published_at: Mutex<Option<Instant>>,
     exposed: Mutex<Vec<Duration>>,
+    /// Whether its sandbox is ready (not parked), and how long after a stream's head it wakes.
+    ready: Arc<watch::Sender<bool>>,
+    wakes_after_head: Option<Duration>,
+    ready_at: Arc<Mutex<Option<Instant>>>,
+}
+
+impl FakeTicket {
+    /// Its sandbox wakes `after` from now (a parked one).
+    fn wake(&self, after: Duration) {
+        if *self.ready.borrow() {
+            return;
+        }
+        let (ready, at) = (self.ready.clone(), self.ready_at.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            at.lock().unwrap().get_or_insert_with(Instant::now);
+            ready.send_replace(true);
+        });
+    }
 }
 
 impl BoundaryTicket for FakeTicket {
     fn is_published(&self) -> bool {
-        self.tx.borrow().is_some()
+        self.tx.borrow().is_some() && *self.ready.borrow()
     }
     fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
+        Box::pin(async move {
+            let r = self.wait_checkpoint().await;
+            self.wait_ready().await?;
+            r
+        })
+    }
+    fn is_checkpointed(&self) -> bool {
+        self.tx.borrow().is_some()
+    }
+    fn wait_checkpoint(&self) -> BoxFuture<'_, Result<Published, HookError>> {
         let mut rx = self.tx.subscribe();
         Box::pin(async move {
             let v = rx
@@ -57,8 +89,24 @@ impl BoundaryTicket for FakeTicket {
             v.clone().unwrap()
         })
     }
+    fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+    fn wait_ready(&self) -> BoxFuture<'_, Result<(), HookError>> {
+        let mut rx = self.ready.subscribe();
+        Box::pin(async move {
+            rx.wait_for(|r| *r).await.map_err(|e| HookError::internal(e.to_string()))?;
+            Ok(())
+        })
+    }
     fn promote(&self) {
         *self.promoted_at.lock().unwrap() = Some(Instant::now());
+        self.wake(Duration::from_millis(100));
+    }
+    fn head_released(&self) {
+        if let Some(d) = self.wakes_after_head {
+            self.wake(d);
+        }
     }
     fn record_exposed(&self, held: Duration) {
         self.exposed.lock().unwrap().push(held);
@@ -118,11 +166,19 @@ impl TurnHooks for FakeHooks {
         let id = format!("{}-{}", b.sandbox, b.turn);
         self.boundaries.lock().unwrap().push(b);
         let (tx, _) = watch::channel(None);
+        let wakes_after_head = match mode {
+            Mode::Parked(d) => Some(d),
+            _ => None,
+        };
+        let ready = Arc::new(watch::channel(wakes_after_head.is_none()).0);
         let t = Arc::new(FakeTicket {
             tx,
             promoted_at: Mutex::new(None),
             published_at: Mutex::new(None),
             exposed: Mutex::new(Vec::new()),
+            ready,
+            wakes_after_head,
+            ready_at: Arc::new(Mutex::new(None)),
         });
         self.tickets.lock().unwrap().push(t.clone());
         let settle = |t: Arc<FakeTicket>, after: Duration, r: Result<Published, HookError>| {
@@ -145,6 +201,9 @@ impl TurnHooks for FakeHooks {
                 Err(HookError::new(ErrorCode::PoolFull, "btrfs snapshot failed: no space", "")),
             ),
             Mode::Never => {}
+            Mode::Parked(_) => {
+                settle(t.clone(), Duration::ZERO, Ok(Published { checkpoint_id: id }))
+            }
             Mode::HookErr => {
                 return Box::pin(async {
                     Err(HookError::new(ErrorCode::Busy, "inspector unreachable", ""))
@@ -496,6 +555,47 @@ async fn streams_are_held_before_the_first_byte_and_arrive_byte_exact() {
     assert!(conv[0].stream && conv[0].complete && !conv[0].client_disconnected);
     assert_eq!(conv[0].provider, "anthropic");
     assert_eq!(h.stub.requests()[0].header("x-api-key"), Some("sk-ant"));
+}
+
+/// A parked sandbox's answer (the host's parking): a stream's head and body go out once the
+/// checkpoint is published, only its end waits for the wake (timed from the head); a whole
+/// answer waits for the wake, which its gate starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_sandboxs_stream_flows_and_only_its_end_waits_for_the_wake() {
+    let hooks = FakeHooks::new(Mode::Parked(Duration::from_millis(600)));
+    let h = harness(
+        hooks.clone(),
+        StubConfig {
+            stream_events: 20,
+            chunk_delay: Duration::from_millis(10),
+            ..Default::default()
+        },
+        |_| {},
+    )
+    .await;
+    let r = h.chat("a", r#"{"stream":true,"messages":[]}"#).await;
+    let end = Instant::now();
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body.to_vec(), stream_chunks(20).concat(), "stream byte-exact");
+    let t = hooks.ticket(0);
+    let ready = t.ready_at.lock().unwrap().expect("woken");
+    assert!(r.first_byte_at.unwrap() < ready, "the head and body flow while it is parked");
+    assert!(end >= ready, "the end waits for the wake");
+    assert!(t.promoted_at.lock().unwrap().is_none(), "the wake is timed from the head");
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    assert!(
+        conv[0].complete && conv[0].held_ms > 50.0,
+        "the end's wait is counted: {}",
+        conv[0].held_ms
+    );
+
+    // A whole answer: not a byte before the wake, which the gate starts (promote).
+    let r = h.chat("a", r#"{"messages":[{"role":"user","content":"2"}]}"#).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let t = hooks.ticket(1);
+    let ready = t.ready_at.lock().unwrap().expect("woken");
+    assert!(r.head_at >= ready, "a whole answer waits for the wake");
+    assert!(t.promoted_at.lock().unwrap().is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

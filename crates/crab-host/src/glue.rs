@@ -314,6 +314,7 @@ mod tests {
             conversation_offset: 0,
             provider: crab_coordinator::Provider::OpenAi,
             path: String::new(),
+            streams: false,
         };
         let e = hooks.on_boundary(b).await.err().map(|e| (e.code(), e.to_string()));
         assert!(matches!(&e, Some((ErrorCode::Internal, m)) if m.contains("not running")), "{e:?}");

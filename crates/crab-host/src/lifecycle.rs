@@ -372,15 +372,26 @@ impl Host {
         name: &str,
         point: &str,
         started: std::time::Instant,
+        streams: bool,
     ) {
         let Some(pol) = self.park_policy.clone() else {
             return;
         };
-        let Some(wait) = self.parking.expected_wait_ms(name) else {
+        let cost = self.parking.wake_cost_ms();
+        // A streamed answer's head comes early enough to wake from when its answers (this
+        // sandbox's, else the host's) go on long enough after it: nine in ten outlast twice
+        // the wake cost. Its wait is then at least that lead.
+        let known = self.parking.answer_lead_ms(name);
+        let expected = self.parking.expected_wait_ms(name);
+        // Nothing known yet on this host (its first answers): a streamed answer's head wakes
+        // it all the same, and its end waits for the wake, which delays it only when the
+        // answer is shorter than a wake — if its point holds its processes (no dump to pay).
+        let cold = streams && known.is_none() && expected.is_none();
+        let lead = known.filter(|&lead| streams && lead >= 2.0 * cost).or(cold.then_some(0.0));
+        let Some(wait) = expected.or(lead) else {
             return;
         };
-        let cost = self.parking.wake_cost_ms();
-        if wait < pol.margin * cost {
+        if !cold && wait < pol.margin * cost {
             return;
         }
         let rt = self.runtime().clone();
@@ -406,7 +417,7 @@ impl Host {
             .is_some_and(|m| m.procs.is_some() && m.procs_missing.is_none());
         let from = if holds {
             Some(point.to_string())
-        } else if wait >= pol.margin * (cost + crate::parking::DUMP_MS) {
+        } else if !cold && wait >= pol.margin * (cost + crate::parking::DUMP_MS) {
             None
         } else {
             return;
@@ -422,12 +433,10 @@ impl Host {
                 return;
             }
         };
-        // Answers that stream on long enough after their head (nine in ten outlast twice the
-        // wake cost): the head wakes it (the gate promotes the ticket), and the restore
-        // overlaps the rest of the answer — it stays parked until the model starts writing.
-        if parked_at.is_some()
-            && self.parking.answer_lead_ms(name).is_some_and(|lead| lead >= 2.0 * cost)
-        {
+        // An answer that streams on long enough after its head: its head and body go out,
+        // its end waits for the wake, which the head times (`ParkTicket::head_released`) — it
+        // stays parked until the model is nearly done writing.
+        if parked_at.is_some() && lead.is_some() {
             self.parking.head_parked();
             return;
         }

@@ -213,11 +213,16 @@ impl Parking {
 
     /// How long `sandbox`'s answers can be expected to go on after their head: the 10th
     /// percentile of its newest [`HISTORY`] (nine in ten were longer), once it has shown
-    /// [`MIN_WAITS`] of them. A streamed answer's head comes when the model starts writing; a
-    /// wake started then is back before the end when this exceeds the wake cost.
+    /// [`MIN_WAITS`] of them; before that, the same of every sandbox's newest answers on this
+    /// host (like [`Parking::expected_wait_ms`]'s prior). A streamed answer's head comes when
+    /// the model starts writing; a wake started then is back before the end when this exceeds
+    /// the wake cost.
     pub fn answer_lead_ms(&self, sandbox: &str) -> Option<f64> {
         let g = lock(&self.inner);
-        let mut v: Vec<f64> = g.leads.get(sandbox)?.iter().copied().collect();
+        let mut v: Vec<f64> = match g.leads.get(sandbox) {
+            Some(l) if l.len() >= MIN_WAITS => l.iter().copied().collect(),
+            _ => g.leads.values().flat_map(|l| l.iter().copied()).collect(),
+        };
         (v.len() >= MIN_WAITS).then(|| quantile(&mut v, 0.10))
     }
 
@@ -322,7 +327,7 @@ mod tests {
     }
 
     #[test]
-    fn the_answer_lead_is_a_low_quantile_of_its_own_answers() {
+    fn the_answer_lead_is_a_low_quantile_of_its_own_answers_or_the_hosts() {
         let p = Parking::default();
         p.record_lead("a", 900.0);
         p.record_lead("a", 1200.0);
@@ -330,12 +335,15 @@ mod tests {
         p.record_lead("a", 40.0);
         let l = p.answer_lead_ms("a").unwrap();
         assert!(l < 900.0, "a short answer pulls it down: {l}");
-        assert_eq!(p.answer_lead_ms("b"), None, "no prior from other sandboxes");
+        assert_eq!(p.answer_lead_ms("b"), Some(l), "the host's answers are the prior");
         for _ in 0..HISTORY {
             p.record_lead("a", 2000.0);
         }
         assert_eq!(p.answer_lead_ms("a"), Some(2000.0), "old answers age out");
+        p.record_lead("b", 10.0);
+        assert_eq!(p.answer_lead_ms("a"), Some(2000.0), "its own answers, once it has enough");
         p.forget("a");
+        p.forget("b");
         assert_eq!(p.answer_lead_ms("a"), None);
     }
 

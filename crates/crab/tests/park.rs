@@ -254,9 +254,10 @@ fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
     drop(stub);
 }
 
-/// Answers that stream on well past their head: once the sandbox has shown that, the engine
-/// parks it without a wake ahead of the answer — the answer's head wakes it (the restore
-/// overlaps the rest of the stream) — and the agent still gets the whole answer with the
+/// Answers that stream on well past their head: the engine parks the sandbox without a wake
+/// ahead of the answer (on the first turn too: nothing is known yet, and the stream's end is
+/// what waits for the wake) — the head and body flow, the head times the wake so that it
+/// overlaps the rest of the stream — and the agent still gets the whole answer with the
 /// sandbox running.
 #[test]
 fn a_streamed_answer_wakes_it_at_its_head() {
@@ -305,7 +306,8 @@ fn a_streamed_answer_wakes_it_at_its_head() {
     let top = d.json(&["top", "--once"]);
     let p = &top["parking"];
     assert!(p["head_parks"].as_u64().unwrap() >= 1, "never left a wake to the answer's head: {p}");
-    assert!(p["answer_wakes"].as_u64().unwrap() >= p["head_parks"].as_u64().unwrap(), "{p}");
+    // A wake timed from the head finishes before the end: not every end waited for one.
+    assert!(p["answer_wakes"].as_u64().unwrap() < p["head_parks"].as_u64().unwrap(), "{p}");
     assert_eq!(p["wake_failures"], 0, "{p}");
     drop(stub);
 }

@@ -163,11 +163,11 @@ impl Host {
         // waits; the gate sees the ticket published only once that is decided and the sandbox
         // is awake.
         let (tx, rx) = tokio::sync::watch::channel(false);
-        let (h, t, name) = (self.clone(), ticket.clone(), b.sandbox.clone());
+        let (h, t, name, streams) = (self.clone(), ticket.clone(), b.sandbox.clone(), b.streams);
         let started = std::time::Instant::now();
         tokio::spawn(async move {
             if let Ok(p) = t.wait_published().await {
-                h.maybe_park(&name, &p.checkpoint_id, started).await;
+                h.maybe_park(&name, &p.checkpoint_id, started, streams).await;
             }
             let _ = tx.send(true);
         });
@@ -319,18 +319,70 @@ impl BoundaryTicket for ParkTicket {
         Result<crab_coordinator::Published, crab_coordinator::HookError>,
     > {
         Box::pin(async move {
+            let r = self.wait_checkpoint().await;
+            self.wait_ready().await?;
+            r
+        })
+    }
+
+    fn is_checkpointed(&self) -> bool {
+        self.inner.is_published() && *self.decided.borrow()
+    }
+
+    fn wait_checkpoint(
+        &self,
+    ) -> crab_coordinator::BoxFuture<
+        '_,
+        Result<crab_coordinator::Published, crab_coordinator::HookError>,
+    > {
+        Box::pin(async move {
             if let Some(h) = self.host.upgrade() {
                 h.parking.record_wait(&self.sandbox, self.started.elapsed().as_secs_f64() * 1e3);
             }
             let r = self.inner.wait_published().await;
             let mut d = self.decided.clone();
             let _ = d.wait_for(|v| *v).await;
+            r
+        })
+    }
+
+    fn is_ready(&self) -> bool {
+        self.parked().is_none()
+    }
+
+    fn wait_ready(
+        &self,
+    ) -> crab_coordinator::BoxFuture<'_, Result<(), crab_coordinator::HookError>> {
+        Box::pin(async move {
             if let Some(h) = self.parked() {
                 h.parking.answer_woke();
                 h.ensure_awake(&self.sandbox).await?;
             }
-            r
+            Ok(())
         })
+    }
+
+    /// A parked sandbox's streamed answer: its end waits for the wake, so the wake starts as
+    /// late as is safe — the sandbox's answers went on at least `lead` after their head (nine
+    /// in ten), and the wake is back within twice its cost — and at once without that history.
+    fn head_released(&self) {
+        let Some(h) = self.parked() else {
+            return;
+        };
+        let (n, at) = (self.sandbox.clone(), h.parked_at(&self.sandbox));
+        let cost = h.parking.wake_cost_ms();
+        let lead = h.parking.answer_lead_ms(&n).unwrap_or(0.0);
+        let delay = std::time::Duration::from_secs_f64((lead - 2.0 * cost).max(0.0) / 1e3);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            // Still parked where it was (not woken by its answer's end or a call, nor parked
+            // again at a later turn).
+            if at.is_some() && h.parked_at(&n) == at {
+                if let Err(e) = h.ensure_awake(&n).await {
+                    tracing::warn!(sandbox = %n, error = %e, "the wake timed from the answer's head failed");
+                }
+            }
+        });
     }
 
     fn promote(&self) {

@@ -9,7 +9,10 @@
 //! once. When the upstream's response head arrives the gate waits for the ticket (promoting it
 //! first if it is still pending); a buffered response is logged and fsynced before release, a
 //! stream is released head-first and passed through frame by frame, its log record written
-//! before the final chunk. Each request runs in its own task, so a client that goes away never
+//! before the final chunk. A stream's gate waits only for the checkpoint: what else its end
+//! must wait for (the host's wake of a parked sandbox, [`BoundaryTicket::wait_ready`]) holds
+//! back only the newest frame, so the agent reads the answer as it comes and gets its end once
+//! the sandbox is ready. Each request runs in its own task, so a client that goes away never
 //! cancels a gate or a log write.
 //!
 //! Connections are admitted through [`crate::limits::ConnGate`]s — one per in-sandbox endpoint

@@ -388,10 +388,14 @@ impl Host {
         // answer is shorter than a wake — if its point holds its processes (no dump to pay).
         let cold = streams && known.is_none() && expected.is_none();
         let lead = known.filter(|&lead| streams && lead >= 2.0 * cost).or(cold.then_some(0.0));
-        let Some(wait) = expected.or(lead) else {
+        if expected.is_none() && lead.is_none() {
             return;
-        };
-        if !cold && wait < pol.margin * cost {
+        }
+        // How long it can be expected to stay parked: until its wake, twice the wake cost
+        // before the expected wait's end — or, left to the head, that much before the lead's.
+        let wait = expected.unwrap_or(0.0) + lead.unwrap_or(0.0);
+        let parked_ms = wait - 2.0 * cost;
+        if !cold && parked_ms < pol.margin * cost {
             return;
         }
         let rt = self.runtime().clone();
@@ -417,7 +421,7 @@ impl Host {
             .is_some_and(|m| m.procs.is_some() && m.procs_missing.is_none());
         let from = if holds {
             Some(point.to_string())
-        } else if !cold && wait >= pol.margin * (cost + crate::parking::DUMP_MS) {
+        } else if !cold && parked_ms >= pol.margin * (cost + crate::parking::DUMP_MS) {
             None
         } else {
             return;
@@ -443,10 +447,10 @@ impl Host {
         // Else wake it ahead of the answer: by the expected wait (three in four answers come
         // later) less twice the wake cost, it is back before the agent can notice; an answer
         // that comes sooner wakes it itself.
-        let lead = std::time::Duration::from_secs_f64((wait - 2.0 * cost).max(0.0) / 1e3);
+        let ahead = std::time::Duration::from_secs_f64((wait - 2.0 * cost).max(0.0) / 1e3);
         let (h, n) = (self.clone(), name.to_string());
         tokio::spawn(async move {
-            tokio::time::sleep_until((started + lead).into()).await;
+            tokio::time::sleep_until((started + ahead).into()).await;
             // Still parked at this turn's point (not woken, nor parked again at a later turn).
             if parked_at.is_some() && h.parked_at(&n) == parked_at {
                 h.parking.prewoke();

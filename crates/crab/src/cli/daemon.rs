@@ -141,13 +141,16 @@ pub(super) struct DaemonArgs {
     insecure_registries: Vec<String>,
     /// Park sandboxes at turn boundaries while the running sandboxes' memory exceeds SIZE
     /// (e.g. `8G`): a sandbox whose agent waits on the LLM, whose expected wait (the p25 of its
-    /// own recent waits) exceeds the wake cost by `--park-margin`, has its processes stopped
+    /// own recent waits) lets it stay parked `--park-margin` times the wake cost, has its processes stopped
     /// after its turn's point (a full dump first when that point lacks them and the wait pays
     /// for it too); its LLM answer, or any call, wakes it first. Unset: sandboxes park only by
     /// hand (`crab sandbox park`). A sandbox labelled `crab.park=never` never parks.
     #[arg(long, env = "CRAB_MEMORY_BUDGET", value_name = "SIZE", value_parser = parse_size)]
     memory_budget: Option<u64>,
-    /// How many times the expected wake cost an expected wait must be for a sandbox to park.
+    /// How many times the expected wake cost the time a sandbox can be expected to stay
+    /// parked must be for it to park: until its wake, which comes twice the wake cost before
+    /// the expected answer, or, for a streamed answer, its expected lead after the head less
+    /// that.
     #[arg(long, default_value_t = 3.0, value_parser = parse_margin)]
     park_margin: f64,
 }

@@ -930,9 +930,10 @@ impl Coordinator {
         }
         // Stream: a pump task reads upstream into a channel from now on; the head is released
         // after the gate (the turn's checkpoint); the log record is written before the body's
-        // end is. While the ticket is not ready (its sandbox is parked: the wake is under way
-        // or timed from the head) the pump keeps the newest frame back, so whatever ends the
-        // answer (`[DONE]`, `message_stop`, the last chunk) goes out only once it is.
+        // end is. Until the ticket is checkpointed and ready (its sandbox may park, or is
+        // parked: the wake is under way or timed from the head) the pump keeps the newest frame
+        // back, so whatever ends the answer (`[DONE]`, `message_stop`, the last chunk) goes out
+        // only once it is.
         let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(64);
         let (gate_tx, gate_rx) = oneshot::channel::<GateInfo>();
         let hold: BodyHold = hold;
@@ -957,7 +958,9 @@ impl Coordinator {
                         if let Some(d) = frame.data_ref() {
                             buf.extend_from_slice(d);
                         }
-                        let out = if pticket.is_ready() {
+                        // Before the checkpoint is settled its sandbox may yet park (the
+                        // gate holds these frames anyway).
+                        let out = if pticket.is_checkpointed() && pticket.is_ready() {
                             [kept.take(), Some(frame)]
                         } else {
                             [kept.replace(frame), None]

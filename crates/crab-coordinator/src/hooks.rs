@@ -230,20 +230,24 @@ impl ReportingTicket {
     }
 }
 
+impl ReportingTicket {
+    /// `r`, its failure reported to the hooks the first time one is seen.
+    fn report(&self, r: Result<Published, HookError>) -> Result<Published, HookError> {
+        if let Err(e) = &r {
+            if !self.reported.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                self.hooks.checkpoint_failed(&self.sandbox, self.turn, e);
+            }
+        }
+        r
+    }
+}
+
 impl BoundaryTicket for ReportingTicket {
     fn is_published(&self) -> bool {
         self.inner.is_published()
     }
     fn wait_published(&self) -> BoxFuture<'_, Result<Published, HookError>> {
-        Box::pin(async move {
-            let r = self.inner.wait_published().await;
-            if let Err(e) = &r {
-                if !self.reported.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                    self.hooks.checkpoint_failed(&self.sandbox, self.turn, e);
-                }
-            }
-            r
-        })
+        Box::pin(async move { self.report(self.inner.wait_published().await) })
     }
     fn promote(&self) {
         self.inner.promote();
@@ -252,15 +256,7 @@ impl BoundaryTicket for ReportingTicket {
         self.inner.is_checkpointed()
     }
     fn wait_checkpoint(&self) -> BoxFuture<'_, Result<Published, HookError>> {
-        Box::pin(async move {
-            let r = self.inner.wait_checkpoint().await;
-            if let Err(e) = &r {
-                if !self.reported.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                    self.hooks.checkpoint_failed(&self.sandbox, self.turn, e);
-                }
-            }
-            r
-        })
+        Box::pin(async move { self.report(self.inner.wait_checkpoint().await) })
     }
     fn is_ready(&self) -> bool {
         self.inner.is_ready()

@@ -380,7 +380,7 @@ impl Host {
         let cost = self.parking.wake_cost_ms();
         // A streamed answer's head comes early enough to wake from when its answers (this
         // sandbox's, else the host's) go on long enough after it: nine in ten outlast twice
-        // the wake cost. Its wait is then at least that lead.
+        // the wake cost.
         let known = self.parking.answer_lead_ms(name);
         let expected = self.parking.expected_wait_ms(name);
         // Nothing known yet on this host (its first answers): a streamed answer's head wakes
@@ -448,15 +448,32 @@ impl Host {
         // later) less twice the wake cost, it is back before the agent can notice; an answer
         // that comes sooner wakes it itself.
         let ahead = std::time::Duration::from_secs_f64((wait - 2.0 * cost).max(0.0) / 1e3);
+        self.wake_later(name, parked_at, started + ahead, true);
+    }
+
+    /// Wake `name` at `when` if it is still parked at `at` then (not woken by its answer or a
+    /// call meanwhile, nor parked again at a later turn): a wake `ahead` of the answer (counted
+    /// as one), else one timed from a streamed answer's head.
+    pub(crate) fn wake_later(
+        self: &Arc<Self>,
+        name: &str,
+        at: Option<String>,
+        when: std::time::Instant,
+        ahead: bool,
+    ) {
         let (h, n) = (self.clone(), name.to_string());
         tokio::spawn(async move {
-            tokio::time::sleep_until((started + ahead).into()).await;
-            // Still parked at this turn's point (not woken, nor parked again at a later turn).
-            if parked_at.is_some() && h.parked_at(&n) == parked_at {
+            tokio::time::sleep_until(when.into()).await;
+            if at.is_none() || h.parked_at(&n) != at {
+                return;
+            }
+            if ahead {
                 h.parking.prewoke();
-                if let Err(e) = h.ensure_awake(&n).await {
-                    tracing::warn!(sandbox = %n, error = %e, "the wake ahead of the answer failed");
-                }
+            }
+            if let Err(e) = h.ensure_awake(&n).await {
+                let what =
+                    if ahead { "ahead of the answer" } else { "timed from the answer's head" };
+                tracing::warn!(sandbox = %n, error = %e, "the wake {what} failed");
             }
         });
     }

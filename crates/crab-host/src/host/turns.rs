@@ -369,20 +369,11 @@ impl BoundaryTicket for ParkTicket {
         let Some(h) = self.parked() else {
             return;
         };
-        let (n, at) = (self.sandbox.clone(), h.parked_at(&self.sandbox));
         let cost = h.parking.wake_cost_ms();
-        let lead = h.parking.answer_lead_ms(&n).unwrap_or(0.0);
+        let lead = h.parking.answer_lead_ms(&self.sandbox).unwrap_or(0.0);
         let delay = std::time::Duration::from_secs_f64((lead - 2.0 * cost).max(0.0) / 1e3);
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            // Still parked where it was (not woken by its answer's end or a call, nor parked
-            // again at a later turn).
-            if at.is_some() && h.parked_at(&n) == at {
-                if let Err(e) = h.ensure_awake(&n).await {
-                    tracing::warn!(sandbox = %n, error = %e, "the wake timed from the answer's head failed");
-                }
-            }
-        });
+        let at = h.parked_at(&self.sandbox);
+        h.wake_later(&self.sandbox, at, std::time::Instant::now() + delay, false);
     }
 
     fn promote(&self) {

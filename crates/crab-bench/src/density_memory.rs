@@ -21,11 +21,13 @@
 //! with at least 90 % of its memory: it survived every park and wake), and the bytes of the
 //! mode's restore points.
 //!
-//! With `--stream` the answers are SSE streams: a turn's recorded latency splits into the time
-//! to the head and the generation of the step's output (its thought and action, four
-//! characters a token, at `--stream-tps`, leaving the head at least 300 ms); the overhead is
-//! measured at the answer's end (what an agent acting on a whole answer sees) and, apart, at
-//! its first byte.
+//! A turn's recorded latency splits into the time to the head and the generation of the
+//! step's output (its thought and action, four characters a token, at `--stream-tps`, leaving
+//! the head at least 300 ms). With `--stream` the agents ask for SSE streams, spread over the
+//! generation; without, for whole answers, which the stub gives after the head and the
+//! generation — and which the bench's daemon, parking, asks of the stub as streams and
+//! assembles (`--stream-whole-answers auto`). The overhead is measured at the answer's end
+//! (what an agent acting on a whole answer sees) and, for streams, apart at its first byte.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -62,8 +64,12 @@ pub struct DensityMemoryOptions {
     pub resident_mb: u64,
     /// The timer baseline's idle time before a pause, s.
     pub idle_s: f64,
-    /// Answers stream, generated at this many tokens per second (`None`: whole answers).
-    pub stream: Option<f64>,
+    /// Answers stream (else the agents ask for whole answers).
+    pub stream: bool,
+    /// Tokens per second the stub's answers are generated at, whole or streamed: an answer
+    /// comes at its head plus its generation (the daemon streams whole answers from the
+    /// stub, `--stream-whole-answers auto` with its memory budget, and assembles them).
+    pub tps: f64,
     /// The image the sandboxes are made of (imported from the main daemon's state).
     pub image: String,
     /// The main daemon's state directory (where the image's tree is).
@@ -140,9 +146,10 @@ pub async fn run(opts: &DensityMemoryOptions) -> Result<DensityMemoryReport, Api
                 .filter_map(|s| {
                     let l = s.llm_latency_s?;
                     let chars = s.thought_chars.unwrap_or(0) + s.action.len() as u64;
-                    let gen = match opts.stream {
-                        Some(tps) if tps > 0.0 => (chars as f64 / 4.0 / tps).min(l - 0.3).max(0.0),
-                        _ => 0.0,
+                    let gen = if opts.tps > 0.0 {
+                        (chars as f64 / 4.0 / opts.tps).min(l - 0.3).max(0.0)
+                    } else {
+                        0.0
                     };
                     Some((l, gen))
                 })
@@ -187,7 +194,11 @@ pub async fn run(opts: &DensityMemoryOptions) -> Result<DensityMemoryReport, Api
         }
     }
     drop(stub);
-    Ok(DensityMemoryReport { modes, load: (before, load_avg()), stream_tps: opts.stream })
+    Ok(DensityMemoryReport {
+        modes,
+        load: (before, load_avg()),
+        stream_tps: opts.stream.then_some(opts.tps),
+    })
 }
 
 async fn one_mode(
@@ -293,7 +304,7 @@ async fn one_mode(
         let (c, n, lats, port, last, active) =
             (client.clone(), n.clone(), lat[i].clone(), d.port, last_call.clone(), active.clone());
         let turns = opts.turns;
-        let stream = opts.stream.is_some();
+        let stream = opts.stream;
         let want_kb = opts.resident_mb * 1024 * 9 / 10;
         agents.push(tokio::spawn(async move {
             let mut exposed = Vec::new();
@@ -305,10 +316,7 @@ async fn one_mode(
                 let url = format!("http://127.0.0.1:{port}/s/{n}/v1/chat/completions");
                 let body = serde_json::json!({"model": "m", "stream": stream, "messages": [{"role": "user", "content": format!("{n} turn {t}")}]});
                 let (head, spread) = (delay_ms.saturating_sub(gen_ms).to_string(), gen_ms.to_string());
-                let mut headers = vec![(DELAY_HEADER, head.as_str())];
-                if stream {
-                    headers.push((STREAM_MS_HEADER, spread.as_str()));
-                }
+                let headers = [(DELAY_HEADER, head.as_str()), (STREAM_MS_HEADER, spread.as_str())];
                 let t0 = Instant::now();
                 let a = post_json(&url, &headers, &body).await?;
                 let answered = t0.elapsed().as_secs_f64() * 1e3;
@@ -384,7 +392,7 @@ async fn one_mode(
         mem_per_agent_mib: mib(per_agent),
         per_gib_agents: if per_agent > 0.0 { 1073741824.0 / per_agent } else { 0.0 },
         exposed_ms: Summary::of(&exposed),
-        first_byte_ms: opts.stream.map(|_| Summary::of(&first)),
+        first_byte_ms: opts.stream.then(|| Summary::of(&first)),
         wall_s,
         correct,
         parks: top1.0 - top0.0,

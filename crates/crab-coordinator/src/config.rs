@@ -52,6 +52,13 @@ pub struct ProxyConfig {
     pub max_sandbox_buffered_bytes: usize,
     /// Bytes of turn-request bodies in memory at once over all sandboxes; `0` = no budget.
     pub max_buffered_bytes: usize,
+    /// Ask the upstream to stream a chat answer the agent asked for whole (`/chat/completions`,
+    /// `/messages`) and hand the agent the answer assembled from the stream
+    /// ([`crate::assemble`]): the stream's head is the early signal that wakes a parked
+    /// sandbox while the model still generates (`--stream-whole-answers`; the daemon turns
+    /// it on when it parks).
+    #[serde(default)]
+    pub stream_whole_answers: bool,
 }
 
 impl ProxyConfig {
@@ -87,6 +94,7 @@ impl Default for ProxyConfig {
             max_connections: 16384,
             max_sandbox_buffered_bytes: 32 << 20,
             max_buffered_bytes: 96 << 20,
+            stream_whole_answers: false,
         }
     }
 }

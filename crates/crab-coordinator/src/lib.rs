@@ -32,6 +32,7 @@
 //!    [`Coordinator::metrics_text`] + `Engine::metrics_text`, `crab top` from
 //!    [`Coordinator::stats`] + `Engine::stats`.
 
+pub mod assemble;
 mod config;
 pub mod convlog;
 mod hooks;

@@ -47,6 +47,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crab_common::ErrorCode;
 
+use crate::assemble::AssembleError;
 use crate::config::{ConfigError, ProxyConfig, Upstream};
 use crate::convlog::{sha256_hex, ConversationLog, LogError, LogRecord};
 use crate::hooks::{
@@ -198,6 +199,56 @@ enum Until {
 struct StreamFlag {
     #[serde(default)]
     stream: Option<serde_json::Value>,
+}
+
+/// The shape of a chat stream the proxy can make whole ([`crate::assemble`]).
+#[derive(Debug, Clone, Copy)]
+enum StreamShape {
+    /// `/v1/chat/completions`.
+    OpenAiChat,
+    /// `/v1/messages`.
+    AnthropicMessages,
+}
+
+impl StreamShape {
+    fn of(path: &str) -> Option<StreamShape> {
+        match path {
+            "/v1/chat/completions" => Some(StreamShape::OpenAiChat),
+            "/v1/messages" => Some(StreamShape::AnthropicMessages),
+            _ => None,
+        }
+    }
+
+    /// The request body asking for a stream (`"stream": true`; OpenAI's usage comes in a
+    /// last chunk only when asked for), or `None` when the body is not a JSON object.
+    fn streamed_request(self, body: &[u8]) -> Option<Bytes> {
+        let mut v: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(body).ok()?;
+        v.insert("stream".into(), serde_json::Value::Bool(true));
+        if matches!(self, StreamShape::OpenAiChat) && !v.contains_key("stream_options") {
+            v.insert("stream_options".into(), serde_json::json!({"include_usage": true}));
+        }
+        serde_json::to_vec(&v).ok().map(Bytes::from)
+    }
+
+    fn assemble(
+        self,
+        events: &[crate::assemble::SseEvent],
+    ) -> Result<serde_json::Value, AssembleError> {
+        match self {
+            StreamShape::OpenAiChat => crate::assemble::openai_chat(events),
+            StreamShape::AnthropicMessages => crate::assemble::anthropic_message(events),
+        }
+    }
+}
+
+/// The head of a stream the proxy makes into a whole answer.
+struct StreamedAnswer {
+    shape: StreamShape,
+    status: StatusCode,
+    headers: HeaderMap,
+    head_at: Instant,
+    up_name: String,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -789,6 +840,14 @@ impl Coordinator {
             .ok()
             .and_then(|f| f.stream)
             .is_some_and(|v| v.as_bool() == Some(true));
+        let path = path_and_query.split('?').next().unwrap_or("").to_string();
+        // A whole answer asked of the upstream as a stream (its head wakes a parked sandbox
+        // early); the agent gets it whole, assembled.
+        let early = if !streams && self.cfg.stream_whole_answers {
+            StreamShape::of(&path).and_then(|shape| Some((shape, shape.streamed_request(&body)?)))
+        } else {
+            None
+        };
         let hash = sha256_hex(&body);
         let retry_header = parts
             .headers
@@ -796,9 +855,8 @@ impl Coordinator {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
             .is_some_and(|n| n > 0);
-        let path = path_and_query.split('?').next().unwrap_or("").to_string();
         let (turn, ticket, retry) = match self
-            .decide(&slot, &hash, retry_header, provider, &path, streams)
+            .decide(&slot, &hash, retry_header, provider, &path, streams || early.is_some())
             .await
         {
             Decision::Replay(rec) => {
@@ -809,13 +867,29 @@ impl Coordinator {
         };
         tracing::debug!(sandbox = %slot.name, turn, retry, %path, "turn request");
         let upstream = self.upstream(provider).clone();
-        let upstream_req = match build_upstream_request(
-            &upstream,
-            &parts.method,
-            &path_and_query,
-            &parts.headers,
-            full(body.clone()),
-        ) {
+        let upstream_req = match &early {
+            Some((_, streamed)) => {
+                // Another body, and one the proxy must read: no stale length, no encoding.
+                let mut h = parts.headers.clone();
+                h.remove(CONTENT_LENGTH);
+                h.remove(hyper::header::ACCEPT_ENCODING);
+                build_upstream_request(
+                    &upstream,
+                    &parts.method,
+                    &path_and_query,
+                    &h,
+                    full(streamed.clone()),
+                )
+            }
+            None => build_upstream_request(
+                &upstream,
+                &parts.method,
+                &path_and_query,
+                &parts.headers,
+                full(body.clone()),
+            ),
+        };
+        let upstream_req = match upstream_req {
             Ok(r) => r,
             Err(resp) => return *resp,
         };
@@ -879,6 +953,11 @@ impl Coordinator {
         };
         let mut headers = rparts.headers.clone();
         strip_hop_by_hop(&mut headers);
+        if let Some((shape, _)) = early.filter(|_| is_stream && rparts.status.is_success()) {
+            let up_name = format!("upstream {} ({})", upstream.provider, upstream.url);
+            let answer = StreamedAnswer { shape, status: rparts.status, headers, head_at, up_name };
+            return self.assembled_answer(&slot, turn, &ticket, answer, rbody, rec, hold).await;
+        }
         if !is_stream {
             let max = self.cfg.max_response_bytes;
             let idle = self.cfg.stream_idle_timeout;
@@ -1028,6 +1107,126 @@ impl Coordinator {
         let _ = gate_tx.send(gi);
         let mut resp = Response::new(ChannelBody { rx }.boxed_unsync());
         *resp.status_mut() = rparts.status;
+        *resp.headers_mut() = headers;
+        set_held_header(resp.headers_mut(), &stages);
+        resp
+    }
+
+    /// A whole answer the upstream streamed ([`ProxyConfig::stream_whole_answers`]): the gate
+    /// waits for the turn's checkpoint beside the stream, then the head times a parked
+    /// sandbox's wake; the answer assembled from the stream's events goes out once the sandbox
+    /// is ready, logged as the whole answer the agent got (a replay gives the same bytes).
+    #[allow(clippy::too_many_arguments)]
+    async fn assembled_answer(
+        &self,
+        slot: &Arc<Slot>,
+        turn: u64,
+        ticket: &Arc<dyn BoundaryTicket>,
+        answer: StreamedAnswer,
+        rbody: Incoming,
+        mut rec: LogRecord,
+        hold: BodyHold,
+    ) -> Response<ProxyBody> {
+        let StreamedAnswer { shape, status, mut headers, head_at, up_name } = answer;
+        let (max, idle) = (self.cfg.max_response_bytes, self.cfg.stream_idle_timeout);
+        let gate = async {
+            let gi = self.gate(slot, turn, ticket, Until::Checkpoint).await;
+            ticket.head_released();
+            gi
+        };
+        let collect = async move {
+            let mut body = rbody;
+            let mut buf = Vec::new();
+            loop {
+                match tokio::time::timeout(idle, body.frame()).await {
+                    Ok(None) => return Ok(buf),
+                    Ok(Some(Ok(frame))) => {
+                        if let Some(d) = frame.data_ref() {
+                            if buf.len() + d.len() > max {
+                                return Err((
+                                    StatusCode::BAD_GATEWAY,
+                                    format!("streamed more than the proxy's {max} bytes of answer"),
+                                ));
+                            }
+                            buf.extend_from_slice(d);
+                        }
+                    }
+                    Ok(Some(Err(e))) => {
+                        return Err((StatusCode::BAD_GATEWAY, format!("broke off its stream: {e}")))
+                    }
+                    Err(_) => {
+                        return Err((
+                            StatusCode::GATEWAY_TIMEOUT,
+                            format!("stream was silent for {idle:?}"),
+                        ))
+                    }
+                }
+            }
+        };
+        let (gi, collected) = tokio::join!(gate, collect);
+        let buf = match collected {
+            Ok(b) => b,
+            Err((code, what)) => {
+                let msg = format!("{up_name} {what}");
+                slot.fail("upstream", &msg);
+                let kind = if code == StatusCode::GATEWAY_TIMEOUT {
+                    ErrorCode::Timeout
+                } else {
+                    ErrorCode::Upstream
+                };
+                return error_response(code, kind, msg, "");
+            }
+        };
+        ticket.answer_done(head_at.elapsed());
+        let events = crate::assemble::sse_events(&buf);
+        let (status, body) = match shape.assemble(&events) {
+            Ok(v) => (status, v),
+            // The error the stream carried, as the upstream answers it to a whole request.
+            Err(AssembleError::Upstream { status, body }) => {
+                (StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY), body)
+            }
+            Err(e) => {
+                let msg = format!("{up_name} streamed an answer that cannot be made whole: {e}");
+                slot.fail("upstream", &msg);
+                return error_response(
+                    StatusCode::BAD_GATEWAY,
+                    ErrorCode::Upstream,
+                    msg,
+                    "to forward whole requests as they are, start the daemon with --stream-whole-answers off",
+                );
+            }
+        };
+        let bytes = Bytes::from(body.to_string());
+        // The end waits for the sandbox to be ready (woken); a wake that fails left it stopped
+        // with its error (the agent's next call says so): the answer goes out.
+        let t_end = Instant::now();
+        let ended = if ticket.is_ready() {
+            Duration::ZERO
+        } else {
+            if let Err(e) = ticket.wait_ready().await {
+                tracing::warn!(sandbox = %slot.name, turn, error = %e, "the sandbox did not wake for its answer");
+            }
+            t_end.elapsed()
+        };
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.remove(CONTENT_LENGTH);
+        headers.remove(hyper::header::CACHE_CONTROL);
+        rec.status = status.as_u16();
+        rec.response_headers = loggable_headers(&headers);
+        rec.stream = false;
+        rec.complete = true;
+        rec.set_response_body(&bytes);
+        rec.held_ms = (gi.held + ended).as_secs_f64() * 1e3;
+        rec.checkpoint_error = gi.error.map(|e| e.to_string());
+        rec.responded_at_ms = now_ms();
+        let t_log = Instant::now();
+        self.append_log(slot, rec).await;
+        let mut stages = gi.stages;
+        stages.push(("convlog_write".into(), t_log.elapsed().as_secs_f64() * 1e3));
+        self.record_breakdown(slot, &stages);
+        drop(hold);
+        let mut resp = Response::new(full(bytes));
+        *resp.status_mut() = status;
         *resp.headers_mut() = headers;
         set_held_header(resp.headers_mut(), &stages);
         resp

@@ -20,7 +20,9 @@ use crab_coordinator::{
 };
 use crab_engine::{Engine, EngineConfig, Job, JobOutcome, JobSpec};
 use crab_testkit::engine::EngineHooks;
-use crab_testkit::upstream::{stream_chunks, MemoryDirectory, StubConfig, StubUpstream};
+use crab_testkit::upstream::{
+    messages_stream_chunks, stream_chunks, stream_text, MemoryDirectory, StubConfig, StubUpstream,
+};
 
 // ---------- fake checkpoint tickets ----------
 
@@ -539,7 +541,7 @@ async fn streams_are_held_before_the_first_byte_and_arrive_byte_exact() {
         )
         .await;
     assert_eq!(r.status, StatusCode::OK);
-    let want: Vec<u8> = stream_chunks(40).concat();
+    let want: Vec<u8> = messages_stream_chunks(40).concat();
     assert_eq!(r.body.to_vec(), want, "stream byte-exact");
     assert!(r
         .headers
@@ -596,6 +598,74 @@ async fn a_parked_sandboxs_stream_flows_and_only_its_end_waits_for_the_wake() {
     let ready = t.ready_at.lock().unwrap().expect("woken");
     assert!(r.head_at >= ready, "a whole answer waits for the wake");
     assert!(t.promoted_at.lock().unwrap().is_some());
+}
+
+/// A whole answer asked of the upstream as a stream (`stream_whole_answers`, on when the host
+/// parks): the upstream is asked for a stream, the policy is told an early head comes, the
+/// head times the parked sandbox's wake (no promotion), and the agent gets — after the wake —
+/// the whole answer assembled from the stream, logged as the whole answer it got; the same
+/// for Anthropic's messages. Off, the request goes as the agent sent it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_answer_is_streamed_upstream_and_assembled_after_the_wake() {
+    let hooks = FakeHooks::new(Mode::Parked(Duration::from_millis(300)));
+    let stub = StubConfig {
+        stream_events: 12,
+        chunk_delay: Duration::from_millis(2),
+        ..Default::default()
+    };
+    let h = harness(hooks.clone(), stub, |c| c.stream_whole_answers = true).await;
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"1"}]}"#;
+    let r = h.chat("a", body).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.headers.get("content-type").unwrap(), "application/json");
+    let v = json(&r);
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["id"], "stub");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], stream_text(12));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    let up: serde_json::Value = serde_json::from_slice(&h.stub.requests()[0].body).unwrap();
+    assert_eq!(up["stream"], true, "asked of the upstream as a stream");
+    assert_eq!(up["stream_options"]["include_usage"], true, "with its usage");
+    assert_eq!(up["messages"][0]["content"], "1");
+    assert!(hooks.boundaries()[0].streams, "the policy knows an early head comes");
+    let t = hooks.ticket(0);
+    let ready = t.ready_at.lock().unwrap().expect("woken");
+    assert!(r.head_at >= ready, "the whole answer goes out after the wake");
+    assert!(t.promoted_at.lock().unwrap().is_none(), "the wake is timed from the head");
+    let conv = h.coord.conversation("a", None).await.unwrap();
+    assert!(!conv[0].stream && conv[0].complete);
+    assert_eq!(conv[0].request, body, "the log has the agent's request");
+    assert_eq!(conv[0].response_body(), r.body.to_vec(), "and the answer the agent got");
+    assert!(conv[0].held_ms > 50.0, "the wait for the wake is counted: {}", conv[0].held_ms);
+
+    let r = h
+        .send(
+            Method::POST,
+            "/s/b/v1/messages",
+            &[("x-api-key", "sk-ant"), ("anthropic-version", "2023-06-01")],
+            r#"{"model":"m","max_tokens":64,"messages":[]}"#,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let v = json(&r);
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["content"][0]["type"], "text");
+    assert_eq!(v["content"][0]["text"], stream_text(12));
+    assert_eq!(v["stop_reason"], "end_turn");
+    assert_eq!(v["usage"]["output_tokens"], 12);
+    assert_eq!(v["usage"]["input_tokens"], 1);
+    let up: serde_json::Value = serde_json::from_slice(&h.stub.requests()[1].body).unwrap();
+    assert_eq!(up["stream"], true);
+    assert!(up.get("stream_options").is_none(), "OpenAI's option is not sent to Anthropic");
+
+    // Off (the default when the host does not park): the agent's request as it sent it.
+    let h = harness(hooks.clone(), StubConfig::default(), |_| {}).await;
+    let r = h.chat("c", body).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(h.stub.requests()[0].body, body.as_bytes());
+    assert!(!hooks.boundaries()[2].streams);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

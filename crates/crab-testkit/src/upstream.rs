@@ -93,7 +93,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A stub LLM upstream on `127.0.0.1:<ephemeral>`.
 ///
-/// Any `POST` whose JSON body has `"stream": true` gets an SSE stream ([`stream_chunks`]);
+/// Any `POST` whose JSON body has `"stream": true` gets an SSE stream ([`stream_chunks`], or
+/// [`messages_stream_chunks`] under `/v1/messages`), its events spread over the request's
+/// [`STREAM_MS_HEADER`] after the head; a whole answer with that header comes after the head
+/// delay and that time;
 /// `.../count_tokens` gets `{"input_tokens": N}`; anything else gets a small JSON completion
 /// naming the request body's sha256.
 #[derive(Debug)]
@@ -109,17 +112,65 @@ impl Drop for StubUpstream {
     }
 }
 
-/// The exact chunks of a streamed stub response with `n` events. Chunk boundaries fall inside
-/// events and inside a multi-byte character, so re-chunking bugs show.
+/// The exact chunks of a streamed stub chat completion (`/v1/chat/completions` and every
+/// path but `/v1/messages`) with `n` content events: OpenAI's `chat.completion.chunk`s (a role
+/// chunk, `n` content deltas [`stream_text`], a finish chunk, a usage chunk, `[DONE]`). Chunk
+/// boundaries fall inside events and inside a multi-byte character, so re-chunking bugs show.
 pub fn stream_chunks(n: usize) -> Vec<Bytes> {
-    let mut all = Vec::new();
+    let chunk = |rest: &str| {
+        format!(
+            "data: {{\"id\":\"stub\",\"object\":\"chat.completion.chunk\",\"created\":0,\"model\":\"stub\",{rest}}}\n\n"
+        )
+    };
+    let mut all = chunk(r#""choices":[{"index":0,"delta":{"role":"assistant","content":""}}]"#);
     for i in 0..n {
-        all.extend_from_slice(
-            format!("event: delta\ndata: {{\"i\":{i},\"text\":\"tök{i} \"}}\n\n").as_bytes(),
+        all += &chunk(&format!(r#""choices":[{{"index":0,"delta":{{"content":"tök{i} "}}}}]"#));
+    }
+    all += &chunk(r#""choices":[{"index":0,"delta":{},"finish_reason":"stop"}]"#);
+    all += &chunk(&format!(
+        r#""choices":[],"usage":{{"prompt_tokens":1,"completion_tokens":{n},"total_tokens":{}}}"#,
+        n + 1
+    ));
+    all += "data: [DONE]\n\n";
+    split(all.as_bytes())
+}
+
+/// The exact chunks of a streamed stub Anthropic message (`/v1/messages`) with `n` text
+/// deltas ([`stream_text`]): `message_start`, one text block, `message_delta`, `message_stop`.
+pub fn messages_stream_chunks(n: usize) -> Vec<Bytes> {
+    let ev = |t: &str, d: &str| {
+        let sep = if d.is_empty() { "" } else { "," };
+        format!("event: {t}\ndata: {{\"type\":\"{t}\"{sep}{d}}}\n\n")
+    };
+    let mut all = ev(
+        "message_start",
+        r#""message":{"id":"msg_stub","type":"message","role":"assistant","model":"stub","content":[],"stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":1,"output_tokens":1}}"#,
+    );
+    all += &ev("content_block_start", r#""index":0,"content_block":{"type":"text","text":""}"#);
+    for i in 0..n {
+        all += &ev(
+            "content_block_delta",
+            &format!(r#""index":0,"delta":{{"type":"text_delta","text":"tök{i} "}}"#),
         );
     }
-    all.extend_from_slice(b"data: [DONE]\n\n");
-    all.chunks(23).map(Bytes::copy_from_slice).collect()
+    all += &ev("content_block_stop", r#""index":0"#);
+    all += &ev(
+        "message_delta",
+        &format!(
+            r#""delta":{{"stop_reason":"end_turn","stop_sequence":null}},"usage":{{"output_tokens":{n}}}"#
+        ),
+    );
+    all += &ev("message_stop", "");
+    split(all.as_bytes())
+}
+
+/// The text of a stub stream with `n` content events, whole.
+pub fn stream_text(n: usize) -> String {
+    (0..n).map(|i| format!("tök{i} ")).collect()
+}
+
+fn split(all: &[u8]) -> Vec<Bytes> {
+    all.chunks(61).map(Bytes::copy_from_slice).collect()
 }
 
 /// The JSON body the stub answers a non-stream request with.
@@ -210,21 +261,32 @@ async fn answer(st: Arc<StubState>, req: Request<Incoming>) -> Response<ProxyBod
     if let Some(s) = header(STATUS_HEADER) {
         cfg.status = u16::try_from(s).unwrap_or(500);
     }
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let streams = json.get("stream").and_then(|v| v.as_bool()) == Some(true);
+    // A whole answer comes once the model would have generated all of it.
+    if let Some(d) = spread.filter(|_| !streams) {
+        cfg.delay += d;
+    }
     if !cfg.delay.is_zero() {
         tokio::time::sleep(cfg.delay).await;
     }
     let status = hyper::StatusCode::from_u16(cfg.status).unwrap_or(hyper::StatusCode::OK);
-    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let mut resp = if path.contains("count_tokens") {
         Response::new(full(format!("{{\"input_tokens\":{}}}", body.len() / 4)))
-    } else if json.get("stream").and_then(|v| v.as_bool()) == Some(true) {
-        let chunks = stream_chunks(cfg.stream_events);
+    } else if streams {
+        let chunks = if path.starts_with("/v1/messages") {
+            messages_stream_chunks(cfg.stream_events)
+        } else {
+            stream_chunks(cfg.stream_events)
+        };
         let gap = spread.map_or(cfg.chunk_delay, |d| d / chunks.len().max(1) as u32);
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
         tokio::spawn(async move {
-            for c in chunks {
+            // Each chunk at its own time from the start: sleeps' overshoot does not add up.
+            let t0 = tokio::time::Instant::now();
+            for (k, c) in chunks.into_iter().enumerate() {
                 if !gap.is_zero() {
-                    tokio::time::sleep(gap).await;
+                    tokio::time::sleep_until(t0 + gap * (k as u32 + 1)).await;
                 }
                 if tx.send(Ok(Frame::data(c))).await.is_err() {
                     return;

@@ -262,6 +262,19 @@ fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
 #[test]
 fn a_streamed_answer_wakes_it_at_its_head() {
     require_root!();
+    answers_wake_at_their_head(true);
+}
+
+/// The same for answers the agent asks for whole: the daemon, parking, asks the upstream for
+/// a stream (`--stream-whole-answers auto`), so the answer's head times the wake just the
+/// same, and the agent gets its whole answer, assembled, with the sandbox running.
+#[test]
+fn a_whole_answer_wakes_it_at_its_head_too() {
+    require_root!();
+    answers_wake_at_their_head(false);
+}
+
+fn answers_wake_at_their_head(stream: bool) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (stub, d) = policy_daemon(&rt, 1200, "crab-park-stream");
     let name = common::unique("t-park-stream");
@@ -275,7 +288,7 @@ fn a_streamed_answer_wakes_it_at_its_head() {
     };
     for i in 0..7 {
         let body = format!(
-            r#"{{"model":"m","stream":true,"messages":[{{"role":"user","content":"turn {i}"}}]}}"#
+            r#"{{"model":"m","stream":{stream},"messages":[{{"role":"user","content":"turn {i}"}}]}}"#
         );
         // Generated over 1.5 s after the head: far longer than a wake.
         let out = std::process::Command::new("curl")
@@ -295,7 +308,15 @@ fn a_streamed_answer_wakes_it_at_its_head() {
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success() && text.contains("[DONE]"), "turn {i}: {text}");
+        if stream {
+            assert!(out.status.success() && text.contains("[DONE]"), "turn {i}: {text}");
+        } else {
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("turn {i}: not a whole answer ({e}): {text}"));
+            assert_eq!(v["object"], "chat.completion", "turn {i}: {text}");
+            let want = crab_testkit::upstream::stream_text(5);
+            assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "turn {i}");
+        }
         let v = d.json(&["sandbox", "ls"]);
         let me =
             v.as_array().unwrap().iter().find(|s| s["name"] == name.as_str()).cloned().unwrap();
@@ -303,6 +324,9 @@ fn a_streamed_answer_wakes_it_at_its_head() {
         let c0 = c(&name);
         assert!(wait_until(5.0, || c(&name) > c0), "turn {i}: the counter stopped");
     }
+    let asked: Vec<serde_json::Value> =
+        stub.requests().iter().map(|r| serde_json::from_slice(&r.body).unwrap()).collect();
+    assert!(asked.iter().all(|b| b["stream"] == true), "the upstream was asked for streams");
     let top = d.json(&["top", "--once"]);
     let p = &top["parking"];
     assert!(p["head_parks"].as_u64().unwrap() >= 1, "never left a wake to the answer's head: {p}");

@@ -209,7 +209,8 @@ pub(super) enum BenchCmd {
         /// characters a token, at --stream-tps).
         #[arg(long)]
         stream: bool,
-        /// Tokens per second a streamed answer is generated at.
+        /// Tokens per second an answer is generated at: a streamed one spreads its output
+        /// over that time after its head; a whole one comes after its head and that time.
         #[arg(long, default_value_t = 50.0)]
         stream_tps: f64,
         /// Image of the sandboxes.
@@ -384,7 +385,8 @@ pub(super) async fn run(
                 scales: llm_scale,
                 resident_mb,
                 idle_s,
-                stream: stream.then_some(stream_tps),
+                stream,
+                tps: stream_tps,
                 image,
                 main_state: state.root().to_path_buf(),
             };

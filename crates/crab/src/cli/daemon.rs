@@ -38,6 +38,12 @@ pub(super) struct DaemonArgs {
     /// quarter of the daemon's file-descriptor budget for the proxy if that is less).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
     proxy_max_connections_per_sandbox: u64,
+    /// Ask the LLM upstream to stream the chat answers agents ask for whole
+    /// (`/v1/chat/completions`, `/v1/messages`) and hand each agent its whole answer assembled
+    /// from the stream: the stream's first byte starts a parked sandbox's wake while the model
+    /// is still generating. `auto`: on when the daemon parks (`--memory-budget`).
+    #[arg(long, value_enum, default_value_t = StreamWhole::Auto)]
+    stream_whole_answers: StreamWhole,
     /// OpenAI-style upstream base URL, without /v1.
     #[arg(long, env = "CRAB_UPSTREAM_OPENAI", default_value = "https://api.openai.com")]
     upstream_openai: String,
@@ -155,6 +161,14 @@ pub(super) struct DaemonArgs {
     park_margin: f64,
 }
 
+/// `--stream-whole-answers`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StreamWhole {
+    Auto,
+    On,
+    Off,
+}
+
 fn parse_margin(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(m) if m.is_finite() && m >= 1.0 => Ok(m),
@@ -183,6 +197,11 @@ pub(super) async fn run(a: DaemonArgs, state: StateDir) -> ExitCode {
         upstream_anthropic: a.upstream_anthropic,
         header_read_timeout: Some(std::time::Duration::from_secs(a.proxy_header_timeout)),
         max_sandbox_connections: a.proxy_max_connections_per_sandbox as usize,
+        stream_whole_answers: match a.stream_whole_answers {
+            StreamWhole::On => true,
+            StreamWhole::Off => false,
+            StreamWhole::Auto => a.memory_budget.is_some(),
+        },
         ..Default::default()
     };
     let engine = crab_engine::EngineConfig {

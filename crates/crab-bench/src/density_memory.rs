@@ -70,6 +70,9 @@ pub struct DensityMemoryOptions {
     /// comes at its head plus its generation (the daemon streams whole answers from the
     /// stub, `--stream-whole-answers auto` with its memory budget, and assembles them).
     pub tps: f64,
+    /// The bench daemon's `--stream-whole-answers` (`auto`: on, since it parks; `off`: whole
+    /// answers are asked of the stub whole, the before of that change).
+    pub stream_whole_answers: String,
     /// The image the sandboxes are made of (imported from the main daemon's state).
     pub image: String,
     /// The main daemon's state directory (where the image's tree is).
@@ -174,10 +177,20 @@ pub async fn run(opts: &DensityMemoryOptions) -> Result<DensityMemoryReport, Api
         .map_err(|e| ApiError::internal(format!("starting the stub upstream: {e}")))?;
     let dir = PathBuf::from("/var/lib").join(format!("crab-bench-park-{}", std::process::id()));
     let up = stub.url();
+    let whole = opts.stream_whole_answers.clone();
     let d = tokio::task::spawn_blocking(move || {
         OtherDaemon::start(
             &dir,
-            &["--pool-size", "16G", "--memory-budget", "1", "--upstream-openai", &up],
+            &[
+                "--pool-size",
+                "16G",
+                "--memory-budget",
+                "1",
+                "--upstream-openai",
+                &up,
+                "--stream-whole-answers",
+                &whole,
+            ],
             &[],
         )
     })

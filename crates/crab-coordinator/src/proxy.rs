@@ -12,8 +12,13 @@
 //! before the final chunk. A stream's gate waits only for the checkpoint: what else its end
 //! must wait for (the host's wake of a parked sandbox, [`BoundaryTicket::wait_ready`]) holds
 //! back only the newest frame, so the agent reads the answer as it comes and gets its end once
-//! the sandbox is ready. Each request runs in its own task, so a client that goes away never
-//! cancels a gate or a log write.
+//! the sandbox is ready. With `stream_whole_answers` (the daemon's `--stream-whole-answers`,
+//! on when it parks) a chat request asking for a whole answer is forwarded as a stream, so its
+//! head comes early (the policy is told so, and the head times a parked sandbox's wake like a
+//! stream's); the agent gets the whole answer assembled from the stream ([`crate::assemble`])
+//! once the sandbox is ready, and the log records that answer, as the agent got it. Each
+//! request runs in its own task, so a client that goes away never cancels a gate or a log
+//! write.
 //!
 //! Connections are admitted through [`crate::limits::ConnGate`]s — one per in-sandbox endpoint
 //! (`max_sandbox_connections`) and one over all listeners (`max_connections`); a connection

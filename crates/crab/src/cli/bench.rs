@@ -213,6 +213,10 @@ pub(super) enum BenchCmd {
         /// over that time after its head; a whole one comes after its head and that time.
         #[arg(long, default_value_t = 50.0)]
         stream_tps: f64,
+        /// The bench daemon's `--stream-whole-answers`: `auto` (on: it parks) or `off` (whole
+        /// answers asked of the stub whole).
+        #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+        stream_whole_answers: String,
         /// Image of the sandboxes.
         #[arg(long, default_value = "debian")]
         image: String,
@@ -365,6 +369,7 @@ pub(super) async fn run(
             idle_s,
             stream,
             stream_tps,
+            stream_whole_answers,
             image,
         } => {
             if !memory {
@@ -375,7 +380,7 @@ pub(super) async fn run(
             }
             eprintln!(
                 "bench density --memory: {sandboxes} sandboxes x {turns} turns, scales {llm_scale:?}, {}; load average {}",
-                if stream { format!("streamed answers at {stream_tps} tokens/s") } else { "whole answers".to_string() },
+                if stream { format!("streamed answers at {stream_tps} tokens/s") } else { format!("whole answers (generated at {stream_tps} tokens/s; --stream-whole-answers {stream_whole_answers})") },
                 std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
             );
             let opts = crab_bench::density_memory::DensityMemoryOptions {
@@ -387,6 +392,7 @@ pub(super) async fn run(
                 idle_s,
                 stream,
                 tps: stream_tps,
+                stream_whole_answers,
                 image,
                 main_state: state.root().to_path_buf(),
             };

@@ -118,6 +118,25 @@ pub struct ModeReport {
     pub wakes: u64,
     /// Bytes of the mode's restore points.
     pub point_bytes: u64,
+    /// The turns with the most overhead, worst first (up to 6).
+    pub worst: Vec<WorstTurn>,
+}
+
+/// One turn's overhead, and where it went.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorstTurn {
+    /// Which sandbox (its index in the mode).
+    pub sandbox: usize,
+    /// Which of its turns, from 0.
+    pub turn: usize,
+    /// Its overhead, ms: the answer beyond the upstream's time, plus the command.
+    pub exposed_ms: f64,
+    /// The answer beyond the upstream's time, ms.
+    pub answer_ms: f64,
+    /// The command's time, ms.
+    pub command_ms: f64,
+    /// The answer's generation after its head, ms.
+    pub gen_ms: u64,
 }
 
 /// The whole run.
@@ -321,6 +340,7 @@ async fn one_mode(
         let want_kb = opts.resident_mb * 1024 * 9 / 10;
         agents.push(tokio::spawn(async move {
             let mut exposed = Vec::new();
+            let mut each = Vec::new();
             let mut first = Vec::new();
             let mut correct = 0usize;
             for (t, (l, gen)) in lats.iter().take(turns).enumerate() {
@@ -345,24 +365,35 @@ async fn one_mode(
                     .await?;
                 let cmd = t1.elapsed().as_secs_f64() * 1e3;
                 crab_common::sync::lock(&last).insert(n.clone(), Instant::now());
-                exposed.push((answered - delay_ms as f64).max(0.0) + cmd);
+                let over = (answered - delay_ms as f64).max(0.0);
+                exposed.push(over + cmd);
+                each.push(WorstTurn {
+                    sandbox: i,
+                    turn: t,
+                    exposed_ms: over + cmd,
+                    answer_ms: over,
+                    command_ms: cmd,
+                    gen_ms,
+                });
                 let rss_kb: u64 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap_or(0);
                 if o.code == 0 && rss_kb >= want_kb {
                     correct += 1;
                 }
             }
             crab_common::sync::lock(&active).remove(&n);
-            Ok::<_, ApiError>((exposed, first, correct))
+            Ok::<_, ApiError>((exposed, each, first, correct))
         }));
     }
     let mut exposed = Vec::new();
+    let mut worst = Vec::new();
     let mut first = Vec::new();
     let mut correct = 0;
     let mut failed = None;
     for a in agents {
         match a.await {
-            Ok(Ok((e, f, c))) => {
+            Ok(Ok((e, w, f, c))) => {
                 exposed.extend(e);
+                worst.extend(w);
                 first.extend(f);
                 correct += c;
             }
@@ -411,6 +442,11 @@ async fn one_mode(
         parks: top1.0 - top0.0,
         wakes: top1.1 - top0.1,
         point_bytes,
+        worst: {
+            worst.sort_by(|a, b| b.exposed_ms.total_cmp(&a.exposed_ms));
+            worst.truncate(6);
+            worst
+        },
     })
 }
 
@@ -475,6 +511,19 @@ impl DensityMemoryReport {
                         m.mode, m.scale, f.p50, f.p95, f.p99
                     ));
                 }
+            }
+            s.push('\n');
+        }
+        for m in &self.modes {
+            s.push_str(&format!(
+                "worst turns, {} {:.2} (sandbox/turn: answer + command ms, generation ms):",
+                m.mode, m.scale
+            ));
+            for w in &m.worst {
+                s.push_str(&format!(
+                    " {}/{}: {:.0}+{:.0} ({});",
+                    w.sandbox, w.turn, w.answer_ms, w.command_ms, w.gen_ms
+                ));
             }
             s.push('\n');
         }

@@ -283,7 +283,7 @@ impl FileStamp {
 /// How long before a hash began a file must last have changed for the hash to be remembered:
 /// far above the kernel's timestamp granularity (a clock tick), so a change after the hash
 /// can never carry the same `ctime` as the one the hash saw.
-const SETTLED: std::time::Duration = std::time::Duration::from_millis(250);
+pub const SETTLED: std::time::Duration = std::time::Duration::from_millis(250);
 /// Hashes remembered at most (the map is emptied when full).
 const VERIFIED_MAX: usize = 16_384;
 

@@ -1144,7 +1144,7 @@ impl Coordinator {
             let mut buf = Vec::new();
             loop {
                 match tokio::time::timeout(idle, body.frame()).await {
-                    Ok(None) => return Ok(buf),
+                    Ok(None) => return Ok((buf, Instant::now())),
                     Ok(Some(Ok(frame))) => {
                         if let Some(d) = frame.data_ref() {
                             if buf.len() + d.len() > max {
@@ -1169,7 +1169,7 @@ impl Coordinator {
             }
         };
         let (gi, collected) = tokio::join!(gate, collect);
-        let buf = match collected {
+        let (buf, ended_at) = match collected {
             Ok(b) => b,
             Err((code, what)) => {
                 let msg = format!("{up_name} {what}");
@@ -1182,7 +1182,8 @@ impl Coordinator {
                 return error_response(code, kind, msg, "");
             }
         };
-        ticket.answer_done(head_at.elapsed());
+        // The answer's lead: from its head to its end, not to the checkpoint it waited for.
+        ticket.answer_done(ended_at.saturating_duration_since(head_at));
         let events = crate::assemble::sse_events(&buf);
         let (status, body) = match shape.assemble(&events) {
             Ok(v) => (status, v),

@@ -333,11 +333,44 @@ impl Host {
         // Counted here, where it parks (parking a parked sandbox answers above, uncounted).
         self.parking.parked(&name, held);
         tracing::info!(sandbox = %name, %point, "parked");
+        self.verify_while_parked(&name, &point);
         Ok(Outcome::Lifecycle(Lifecycle {
             sandbox: name,
             point: Some(point),
             state: SandboxState::Parked,
         }))
+    }
+
+    /// Hash the images of the point `name` is parked at once they have settled, while it sits
+    /// parked: its wake then finds them verified (`Store::verify` remembers the hash of a file
+    /// that had settled when it was hashed) instead of hashing a fresh dump's images in front
+    /// of its answer. Nothing depends on it: a wake that comes first verifies as before, and a
+    /// point that fails here fails its wake, which reports it.
+    fn verify_while_parked(self: &Arc<Self>, name: &str, point: &str) {
+        let (h, n, p) = (self.clone(), name.to_string(), point.to_string());
+        tokio::spawn(async move {
+            let settle = crab_checkpoint::store::SETTLED + Duration::from_millis(50);
+            tokio::time::sleep(settle).await;
+            if h.parked_at(&n).as_deref() != Some(p.as_str()) {
+                return;
+            }
+            let t = std::time::Instant::now();
+            let (h2, n2, p2) = (h.clone(), n.clone(), p.clone());
+            let r = blocking(move || {
+                let store = h2.checkpointer().store(&n2)?;
+                let m = store.resolve(Some(&p2))?;
+                Ok(store.verify(&m)?)
+            })
+            .await;
+            match r {
+                Ok(()) => {
+                    tracing::debug!(sandbox = %n, point = %p, ms = t.elapsed().as_secs_f64() * 1e3, "parked point verified ahead of its wake")
+                }
+                Err(e) => {
+                    tracing::info!(sandbox = %n, point = %p, error = %e.0.message, "parked point did not verify; its wake will say why")
+                }
+            }
+        });
     }
 
     /// The point `name` is parked at, if it is parked.
@@ -391,10 +424,12 @@ impl Host {
         if expected.is_none() && lead.is_none() {
             return;
         }
-        // How long it can be expected to stay parked: until its wake, twice the wake cost
-        // before the expected wait's end — or, left to the head, that much before the lead's.
+        // How long it can be expected to stay parked: from now (the turn's checkpoint took
+        // its share of the wait: a first turn's full dump, six at once, can take most of it)
+        // until its wake, twice the wake cost before the expected wait's end — or, left to
+        // the head, that much before the lead's.
         let wait = expected.unwrap_or(0.0) + lead.unwrap_or(0.0);
-        let parked_ms = wait - 2.0 * cost;
+        let parked_ms = wait - 2.0 * cost - started.elapsed().as_secs_f64() * 1e3;
         if !cold && parked_ms < pol.margin * cost {
             return;
         }

@@ -25,11 +25,13 @@ fn procs(sb: &Sandbox) -> u64 {
 }
 
 /// A daemon of the test's own that parks by its policy (`--memory-budget 1`: always over
-/// budget), its LLM a stub answering after `delay_ms`, with the debian image.
+/// budget), its LLM a stub answering after `delay_ms`, with the debian image; `whole`: its
+/// `--stream-whole-answers`.
 fn policy_daemon(
     rt: &tokio::runtime::Runtime,
     delay_ms: u64,
     tag: &str,
+    whole: &str,
 ) -> (crab_testkit::upstream::StubUpstream, common::OtherDaemon) {
     let stub = rt
         .block_on(crab_testkit::upstream::StubUpstream::start(crab_testkit::upstream::StubConfig {
@@ -40,7 +42,16 @@ fn policy_daemon(
     let dir = std::path::PathBuf::from("/var/lib").join(common::unique(tag));
     let d = common::OtherDaemon::start(
         &dir,
-        &["--pool-size", "4G", "--memory-budget", "1", "--upstream-openai", &stub.url()],
+        &[
+            "--pool-size",
+            "4G",
+            "--memory-budget",
+            "1",
+            "--upstream-openai",
+            &stub.url(),
+            "--stream-whole-answers",
+            whole,
+        ],
         &[],
     );
     let img = crab_common::paths::StateDir::new(common::state_dir()).image_rootfs("debian");
@@ -165,7 +176,8 @@ fn only_a_running_sandbox_parks() {
 fn the_engine_parks_at_the_turn_boundary_and_the_answer_wakes_it() {
     require_root!();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let (stub, d) = policy_daemon(&rt, 1500, "crab-park-policy");
+    // Whole answers asked of the upstream whole: the wake ahead of the answer, by the waits.
+    let (stub, d) = policy_daemon(&rt, 1500, "crab-park-policy", "off");
     let (name, keep) = (common::unique("t-park-llm"), common::unique("t-park-never"));
     let busy = common::unique("t-park-busy");
     d.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
@@ -276,7 +288,7 @@ fn a_whole_answer_wakes_it_at_its_head_too() {
 
 fn answers_wake_at_their_head(stream: bool) {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let (stub, d) = policy_daemon(&rt, 1200, "crab-park-stream");
+    let (stub, d) = policy_daemon(&rt, 1200, "crab-park-stream", "auto");
     let name = common::unique("t-park-stream");
     d.crab_ok(&["sandbox", "create", "debian", "--name", &name]);
     d.crab_ok(&["exec", &name, "--", "sh", "-c",

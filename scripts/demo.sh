@@ -55,7 +55,12 @@ for name, m in ms.items():
     print(line)
 crab = ms.get("crab")
 if crab and full:
-    print(f"crab checkpoints only what each turn changed: as correct as full "
-          f"({crab['correct']} vs {full['correct']}) for a fraction of its bytes.")
+    if crab["correct"] >= full["correct"]:
+        print(f"crab checkpoints only what each turn changed: as correct as full "
+              f"({crab['correct']} vs {full['correct']}) for a fraction of its bytes.")
+    else:
+        print(f"crab checkpoints only what each turn changed, for a fraction of full's bytes; "
+              f"this run it recovered {crab['correct']} of {crab['trials']} against full's "
+              f"{full['correct']}: the report's failed trials say what differed.")
 PY
 echo "report: $OUT/replay.json (every trial), chart: $OUT/replay.svg (open it in a browser)"

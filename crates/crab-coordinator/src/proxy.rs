@@ -1079,17 +1079,7 @@ impl Coordinator {
                 pticket.answer_done(head_at.elapsed());
             }
             let gi = gate_rx.await.unwrap_or_default();
-            // The end waits for the sandbox to be ready (woken); a wake that fails left it
-            // stopped with its error (the agent's next call says so): the answer goes out.
-            let t_end = Instant::now();
-            let ended = if pticket.is_ready() {
-                Duration::ZERO
-            } else {
-                if let Err(e) = pticket.wait_ready().await {
-                    tracing::warn!(sandbox = %pslot.name, turn, error = %e, "the sandbox did not wake for its answer's end");
-                }
-                t_end.elapsed()
-            };
+            let ended = until_ready(pticket.as_ref(), &pslot.name, turn).await;
             rec.complete = complete;
             rec.client_disconnected = disconnected;
             rec.set_response_body(&buf);
@@ -1203,17 +1193,7 @@ impl Coordinator {
             }
         };
         let bytes = Bytes::from(body.to_string());
-        // The end waits for the sandbox to be ready (woken); a wake that fails left it stopped
-        // with its error (the agent's next call says so): the answer goes out.
-        let t_end = Instant::now();
-        let ended = if ticket.is_ready() {
-            Duration::ZERO
-        } else {
-            if let Err(e) = ticket.wait_ready().await {
-                tracing::warn!(sandbox = %slot.name, turn, error = %e, "the sandbox did not wake for its answer");
-            }
-            t_end.elapsed()
-        };
+        let ended = until_ready(ticket.as_ref(), &slot.name, turn).await;
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         headers.remove(CONTENT_LENGTH);
         headers.remove(hyper::header::CACHE_CONTROL);
@@ -1589,6 +1569,20 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
     for k in drop {
         h.remove(k);
     }
+}
+
+/// An answer's end waits for its sandbox to be ready (a parked one woken); a wake that fails
+/// left it stopped with its error (the agent's next call says so), and the answer goes out.
+/// How long it waited.
+async fn until_ready(ticket: &dyn BoundaryTicket, sandbox: &str, turn: u64) -> Duration {
+    if ticket.is_ready() {
+        return Duration::ZERO;
+    }
+    let t = Instant::now();
+    if let Err(e) = ticket.wait_ready().await {
+        tracing::warn!(sandbox, turn, error = %e, "the sandbox did not wake for its answer's end");
+    }
+    t.elapsed()
 }
 
 fn loggable_headers(h: &HeaderMap) -> Vec<(String, String)> {

@@ -100,3 +100,26 @@ async fn the_session_writes_nothing_and_keeps_shell_state() {
     );
     agent::end_session(&name).await;
 }
+
+/// A point taken the moment the session has started holds a working session: the prelude was
+/// read by the shell (not left in the daemon's pipe, which no dump holds), so the restored shell
+/// has its functions and is in the session's directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_point_taken_as_the_session_starts_restores_a_working_session() {
+    crab_testkit::require_root!();
+    let sb = Sandbox::with_args("rsess0", &["--harness-cmd", agent::SESSION_HARNESS]);
+    let name = sb.name.clone();
+    let client = Client::new(state_dir().join("crab.sock"));
+    agent::start_session(&client, &name, "/root").await.expect("start the session");
+    sandbox::checkpoint(&client, &name, "full", 0, 0).await.expect("checkpoint at the start");
+    sandbox::kill_all(&name).await.expect("kill the sandbox's processes");
+    sandbox::restore(&client, &name).await.expect("restore");
+    let o = run(&client, &name, "type -t __crab_read; pwd").await;
+    assert_eq!(o.code, 0, "{}", o.content);
+    assert!(
+        o.content.contains("function\n/root"),
+        "the restored session lacks its prelude: {}",
+        o.content
+    );
+    agent::end_session(&name).await;
+}

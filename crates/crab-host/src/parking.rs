@@ -218,12 +218,17 @@ impl Parking {
     /// the model starts writing; a wake started then is back before the end when this exceeds
     /// the wake cost.
     pub fn answer_lead_ms(&self, sandbox: &str) -> Option<f64> {
-        let g = lock(&self.inner);
-        let mut v: Vec<f64> = match g.leads.get(sandbox) {
-            Some(l) if l.len() >= MIN_WAITS => l.iter().copied().collect(),
-            _ => g.leads.values().flat_map(|l| l.iter().copied()).collect(),
-        };
+        let mut v = own_or_hosts(&lock(&self.inner).leads, sandbox);
         (v.len() >= MIN_WAITS).then(|| quantile(&mut v, 0.10))
+    }
+
+    /// The shortest of the answers [`Parking::answer_lead_ms`] looks at, ms: how late a wake
+    /// timed from a streamed head may start and still be back before the end of every one of
+    /// them (the p10 is for whether to leave the wake to the head at all; a wake timed from it
+    /// is late for one answer in ten).
+    pub fn answer_lead_floor_ms(&self, sandbox: &str) -> Option<f64> {
+        let v = own_or_hosts(&lock(&self.inner).leads, sandbox);
+        (v.len() >= MIN_WAITS).then(|| v.iter().copied().fold(f64::INFINITY, f64::min))
     }
 
     /// A park left its wake to the answer's head.
@@ -245,11 +250,7 @@ impl Parking {
     /// host (a prior: agents on one host tend to share a model), once there are
     /// [`MIN_WAITS`] of those.
     pub fn expected_wait_ms(&self, sandbox: &str) -> Option<f64> {
-        let g = lock(&self.inner);
-        let mut v: Vec<f64> = match g.waits.get(sandbox) {
-            Some(w) if w.len() >= MIN_WAITS => w.iter().copied().collect(),
-            _ => g.waits.values().flat_map(|w| w.iter().copied()).collect(),
-        };
+        let mut v = own_or_hosts(&lock(&self.inner).waits, sandbox);
         (v.len() >= MIN_WAITS).then(|| quantile(&mut v, 0.25))
     }
 
@@ -285,6 +286,15 @@ impl Parking {
             prewakes: g.prewakes,
             head_parks: g.head_parks,
         }
+    }
+}
+
+/// `sandbox`'s own samples of `per_sandbox` once it has [`MIN_WAITS`] of them, else every
+/// sandbox's on this host (a prior: agents on one host tend to share a model).
+fn own_or_hosts(per_sandbox: &HashMap<String, VecDeque<f64>>, sandbox: &str) -> Vec<f64> {
+    match per_sandbox.get(sandbox) {
+        Some(own) if own.len() >= MIN_WAITS => own.iter().copied().collect(),
+        _ => per_sandbox.values().flat_map(|h| h.iter().copied()).collect(),
     }
 }
 
@@ -345,6 +355,24 @@ mod tests {
         p.forget("a");
         p.forget("b");
         assert_eq!(p.answer_lead_ms("a"), None);
+    }
+
+    #[test]
+    fn the_answer_lead_floor_is_the_shortest_recent_answer() {
+        let p = Parking::default();
+        p.record_lead("a", 900.0);
+        p.record_lead("a", 1200.0);
+        assert_eq!(p.answer_lead_floor_ms("a"), None, "two answers are not enough");
+        p.record_lead("a", 300.0);
+        assert_eq!(p.answer_lead_floor_ms("a"), Some(300.0));
+        assert_eq!(p.answer_lead_floor_ms("b"), Some(300.0), "the host's answers are the prior");
+        for _ in 0..HISTORY {
+            p.record_lead("a", 2000.0);
+        }
+        assert_eq!(p.answer_lead_floor_ms("a"), Some(2000.0), "old answers age out");
+        p.record_lead("b", 10.0);
+        assert_eq!(p.answer_lead_floor_ms("a"), Some(2000.0), "its own, once it has enough");
+        assert_eq!(p.answer_lead_floor_ms("b"), Some(10.0), "b has one: the host's");
     }
 
     #[test]

@@ -303,7 +303,7 @@ pub async fn start_session(client: &Client, sb: &str, workdir: &str) -> Result<(
     let mut tries = 0;
     loop {
         match write_stdin(client, sb, session_prelude().as_bytes()).await {
-            Ok(()) => return Ok(()),
+            Ok(()) => break,
             Err(e) if tries < 50 && e.message.contains("no open exec session") => {
                 tries += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -311,7 +311,23 @@ pub async fn start_session(client: &Client, sb: &str, workdir: &str) -> Result<(
             Err(e) => return Err(e),
         }
     }
+    // Until the shell has read the prelude it sits only in the daemon's pipe, which no dump
+    // holds: a point taken then would bring back a shell without `__crab_read`, in the wrong
+    // directory. One empty command through the session returns once the shell ran it all.
+    match run_in_session(client, sb, ":", SESSION_START_TIMEOUT_S).await? {
+        SessionRun::Done(o) if !o.timed_out => Ok(()),
+        SessionRun::Done(_) => Err(ApiError::internal(format!(
+            "the session shell of sandbox {sb} did not answer its first command within \
+             {SESSION_START_TIMEOUT_S} s (is the sandbox overloaded or its bash missing?)"
+        ))),
+        SessionRun::Gone(_) => Err(ApiError::internal(format!(
+            "the session shell of sandbox {sb} exited as it started (does the image have bash?)"
+        ))),
+    }
 }
+
+/// How long a new session's shell may take to run its prelude and first empty command.
+const SESSION_START_TIMEOUT_S: f64 = 30.0;
 
 /// Output of one command in the session, or why there is none.
 enum SessionRun {

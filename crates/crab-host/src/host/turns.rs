@@ -363,14 +363,15 @@ impl BoundaryTicket for ParkTicket {
     }
 
     /// A parked sandbox's streamed answer: its end waits for the wake, so the wake starts as
-    /// late as is safe — the sandbox's answers went on at least `lead` after their head (nine
-    /// in ten), and the wake is back within twice its cost — and at once without that history.
+    /// late as is safe — every one of the sandbox's recent answers went on at least `lead`
+    /// after its head, and the wake is back within twice its cost — and at once without that
+    /// history.
     fn head_released(&self) {
         let Some(h) = self.parked() else {
             return;
         };
         let cost = h.parking.wake_cost_ms();
-        let lead = h.parking.answer_lead_ms(&self.sandbox).unwrap_or(0.0);
+        let lead = h.parking.answer_lead_floor_ms(&self.sandbox).unwrap_or(0.0);
         let delay = std::time::Duration::from_secs_f64((lead - 2.0 * cost).max(0.0) / 1e3);
         let at = h.parked_at(&self.sandbox);
         h.wake_later(&self.sandbox, at, std::time::Instant::now() + delay, false);

@@ -29,7 +29,7 @@
 //! assembles (`--stream-whole-answers auto`). The overhead is measured at the answer's end
 //! (what an agent acting on a whole answer sees) and, for streams, apart at its first byte.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -77,6 +77,8 @@ pub struct DensityMemoryOptions {
     pub image: String,
     /// The main daemon's state directory (where the image's tree is).
     pub main_state: PathBuf,
+    /// Where to write each mode's raw samples and turn times and the bench daemon's log.
+    pub raw: Option<PathBuf>,
 }
 
 /// One mode at one scale.
@@ -116,10 +118,77 @@ pub struct ModeReport {
     pub parks: u64,
     /// Wakes.
     pub wakes: u64,
+    /// How the wakes were timed: `prewakes` (ahead of the answer, by the expected wait),
+    /// `head_parks` (parks left to the streamed answer's head), `answer_wakes` (answers held
+    /// until their sandbox woke).
+    pub wakes_by: BTreeMap<String, u64>,
+    /// Where the memory of the sandboxes whose agents replay went, by what the agent was
+    /// doing: `first_wait` (its first LLM wait), `wait` (the later ones), `command`.
+    pub resident: BTreeMap<String, PhaseMemory>,
+    /// Turn boundaries the daemon's policy left a parkable sandbox running at, by why.
+    pub declined: BTreeMap<String, u64>,
     /// Bytes of the mode's restore points.
     pub point_bytes: u64,
     /// The turns with the most overhead, worst first (up to 6).
     pub worst: Vec<WorstTurn>,
+}
+
+/// The memory of the sandboxes while their agents were in one phase of their turns.
+#[derive(Debug, Clone, Serialize)]
+pub struct PhaseMemory {
+    /// Mean memory of a sandbox in it, MiB.
+    pub mean_mib: f64,
+    /// Its share of the agents' sampled time.
+    pub time_share: f64,
+    /// Its share of the memory-time the agents' sandboxes held (MiB·s), of all phases.
+    pub mem_share: f64,
+}
+
+/// Classify each sample of each sandbox by what its agent was doing then (`spans`: per
+/// sandbox, per turn, [asked, answered, command done] in ms from the samples' epoch); the
+/// time between a command's end and the next ask (the bench's own bookkeeping) is `other`.
+fn where_memory_went(
+    names: &[String],
+    spans: &[Vec<[f64; 3]>],
+    series: &[(f64, HashMap<String, u64>)],
+) -> BTreeMap<String, PhaseMemory> {
+    let mut acc: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+    for (i, n) in names.iter().enumerate() {
+        let Some(turns) = spans.get(i) else { continue };
+        let (Some(first), Some(last)) = (turns.first(), turns.last()) else { continue };
+        for (at, m) in series {
+            if *at < first[0] || *at >= last[2] {
+                continue;
+            }
+            let phase = turns
+                .iter()
+                .enumerate()
+                .find_map(|(t, s)| {
+                    if *at >= s[0] && *at < s[1] {
+                        Some(if t == 0 { "first_wait" } else { "wait" })
+                    } else if *at >= s[1] && *at < s[2] {
+                        Some("command")
+                    } else {
+                        None
+                    }
+                })
+                .unwrap_or("other");
+            let e = acc.entry(phase.to_string()).or_default();
+            e.0 += m.get(n).copied().unwrap_or(0) as f64;
+            e.1 += 1;
+        }
+    }
+    let (all_bytes, all_n) = acc.values().fold((0.0, 0), |(b, n), (x, c)| (b + x, n + c));
+    acc.into_iter()
+        .map(|(k, (b, c))| {
+            let pm = PhaseMemory {
+                mean_mib: b / c.max(1) as f64 / 1048576.0,
+                time_share: c as f64 / all_n.max(1) as f64,
+                mem_share: if all_bytes > 0.0 { b / all_bytes } else { 0.0 },
+            };
+            (k, pm)
+        })
+        .collect()
 }
 
 /// One turn's overhead, and where it went.
@@ -226,6 +295,12 @@ pub async fn run(opts: &DensityMemoryOptions) -> Result<DensityMemoryReport, Api
         }
     }
     drop(stub);
+    if let Some(dir) = &opts.raw {
+        let (from, to) = (d.state.join("logs/daemon.log"), dir.join("daemon.log"));
+        std::fs::copy(&from, &to).map_err(|e| {
+            ApiError::internal(format!("copying {} to {}: {e}", from.display(), to.display()))
+        })?;
+    }
     Ok(DensityMemoryReport {
         modes,
         load: (before, load_avg()),
@@ -281,22 +356,28 @@ async fn one_mode(
     // The sampler: every sandbox's memory, and apart the memory and count of those whose
     // agent still replays its turns.
     let samples: Arc<Mutex<Vec<u64>>> = Arc::default();
+    // Each sample's time and every sandbox's memory then, for where the memory went.
+    let epoch = Instant::now();
+    let series: Arc<Mutex<Vec<(f64, HashMap<String, u64>)>>> = Arc::default();
     let agent_samples: Arc<Mutex<(u64, u64)>> = Arc::default();
     let active: Arc<Mutex<std::collections::HashSet<String>>> =
         Arc::new(Mutex::new(names.iter().cloned().collect()));
     let sampler = {
-        let (c, names, stop, samples, agent_samples, active) = (
+        let (c, names, stop, samples, agent_samples, active, series) = (
             client.clone(),
             names.clone(),
             stop.clone(),
             samples.clone(),
             agent_samples.clone(),
             active.clone(),
+            series.clone(),
         );
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 if let Ok(m) = memory(&c, &names).await {
                     crab_common::sync::lock(&samples).push(m.values().sum());
+                    let at = epoch.elapsed().as_secs_f64() * 1e3;
+                    crab_common::sync::lock(&series).push((at, m.clone()));
                     let live = crab_common::sync::lock(&active).clone();
                     let mut a = crab_common::sync::lock(&agent_samples);
                     a.0 += m.iter().filter(|(n, _)| live.contains(*n)).map(|(_, b)| b).sum::<u64>();
@@ -343,6 +424,9 @@ async fn one_mode(
             let mut each = Vec::new();
             let mut first = Vec::new();
             let mut correct = 0usize;
+            // Per turn: when it asked, was answered, and its command ended (ms from `epoch`).
+            let mut spans = Vec::new();
+            let since = |i: Instant| (i - epoch).as_secs_f64() * 1e3;
             for (t, (l, gen)) in lats.iter().take(turns).enumerate() {
                 let delay_ms = (l * scale * 1e3).round() as u64;
                 let gen_ms = (gen * scale * 1e3).round() as u64;
@@ -364,6 +448,7 @@ async fn one_mode(
                 let o = exec(&c, &n, vec!["sh".into(), "-c".into(), check.into()], None, None, 60.0)
                     .await?;
                 let cmd = t1.elapsed().as_secs_f64() * 1e3;
+                spans.push([since(t0), since(t1), since(Instant::now())]);
                 crab_common::sync::lock(&last).insert(n.clone(), Instant::now());
                 let over = (answered - delay_ms as f64).max(0.0);
                 exposed.push(over + cmd);
@@ -381,7 +466,7 @@ async fn one_mode(
                 }
             }
             crab_common::sync::lock(&active).remove(&n);
-            Ok::<_, ApiError>((exposed, each, first, correct))
+            Ok::<_, ApiError>((exposed, each, first, correct, spans))
         }));
     }
     let mut exposed = Vec::new();
@@ -389,9 +474,11 @@ async fn one_mode(
     let mut first = Vec::new();
     let mut correct = 0;
     let mut failed = None;
+    let mut spans = Vec::new();
     for a in agents {
         match a.await {
-            Ok(Ok((e, w, f, c))) => {
+            Ok(Ok((e, w, f, c, s))) => {
+                spans.push(s);
                 exposed.extend(e);
                 worst.extend(w);
                 first.extend(f);
@@ -417,6 +504,22 @@ async fn one_mode(
     if let Some(e) = failed {
         return Err(e);
     }
+    let resident = where_memory_went(&names, &spans, &crab_common::sync::lock(&series));
+    if let Some(dir) = &opts.raw {
+        // Each turn's recorded LLM latency and generation next to the times it took here.
+        let raw = serde_json::json!({
+            "mode": mode,
+            "scale": scale,
+            "sandboxes": names,
+            "latencies_s": lat,
+            "spans_ms": spans,
+            "samples": *crab_common::sync::lock(&series),
+        });
+        let path = dir.join(format!("{mode}-{}.json", (scale * 100.0) as u32));
+        std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&path, raw.to_string()))
+            .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
+    }
     let s = crab_common::sync::lock(&samples).clone();
     let mib = |b: f64| b / 1048576.0;
     let mean = if s.is_empty() { 0.0 } else { s.iter().sum::<u64>() as f64 / s.len() as f64 };
@@ -439,8 +542,14 @@ async fn one_mode(
         first_byte_ms: opts.stream.then(|| Summary::of(&first)),
         wall_s,
         correct,
-        parks: top1.0 - top0.0,
-        wakes: top1.1 - top0.1,
+        parks: moved(&top0.0, &top1.0).get("parks").copied().unwrap_or(0),
+        wakes: moved(&top0.0, &top1.0).get("wakes").copied().unwrap_or(0),
+        wakes_by: ["prewakes", "head_parks", "answer_wakes"]
+            .iter()
+            .map(|k| (k.to_string(), moved(&top0.0, &top1.0).get(*k).copied().unwrap_or(0)))
+            .collect(),
+        resident,
+        declined: moved(&top0.1, &top1.1),
         point_bytes,
         worst: {
             worst.sort_by(|a, b| b.exposed_ms.total_cmp(&a.exposed_ms));
@@ -458,10 +567,28 @@ async fn memory(client: &Client, names: &[String]) -> Result<HashMap<String, u64
         .collect())
 }
 
-async fn parking_counts(client: &Client) -> Result<(u64, u64), ApiError> {
+/// The daemon's parking counters so far (`/v1/top`'s `parking`: `parks`, `wakes`,
+/// `prewakes`, `head_parks`, `answer_wakes`), and its declined parks by why.
+async fn parking_counts(
+    client: &Client,
+) -> Result<(BTreeMap<String, u64>, BTreeMap<String, u64>), ApiError> {
     let v: serde_json::Value = client.call::<(), _>(Method::GET, "/v1/top", None).await?;
     let p = &v["parking"];
-    Ok((p["parks"].as_u64().unwrap_or(0), p["wakes"].as_u64().unwrap_or(0)))
+    let counts = |o: &serde_json::Value| -> BTreeMap<String, u64> {
+        o.as_object()
+            .map(|d| d.iter().filter_map(|(k, n)| Some((k.clone(), n.as_u64()?))).collect())
+            .unwrap_or_default()
+    };
+    Ok((counts(p), counts(&p["declined"])))
+}
+
+/// What `after` counted beyond `before`, the counters that moved.
+fn moved(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(k, &n)| (k.clone(), n.saturating_sub(before.get(k).copied().unwrap_or(0))))
+        .filter(|(_, n)| *n > 0)
+        .collect()
 }
 
 /// Bytes of the files under `dir` (hard links counted once).
@@ -526,6 +653,46 @@ impl DensityMemoryReport {
                 ));
             }
             s.push('\n');
+        }
+        for m in &self.modes {
+            let by: Vec<String> = m
+                .resident
+                .iter()
+                .map(|(k, p)| {
+                    format!(
+                        "{k} {:.0} MiB over {:.0}% of the time ({:.0}% of MiB·s)",
+                        p.mean_mib,
+                        p.time_share * 100.0,
+                        p.mem_share * 100.0
+                    )
+                })
+                .collect();
+            s.push_str(&format!(
+                "memory per sandbox by phase, {} {:.2}: {}\n",
+                m.mode,
+                m.scale,
+                by.join("; ")
+            ));
+        }
+        for m in self.modes.iter().filter(|m| m.wakes > 0) {
+            let n = |k: &str| m.wakes_by.get(k).copied().unwrap_or(0);
+            s.push_str(&format!(
+                "wakes, {} {:.2}: {} ahead of the answer, {} parks left to the answer's head, {} answers held for a wake\n",
+                m.mode,
+                m.scale,
+                n("prewakes"),
+                n("head_parks"),
+                n("answer_wakes")
+            ));
+        }
+        for m in self.modes.iter().filter(|m| !m.declined.is_empty()) {
+            let why: Vec<String> = m.declined.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            s.push_str(&format!(
+                "turn boundaries left running, {} {:.2}: {}\n",
+                m.mode,
+                m.scale,
+                why.join(", ")
+            ));
         }
         s.push_str(&format!("load average before {}, after {}\n", self.load.0, self.load.1));
         s

@@ -16,6 +16,7 @@ use crab_common::sync::lock;
 use crab_common::{CheckpointKind, ErrorCode};
 
 use crate::host::blocking;
+use crate::parking::Decline;
 use crate::{Action, Host, HostError, Lifecycle, Outcome};
 
 /// How often the deadline watchdog looks (deadlines fire within this of their time).
@@ -410,7 +411,11 @@ impl Host {
         let Some(pol) = self.park_policy.clone() else {
             return;
         };
-        let cost = self.parking.wake_cost_ms();
+        // The wake's timing takes the cost a wake can be expected to take; whether parking
+        // pays, what a wake costs at least (a crowded first turn's slow wakes would stop all
+        // parking, and with it the measuring of new wakes).
+        let cost = self.parking.wake_cost_ms(name);
+        let floor = self.parking.wake_cost_floor_ms(name);
         // A streamed answer's head comes early enough to wake from when its answers (this
         // sandbox's, else the host's) go on long enough after it: nine in ten outlast twice
         // the wake cost.
@@ -422,6 +427,7 @@ impl Host {
         let cold = streams && known.is_none() && expected.is_none();
         let lead = known.filter(|&lead| streams && lead >= 2.0 * cost).or(cold.then_some(0.0));
         if expected.is_none() && lead.is_none() {
+            self.parking.declined(Decline::NoHistory);
             return;
         }
         // How long it can be expected to stay parked: from now (the turn's checkpoint took
@@ -430,7 +436,8 @@ impl Host {
         // the head, that much before the lead's.
         let wait = expected.unwrap_or(0.0) + lead.unwrap_or(0.0);
         let parked_ms = wait - 2.0 * cost - started.elapsed().as_secs_f64() * 1e3;
-        if !cold && parked_ms < pol.margin * cost {
+        if !cold && parked_ms < pol.margin * floor {
+            self.parking.declined(Decline::WaitTooShort);
             return;
         }
         let rt = self.runtime().clone();
@@ -440,12 +447,14 @@ impl Host {
         .await
         .unwrap_or(0);
         if in_use <= pol.budget_bytes {
+            self.parking.declined(Decline::UnderBudget);
             return;
         }
         // Checked again, atomically with marking the park in progress, by `park` itself.
         let clients = self.clients.count(name);
         if clients > 0 {
             tracing::info!(sandbox = %name, clients, "not parked: clients are connected to it");
+            self.parking.declined(Decline::Clients);
             return;
         }
         let holds = self
@@ -456,19 +465,21 @@ impl Host {
             .is_some_and(|m| m.procs.is_some() && m.procs_missing.is_none());
         let from = if holds {
             Some(point.to_string())
-        } else if !cold && parked_ms >= pol.margin * (cost + crate::parking::DUMP_MS) {
+        } else if !cold && parked_ms >= pol.margin * (floor + crate::parking::DUMP_MS) {
             None
         } else {
+            self.parking.declined(Decline::DumpNotWorthIt);
             return;
         };
         let parked_at = match self.park(name.to_string(), from, true).await {
             Ok(Outcome::Lifecycle(l)) => {
-                tracing::info!(sandbox = %name, expected_wait_ms = wait, wake_ms = cost, in_use, "parked at the turn boundary");
+                tracing::info!(sandbox = %name, expected_wait_ms = wait, wake_ms = cost, wake_floor_ms = floor, in_use, "parked at the turn boundary");
                 l.point
             }
             Ok(_) => None,
             Err(e) => {
                 tracing::info!(sandbox = %name, error = %e, "not parked");
+                self.parking.declined(Decline::ParkFailed);
                 return;
             }
         };

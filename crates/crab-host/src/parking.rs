@@ -5,7 +5,7 @@
 //! lifecycle steps themselves (park, wake, waking before an action) are `lifecycle.rs`'s; the
 //! turn-boundary decision and the answer's wake are `host/turns.rs`'s.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -28,8 +28,8 @@ struct Inner {
     wakes: u64,
     wake_failures: u64,
     wake_ms: Latencies,
-    /// The newest wake times, for the policy's cost estimate.
-    recent_wakes: VecDeque<f64>,
+    /// Per sandbox, its newest wake times, ms, for the policy's cost estimates.
+    wake_times: HashMap<String, VecDeque<f64>>,
     /// Per sandbox, its newest LLM waits (boundary to answer), ms.
     waits: HashMap<String, VecDeque<f64>>,
     /// Per sandbox, how long its newest answers took from their head to their end, ms (a
@@ -41,6 +41,39 @@ struct Inner {
     answer_wakes: u64,
     /// Wakes started ahead of the answer (at the expected wait less the wake cost).
     prewakes: u64,
+    /// Turn boundaries the policy did not park at, by why.
+    declined: BTreeMap<&'static str, u64>,
+}
+
+/// Why the policy left a sandbox running at a turn boundary (`crab top`'s `declined`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decline {
+    /// No wait and no streamed answer seen yet, by it or the host: nothing to predict from.
+    NoHistory,
+    /// The wait left after the checkpoint and the wake is under the margin times the cost.
+    WaitTooShort,
+    /// The running sandboxes' memory is within the budget.
+    UnderBudget,
+    /// A client is connected to it (a command's stream, an attached session).
+    Clients,
+    /// Its point lacks its processes and the wait does not pay for a dump as well.
+    DumpNotWorthIt,
+    /// The park itself failed (the sandbox stays running; the daemon's log says why).
+    ParkFailed,
+}
+
+impl Decline {
+    /// Its name in `crab top --json`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoHistory => "no_history",
+            Self::WaitTooShort => "wait_too_short",
+            Self::UnderBudget => "under_budget",
+            Self::Clients => "clients",
+            Self::DumpNotWorthIt => "dump_not_worth_it",
+            Self::ParkFailed => "park_failed",
+        }
+    }
 }
 
 /// The clients connected to each sandbox now: a command's output stream, an attached
@@ -171,6 +204,9 @@ pub struct ParkingStats {
     /// Parks whose wake was left to the answer's head: the sandbox's answers stream long
     /// enough after it for the wake to finish first, so no wake ahead of it was scheduled.
     pub head_parks: u64,
+    /// Turn boundaries of parkable sandboxes the policy left running, by why
+    /// ([`Decline::as_str`]).
+    pub declined: BTreeMap<&'static str, u64>,
 }
 
 impl Parking {
@@ -188,7 +224,7 @@ impl Parking {
         g.freed.remove(sandbox);
         g.wakes += 1;
         g.wake_ms.record_ms(ms);
-        remember(&mut g.recent_wakes, ms);
+        remember(g.wake_times.entry(sandbox.to_string()).or_default(), ms);
     }
 
     /// A wake started ahead of the answer.
@@ -231,6 +267,11 @@ impl Parking {
         (v.len() >= MIN_WAITS).then(|| v.iter().copied().fold(f64::INFINITY, f64::min))
     }
 
+    /// The policy left a sandbox running at a turn boundary, for `why`.
+    pub fn declined(&self, why: Decline) {
+        *lock(&self.inner).declined.entry(why.as_str()).or_default() += 1;
+    }
+
     /// A park left its wake to the answer's head.
     pub fn head_parked(&self) {
         lock(&self.inner).head_parks += 1;
@@ -241,6 +282,7 @@ impl Parking {
         let mut g = lock(&self.inner);
         g.waits.remove(sandbox);
         g.leads.remove(sandbox);
+        g.wake_times.remove(sandbox);
         g.freed.remove(sandbox);
     }
 
@@ -254,15 +296,29 @@ impl Parking {
         (v.len() >= MIN_WAITS).then(|| quantile(&mut v, 0.25))
     }
 
-    /// What a wake is expected to cost: the median of the newest wakes, else
-    /// [`DEFAULT_WAKE_MS`].
-    pub fn wake_cost_ms(&self) -> f64 {
-        let g = lock(&self.inner);
-        if g.recent_wakes.is_empty() {
+    /// What `sandbox`'s next wake is expected to take, for timing it: the median of its newest
+    /// [`HISTORY`] wakes once it has woken [`MIN_WAITS`] times, before that of every sandbox's
+    /// on this host, else [`DEFAULT_WAKE_MS`].
+    pub fn wake_cost_ms(&self, sandbox: &str) -> f64 {
+        let mut v = own_or_hosts(&lock(&self.inner).wake_times, sandbox);
+        if v.is_empty() {
             return DEFAULT_WAKE_MS;
         }
-        let mut v: Vec<f64> = g.recent_wakes.iter().copied().collect();
         quantile(&mut v, 0.5)
+    }
+
+    /// What a wake of `sandbox` costs at least — the fastest of the wakes
+    /// [`Parking::wake_cost_ms`] looks at, else [`DEFAULT_WAKE_MS`] —, for whether parking it
+    /// pays. The slower wakes ran beside other work: a first turn's six wakes run beside six
+    /// dumps and their hashing, three to four times as long as one alone. Judged by their
+    /// median, the policy would find no wait long enough, park no more, measure no new wake,
+    /// and keep that stale cost for good.
+    pub fn wake_cost_floor_ms(&self, sandbox: &str) -> f64 {
+        let v = own_or_hosts(&lock(&self.inner).wake_times, sandbox);
+        if v.is_empty() {
+            return DEFAULT_WAKE_MS;
+        }
+        v.iter().copied().fold(f64::INFINITY, f64::min)
     }
 
     /// `sandbox`'s wake failed (it is stopped: its memory stays free).
@@ -285,6 +341,7 @@ impl Parking {
             answer_wakes: g.answer_wakes,
             prewakes: g.prewakes,
             head_parks: g.head_parks,
+            declined: g.declined.clone(),
         }
     }
 }
@@ -376,6 +433,30 @@ mod tests {
     }
 
     #[test]
+    fn declined_parks_are_counted_by_why() {
+        let p = Parking::default();
+        assert!(p.stats(0).declined.is_empty());
+        p.declined(Decline::WaitTooShort);
+        p.declined(Decline::WaitTooShort);
+        p.declined(Decline::Clients);
+        let d = p.stats(0).declined;
+        assert_eq!(d.get("wait_too_short"), Some(&2));
+        assert_eq!(d.get("clients"), Some(&1));
+        assert_eq!(d.len(), 2, "{d:?}");
+        let names = [
+            Decline::NoHistory,
+            Decline::WaitTooShort,
+            Decline::UnderBudget,
+            Decline::Clients,
+            Decline::DumpNotWorthIt,
+            Decline::ParkFailed,
+        ]
+        .map(Decline::as_str);
+        let unique: std::collections::BTreeSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "two reasons share a name: {names:?}");
+    }
+
+    #[test]
     fn clients_are_counted_until_they_go() {
         let c = std::sync::Arc::new(Clients::default());
         let a = c.connect("a");
@@ -414,7 +495,8 @@ mod tests {
     #[test]
     fn the_wake_cost_is_measured_once_there_are_wakes() {
         let p = Parking::default();
-        assert_eq!(p.wake_cost_ms(), DEFAULT_WAKE_MS);
+        assert_eq!(p.wake_cost_ms("a"), DEFAULT_WAKE_MS);
+        assert_eq!(p.wake_cost_floor_ms("a"), DEFAULT_WAKE_MS);
         p.parked("a", 300);
         p.parked("b", 200);
         assert_eq!(p.stats(2).freed_bytes, 500);
@@ -422,7 +504,35 @@ mod tests {
         assert_eq!(p.stats(1).freed_bytes, 200, "a woke: its memory is back in use");
         p.woke("b", Duration::from_millis(60));
         p.woke("c", Duration::from_millis(50));
-        assert!((p.wake_cost_ms() - 50.0).abs() < 1.0, "{}", p.wake_cost_ms());
+        assert!((p.wake_cost_ms("z") - 50.0).abs() < 1.0, "{}", p.wake_cost_ms("z"));
+        assert!((p.wake_cost_floor_ms("z") - 40.0).abs() < 1.0, "the host's fastest");
         assert_eq!(p.stats(2).wakes, 3);
+    }
+
+    #[test]
+    fn a_sandbox_is_timed_by_its_own_wakes_once_it_has_some() {
+        let p = Parking::default();
+        // A first turn's wakes, all at once beside their dumps: slow.
+        for (n, ms) in [("a", 900), ("b", 1000), ("c", 700)] {
+            p.woke(n, Duration::from_millis(ms));
+        }
+        assert!((p.wake_cost_ms("a") - 900.0).abs() < 1.0, "the host's median first");
+        assert!((p.wake_cost_floor_ms("a") - 700.0).abs() < 1.0);
+        // Then its own, alone.
+        p.woke("a", Duration::from_millis(250));
+        p.woke("a", Duration::from_millis(230));
+        assert!((p.wake_cost_floor_ms("a") - 230.0).abs() < 1.0, "{}", p.wake_cost_floor_ms("a"));
+        assert!(
+            (p.wake_cost_ms("a") - 250.0).abs() < 1.0,
+            "its own median: {}",
+            p.wake_cost_ms("a")
+        );
+        assert!(
+            (p.wake_cost_ms("b") - 700.0).abs() < 1.0,
+            "b has one: the host's, {}",
+            p.wake_cost_ms("b")
+        );
+        p.forget("a");
+        assert!((p.wake_cost_floor_ms("z") - 700.0).abs() < 1.0, "a's wakes went with it");
     }
 }

@@ -220,6 +220,11 @@ pub(super) enum BenchCmd {
         /// Image of the sandboxes.
         #[arg(long, default_value = "debian")]
         image: String,
+        /// Also write each mode's raw figures to this directory, for analysing the policy:
+        /// `MODE-SCALE.json` (every memory sample of every sandbox and every turn's times)
+        /// and the bench daemon's log, `daemon.log`.
+        #[arg(long)]
+        raw: Option<std::path::PathBuf>,
     },
     /// OCI images side by side with other tools in one run (issue 29): import vs `umoci
     /// unpack`, pull vs `skopeo copy` + `umoci unpack` from a loopback `docker-registry`,
@@ -371,6 +376,7 @@ pub(super) async fn run(
             stream_tps,
             stream_whole_answers,
             image,
+            raw,
         } => {
             if !memory {
                 return Err(ApiError::invalid(
@@ -395,6 +401,7 @@ pub(super) async fn run(
                 stream_whole_answers,
                 image,
                 main_state: state.root().to_path_buf(),
+                raw,
             };
             let r = crab_bench::density_memory::run(&opts).await?;
             if json {

@@ -132,6 +132,10 @@ pub(super) async fn run(client: &Client, a: TopArgs, json: bool) -> Result<ExitC
                     "wakes ahead of the answer {}  parks waking at the answer's head {}  answers held for a wake {}",
                     pk["prewakes"], pk["head_parks"], pk["answer_wakes"],
                 );
+                if let Some(d) = pk["declined"].as_object().filter(|d| !d.is_empty()) {
+                    let why: Vec<String> = d.iter().map(|(k, n)| format!("{k} {n}")).collect();
+                    println!("turn boundaries left running: {}", why.join("  "));
+                }
             }
         }
         if once {

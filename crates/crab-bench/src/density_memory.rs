@@ -144,13 +144,16 @@ pub struct PhaseMemory {
     pub mem_share: f64,
 }
 
+/// One memory sample: its time (ms from the mode's epoch) and every sandbox's memory then.
+type Sample = (f64, HashMap<String, u64>);
+
 /// Classify each sample of each sandbox by what its agent was doing then (`spans`: per
 /// sandbox, per turn, [asked, answered, command done] in ms from the samples' epoch); the
 /// time between a command's end and the next ask (the bench's own bookkeeping) is `other`.
 fn where_memory_went(
     names: &[String],
     spans: &[Vec<[f64; 3]>],
-    series: &[(f64, HashMap<String, u64>)],
+    series: &[Sample],
 ) -> BTreeMap<String, PhaseMemory> {
     let mut acc: BTreeMap<String, (f64, u64)> = BTreeMap::new();
     for (i, n) in names.iter().enumerate() {
@@ -358,7 +361,7 @@ async fn one_mode(
     let samples: Arc<Mutex<Vec<u64>>> = Arc::default();
     // Each sample's time and every sandbox's memory then, for where the memory went.
     let epoch = Instant::now();
-    let series: Arc<Mutex<Vec<(f64, HashMap<String, u64>)>>> = Arc::default();
+    let series: Arc<Mutex<Vec<Sample>>> = Arc::default();
     let agent_samples: Arc<Mutex<(u64, u64)>> = Arc::default();
     let active: Arc<Mutex<std::collections::HashSet<String>>> =
         Arc::new(Mutex::new(names.iter().cloned().collect()));

@@ -356,21 +356,19 @@ async fn one_mode(
     }
     let top0 = parking_counts(client).await?;
     let stop = Arc::new(AtomicBool::new(false));
-    // The sampler: every sandbox's memory, and apart the memory and count of those whose
-    // agent still replays its turns.
-    let samples: Arc<Mutex<Vec<u64>>> = Arc::default();
-    // Each sample's time and every sandbox's memory then, for where the memory went.
+    // The sampler: each sample's time and every sandbox's memory then (their sum, and where
+    // the memory went, come from it), and apart the memory and count of those whose agent
+    // still replays its turns.
     let epoch = Instant::now();
     let series: Arc<Mutex<Vec<Sample>>> = Arc::default();
     let agent_samples: Arc<Mutex<(u64, u64)>> = Arc::default();
     let active: Arc<Mutex<std::collections::HashSet<String>>> =
         Arc::new(Mutex::new(names.iter().cloned().collect()));
     let sampler = {
-        let (c, names, stop, samples, agent_samples, active, series) = (
+        let (c, names, stop, agent_samples, active, series) = (
             client.clone(),
             names.clone(),
             stop.clone(),
-            samples.clone(),
             agent_samples.clone(),
             active.clone(),
             series.clone(),
@@ -378,13 +376,18 @@ async fn one_mode(
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 if let Ok(m) = memory(&c, &names).await {
-                    crab_common::sync::lock(&samples).push(m.values().sum());
                     let at = epoch.elapsed().as_secs_f64() * 1e3;
-                    crab_common::sync::lock(&series).push((at, m.clone()));
                     let live = crab_common::sync::lock(&active).clone();
-                    let mut a = crab_common::sync::lock(&agent_samples);
-                    a.0 += m.iter().filter(|(n, _)| live.contains(*n)).map(|(_, b)| b).sum::<u64>();
-                    a.1 += live.len() as u64;
+                    {
+                        let mut a = crab_common::sync::lock(&agent_samples);
+                        a.0 += m
+                            .iter()
+                            .filter(|(n, _)| live.contains(*n))
+                            .map(|(_, b)| b)
+                            .sum::<u64>();
+                        a.1 += live.len() as u64;
+                    }
+                    crab_common::sync::lock(&series).push((at, m));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -523,13 +526,16 @@ async fn one_mode(
             .and_then(|()| std::fs::write(&path, raw.to_string()))
             .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
     }
-    let s = crab_common::sync::lock(&samples).clone();
+    let s: Vec<u64> =
+        crab_common::sync::lock(&series).iter().map(|(_, m)| m.values().sum()).collect();
     let mib = |b: f64| b / 1048576.0;
     let mean = if s.is_empty() { 0.0 } else { s.iter().sum::<u64>() as f64 / s.len() as f64 };
     let peak = s.iter().copied().max().unwrap_or(0) as f64;
     let per_gib = |b: f64| if b > 0.0 { opts.sandboxes as f64 / (b / 1073741824.0) } else { 0.0 };
     let (agent_bytes, agent_count) = *crab_common::sync::lock(&agent_samples);
     let per_agent = if agent_count > 0 { agent_bytes as f64 / agent_count as f64 } else { 0.0 };
+    let counters = moved(&top0.0, &top1.0);
+    let count = |k: &str| counters.get(k).copied().unwrap_or(0);
     Ok(ModeReport {
         mode: mode.into(),
         scale,
@@ -545,11 +551,11 @@ async fn one_mode(
         first_byte_ms: opts.stream.then(|| Summary::of(&first)),
         wall_s,
         correct,
-        parks: moved(&top0.0, &top1.0).get("parks").copied().unwrap_or(0),
-        wakes: moved(&top0.0, &top1.0).get("wakes").copied().unwrap_or(0),
+        parks: count("parks"),
+        wakes: count("wakes"),
         wakes_by: ["prewakes", "head_parks", "answer_wakes"]
             .iter()
-            .map(|k| (k.to_string(), moved(&top0.0, &top1.0).get(*k).copied().unwrap_or(0)))
+            .map(|k| (k.to_string(), count(k)))
             .collect(),
         resident,
         declined: moved(&top0.1, &top1.1),

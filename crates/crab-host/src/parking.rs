@@ -264,7 +264,7 @@ impl Parking {
     /// is late for one answer in ten).
     pub fn answer_lead_floor_ms(&self, sandbox: &str) -> Option<f64> {
         let v = own_or_hosts(&lock(&self.inner).leads, sandbox);
-        (v.len() >= MIN_WAITS).then(|| v.iter().copied().fold(f64::INFINITY, f64::min))
+        (v.len() >= MIN_WAITS).then(|| shortest(&v))
     }
 
     /// The policy left a sandbox running at a turn boundary, for `why`.
@@ -318,7 +318,7 @@ impl Parking {
         if v.is_empty() {
             return DEFAULT_WAKE_MS;
         }
-        v.iter().copied().fold(f64::INFINITY, f64::min)
+        shortest(&v)
     }
 
     /// `sandbox`'s wake failed (it is stopped: its memory stays free).
@@ -361,6 +361,11 @@ fn remember(h: &mut VecDeque<f64>, ms: f64) {
         h.pop_front();
     }
     h.push_back(ms);
+}
+
+/// The smallest of `v` (infinite when empty).
+fn shortest(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
 }
 
 /// The `p` quantile of `v` (sorted here).

@@ -257,7 +257,11 @@ def check_pause_keeps_commands():
         "nohup python3 -c 'import os,time; f=open(\"/tmp/ghost\",\"wb\"); f.write(b\"x\"*(3<<20)); f.flush(); os.unlink(\"/tmp/ghost\"); time.sleep(1000)' >/dev/null 2>&1 & echo $! >/tmp/ghost.pid",
         user="root",
     )
-    sb.commands.run("for i in $(seq 50); do [ -e /tmp/ghost ] || exit 0; sleep 0.1; done; exit 1", user="root")
+    # Until its process holds the unlinked file open (before that, the file may not exist yet).
+    sb.commands.run(
+        "for i in $(seq 50); do p=$(cat /tmp/ghost.pid 2>/dev/null) && ls -l /proc/$p/fd 2>/dev/null | grep -q '/tmp/ghost (deleted)' && exit 0; sleep 0.1; done; exit 1",
+        user="root",
+    )
     try:
         sb.pause()
         raise AssertionError("a pause CRIU cannot dump succeeded")

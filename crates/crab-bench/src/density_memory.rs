@@ -131,6 +131,45 @@ pub struct ModeReport {
     pub point_bytes: u64,
     /// The turns with the most overhead, worst first (up to 6).
     pub worst: Vec<WorstTurn>,
+    /// Of Crab's parking (`turn`): the least its sandboxes can hold with a wake that starts at
+    /// the answer's head, as the issue asks — see [`HeadBound`].
+    pub head_bound: Option<HeadBound>,
+}
+
+/// The least memory turn-boundary parking can get down to when a parked sandbox's wake starts
+/// at its answer's head (the first byte; the answer is released once the sandbox is back, so
+/// it runs while the answer is generated): each sandbox running through every answer's
+/// generation after its head, its commands and the bench's bookkeeping between turns — parked
+/// for all the rest of every wait, its dumps and wakes free and instant. What a run measures
+/// above it is the first turn's dumps (the sandbox runs until its first point is written),
+/// wakes started ahead of the answer, and the parks and wakes themselves.
+#[derive(Debug, Clone, Serialize)]
+pub struct HeadBound {
+    /// The share of the agents' time their sandboxes must run.
+    pub running_share: f64,
+    /// That share of a running sandbox's memory (the mode's mean during commands), MiB.
+    pub mib_per_agent: f64,
+}
+
+/// [`HeadBound`] of a mode's turns (`spans`: per sandbox, per turn, [asked, answered, command
+/// done] ms; `gen_ms`: per sandbox, per turn, its answer's generation after the head) whose
+/// running sandboxes held `running_mib`.
+fn head_bound(spans: &[Vec<[f64; 3]>], gen_ms: &[Vec<f64>], running_mib: f64) -> HeadBound {
+    let (mut must, mut all) = (0.0, 0.0);
+    for (turns, gens) in spans.iter().zip(gen_ms) {
+        let (Some(first), Some(last)) = (turns.first(), turns.last()) else { continue };
+        all += last[2] - first[0];
+        for (t, s) in turns.iter().enumerate() {
+            let wait = s[1] - s[0];
+            must += gens.get(t).copied().unwrap_or(wait).min(wait);
+            must += s[2] - s[1];
+            if t > 0 {
+                must += s[0] - turns[t - 1][2];
+            }
+        }
+    }
+    let running_share = if all > 0.0 { must / all } else { 0.0 };
+    HeadBound { running_share, mib_per_agent: running_share * running_mib }
 }
 
 /// The memory of the sandboxes while their agents were in one phase of their turns.
@@ -511,6 +550,11 @@ async fn one_mode(
         return Err(e);
     }
     let resident = where_memory_went(&names, &spans, &crab_common::sync::lock(&series));
+    let head_bound = (mode == "turn").then(|| {
+        let gens: Vec<Vec<f64>> =
+            lat.iter().map(|v| v.iter().map(|(_, g)| g * scale * 1e3).collect()).collect();
+        head_bound(&spans, &gens, resident.get("command").map_or(0.0, |p| p.mean_mib))
+    });
     if let Some(dir) = &opts.raw {
         // Each turn's recorded LLM latency and generation next to the times it took here.
         let raw = serde_json::json!({
@@ -565,6 +609,7 @@ async fn one_mode(
             worst.truncate(6);
             worst
         },
+        head_bound,
     })
 }
 
@@ -683,6 +728,23 @@ impl DensityMemoryReport {
                 by.join("; ")
             ));
         }
+        for m in &self.modes {
+            let Some(b) = &m.head_bound else { continue };
+            let none = self.modes.iter().find(|o| o.mode == "none" && o.scale == m.scale);
+            let times = match none {
+                Some(o) if b.mib_per_agent > 0.0 => {
+                    format!(" ({:.2}x none's)", o.mem_per_agent_mib / b.mib_per_agent)
+                }
+                _ => String::new(),
+            };
+            s.push_str(&format!(
+                "at best, {} {:.2}: woken at their answers' head, the sandboxes must run {:.0}% of their agents' time (generation after the head, commands; dumps and wakes free): {:.0} MiB per agent{times}\n",
+                m.mode,
+                m.scale,
+                b.running_share * 100.0,
+                b.mib_per_agent
+            ));
+        }
         for m in self.modes.iter().filter(|m| m.wakes > 0) {
             let n = |k: &str| m.wakes_by.get(k).copied().unwrap_or(0);
             s.push_str(&format!(
@@ -705,5 +767,24 @@ impl DensityMemoryReport {
         }
         s.push_str(&format!("load average before {}, after {}\n", self.load.0, self.load.1));
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_head_bound_counts_generations_commands_and_gaps() {
+        // Two turns: asked at 0, answered at 1000, command to 1100; bookkeeping to 1200,
+        // asked again, answered at 4200 (a 500 ms generation), command to 4300.
+        let spans = vec![vec![[0.0, 1000.0, 1100.0], [1200.0, 4200.0, 4300.0]]];
+        let b = head_bound(&spans, &[vec![300.0, 500.0]], 200.0);
+        // Running: the generations 300 + 500, the commands 200, the gap 100.
+        assert!((b.running_share - 1100.0 / 4300.0).abs() < 1e-9, "{b:?}");
+        assert!((b.mib_per_agent - 200.0 * 1100.0 / 4300.0).abs() < 1e-9, "{b:?}");
+        // A generation longer than its wait counts only the wait.
+        let b = head_bound(&spans, &[vec![300.0, 9000.0]], 200.0);
+        assert!((b.running_share - 3600.0 / 4300.0).abs() < 1e-9, "{b:?}");
     }
 }

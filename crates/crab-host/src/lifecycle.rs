@@ -417,15 +417,17 @@ impl Host {
         let cost = self.parking.wake_cost_ms(name);
         let floor = self.parking.wake_cost_floor_ms(name);
         // A streamed answer's head comes early enough to wake from when its answers (this
-        // sandbox's, else the host's) go on long enough after it: nine in ten outlast twice
-        // the wake cost.
+        // sandbox's, else the host's) go on long enough after it: nine in ten outlast the
+        // wake cost by `HEAD_LEAD_MARGIN`.
         let known = self.parking.answer_lead_ms(name);
         let expected = self.parking.expected_wait_ms(name);
         // Nothing known yet on this host (its first answers): a streamed answer's head wakes
         // it all the same, and its end waits for the wake, which delays it only when the
         // answer is shorter than a wake — if its point holds its processes (no dump to pay).
         let cold = streams && known.is_none() && expected.is_none();
-        let lead = known.filter(|&lead| streams && lead >= 2.0 * cost).or(cold.then_some(0.0));
+        let lead = known
+            .filter(|&lead| streams && lead >= crate::parking::HEAD_LEAD_MARGIN * cost)
+            .or(cold.then_some(0.0));
         if expected.is_none() && lead.is_none() {
             self.parking.declined(Decline::NoHistory);
             return;

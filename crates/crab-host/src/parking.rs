@@ -177,6 +177,19 @@ const HISTORY: usize = 16;
 pub const MIN_WAITS: usize = 3;
 /// The wake cost assumed before any wake was measured, ms (a small sandbox's restore).
 pub const DEFAULT_WAKE_MS: f64 = 100.0;
+/// A streamed answer's head times the wake when nine in ten of the sandbox's recent answers
+/// (its own, else the host's) went on after their head for at least this many wake costs: a
+/// wake started at the head is back within about one cost, and this leaves it half as much
+/// again. With two, one answer of 125 ms among a sandbox's answers (a one-line action) made it
+/// wake ahead of every later answer instead, awake from a low quantile of its waits to their
+/// end — seconds of its memory per turn, for the one answer in ten or more it protects.
+pub const HEAD_LEAD_MARGIN: f64 = 1.5;
+/// How much of the shortest recent answer a wake timed from a streamed head may take before
+/// it must be back: half, so an answer shorter than any seen yet (with few answers seen, one
+/// in several is) waits for the rest of a wake at most — a wake timed to be back by the
+/// shortest itself held each such answer for a whole wake and more (150–180 ms against a
+/// 125 ms answer), which set the exposed p95.
+pub const HEAD_WAKE_SHARE: f64 = 0.5;
 /// What a full dump at the boundary is assumed to add when the turn's point lacks the
 /// processes, ms.
 pub const DUMP_MS: f64 = 150.0;

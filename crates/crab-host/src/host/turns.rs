@@ -363,16 +363,16 @@ impl BoundaryTicket for ParkTicket {
     }
 
     /// A parked sandbox's streamed answer: its end waits for the wake, so the wake starts as
-    /// late as is safe — every one of the sandbox's recent answers went on at least `lead`
-    /// after its head, and the wake is back within twice its cost — and at once without that
-    /// history.
+    /// late as is safe — it is back (within twice its cost) by half the shortest of the
+    /// sandbox's recent answers, [`crate::parking::HEAD_WAKE_SHARE`] — and at once without that history.
     fn head_released(&self) {
         let Some(h) = self.parked() else {
             return;
         };
         let cost = h.parking.wake_cost_ms(&self.sandbox);
         let lead = h.parking.answer_lead_floor_ms(&self.sandbox).unwrap_or(0.0);
-        let delay = std::time::Duration::from_secs_f64((lead - 2.0 * cost).max(0.0) / 1e3);
+        let delay = (lead * crate::parking::HEAD_WAKE_SHARE - 2.0 * cost).max(0.0);
+        let delay = std::time::Duration::from_secs_f64(delay / 1e3);
         let at = h.parked_at(&self.sandbox);
         h.wake_later(&self.sandbox, at, std::time::Instant::now() + delay, false);
     }

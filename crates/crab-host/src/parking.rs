@@ -180,9 +180,9 @@ pub const DEFAULT_WAKE_MS: f64 = 100.0;
 /// A streamed answer's head times the wake when nine in ten of the sandbox's recent answers
 /// (its own, else the host's) went on after their head for at least this many wake costs: a
 /// wake started at the head is back within about one cost, and this leaves it half as much
-/// again. With two, one answer of 125 ms among a sandbox's answers (a one-line action) made it
-/// wake ahead of every later answer instead, awake from a low quantile of its waits to their
-/// end — seconds of its memory per turn, for the one answer in ten or more it protects.
+/// again. With two, a sandbox's second turn — timed by the host's first, crowded wakes (about
+/// 300 ms beside six dumps) — or answers of 190–250 ms made it wake ahead of the answer
+/// instead, running from a low quantile of its waits to their end: seconds of its memory.
 pub const HEAD_LEAD_MARGIN: f64 = 1.5;
 /// How much of the shortest recent answer a wake timed from a streamed head may take before
 /// it must be back: half, so an answer shorter than any seen yet (with few answers seen, one

@@ -364,7 +364,8 @@ impl BoundaryTicket for ParkTicket {
 
     /// A parked sandbox's streamed answer: its end waits for the wake, so the wake starts as
     /// late as is safe — it is back (within twice its cost) by half the shortest of the
-    /// sandbox's recent answers, [`crate::parking::HEAD_WAKE_SHARE`] — and at once without that history.
+    /// sandbox's recent answers, [`crate::parking::HEAD_WAKE_SHARE`] — and at once without
+    /// that history.
     fn head_released(&self) {
         let Some(h) = self.parked() else {
             return;

@@ -353,9 +353,14 @@ impl OtherDaemon {
         }
         self.stop();
         // The daemon's mounts in its state dir: the pool and the empty read-only tmpfs that
-        // masked paths are bound from.
+        // masked paths are bound from (either may never have been mounted, or be gone already:
+        // umount's complaint about that is not the caller's output).
         for m in ["pool", "masked"] {
-            let _ = Command::new("umount").arg("-l").arg(self.state.join(m)).status();
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(self.state.join(m))
+                .stderr(std::process::Stdio::null())
+                .status();
         }
         let _ = std::fs::remove_dir_all(&self.state);
     }

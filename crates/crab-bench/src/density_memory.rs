@@ -19,7 +19,9 @@
 //! overhead per turn (answer time beyond the upstream's delay, plus the command's time:
 //! p50/p95/p99), wall time, correctness (each turn's command finds the resident process alive
 //! with at least 90 % of its memory: it survived every park and wake), and the bytes of the
-//! mode's restore points.
+//! mode's restore points. Of the turn mode, also the least memory a wake started at the
+//! answer's head allows ([`HeadBound`]: running only while answers are generated and commands
+//! run), against which the policy's own losses show.
 //!
 //! A turn's recorded latency splits into the time to the head and the generation of the
 //! step's output (its thought and action, four characters a token, at `--stream-tps`, leaving

@@ -180,7 +180,7 @@ pub(super) enum BenchCmd {
     /// real trajectories' LLM latencies on a daemon of the bench's own, with no parking, an
     /// E2B-style idle timer, and Crab's turn-boundary parking side by side: memory (mean,
     /// peak, sandboxes per GiB), the agent-visible overhead per turn, wall time, correctness,
-    /// restore-point bytes.
+    /// restore-point bytes, and the least memory a wake from the answer's head allows.
     Density {
         /// Measure memory density with parking (the only density measured here; the exposed
         /// latency at 1–32 sandboxes is scripts/bench-density.sh).

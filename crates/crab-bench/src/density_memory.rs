@@ -551,7 +551,9 @@ async fn one_mode(
     if let Some(e) = failed {
         return Err(e);
     }
-    let resident = where_memory_went(&names, &spans, &crab_common::sync::lock(&series));
+    // The sampler has stopped: its series is the mode's own from here.
+    let series = std::mem::take(&mut *crab_common::sync::lock(&series));
+    let resident = where_memory_went(&names, &spans, &series);
     let head_bound = (mode == "turn").then(|| {
         let gens: Vec<Vec<f64>> =
             lat.iter().map(|v| v.iter().map(|(_, g)| g * scale * 1e3).collect()).collect();
@@ -565,15 +567,14 @@ async fn one_mode(
             "sandboxes": names,
             "latencies_s": lat,
             "spans_ms": spans,
-            "samples": *crab_common::sync::lock(&series),
+            "samples": series,
         });
         let path = dir.join(format!("{mode}-{}.json", (scale * 100.0) as u32));
         std::fs::create_dir_all(dir)
             .and_then(|()| std::fs::write(&path, raw.to_string()))
             .map_err(|e| ApiError::internal(format!("writing {}: {e}", path.display())))?;
     }
-    let s: Vec<u64> =
-        crab_common::sync::lock(&series).iter().map(|(_, m)| m.values().sum()).collect();
+    let s: Vec<u64> = series.iter().map(|(_, m)| m.values().sum()).collect();
     let mib = |b: f64| b / 1048576.0;
     let mean = if s.is_empty() { 0.0 } else { s.iter().sum::<u64>() as f64 / s.len() as f64 };
     let peak = s.iter().copied().max().unwrap_or(0) as f64;

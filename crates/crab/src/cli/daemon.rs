@@ -154,9 +154,9 @@ pub(super) struct DaemonArgs {
     #[arg(long, env = "CRAB_MEMORY_BUDGET", value_name = "SIZE", value_parser = parse_size)]
     memory_budget: Option<u64>,
     /// How many times the wake cost (the fastest of the recent wakes) the time a sandbox can be
-    /// expected to stay parked must be for it to park: until its wake, which comes twice the wake cost before
-    /// the expected answer, or, for a streamed answer, its expected lead after the head less
-    /// that.
+    /// expected to stay parked must be for it to park: until its wake, which comes twice the
+    /// wake cost before the expected answer, or, for a streamed answer, its expected lead
+    /// after the head less that.
     #[arg(long, default_value_t = 3.0, value_parser = parse_margin)]
     park_margin: f64,
 }

@@ -12,6 +12,11 @@ use std::path::Path;
 pub trait SnapshotFs: Send + Sync + std::fmt::Debug {
     /// Make `dst` (which must not exist; its parent must) a snapshot of `src`.
     fn snapshot(&self, src: &Path, dst: &Path, readonly: bool) -> io::Result<()>;
+    /// Make writable snapshot `path` read-only (a tree edited after its snapshot was taken).
+    /// Implementations that do not enforce read-only snapshots do nothing.
+    fn seal(&self, _path: &Path) -> io::Result<()> {
+        Ok(())
+    }
     /// Delete a snapshot made by [`SnapshotFs::snapshot`] (or any directory tree).
     fn delete(&self, path: &Path) -> io::Result<()>;
     /// Whether `path` is a snapshot that can be restored from.

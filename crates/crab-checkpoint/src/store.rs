@@ -938,6 +938,26 @@ impl Staging<'_> {
         Ok(dst)
     }
 
+    /// Stage the filesystem snapshot as a writable snapshot of `src` that `edit` changes before
+    /// it is sealed read-only: a tree that differs from `src` in a few files (a fork branch's
+    /// first point, made from its source point's tree after the branch runs, since the
+    /// branch's own root is then no longer as it was). Discarded with the staging when
+    /// anything fails.
+    pub fn snapshot_fs_edited(
+        &mut self,
+        src: &Path,
+        edit: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<PathBuf> {
+        let dst = self.fs_path();
+        self.store
+            .fs
+            .snapshot(src, &dst, false)
+            .map_err(|e| CheckpointError::io("snapshot", &dst, e))?;
+        edit(&dst)?;
+        self.store.fs.seal(&dst).map_err(|e| CheckpointError::io("set read-only", &dst, e))?;
+        Ok(dst)
+    }
+
     /// Publish the restore point: hash and sync the staged image, move the staged parts into
     /// place, then write the manifest atomically. Parts not staged are inherited from the
     /// newest point (the parent), except the process image when `draft.no_procs`.

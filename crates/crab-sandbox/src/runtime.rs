@@ -1129,6 +1129,22 @@ pub fn cgroup_paths(cg: &SandboxCgroup) -> CgroupPaths {
 /// `/etc/hostname`, `/etc/machine-id`, `/tmp` or `/.crab` a symlink cannot make the daemon write
 /// or chmod a host file.
 pub fn personalize(rootfs: &Path, name: &str, userns: Option<IdRange>) -> Result<()> {
+    personalize_as(rootfs, name, userns, &new_machine_id())
+}
+
+/// A fresh machine-id (32 hex digits), for [`personalize_as`].
+pub fn new_machine_id() -> String {
+    format!("{:08x}{:08x}{:08x}{:08x}", rand_u32(), rand_u32(), rand_u32(), rand_u32())
+}
+
+/// [`personalize`] with a given machine-id: two trees personalized with the same arguments
+/// hold the same files (a fork branch's root and its first point's copy of it).
+pub fn personalize_as(
+    rootfs: &Path,
+    name: &str,
+    userns: Option<IdRange>,
+    machine_id: &str,
+) -> Result<()> {
     if let Some(r) = userns {
         // The root directory itself belongs to the namespace's root (a tree materialized from
         // a remote store gets it from the subvolume the daemon made, the host's root's).
@@ -1143,8 +1159,7 @@ pub fn personalize(rootfs: &Path, name: &str, userns: Option<IdRange>) -> Result
     let root = InRoot::open(rootfs)?.owned_by(userns.map(|r| (r.uid, r.gid)));
     install_init_in(&root)?;
     root.write(Path::new("etc/hostname"), format!("{name}\n").as_bytes(), 0o644)?;
-    let id = format!("{:08x}{:08x}{:08x}{:08x}\n", rand_u32(), rand_u32(), rand_u32(), rand_u32());
-    root.write(Path::new("etc/machine-id"), id.as_bytes(), 0o444)?;
+    root.write(Path::new("etc/machine-id"), format!("{machine_id}\n").as_bytes(), 0o444)?;
     root.mkdir_mode(Path::new("tmp"), 0o1777)?;
     Ok(())
 }

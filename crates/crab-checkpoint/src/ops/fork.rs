@@ -141,7 +141,8 @@ impl Checkpointer {
         progress.stage("branches", Some(count as u64));
         let done = std::sync::atomic::AtomicU64::new(0);
         let gate = VerifyGate::default();
-        let (results, verified): (Vec<Result<ForkBranch>>, Result<()>) = std::thread::scope(|s| {
+        let (results, verified): (Vec<Result<(ForkBranch, PendingOrigin)>>, Result<()>) =
+            std::thread::scope(|s| {
             let verifier = to_verify.as_ref().map(|vm| {
                 let (store, gate) = (&store, &gate);
                 s.spawn(move || {
@@ -186,18 +187,25 @@ impl Checkpointer {
             (results, verified)
         });
         let mut out = Vec::new();
+        let mut pending = Vec::new();
         // A point that did not verify is the error, whatever its branches then said.
         let mut first_err = verified.err();
         for r in results {
             match r {
-                Ok(b) => out.push(b),
+                Ok((b, p)) => {
+                    out.push(b);
+                    pending.push(p);
+                }
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
         }
         if let Some(e) = first_err {
-            // All or nothing: remove the branches that did come up.
+            // All or nothing: remove the branches that did come up (no first points made).
+            for p in pending {
+                p.discard();
+            }
             for b in &out {
                 if let Err(e) = self.rt.remove(&b.sandbox, true) {
                     tracing::warn!(sandbox = %b.sandbox, error = %e, "cannot remove fork branch");
@@ -208,7 +216,68 @@ impl Checkpointer {
             }
             return Err(e);
         }
+        self.make_origins(pending);
         Ok(out)
+    }
+
+    /// Make and publish the branches' first points on a thread of their own, one after the
+    /// other, after the branches answered: each holds its branch's store lock, so nothing
+    /// else checkpoints, restores or removes that branch before it is done, and listing its
+    /// points waits for it ([`Checkpointer::origin_settled`]).
+    fn make_origins(&self, pending: Vec<PendingOrigin>) {
+        if pending.is_empty() {
+            return;
+        }
+        let origins = self.origins.clone();
+        let gates: Vec<(String, Arc<VerifyGate>)> = {
+            let mut map = origins.lock().unwrap_or_else(|p| p.into_inner());
+            pending
+                .iter()
+                .map(|p| {
+                    let g = Arc::new(VerifyGate::default());
+                    map.insert(p.name().to_owned(), g.clone());
+                    (p.name().to_owned(), g)
+                })
+                .collect()
+        };
+        let run = move || {
+            for (p, (name, gate)) in pending.into_iter().zip(gates) {
+                let t = Instant::now();
+                match p.publish() {
+                    Ok(o) => tracing::info!(sandbox = %name, point = %o.id, ms = ms(t.elapsed()), "fork branch's first point published"),
+                    Err(e) => tracing::warn!(sandbox = %name, error = %e, "the fork branch's first point could not be made; it has no restore point until its next checkpoint"),
+                }
+                let mut map = origins.lock().unwrap_or_else(|p| p.into_inner());
+                if map.get(&name).is_some_and(|g| Arc::ptr_eq(g, &gate)) {
+                    map.remove(&name);
+                }
+                drop(map);
+                gate.open(true);
+            }
+        };
+        // The closure is moved into the thread, or run here when no thread can be made.
+        let run = std::sync::Arc::new(Mutex::new(Some(run)));
+        let theirs = run.clone();
+        let spawned = std::thread::Builder::new().name("crab-fork-origins".into()).spawn(move || {
+            if let Some(f) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                f();
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "no thread for the fork branches' first points; making them now");
+            if let Some(f) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                f();
+            }
+        }
+    }
+
+    /// Wait until `sandbox`'s first point, when it is a fork branch whose point is still
+    /// being made, is published (or failed).
+    pub(super) fn origin_settled(&self, sandbox: &str) {
+        let gate = self.origins.lock().unwrap_or_else(|p| p.into_inner()).get(sandbox).cloned();
+        if let Some(g) = gate {
+            let _ = g.wait();
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -222,7 +291,7 @@ impl Checkpointer {
         origin: &Origin,
         name: &str,
         gate: &VerifyGate,
-    ) -> Result<ForkBranch> {
+    ) -> Result<(ForkBranch, PendingOrigin)> {
         let t = Instant::now();
         let state = self.rt.state();
         if self.rt.record(name).is_ok() {
@@ -276,14 +345,15 @@ impl Checkpointer {
         crab_sandbox::runtime::claim_dir(state, &rec).map_err(sandbox_err(name))?;
         let result = self.fork_into(store, &branch, m, fs, src, criu, &mut rec, gate);
         match result {
-            Ok((pid, stages)) => {
+            Ok((pid, stages, origin_of)) => {
                 tracing::info!(sandbox = name, from = %origin.sandbox, point = %origin.point, "fork branch up");
-                Ok(ForkBranch {
+                let b = ForkBranch {
                     sandbox: name.to_owned(),
                     init_pid: pid,
                     ms: ms(t.elapsed()),
                     stages,
-                })
+                };
+                Ok((b, PendingOrigin { branch, held, parts: origin_of }))
             }
             Err(e) => {
                 tracing::warn!(sandbox = name, error = %e, "fork branch failed; removing it");
@@ -311,8 +381,9 @@ impl Checkpointer {
     }
 
     /// Build branch `rec.name` (whose directory exists) from point `m` of `store`: its root,
-    /// its first restore point, its cgroup, its processes; then record it as running. Returns
-    /// its init's pid and the time of each of those stages, ms.
+    /// its cgroup, its processes; then record it as running. Returns its init's pid, the time
+    /// of each of those stages (ms) and what its first point is made from, after it answered
+    /// ([`PendingOrigin`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fork_into(
         &self,
@@ -324,31 +395,29 @@ impl Checkpointer {
         criu: Option<&Criu>,
         rec: &mut SandboxRecord,
         gate: &VerifyGate,
-    ) -> Result<(u32, Vec<(String, f64)>)> {
+    ) -> Result<(u32, Vec<(String, f64)>, OriginParts)> {
         let name = rec.name.clone();
         let name = name.as_str();
         let state = self.rt.state();
         let rootfs = state.sandbox_rootfs(name);
         let mut clock = crab_common::stats::StageClock::starting(Instant::now());
+        let source_fs = store.fs_path(fs.id);
         self.fs
-            .snapshot(&store.fs_path(fs.id), &rootfs, false)
+            .snapshot(&source_fs, &rootfs, false)
             .map_err(|e| CheckpointError::io("snapshot", &rootfs, e))?;
         clock.mark("snapshot");
         // A branch inherits its source's disk quota (its record carries `src.limits`).
         self.rt.limit_disk(&rootfs, &src.limits).map_err(sandbox_err(name))?;
         clock.mark("quota");
-        personalize(&rootfs, name, src.profile.userns).map_err(sandbox_err(name))?;
+        let machine_id = new_machine_id();
+        personalize_as(&rootfs, name, src.profile.userns, &machine_id).map_err(sandbox_err(name))?;
+        clock.mark("personalize");
         let mut meta = src.clone();
         meta.name = name.to_owned();
         meta.hostname = name.to_owned();
         meta.cgroup = rec.cgroup.clone();
-        // The branch's first point: its root's snapshot and hard links to the images now;
-        // published (hashes carried over, one syncfs, the manifest) beside the restore of the
-        // processes, which reads its own set of links (`imgs`, removed after): a prune of the
-        // source cannot pull the images away, and the publish may move the staged ones.
-        let mut staging = branch.begin();
-        staging.snapshot_fs(&rootfs)?;
-        let draft = origin_draft(&mut staging, store, m, &meta)?;
+        // The restore reads its own set of links to the images (a prune of the source cannot
+        // pull them away); the branch's first point links to these, and removes them.
         let imgs = match &m.procs {
             Some(p) if criu.is_some() => {
                 let dir = branch.tmp_dir().join(format!("{}.restore", p.id));
@@ -357,34 +426,30 @@ impl Checkpointer {
             }
             _ => None,
         };
-        clock.mark("origin_point");
-        let res = std::thread::scope(|s| {
-            let publisher = s.spawn(move || staging.publish(draft));
-            let pid = self.fork_processes(name, m, src, criu, imgs.as_deref(), gate, &rootfs);
-            let published = publisher.join().unwrap_or_else(|_| {
-                Err(CheckpointError::Invalid("publishing the origin point panicked".into()))
-            });
-            published.and(pid)
-        });
-        if let Some(dir) = &imgs {
-            if let Err(e) = std::fs::remove_dir_all(dir) {
-                tracing::warn!(path = %dir.display(), error = %e, "cannot remove a fork's image links");
-            }
-        }
-        let (pid, proc_stages) = res?;
+        clock.mark("image_links");
+        let parts = OriginParts { source_fs, m: m.clone(), meta, machine_id, imgs };
+        let (pid, proc_stages) =
+            self.fork_processes(name, m, src, criu, parts.imgs.as_deref(), gate, &rootfs)
+                .inspect_err(|_| parts.remove_links())?;
         for (stage, ms) in proc_stages {
             clock.add(stage, ms);
         }
         clock.restart();
-        rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
-            sandbox: name.to_owned(),
-            message: format!("the restored init {pid} died right after the restore"),
-        })?;
-        rec.init_pid = pid;
-        rec.created_at = now_ms() / 1000;
-        self.rt.update(rec.clone()).map_err(sandbox_err(name))?;
+        let recorded = (|| {
+            rec.init_start = process_start_time(pid).ok_or_else(|| CheckpointError::Sandbox {
+                sandbox: name.to_owned(),
+                message: format!("the restored init {pid} died right after the restore"),
+            })?;
+            rec.init_pid = pid;
+            rec.created_at = now_ms() / 1000;
+            self.rt.update(rec.clone()).map_err(sandbox_err(name))
+        })();
+        if let Err(e) = recorded {
+            parts.remove_links();
+            return Err(e);
+        }
         clock.mark("record");
-        Ok((pid, clock.into_stages()))
+        Ok((pid, clock.into_stages(), parts))
     }
 
     /// A branch's cgroup, address and processes (CRIU's restore from `imgs`, else a fresh
@@ -464,7 +529,7 @@ fn link_images(src: &Path, dir: &Path, p: &crate::manifest::ProcPart) -> Result<
 
 /// Whether a fork's source point verified, for the branches that wait on it before their
 /// processes are restored from its images.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub(super) struct VerifyGate {
     state: Mutex<Option<bool>>,
     cv: std::sync::Condvar,
@@ -504,21 +569,94 @@ impl Drop for GateGuard<'_> {
     }
 }
 
+/// What a fork branch's first point is made from once the branch runs: its source point's
+/// tree, personalized as the branch's root was before anything ran in it, and the links to
+/// the images its processes were restored from.
+pub(super) struct OriginParts {
+    source_fs: PathBuf,
+    m: Manifest,
+    meta: SandboxRecord,
+    machine_id: String,
+    imgs: Option<PathBuf>,
+}
+
+impl OriginParts {
+    fn remove_links(&self) {
+        if let Some(dir) = &self.imgs {
+            if let Err(e) = std::fs::remove_dir_all(dir) {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot remove a fork's image links");
+            }
+        }
+    }
+}
+
+/// A fork branch's first point, to be made after the branch answered, with its store's lock
+/// held from the fork on (nothing checkpoints, restores or removes the branch before).
+pub(super) struct PendingOrigin {
+    branch: Arc<Store>,
+    held: crate::store::StoreLock,
+    parts: OriginParts,
+}
+
+impl PendingOrigin {
+    /// Make and publish the point: a writable snapshot of the source's tree personalized
+    /// exactly as the branch's root was (same name, same machine-id) and sealed read-only —
+    /// not a snapshot of the branch's root, which its processes now write to — and hard
+    /// links to the images, their hashes carried over; one syncfs, the manifest. These btrfs
+    /// commits and that flush slowed a CRIU restore beside them by about 30 ms, and cost 10–15
+    /// ms before it: after the answer they delay neither.
+    fn publish(self) -> Result<Manifest> {
+        let PendingOrigin { branch, held, parts } = self;
+        let name = parts.meta.name.as_str();
+        let made = (|| {
+            let mut staging = branch.begin();
+            staging.snapshot_fs_edited(&parts.source_fs, |dst| {
+                personalize_as(dst, name, parts.meta.profile.userns, &parts.machine_id)
+                    .map_err(sandbox_err(name))
+            })?;
+            let draft = origin_draft_from(&mut staging, parts.imgs.as_deref(), &parts.m, &parts.meta)?;
+            staging.publish(draft)
+        })();
+        parts.remove_links();
+        drop(held);
+        made
+    }
+
+    /// Give it up (a fork whose other branches failed: this branch is removed).
+    fn discard(self) {
+        self.parts.remove_links();
+    }
+
+    fn name(&self) -> &str {
+        &self.parts.meta.name
+    }
+}
+
 /// The draft of a point equal to point `m` of `src_store`, in `staging` (whose filesystem
 /// snapshot the caller took): hard links to `m`'s image files (immutable once published),
-/// whose hashes are carried over, `m` as its origin, `meta` as its sandbox's record. A fork
-/// branch's first point and a replaced sandbox's are made so.
+/// whose hashes are carried over, `m` as its origin, `meta` as its sandbox's record. A
+/// replaced sandbox's first point is made so.
 pub(super) fn origin_draft(
     staging: &mut crate::store::Staging<'_>,
     src_store: &Store,
     m: &Manifest,
     meta: &SandboxRecord,
 ) -> Result<Draft> {
-    let mut draft =
-        Draft::new(if m.procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
-    if let Some(p) = &m.procs {
+    let dir = m.procs.as_ref().map(|p| src_store.proc_dir(p.id));
+    origin_draft_from(staging, dir.as_deref(), m, meta)
+}
+
+/// [`origin_draft`] with `m`'s image files in `src_dir` (its own directory, or links to it).
+fn origin_draft_from(
+    staging: &mut crate::store::Staging<'_>,
+    src_dir: Option<&Path>,
+    m: &Manifest,
+    meta: &SandboxRecord,
+) -> Result<Draft> {
+    let procs = m.procs.as_ref().zip(src_dir);
+    let mut draft = Draft::new(if procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
+    if let Some((p, src_dir)) = procs {
         let dir = staging.proc_dir()?;
-        let src_dir = src_store.proc_dir(p.id);
         for f in &p.files {
             let (from, to) = (src_dir.join(&f.name), dir.join(&f.name));
             std::fs::hard_link(&from, &to).map_err(|e| CheckpointError::io("link", &to, e))?;

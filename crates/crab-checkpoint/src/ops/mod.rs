@@ -36,7 +36,9 @@ use serde::{Deserialize, Serialize};
 use crab_common::api::NetMode;
 use crab_common::{CheckpointKind, PointKind, Progress};
 use crab_criu::{phase, CgroupMode, Criu, DumpOpts, NetworkLockMethod, RestoreOpts};
-use crab_sandbox::runtime::{cgroup_paths, install_init, personalize, process_start_time};
+use crab_sandbox::runtime::{
+    cgroup_paths, install_init, new_machine_id, personalize, personalize_as, process_start_time,
+};
 use crab_sandbox::{btrfs, Runtime, SandboxRecord};
 
 use crate::error::{CheckpointError, Result};
@@ -56,6 +58,9 @@ pub struct BtrfsSnapshots;
 impl SnapshotFs for BtrfsSnapshots {
     fn snapshot(&self, src: &Path, dst: &Path, readonly: bool) -> std::io::Result<()> {
         btrfs::snapshot(src, dst, readonly).map_err(|e| std::io::Error::other(e.to_string()))
+    }
+    fn seal(&self, path: &Path) -> std::io::Result<()> {
+        btrfs::set_readonly(path, true).map_err(|e| std::io::Error::other(e.to_string()))
     }
     fn delete(&self, path: &Path) -> std::io::Result<()> {
         btrfs::remove_tree(path)
@@ -224,7 +229,8 @@ pub struct ForkBranch {
     pub init_pid: u32,
     /// Wall time of this branch in ms.
     pub ms: f64,
-    /// That time by stage (snapshot, quota, origin_point, cgroup, processes, record), ms.
+    /// That time by stage (snapshot, quota, personalize, image_links, cgroup, wait_verify,
+    /// processes, record), ms. The branch's first point is made after it answered.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stages: Vec<(String, f64)>,
 }
@@ -315,6 +321,9 @@ pub struct Checkpointer {
     cfg: Config,
     stores: Mutex<HashMap<String, Arc<Store>>>,
     locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Fork branches whose first point is still being made, after they answered
+    /// ([`fork::PendingOrigin`]): listing their points waits for it.
+    origins: Arc<Mutex<HashMap<String, Arc<fork::VerifyGate>>>>,
     criu_version: std::sync::OnceLock<String>,
 }
 
@@ -337,6 +346,7 @@ impl Checkpointer {
             cfg,
             stores: Mutex::new(HashMap::new()),
             locks: Mutex::new(HashMap::new()),
+            origins: Arc::default(),
             criu_version: std::sync::OnceLock::new(),
         }
     }
@@ -522,6 +532,7 @@ impl Checkpointer {
 
     /// The restore points of `sandbox`, oldest first, unusable ones included (kind `corrupt`).
     pub fn list(&self, sandbox: &str) -> Result<Vec<PointSummary>> {
+        self.origin_settled(sandbox);
         let store = self.store(sandbox)?;
         Ok(store
             .list_all()?

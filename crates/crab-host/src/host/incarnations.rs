@@ -225,10 +225,14 @@ impl Host {
             .await;
             match forked {
                 Ok(b) => {
-                    // The branches' origin points flushed the pool (their images are links to
-                    // the copy's); a copy without processes was flushed by the branches'
-                    // snapshots of its filesystem.
-                    crab_remote::local::mark_flushed(&store, &rec.point);
+                    // The copy's bytes are flushed off the caller's path (the branches' first
+                    // points, which link to its images, are made after they answered).
+                    let (flush_store, point) = (store.clone(), rec.point.clone());
+                    tokio::task::spawn_blocking(move || {
+                        if let Err(e) = crab_remote::local::flush(&flush_store, &point) {
+                            tracing::warn!(point = %point, error = %e, "cannot flush a materialized point");
+                        }
+                    });
                     break (mat, b);
                 }
                 Err(e) if e.0.code == crab_common::ErrorCode::CorruptCheckpoint => {

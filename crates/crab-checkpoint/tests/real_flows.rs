@@ -397,6 +397,7 @@ fn three_forks_serve_and_diverge() {
     sb.extra = branches.iter().map(|b| b.sandbox.clone()).collect();
     assert_eq!(branches.len(), 3);
     let mut ids = Vec::new();
+    let mut ids_of = Vec::new();
     for (i, b) in branches.iter().enumerate() {
         // Each branch continues from the checkpoint's count and diverges from the others.
         let get = |n: usize| {
@@ -411,6 +412,7 @@ fn three_forks_serve_and_diverge() {
         assert_eq!(lines[0], b.sandbox, "uts hostname");
         assert_eq!(lines[1], b.sandbox, "/etc/hostname");
         ids.push(lines[2].to_owned());
+        ids_of.push(lines[2].to_owned());
         // The TCP pair lives on in every branch.
         let (_, tcp) = sb.sh_in(&b.sandbox, "cat /tmp/tcp");
         assert!(tcp.parse::<u64>().is_ok(), "branch tcp: {tcp}");
@@ -423,10 +425,26 @@ fn three_forks_serve_and_diverge() {
 
     // Each branch has its own first point, independent of the source's store: delete the
     // source with all its points, then roll a branch back to its fork point.
+    // The first point is made after the branch answered; listing waits for it. Its tree is the
+    // branch's root as it was before anything ran: the branch's hostname and machine-id.
     let b = &branches[2].sandbox;
+    assert_eq!(sb.ck.list(b).unwrap().len(), 1, "listing waits for the branch's first point");
     let points = sb.ck.store(b).unwrap().list().unwrap();
     assert_eq!(points.len(), 1);
     assert_eq!(points[0].origin.as_ref().map(|o| o.point), Some(m.id));
+    let origin_fs = sb.ck.store(b).unwrap().fs_path(points[0].fs.as_ref().unwrap().id);
+    let read = |f: &str| std::fs::read_to_string(origin_fs.join(f)).unwrap();
+    assert_eq!(read("etc/hostname").trim(), b.as_str());
+    assert_eq!(
+        read("etc/machine-id").trim(),
+        ids_of[2].as_str(),
+        "the running branch's machine-id"
+    );
+    assert!(crab_sandbox::btrfs::is_subvolume(&origin_fs));
+    assert!(
+        std::fs::write(origin_fs.join("etc/hostname"), "x").is_err(),
+        "the first point's tree is read-only"
+    );
     sb.rt.remove(&sb.name, true).unwrap();
     sb.ck.remove_all(&sb.name).unwrap();
     sb.sh_in(b, GET);

@@ -2,6 +2,10 @@
 //! or one materialized from a remote store), each claimed, given its own root and incarnated.
 
 use super::*;
+use crate::store::StoreLock;
+
+/// Stages and their times, ms.
+type Stages = Vec<(String, f64)>;
 
 impl Checkpointer {
     /// Create `count` new sandboxes from a restore point of `sandbox` (newest when `None`),
@@ -143,49 +147,49 @@ impl Checkpointer {
         let gate = VerifyGate::default();
         let (results, verified): (Vec<Result<(ForkBranch, PendingOrigin)>>, Result<()>) =
             std::thread::scope(|s| {
-            let verifier = to_verify.as_ref().map(|vm| {
-                let (store, gate) = (&store, &gate);
-                s.spawn(move || {
-                    // Opened (closed) even if the hashing panics: no branch waits forever.
-                    let _shut = GateGuard(gate);
-                    let r = store.verify(vm);
-                    gate.open(r.is_ok());
-                    r
-                })
-            });
-            if verifier.is_none() {
-                gate.open(true);
-            }
-            let handles: Vec<_> = names
-                .iter()
-                .map(|name| {
-                    let (store, m, fs, src, criu, origin, done, gate) =
-                        (&store, &m, &fs, &src, criu.as_ref(), &origin, &done, &gate);
+                let verifier = to_verify.as_ref().map(|vm| {
+                    let (store, gate) = (&store, &gate);
                     s.spawn(move || {
-                        let r = self.fork_one(store, m, fs, src, criu, origin, name, gate);
-                        if r.is_ok() {
-                            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                            progress.advance(n);
-                        }
+                        // Opened (closed) even if the hashing panics: no branch waits forever.
+                        let _shut = GateGuard(gate);
+                        let r = store.verify(vm);
+                        gate.open(r.is_ok());
                         r
                     })
-                })
-                .collect();
-            let results = handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(CheckpointError::Invalid("a fork branch panicked".into()))
+                });
+                if verifier.is_none() {
+                    gate.open(true);
+                }
+                let handles: Vec<_> = names
+                    .iter()
+                    .map(|name| {
+                        let (store, m, fs, src, criu, origin, done, gate) =
+                            (&store, &m, &fs, &src, criu.as_ref(), &origin, &done, &gate);
+                        s.spawn(move || {
+                            let r = self.fork_one(store, m, fs, src, criu, origin, name, gate);
+                            if r.is_ok() {
+                                let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                                progress.advance(n);
+                            }
+                            r
+                        })
                     })
-                })
-                .collect();
-            let verified = verifier.map_or(Ok(()), |v| {
-                v.join().unwrap_or_else(|_| {
-                    Err(CheckpointError::Invalid("verification thread panicked".into()))
-                })
+                    .collect();
+                let results = handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(CheckpointError::Invalid("a fork branch panicked".into()))
+                        })
+                    })
+                    .collect();
+                let verified = verifier.map_or(Ok(()), |v| {
+                    v.join().unwrap_or_else(|_| {
+                        Err(CheckpointError::Invalid("verification thread panicked".into()))
+                    })
+                });
+                (results, verified)
             });
-            (results, verified)
-        });
         let mut out = Vec::new();
         let mut pending = Vec::new();
         // A point that did not verify is the error, whatever its branches then said.
@@ -216,7 +220,17 @@ impl Checkpointer {
             }
             return Err(e);
         }
-        self.make_origins(pending);
+        // The source's tree is what the first points are made from: its store's lock, when
+        // free now (the source may be checkpointing), keeps its points from being removed
+        // until they are made.
+        let source_held = match store.try_lock() {
+            Ok(held) => held,
+            Err(e) => {
+                tracing::warn!(sandbox, error = %e, "cannot lock the fork's source points");
+                None
+            }
+        };
+        self.make_origins(pending, source_held);
         Ok(out)
     }
 
@@ -224,7 +238,7 @@ impl Checkpointer {
     /// other, after the branches answered: each holds its branch's store lock, so nothing
     /// else checkpoints, restores or removes that branch before it is done, and listing its
     /// points waits for it ([`Checkpointer::origin_settled`]).
-    fn make_origins(&self, pending: Vec<PendingOrigin>) {
+    fn make_origins(&self, pending: Vec<PendingOrigin>, source_held: Option<StoreLock>) {
         if pending.is_empty() {
             return;
         }
@@ -244,8 +258,12 @@ impl Checkpointer {
             for (p, (name, gate)) in pending.into_iter().zip(gates) {
                 let t = Instant::now();
                 match p.publish() {
-                    Ok(o) => tracing::info!(sandbox = %name, point = %o.id, ms = ms(t.elapsed()), "fork branch's first point published"),
-                    Err(e) => tracing::warn!(sandbox = %name, error = %e, "the fork branch's first point could not be made; it has no restore point until its next checkpoint"),
+                    Ok(o) => {
+                        tracing::info!(sandbox = %name, point = %o.id, ms = ms(t.elapsed()), "fork branch's first point published")
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %name, error = %e, "the fork branch's first point could not be made; it has no restore point until its next checkpoint")
+                    }
                 }
                 let mut map = origins.lock().unwrap_or_else(|p| p.into_inner());
                 if map.get(&name).is_some_and(|g| Arc::ptr_eq(g, &gate)) {
@@ -254,15 +272,17 @@ impl Checkpointer {
                 drop(map);
                 gate.open(true);
             }
+            drop(source_held);
         };
         // The closure is moved into the thread, or run here when no thread can be made.
         let run = std::sync::Arc::new(Mutex::new(Some(run)));
         let theirs = run.clone();
-        let spawned = std::thread::Builder::new().name("crab-fork-origins".into()).spawn(move || {
-            if let Some(f) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                f();
-            }
-        });
+        let spawned =
+            std::thread::Builder::new().name("crab-fork-origins".into()).spawn(move || {
+                if let Some(f) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    f();
+                }
+            });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "no thread for the fork branches' first points; making them now");
             if let Some(f) = run.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -395,7 +415,7 @@ impl Checkpointer {
         criu: Option<&Criu>,
         rec: &mut SandboxRecord,
         gate: &VerifyGate,
-    ) -> Result<(u32, Vec<(String, f64)>, OriginParts)> {
+    ) -> Result<(u32, Stages, OriginParts)> {
         let name = rec.name.clone();
         let name = name.as_str();
         let state = self.rt.state();
@@ -410,7 +430,8 @@ impl Checkpointer {
         self.rt.limit_disk(&rootfs, &src.limits).map_err(sandbox_err(name))?;
         clock.mark("quota");
         let machine_id = new_machine_id();
-        personalize_as(&rootfs, name, src.profile.userns, &machine_id).map_err(sandbox_err(name))?;
+        personalize_as(&rootfs, name, src.profile.userns, &machine_id)
+            .map_err(sandbox_err(name))?;
         clock.mark("personalize");
         let mut meta = src.clone();
         meta.name = name.to_owned();
@@ -428,9 +449,9 @@ impl Checkpointer {
         };
         clock.mark("image_links");
         let parts = OriginParts { source_fs, m: m.clone(), meta, machine_id, imgs };
-        let (pid, proc_stages) =
-            self.fork_processes(name, m, src, criu, parts.imgs.as_deref(), gate, &rootfs)
-                .inspect_err(|_| parts.remove_links())?;
+        let (pid, proc_stages) = self
+            .fork_processes(name, m, src, criu, parts.imgs.as_deref(), gate, &rootfs)
+            .inspect_err(|_| parts.remove_links())?;
         for (stage, ms) in proc_stages {
             clock.add(stage, ms);
         }
@@ -594,7 +615,7 @@ impl OriginParts {
 /// held from the fork on (nothing checkpoints, restores or removes the branch before).
 pub(super) struct PendingOrigin {
     branch: Arc<Store>,
-    held: crate::store::StoreLock,
+    held: StoreLock,
     parts: OriginParts,
 }
 
@@ -614,7 +635,8 @@ impl PendingOrigin {
                 personalize_as(dst, name, parts.meta.profile.userns, &parts.machine_id)
                     .map_err(sandbox_err(name))
             })?;
-            let draft = origin_draft_from(&mut staging, parts.imgs.as_deref(), &parts.m, &parts.meta)?;
+            let draft =
+                origin_draft_from(&mut staging, parts.imgs.as_deref(), &parts.m, &parts.meta)?;
             staging.publish(draft)
         })();
         parts.remove_links();
@@ -654,7 +676,8 @@ fn origin_draft_from(
     meta: &SandboxRecord,
 ) -> Result<Draft> {
     let procs = m.procs.as_ref().zip(src_dir);
-    let mut draft = Draft::new(if procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
+    let mut draft =
+        Draft::new(if procs.is_some() { PointKind::FULL } else { PointKind::FS }, m.turn);
     if let Some((p, src_dir)) = procs {
         let dir = staging.proc_dir()?;
         for f in &p.files {

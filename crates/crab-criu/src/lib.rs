@@ -219,6 +219,12 @@ pub struct RestoreOpts {
     pub weak_sysctls: bool,
     /// LSM profile of the restored tree.
     pub lsm_profile: Option<String>,
+    /// The nice value `criu swrk` runs at (0: the caller's), and with it the tasks it forks
+    /// while they restore themselves (their memory is read in then); each restored task sets
+    /// its own dumped nice back before it resumes. Negative makes a restore someone waits for
+    /// win the CPU from background work such as dumps; it needs `CAP_SYS_NICE`, and without
+    /// it the restore runs at the caller's priority.
+    pub nice: i32,
 }
 
 impl RestoreOpts {
@@ -246,6 +252,7 @@ impl RestoreOpts {
             orphan_pts_master: false,
             weak_sysctls: false,
             lsm_profile: None,
+            nice: 0,
         }
     }
 }

@@ -128,12 +128,12 @@ fn duration_us(us: Option<u32>) -> Option<Duration> {
 impl Session {
     /// Start `criu swrk`, with `inherit` descriptors of ours left open in it.
     fn start(criu: &Criu, op: &'static str, log: &Path, inherit: &[RawFd]) -> Result<Session> {
-        Session::start_in(criu, op, log, inherit, &[], false)
+        Session::start_in(criu, op, log, inherit, &[], false, 0)
     }
 
     /// Start `criu swrk`, with `inherit` descriptors of ours left open in it, after it joined
     /// the cgroups whose directories are `cgroups` (and, with `cgroup_ns`, unshared a cgroup
-    /// namespace rooted there).
+    /// namespace rooted there), at `nice` (0: ours; a nice it may not take is left as ours).
     fn start_in(
         criu: &Criu,
         op: &'static str,
@@ -141,6 +141,7 @@ impl Session {
         inherit: &[RawFd],
         cgroups: &[PathBuf],
         cgroup_ns: bool,
+        nice: i32,
     ) -> Result<Session> {
         let bin = criu.path();
         let (ours, theirs) =
@@ -184,10 +185,15 @@ impl Session {
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         // SAFETY: the closure runs in the forked child before exec and only calls write(2),
-        // unshare(2), mount(2) and fcntl(2), which are async-signal-safe; it reads `procs_fds`,
-        // `private_run` and `keep`, allocated before the fork, without allocating.
+        // setpriority(2), unshare(2), mount(2) and fcntl(2), which are async-signal-safe; it
+        // reads `procs_fds`, `private_run` and `keep`, allocated before the fork, without
+        // allocating.
         unsafe {
             cmd.pre_exec(move || {
+                // Best effort: without CAP_SYS_NICE it runs at our priority, as before.
+                if nice != 0 {
+                    libc::setpriority(libc::PRIO_PROCESS, 0, nice);
+                }
                 for &fd in &procs_fds {
                     if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
                         return Err(std::io::Error::last_os_error());
@@ -634,7 +640,8 @@ pub(crate) fn restore(criu: &Criu, o: &RestoreOpts, hook: Option<Hook<'_>>) -> R
     };
     let inherit: Vec<RawFd> = o.inherit_fd.iter().map(|i| i.fd).collect();
     let started = Instant::now();
-    let mut s = Session::start_in(criu, op, &o.log_path, &inherit, &o.join_cgroups, o.cgroup_ns)?;
+    let mut s =
+        Session::start_in(criu, op, &o.log_path, &inherit, &o.join_cgroups, o.cgroup_ns, o.nice)?;
     let req = rpc::Req { r#type: ReqType::Restore as i32, opts: Some(opts), ..Default::default() };
     let resp = s.call(&req, ReqType::Restore, hook)?;
     let wall = started.elapsed();

@@ -175,6 +175,68 @@ fn dump_kill_restore_continues() {
     kill_group(pid);
 }
 
+/// The nice value of `pid` (`/proc/<pid>/stat`'s 19th field), if it is there.
+fn try_nice_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.split_whitespace().nth(16)?.parse().ok()
+}
+
+fn nice_of(pid: i32) -> i32 {
+    try_nice_of(pid).unwrap_or_else(|| panic!("no nice in /proc/{pid}/stat"))
+}
+
+#[test]
+fn a_restore_at_another_nice_gives_each_task_back_its_own() {
+    require_root!();
+    // What each `criu swrk` of this test binary started at (no other test asks for a nice).
+    static SWRK_NICES: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+    assert!(
+        crab_criu::observer::set(Box::new(|pid, started| {
+            // Another test's swrk may be gone already: only what could be read counts.
+            if let (true, Some(n)) = (started, i32::try_from(pid).ok().and_then(try_nice_of)) {
+                SWRK_NICES.lock().unwrap().push(n);
+            }
+        })),
+        "no other test installs an observer"
+    );
+    let c = criu();
+    let d = dirs();
+    // Two trees: one at the default nice (0, the case an older CRIU skipped, which would
+    // leave it at the restore's), one at 3.
+    let mut children = Vec::new();
+    for (i, nice) in [(0, 0), (1, 3)] {
+        let file = d.work.join(format!("count{i}"));
+        let child = spawn_clean(&counter_script(&file));
+        let pid = i32::try_from(child.id()).expect("pid");
+        // SAFETY: setpriority(2) on a child we started.
+        assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, nice) }, 0);
+        wait_counter(&file, 2);
+        children.push((child, pid, nice, file));
+    }
+    for (child, pid, nice, file) in &mut children {
+        let images = d.images.join(pid.to_string());
+        std::fs::create_dir(&images).expect("mkdir");
+        let opts = DumpOpts::new(*pid, &images, d.logs.join(format!("dump{pid}.log")));
+        c.dump(&opts).unwrap_or_else(|e| panic!("{e}"));
+        child.wait().expect("reap");
+        wait_pid_free(*pid);
+        let mut ropts = RestoreOpts::new(&images, d.logs.join(format!("restore{pid}.log")));
+        ropts.nice = -5;
+        let restored = c.restore(&ropts).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(restored.pid, *pid);
+        let v = read_counter(file).expect("counter");
+        wait_counter(file, v);
+        assert_eq!(nice_of(*pid), *nice, "the restored task runs at its dumped nice");
+        kill_group(*pid);
+    }
+    let seen = SWRK_NICES.lock().unwrap().clone();
+    assert_eq!(
+        seen.iter().filter(|&&n| n == -5).count(),
+        2,
+        "the two restores ran at -5: {seen:?}"
+    );
+}
+
 #[test]
 fn leave_running_keeps_the_tree_alive_and_images_restore_twice() {
     require_root!();

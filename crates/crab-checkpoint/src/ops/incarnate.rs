@@ -4,6 +4,14 @@
 
 use super::*;
 
+/// The nice value a restore's CRIU runs at: someone waits for every restore (a wake holds an
+/// answer, a fork or restore its caller), while dumps are background work hidden behind the
+/// agents' LLM waits. On this two-core host a wake beside a first turn's dumps and their
+/// hashing took 2–4 times its time alone (issue 31); at -5 the CPU's scheduler gives the
+/// restore three times a dump thread's share. The restored tasks set their own nice back
+/// before they resume (`crab-criu`'s test), so no sandbox code runs at it.
+const RESTORE_NICE: i32 = -5;
+
 impl Checkpointer {
     pub(super) fn restore_opts(
         &self,
@@ -43,6 +51,7 @@ impl Checkpointer {
         // The default profile gives every sandbox its own cgroup namespace; CRIU does not
         // restore it with unmanaged cgroups, so criu swrk makes one after joining the groups.
         o.cgroup_ns = !profile.privileged;
+        o.nice = RESTORE_NICE;
         o
     }
 

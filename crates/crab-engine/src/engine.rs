@@ -470,6 +470,12 @@ impl<P: Changeset> Engine<P> {
         st.metrics.recent.iter().skip(skip).cloned().collect()
     }
 
+    /// Process dumps running now (what crowds a restore beside them: their writes, hashing
+    /// and `syncfs` on the same pool and cores).
+    pub fn running_dumps(&self) -> usize {
+        lock(&self.shared.state).dumps
+    }
+
     /// A snapshot for `crab top`.
     pub fn stats(&self) -> EngineStats {
         let st = lock(&self.shared.state);

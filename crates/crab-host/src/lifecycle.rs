@@ -414,8 +414,10 @@ impl Host {
         // The wake's timing takes the cost a wake can be expected to take; whether parking
         // pays, what a wake costs at least (a crowded first turn's slow wakes would stop all
         // parking, and with it the measuring of new wakes).
-        let cost = self.parking.wake_cost_ms(name);
-        let floor = self.parking.wake_cost_floor_ms(name);
+        // Of wakes that ran as this one will: beside a process dump, while one runs now.
+        let crowded = self.engine().running_dumps() > 0;
+        let cost = self.parking.wake_cost_ms(name, crowded);
+        let floor = self.parking.wake_cost_floor_ms(name, crowded);
         // A streamed answer's head comes early enough to wake from when its answers (this
         // sandbox's, else the host's) go on long enough after it: nine in ten outlast the
         // wake cost by `HEAD_LEAD_MARGIN`.
@@ -585,6 +587,7 @@ impl Host {
             return Ok(None);
         }
         let t0 = std::time::Instant::now();
+        let crowded = self.engine().running_dumps() > 0;
         let r = self
             .restore_in_place(
                 name.to_string(),
@@ -595,7 +598,8 @@ impl Host {
             .await;
         match r {
             Ok(_) => {
-                self.parking().woke(name, t0.elapsed());
+                let crowded = crowded || self.engine().running_dumps() > 0;
+                self.parking().woke(name, t0.elapsed(), crowded);
                 tracing::info!(sandbox = %name, %point, ms = t0.elapsed().as_secs_f64() * 1e3, "woke");
                 Ok(Some(point))
             }

@@ -28,8 +28,12 @@ struct Inner {
     wakes: u64,
     wake_failures: u64,
     wake_ms: Latencies,
-    /// Per sandbox, its newest wake times, ms, for the policy's cost estimates.
+    /// Per sandbox, its newest wake times, ms, for the policy's cost estimates: of wakes
+    /// while no process dump ran...
     wake_times: HashMap<String, VecDeque<f64>>,
+    /// ... and of wakes beside one (a first turn's: its dumps' writes, hashing and `syncfs`
+    /// on the same pool and cores made them 2–4 times as long).
+    crowded_wakes: HashMap<String, VecDeque<f64>>,
     /// Per sandbox, its newest LLM waits (boundary to answer), ms.
     waits: HashMap<String, VecDeque<f64>>,
     /// Per sandbox, how long its newest answers took from their head to their end, ms (a
@@ -230,14 +234,16 @@ impl Parking {
         g.freed.insert(sandbox.to_string(), bytes);
     }
 
-    /// `sandbox` woke, its restore taking `took`.
-    pub fn woke(&self, sandbox: &str, took: Duration) {
+    /// `sandbox` woke, its restore taking `took` — `crowded` when a process dump ran at its
+    /// start or end.
+    pub fn woke(&self, sandbox: &str, took: Duration, crowded: bool) {
         let ms = took.as_secs_f64() * 1e3;
         let mut g = lock(&self.inner);
         g.freed.remove(sandbox);
         g.wakes += 1;
         g.wake_ms.record_ms(ms);
-        remember(g.wake_times.entry(sandbox.to_string()).or_default(), ms);
+        let times = if crowded { &mut g.crowded_wakes } else { &mut g.wake_times };
+        remember(times.entry(sandbox.to_string()).or_default(), ms);
     }
 
     /// A wake started ahead of the answer.
@@ -296,6 +302,7 @@ impl Parking {
         g.waits.remove(sandbox);
         g.leads.remove(sandbox);
         g.wake_times.remove(sandbox);
+        g.crowded_wakes.remove(sandbox);
         g.freed.remove(sandbox);
     }
 
@@ -311,13 +318,35 @@ impl Parking {
 
     /// What `sandbox`'s next wake is expected to take, for timing it: the median of its newest
     /// [`HISTORY`] wakes once it has woken [`MIN_WAITS`] times, before that of every sandbox's
-    /// on this host, else [`DEFAULT_WAKE_MS`].
-    pub fn wake_cost_ms(&self, sandbox: &str) -> f64 {
-        let mut v = own_or_hosts(&lock(&self.inner).wake_times, sandbox);
+    /// on this host, else [`DEFAULT_WAKE_MS`] — of the wakes that ran as this one will, beside
+    /// a process dump or not (`crowded`, whether one runs now; see [`Parking::wake_samples`]).
+    pub fn wake_cost_ms(&self, sandbox: &str, crowded: bool) -> f64 {
+        let mut v = self.wake_samples(sandbox, crowded);
         if v.is_empty() {
             return DEFAULT_WAKE_MS;
         }
         quantile(&mut v, 0.5)
+    }
+
+    /// The wake times the estimates of `sandbox`'s next wake look at: those of wakes that ran
+    /// beside a process dump when one runs now (`crowded`), else of those that did not; with
+    /// none of those, beside a dump, the others (a wake costs at least that), and without a
+    /// dump, none ([`DEFAULT_WAKE_MS`]). A first turn's wakes all run beside its dumps; judged
+    /// by them once the dumps are over, every later park looked too dear to pay, so none
+    /// happened and no other wake was ever measured: on this host that left a whole run
+    /// with 2 parks in 72 boundaries (session 34).
+    fn wake_samples(&self, sandbox: &str, crowded: bool) -> Vec<f64> {
+        let g = lock(&self.inner);
+        let (like, unlike) = if crowded {
+            (&g.crowded_wakes, &g.wake_times)
+        } else {
+            (&g.wake_times, &g.crowded_wakes)
+        };
+        let v = own_or_hosts(like, sandbox);
+        if v.is_empty() && crowded {
+            return own_or_hosts(unlike, sandbox);
+        }
+        v
     }
 
     /// What a wake of `sandbox` costs at least — the fastest of the wakes
@@ -326,8 +355,8 @@ impl Parking {
     /// dumps and their hashing, three to four times as long as one alone. Judged by their
     /// median, the policy would find no wait long enough, park no more, measure no new wake,
     /// and keep that stale cost for good.
-    pub fn wake_cost_floor_ms(&self, sandbox: &str) -> f64 {
-        let v = own_or_hosts(&lock(&self.inner).wake_times, sandbox);
+    pub fn wake_cost_floor_ms(&self, sandbox: &str, crowded: bool) -> f64 {
+        let v = self.wake_samples(sandbox, crowded);
         if v.is_empty() {
             return DEFAULT_WAKE_MS;
         }
@@ -513,18 +542,45 @@ mod tests {
     #[test]
     fn the_wake_cost_is_measured_once_there_are_wakes() {
         let p = Parking::default();
-        assert_eq!(p.wake_cost_ms("a"), DEFAULT_WAKE_MS);
-        assert_eq!(p.wake_cost_floor_ms("a"), DEFAULT_WAKE_MS);
+        assert_eq!(p.wake_cost_ms("a", false), DEFAULT_WAKE_MS);
+        assert_eq!(p.wake_cost_floor_ms("a", false), DEFAULT_WAKE_MS);
         p.parked("a", 300);
         p.parked("b", 200);
         assert_eq!(p.stats(2).freed_bytes, 500);
-        p.woke("a", Duration::from_millis(40));
+        p.woke("a", Duration::from_millis(40), false);
         assert_eq!(p.stats(1).freed_bytes, 200, "a woke: its memory is back in use");
-        p.woke("b", Duration::from_millis(60));
-        p.woke("c", Duration::from_millis(50));
-        assert!((p.wake_cost_ms("z") - 50.0).abs() < 1.0, "{}", p.wake_cost_ms("z"));
-        assert!((p.wake_cost_floor_ms("z") - 40.0).abs() < 1.0, "the host's fastest");
+        p.woke("b", Duration::from_millis(60), false);
+        p.woke("c", Duration::from_millis(50), false);
+        assert!((p.wake_cost_ms("z", false) - 50.0).abs() < 1.0, "{}", p.wake_cost_ms("z", false));
+        assert!((p.wake_cost_floor_ms("z", false) - 40.0).abs() < 1.0, "the host's fastest");
         assert_eq!(p.stats(2).wakes, 3);
+    }
+
+    #[test]
+    fn wakes_beside_dumps_time_only_wakes_beside_dumps() {
+        let p = Parking::default();
+        // A first turn: six wakes beside six dumps.
+        for (i, ms) in [700, 900, 1000, 650, 800, 1050].into_iter().enumerate() {
+            p.woke(&format!("s{i}"), Duration::from_millis(ms), true);
+        }
+        // The dumps are over: nothing measured alone yet, so the prior, not the crowd.
+        assert_eq!(p.wake_cost_ms("s0", false), DEFAULT_WAKE_MS);
+        assert_eq!(p.wake_cost_floor_ms("s0", false), DEFAULT_WAKE_MS);
+        // While dumps run, the crowded ones are the estimate.
+        assert!((p.wake_cost_ms("s0", true) - 800.0).abs() < 1.0, "{}", p.wake_cost_ms("s0", true));
+        assert!((p.wake_cost_floor_ms("s0", true) - 650.0).abs() < 1.0);
+        // A wake alone, measured: it times the later wakes without dumps.
+        p.woke("s0", Duration::from_millis(220), false);
+        assert!((p.wake_cost_ms("s1", false) - 220.0).abs() < 1.0);
+        assert!((p.wake_cost_ms("s1", true) - 800.0).abs() < 1.0, "still the crowd beside dumps");
+        // Beside a dump with no crowded wake measured, the lone ones (a wake costs at least
+        // that); forgetting a sandbox drops both of its kinds.
+        let q = Parking::default();
+        q.woke("a", Duration::from_millis(200), false);
+        assert!((q.wake_cost_floor_ms("a", true) - 200.0).abs() < 1.0);
+        q.woke("a", Duration::from_millis(900), true);
+        q.forget("a");
+        assert_eq!(q.wake_cost_ms("a", true), DEFAULT_WAKE_MS);
     }
 
     #[test]
@@ -532,25 +588,29 @@ mod tests {
         let p = Parking::default();
         // A first turn's wakes, all at once beside their dumps: slow.
         for (n, ms) in [("a", 900), ("b", 1000), ("c", 700)] {
-            p.woke(n, Duration::from_millis(ms));
+            p.woke(n, Duration::from_millis(ms), false);
         }
-        assert!((p.wake_cost_ms("a") - 900.0).abs() < 1.0, "the host's median first");
-        assert!((p.wake_cost_floor_ms("a") - 700.0).abs() < 1.0);
+        assert!((p.wake_cost_ms("a", false) - 900.0).abs() < 1.0, "the host's median first");
+        assert!((p.wake_cost_floor_ms("a", false) - 700.0).abs() < 1.0);
         // Then its own, alone.
-        p.woke("a", Duration::from_millis(250));
-        p.woke("a", Duration::from_millis(230));
-        assert!((p.wake_cost_floor_ms("a") - 230.0).abs() < 1.0, "{}", p.wake_cost_floor_ms("a"));
+        p.woke("a", Duration::from_millis(250), false);
+        p.woke("a", Duration::from_millis(230), false);
         assert!(
-            (p.wake_cost_ms("a") - 250.0).abs() < 1.0,
-            "its own median: {}",
-            p.wake_cost_ms("a")
+            (p.wake_cost_floor_ms("a", false) - 230.0).abs() < 1.0,
+            "{}",
+            p.wake_cost_floor_ms("a", false)
         );
         assert!(
-            (p.wake_cost_ms("b") - 700.0).abs() < 1.0,
+            (p.wake_cost_ms("a", false) - 250.0).abs() < 1.0,
+            "its own median: {}",
+            p.wake_cost_ms("a", false)
+        );
+        assert!(
+            (p.wake_cost_ms("b", false) - 700.0).abs() < 1.0,
             "b has one: the host's, {}",
-            p.wake_cost_ms("b")
+            p.wake_cost_ms("b", false)
         );
         p.forget("a");
-        assert!((p.wake_cost_floor_ms("z") - 700.0).abs() < 1.0, "a's wakes went with it");
+        assert!((p.wake_cost_floor_ms("z", false) - 700.0).abs() < 1.0, "a's wakes went with it");
     }
 }

@@ -370,7 +370,7 @@ impl BoundaryTicket for ParkTicket {
         let Some(h) = self.parked() else {
             return;
         };
-        let cost = h.parking.wake_cost_ms(&self.sandbox);
+        let cost = h.parking.wake_cost_ms(&self.sandbox, h.engine().running_dumps() > 0);
         let lead = h.parking.answer_lead_floor_ms(&self.sandbox).unwrap_or(0.0);
         let delay = (lead * crate::parking::HEAD_WAKE_SHARE - 2.0 * cost).max(0.0);
         let delay = std::time::Duration::from_secs_f64(delay / 1e3);
